@@ -1,0 +1,33 @@
+"""The two collectives the model needs, behind one small interface.
+
+The model never calls torch.distributed directly: it receives a `Comm`. Both collectives must give every rank
+the same bits, so partial sums are gathered and added in rank order (never an all-reduce whose order depends
+on timing or topology).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Comm:
+    rank: int = 0
+    world: int = 1
+
+    def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's `x` (same shape on all ranks), added in rank order 0, 1, ..., world-1."""
+        raise NotImplementedError
+
+    def gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenation of every rank's shard along `dim`, in rank order (shards may differ in size on `dim`)."""
+        raise NotImplementedError
+
+
+class LocalComm(Comm):
+    """TP=1: one rank holds everything, both collectives are the identity."""
+
+    def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return x
