@@ -1,0 +1,1 @@
+def parse_completion(text, thinking_mode): raise NotImplementedError
