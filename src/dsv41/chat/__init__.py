@@ -3,8 +3,10 @@
 from .encoding import encode_messages, resolve_effort
 from .errors import ChatError, EncodingError, ParseError, RequestError
 from .parser import parse_completion
+from .request_mapping import ChatPrompt, build_chat_prompt, effort_to_mode
 
 __all__ = [
     "ChatError", "EncodingError", "ParseError", "RequestError",
     "encode_messages", "resolve_effort", "parse_completion",
+    "ChatPrompt", "build_chat_prompt", "effort_to_mode",
 ]
