@@ -1,0 +1,27 @@
+"""The engine side of serving: an async request interface, keyed sampling, grammar masks."""
+
+from .interface import (
+    Engine,
+    EngineClosed,
+    EngineFailure,
+    EngineOverloaded,
+    EngineStats,
+    FinishEvent,
+    GenerationRequest,
+    RequestStream,
+    TokenEvent,
+)
+from .sampling import SamplingParams
+
+__all__ = [
+    "Engine",
+    "EngineClosed",
+    "EngineFailure",
+    "EngineOverloaded",
+    "EngineStats",
+    "FinishEvent",
+    "GenerationRequest",
+    "RequestStream",
+    "SamplingParams",
+    "TokenEvent",
+]

@@ -1,0 +1,132 @@
+"""Grammars for constrained decoding, compiled by xgrammar over the model's own vocabulary.
+
+`Grammars` owns one `xgrammar.GrammarCompiler` per served model. It builds the `TokenizerInfo` from
+tokenizer.json: the stored token strings in id order (byte-level BPE keeps them in the GPT-2 byte alphabet,
+added special tokens stay raw text), the vocab type read from the tokenizer's decoder, and the model's padded
+vocab width so the bitmask matches the logits. Compiled grammars are handed to the engine per request.
+
+Output shapes the server asks for:
+- JSON (a schema, or any object) — after `</think>` when the prompt ends in `<think>` (thinking mode);
+- DSML tool calls for `tool_choice` required / named — xgrammar's `deepseek_v4_1` structural tag.
+A schema xgrammar cannot compile raises `GrammarError`, which the server answers with 400.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+from ..errors import DSV41Error
+
+THINK_END = "</think>"
+_THINK_MARKERS = ["<think>", "</think>"]
+# runs of whitespace are capped so a random or confused model cannot pad JSON forever
+MAX_WHITESPACE = 4
+
+
+class GrammarError(DSV41Error):
+    """A schema or tool definition cannot be turned into an enforceable grammar."""
+
+
+def _vocab_type(tokenizer_json: dict):
+    import xgrammar as xgr
+
+    def kinds(node) -> list[str]:
+        if not isinstance(node, dict):
+            return []
+        found = [node.get("type", "")]
+        for child in node.get("decoders", []) or node.get("pretokenizers", []) or []:
+            found += kinds(child)
+        return found
+
+    decoder_kinds = kinds(tokenizer_json.get("decoder"))
+    if "ByteLevel" in decoder_kinds:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in decoder_kinds or tokenizer_json.get("model", {}).get("byte_fallback"):
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+class Grammars:
+    def __init__(self, tokenizer_json_path: str | Path, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._xgr = xgr
+        path = Path(tokenizer_json_path)
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        vocab = HFTokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+        width = max(vocab_size, max(vocab.values()) + 1)
+        encoded = [""] * width  # ids missing from tokenizer.json (padding rows) become never-allowed tokens
+        for text, idx in vocab.items():
+            encoded[idx] = text
+        self.tokenizer_info = xgr.TokenizerInfo(
+            encoded,
+            _vocab_type(raw),
+            vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids),
+            add_prefix_space=False,
+        )
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_limit_bytes=256 << 20)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ public builders
+    def json(self, schema: dict | None, *, thinking: bool) -> Any:
+        """JSON output; `schema=None` means any JSON object (response_format json_object)."""
+        fmt = self._xgr.structural_tag
+        body = fmt.JSONSchemaFormat(
+            json_schema=schema if schema is not None else {"type": "object"},
+            max_whitespace_cnt=MAX_WHITESPACE,
+        )
+        return self._compile(self._after_reasoning(body, thinking), what="response_format schema")
+
+    def tool_calls(self, tools: list[dict], tool_choice: Any, *, parallel: bool, thinking: bool) -> Any:
+        """DSML tool calls: tool_choice "required" or {"type": "function", "function": {"name": ...}}."""
+        try:
+            tag = self._xgr.get_model_structural_tag(
+                "deepseek_v4_1",
+                tools=tools,
+                tool_choice=tool_choice,
+                reasoning="enabled" if thinking else "disabled",
+                parallel_tool_calls=parallel,
+                max_whitespace_cnt=MAX_WHITESPACE,
+            )
+        except Exception as exc:
+            raise GrammarError(f"tools cannot be enforced: {exc}") from None
+        return self._compile(tag, what="tools")
+
+    def check_schema(self, schema: Any, what: str) -> None:
+        """Refuse a schema xgrammar cannot enforce (compiled on its own, so the error names `what`)."""
+        if not isinstance(schema, dict | bool):
+            raise GrammarError(f"{what} must be a JSON object")
+        try:
+            with self._lock:
+                self.compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=MAX_WHITESPACE)
+        except Exception as exc:
+            raise GrammarError(f"{what} cannot be enforced: {_first_line(exc)}") from None
+
+    # ------------------------------------------------------------------ helpers
+    def _after_reasoning(self, body, thinking: bool):
+        fmt = self._xgr.structural_tag
+        if not thinking:
+            return fmt.StructuralTag(format=body)
+        reasoning = fmt.TagFormat(begin="", content=fmt.AnyTextFormat(excludes=_THINK_MARKERS), end=THINK_END)
+        return fmt.StructuralTag(format=fmt.SequenceFormat(elements=[reasoning, body]))
+
+    def _compile(self, tag, what: str):
+        try:
+            with self._lock:
+                return self.compiler.compile_structural_tag(tag)
+        except Exception as exc:
+            raise GrammarError(f"{what} cannot be enforced: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    line = text[0] if text else type(exc).__name__
+    # xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:NN: "; the rest is the useful part
+    return re.sub(r"^\[[0-9:]+\] \S+:\d+: ", "", line)[:300]

@@ -1,0 +1,136 @@
+"""The async engine interface the HTTP server talks to.
+
+A request goes in as token ids plus sampling/stopping rules; what comes back is a `RequestStream`, an async
+iterator of `TokenEvent`s ending with one `FinishEvent`. The consumer may `cancel()` at any time (client gone,
+stop string matched); the engine then frees the request's state. Engine failures surface as `EngineFailure`
+raised from the iterator. Today `SerialEngine` runs one request at a time; a batching scheduler implements the
+same `Engine` class later, so the server does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from .sampling import SamplingParams
+
+
+class EngineFailure(Exception):
+    """The engine could not produce the request's tokens (a bug or a device fault, not the caller's input)."""
+
+
+class EngineOverloaded(Exception):
+    """The wait queue is full; the caller should retry later."""
+
+
+class EngineClosed(Exception):
+    """The engine is draining or stopped and takes no new requests."""
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False  # keep going past stop tokens (run to max_tokens)
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
+    grammar: Any = None  # an xgrammar CompiledGrammar; the engine masks every step with a matcher over it
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    reason: str  # "stop" (stop token or grammar end), "length", "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    state: str  # "ready" | "draining" | "stopped"
+    running: int
+    waiting: int
+    live_sequences: int  # model states allocated and not yet freed
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+_ids = itertools.count()
+
+
+class RequestStream:
+    """The consumer side of one request: `async for event in stream`, `stream.cancel()`."""
+
+    def __init__(self, request: GenerationRequest, on_cancel):
+        self.request = request
+        self.request_id = request.request_id or f"req-{next(_ids)}"
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._on_cancel = on_cancel
+        self.cancelled = False
+        self.finished = False
+
+    # -- producer side (called on the event loop) --
+    def push(self, item) -> None:
+        self._queue.put_nowait(item)
+
+    # -- consumer side --
+    def cancel(self) -> None:
+        if not self.cancelled and not self.finished:
+            self.cancelled = True
+            self._on_cancel(self)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent | FinishEvent]:
+        return self._iterate()
+
+    async def _iterate(self):
+        try:
+            while True:
+                item = await self._queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                yield item
+                if isinstance(item, FinishEvent):
+                    self.finished = True
+                    return
+        finally:
+            # leaving the loop early (disconnect, stop string, exception in the consumer) frees the request
+            if not self.finished:
+                self.cancel()
+
+
+class Engine(ABC):
+    """What the server needs from an engine."""
+
+    max_model_len: int
+    vocab_size: int
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request; raises EngineOverloaded (queue full) or EngineClosed (draining)."""
+
+    @abstractmethod
+    def begin_drain(self) -> None:
+        """Refuse new requests; running and queued ones continue."""
+
+    @abstractmethod
+    async def shutdown(self) -> None:
+        """Cancel whatever is left and stop the worker."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...

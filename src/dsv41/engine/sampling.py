@@ -1,0 +1,120 @@
+"""Keyed sampling: temperature, top-k, top-p, min-p and seeds, reproducible token by token.
+
+The random draw for token id `v` at generation step `s` is a pure function of `(seed, s, v)`: a counter-based
+hash turns the triple into a uniform number, and Gumbel-max picks `argmax(logits / T + gumbel(seed, s, v))`.
+Because no random stream is consumed, the same request replays identically whatever else the process did, and a
+vocab shard `[v0, v1)` under tensor parallelism computes exactly its slice of the full draw (each rank takes the
+argmax of its slice and the winners are compared) without exchanging random state.
+
+Filters are applied in the order top-k, min-p, top-p on temperature-scaled logits; a temperature <= 0 is greedy.
+top-k/top-p need the whole vocab row; a TP runner gathers the filtered threshold, not the noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+GREEDY_BELOW = 1e-5  # temperatures under this are treated as greedy (T=0 would divide by zero)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler. `seed=None` means: derive it from the prompt (see `derive_seed`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x < 2**32 without leaving int64 (c split in 16-bit halves)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _hash32(x):
+    """A 32-bit avalanche mix (lowbias32 constants); works on Python ints and int64 tensors alike."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    x = x ^ (x >> 16)
+    return x
+
+
+def _step_keys(seed: int, step: int) -> tuple[int, int]:
+    seed &= (1 << 64) - 1
+    key = _hash32(_hash32(_hash32(seed & _M32) ^ (seed >> 32)) ^ (step & _M32))
+    return _hash32(key ^ 0x9E3779B9), _hash32(key ^ 0x85EBCA77)
+
+
+def keyed_uniform(seed: int, step: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), float64, one per id in `token_ids`; depends only on (seed, step, id)."""
+    key1, key2 = _step_keys(seed, step)
+    ids = token_ids.to(torch.int64)
+    high = _hash32(ids ^ key1)
+    low = _hash32(high ^ key2)
+    bits53 = (high << 21) | (low >> 11)
+    return (bits53.to(torch.float64) + 0.5) / float(1 << 53)
+
+
+def keyed_gumbel(seed: int, step: int, token_ids: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise keyed by (seed, step, token id)."""
+    return -torch.log(-torch.log(keyed_uniform(seed, step, token_ids)))
+
+
+def derive_seed(prompt_ids: list[int]) -> int:
+    """The seed of a request that gave none: a digest of its prompt, so identical requests replay identically."""
+    digest = hashlib.sha256(b"dsv41-seed\0" + b",".join(str(int(t)).encode() for t in prompt_ids)).digest()
+    return int.from_bytes(digest[:8], "little")
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled float64 logits with everything outside top-k / min-p / top-p set to -inf."""
+    scaled = logits.to(torch.float64) / max(params.temperature, GREEDY_BELOW)
+    vocab = scaled.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if params.top_p < 1.0:
+        order = torch.argsort(scaled, descending=True, stable=True)
+        probs = torch.softmax(scaled[order], dim=-1)
+        # keep a token when the mass strictly before it is still short of top_p (the first always stays)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = order[mass_before >= params.top_p]
+        scaled = scaled.index_fill(0, drop, float("-inf"))
+    return scaled
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
+    """Pick the next token id from one row of logits [V] (disallowed ids already at -inf)."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scaled = filter_logits(logits, params)
+    noise = keyed_gumbel(seed, step, torch.arange(scaled.shape[-1]))
+    return int(torch.argmax(scaled + noise))
+
+
+def token_logprobs(logits: torch.Tensor, chosen: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """Log-probability of `chosen` under the model's raw distribution, and the `top` most likely (id, logprob)."""
+    logp = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        values, ids = torch.topk(logp, min(top, logp.shape[-1]))
+        best = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return float(logp[chosen]), best

@@ -1,0 +1,210 @@
+"""SerialEngine: one request at a time, the model running in a worker thread.
+
+Requests wait in a bounded FIFO. A single asyncio task hands the oldest one to a one-thread executor, which
+prefills the prompt in chunks and decodes token by token, pushing each event to the request's stream on the
+event loop. Cancellation is a flag the worker checks before every forward, so a departed client costs at most
+one more step. The HTTP side never blocks the worker: events go into an unbounded per-request queue, which
+`max_tokens` bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .interface import (
+    Engine,
+    EngineClosed,
+    EngineFailure,
+    EngineOverloaded,
+    EngineStats,
+    FinishEvent,
+    GenerationRequest,
+    RequestStream,
+    TokenEvent,
+)
+from .sampling import derive_seed, sample_token, token_logprobs
+
+
+class SerialEngine(Engine):
+    def __init__(self, model, *, max_model_len: int, max_waiting: int = 64, prefill_chunk: int = 512):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self.max_model_len = int(max_model_len)
+        self.max_waiting = max_waiting
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[RequestStream] = deque()
+        self._stop_flags: dict[int, threading.Event] = {}
+        self._running: RequestStream | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv41-engine")
+        self._state = "ready"
+        self._live = 0
+        self._live_lock = threading.Lock()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.create_task(self._serve_forever(), name="dsv41-engine-loop")
+
+    def begin_drain(self) -> None:
+        if self._state == "ready":
+            self._state = "draining"
+
+    async def shutdown(self) -> None:
+        self._state = "stopped"
+        for stream in list(self._waiting) + ([self._running] if self._running else []):
+            stream.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        # the worker notices its flag within one step; wait for it so no state outlives the engine
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            state=self._state,
+            running=1 if self._running is not None else 0,
+            waiting=len(self._waiting),
+            live_sequences=self._live,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+        )
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        if self._state != "ready":
+            raise EngineClosed(f"engine is {self._state}")
+        if len(self._waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"{len(self._waiting)} requests already waiting")
+        stream = RequestStream(request, self._cancel)
+        self._stop_flags[id(stream)] = threading.Event()
+        self._waiting.append(stream)
+        self._wakeup.set()
+        return stream
+
+    def _cancel(self, stream: RequestStream) -> None:
+        flag = self._stop_flags.get(id(stream))
+        if flag is not None:
+            flag.set()
+        try:
+            self._waiting.remove(stream)
+            self._stop_flags.pop(id(stream), None)
+        except ValueError:
+            pass  # already running: the worker sees the flag
+
+    async def _serve_forever(self) -> None:
+        while True:
+            while not self._waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            stream = self._waiting.popleft()
+            flag = self._stop_flags.get(id(stream))
+            if flag is None or flag.is_set():
+                continue
+            self._running = stream
+            try:
+                await asyncio.shield(self._loop.run_in_executor(self._executor, self._generate, stream, flag))
+            finally:
+                self._running = None
+                self._stop_flags.pop(id(stream), None)
+
+    # ---------------------------------------------------------------- worker thread
+    def _generate(self, stream: RequestStream, stop_flag: threading.Event) -> None:
+        loop = self._loop
+
+        def emit(item) -> None:
+            loop.call_soon_threadsafe(stream.push, item)
+
+        try:
+            with torch.inference_mode():
+                self._run_request(stream.request, stop_flag, emit)
+        except Exception as exc:  # any failure inside the model is the engine's, not the caller's
+            emit(EngineFailure(f"{type(exc).__name__}: {exc}"))
+
+    def _run_request(self, req: GenerationRequest, stop_flag: threading.Event, emit) -> None:
+        prompt_len = len(req.prompt_ids)
+        state = self.model.new_state()
+        with self._live_lock:
+            self._live += 1
+        try:
+            reason, produced = self._decode(state, req, stop_flag, emit)
+        finally:
+            del state
+            with self._live_lock:
+                self._live -= 1
+        # the finish event goes out only after the state is freed, so "finished" implies "no resources held"
+        emit(FinishEvent(reason=reason, prompt_tokens=prompt_len, completion_tokens=produced))
+
+    def _decode(self, state, req: GenerationRequest, stop_flag: threading.Event, emit) -> tuple[str, int]:
+        prompt_len = len(req.prompt_ids)
+        limit = min(req.max_tokens, self.max_model_len - prompt_len)
+        seed = req.sampling.seed if req.sampling.seed is not None else derive_seed(req.prompt_ids)
+        grammar = _GrammarMask(req.grammar, self.vocab_size) if req.grammar is not None else None
+        ids = torch.tensor(req.prompt_ids, dtype=torch.long)
+        logits = None
+        for start in range(0, prompt_len, self.prefill_chunk):
+            if stop_flag.is_set():
+                return "cancelled", 0
+            logits = self.model.forward(state, ids[start : start + self.prefill_chunk])
+        self._prompt_tokens_total += prompt_len
+        row = logits[-1]
+        produced = 0
+        while True:
+            if stop_flag.is_set():
+                return "cancelled", produced
+            masked = grammar.mask(row) if grammar is not None else row
+            token = sample_token(masked, req.sampling, seed, produced)
+            produced += 1
+            self._generation_tokens_total += 1
+            if req.logprobs is not None:
+                chosen, top = token_logprobs(row, token, req.logprobs)
+                emit(TokenEvent(token, chosen, tuple(top)))
+            else:
+                emit(TokenEvent(token))
+            if grammar is not None and grammar.accept(token):
+                return "stop", produced
+            if token in req.stop_token_ids and not req.ignore_eos:
+                return "stop", produced
+            if produced >= limit:
+                return "length", produced
+            row = self.model.forward(state, torch.tensor([token], dtype=torch.long))[-1]
+
+
+class _GrammarMask:
+    """Per-request xgrammar matcher: masks disallowed ids to -inf and follows the accepted tokens."""
+
+    def __init__(self, compiled, vocab_size: int):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = vocab_size
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+
+    def mask(self, row: torch.Tensor) -> torch.Tensor:
+        if not self.matcher.fill_next_token_bitmask(self.bitmask, 0):
+            return row
+        masked = row.to(torch.float32).clone().unsqueeze(0)
+        self._xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab_size)
+        if not torch.isfinite(masked).any():
+            raise EngineFailure("the grammar allows no token at this point")
+        return masked[0]
+
+    def accept(self, token: int) -> bool:
+        """Advance; True once the grammar has ended (its stop token accepted)."""
+        if not self.matcher.accept_token(token):
+            raise EngineFailure(f"grammar rejected token {token} that its own mask allowed")
+        return self.matcher.is_terminated()
