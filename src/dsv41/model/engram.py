@@ -313,7 +313,9 @@ class EngramHasher:
 # 3. table storage (MODEL.md §4.1, EXL3-ENGRAM.md §5)
 # ==============================================================================================================
 
-SHARD_MAGIC = 0x31344E4531565344  # b"DSV41EN1" read as a little-endian u64
+# EXL3-ENGRAM.md §5.4 calls this ASCII "DSV41EN1", but written little-endian its bytes are "DSV1EN41"; the number
+# is what the public packers write and check, so the number is what we use.
+SHARD_MAGIC = 0x31344E4531565344
 SHARD_HEADER_BYTES = 4096
 _SHARD_HEADER = struct.Struct("<QQQQQQ")  # magic, layer, lo, hi, total rows, row bytes
 

@@ -1,0 +1,237 @@
+"""Attention of one layer: sliding window + CSA2 compressed branch (MODEL.md §7).
+
+Every layer computes its own query and its own window KV. Layers with a compress ratio also attend to entries of
+the shared compressed KV of their KV source, picked by the lightning indexer:
+- a KV source (`compresses`) runs the compressor and appends entries + index keys to the sequence state,
+- an index source (`scores`) scores all visible entries with its own indexer query and publishes its top-k,
+- the candidate source additionally publishes a block mask that later re-indexing layers must stay inside,
+- every other layer reuses the latest index source's top-k list verbatim.
+The per-forward `Shared` object carries top-k lists and the candidate mask from earlier to later layers.
+
+Tensor parallelism: query heads (wq_b, sinks, the core) and `wo_a` groups are split across ranks; `wo_b` is
+row-parallel and its partial output is summed by the caller's comm. Window KV, compressor and indexer are
+replicated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..config import LayerRole, ModelConfig
+from .norm import rms_norm
+from .quant import fp4_block_e4m3, fp4_block_ue8m0, fp8_block_ue8m0
+from .rope import RopeTable
+from .state import SequenceState, SourceCache, WindowCache
+from .topk import topk_lowest_index_ties
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Shared:
+    """Decisions of earlier layers inside one forward (not persisted between forwards)."""
+
+    topk: dict[int, torch.Tensor] = field(default_factory=dict)  # index source layer -> [T, k] entry ids / -1
+    candidates: torch.Tensor | None = None  # [T, C] bool, from the candidate source
+
+
+@dataclass
+class CompressorParams:
+    wkv: LinearFn
+    norm: torch.Tensor
+    wgate: LinearFn | None = None  # ratio-2 sources only
+    index_wk: LinearFn | None = None
+    index_k_norm: torch.Tensor | None = None
+
+
+@dataclass
+class IndexerParams:
+    wq_b: LinearFn
+    weights_proj: LinearFn
+
+
+@dataclass
+class AttentionParams:
+    wq_a: LinearFn
+    q_norm: torch.Tensor
+    wq_b: LinearFn  # column-parallel: this rank's heads
+    wkv: LinearFn
+    kv_norm: torch.Tensor
+    sink: torch.Tensor  # [local heads]
+    wo_a: Sequence[LinearFn]  # one per local output group
+    wo_b: LinearFn  # row-parallel over the local groups' outputs
+    compressor: CompressorParams | None = None
+    indexer: IndexerParams | None = None
+
+
+def append_window(cache: WindowCache, kv: torch.Tensor, window: int) -> torch.Tensor:
+    """Returns [previous window rows ; new rows] and keeps the last `window` of them as the new cache."""
+    full = kv if cache.kv is None else torch.cat((cache.kv, kv), dim=0)
+    cache.kv = full[-window:].clone()
+    return full
+
+
+def window_mask(key_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[T, S]: key position k is visible to query position p when p - window < k <= p."""
+    d = q_pos[:, None] - key_pos[None, :]
+    return (d >= 0) & (d < window)
+
+
+class Attention:
+    def __init__(self, cfg: ModelConfig, role: LayerRole, p: AttentionParams, rope: RopeTable, *,
+                 local_heads: int, fake_quant: bool = True):
+        self.cfg = cfg
+        self.role = role
+        self.p = p
+        self.rope = rope
+        self.heads = local_heads
+        self.fake_quant = fake_quant
+
+    # ------------------------------------------------------------------ pieces
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return self.rope.apply(x, positions, self.cfg.qk_rope_head_dim, inverse=inverse)
+
+    def _compress(self, x: torch.Tensor, positions: torch.Tensor, src: SourceCache) -> None:
+        """Append the entries completed by this chunk (and their index keys) to the KV source's cache."""
+        cfg, c, r = self.cfg, self.p.compressor, self.role.compress_ratio
+        if r == 1:
+            latent = rms_norm(c.wkv(x), c.norm, cfg.rms_norm_eps)
+            first = int(positions[0])
+        else:
+            # ratio > 1 pools in fp32 with a per-channel softmax over the group's tokens
+            v = c.wkv(x.float()).float()
+            s = c.wgate(x.float()).float()
+            if src.open_v is not None:
+                v, s = torch.cat((src.open_v, v)), torch.cat((src.open_s, s))
+            first_tok = int(positions[0]) - (0 if src.open_v is None else src.open_v.shape[0])
+            n_groups = v.shape[0] // r
+            done = n_groups * r
+            src.open_v, src.open_s = (v[done:].clone(), s[done:].clone()) if done < v.shape[0] else (None, None)
+            if n_groups == 0:
+                return
+            vg = v[:done].view(n_groups, r, -1)
+            sg = s[:done].view(n_groups, r, -1)
+            pooled = (torch.softmax(sg, dim=1) * vg).sum(dim=1)
+            latent = rms_norm(pooled.to(x.dtype), c.norm, cfg.rms_norm_eps)
+            first = first_tok
+        g0 = first // r
+        entry_pos = (torch.arange(latent.shape[0], device=x.device) + g0) * r  # rotated at the group's first token
+        kv = fp4_block_e4m3(self._rope(latent, entry_pos), 16, self.fake_quant)
+        src.kv = kv if src.kv is None else torch.cat((src.kv, kv))
+        if c.index_wk is not None:
+            k = rms_norm(c.index_wk(latent), c.index_k_norm, cfg.rms_norm_eps)  # from the pre-RoPE latent
+            k = fp4_block_ue8m0(self._rope(k, entry_pos), 32, self.fake_quant)
+            src.index_k = k if src.index_k is None else torch.cat((src.index_k, k))
+
+    def _index_scores(self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, src: SourceCache,
+                      visible: torch.Tensor) -> torch.Tensor:
+        cfg, ix = self.cfg, self.p.indexer
+        T = x.shape[0]
+        q = ix.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)
+        q = fp4_block_ue8m0(self._rope(q, positions), 32, self.fake_quant)
+        w = ix.weights_proj(x).float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        per_head = torch.relu(torch.einsum("thd,cd->thc", q.float(), src.index_k.float()))
+        scores = torch.einsum("th,thc->tc", w, per_head)
+        return scores.masked_fill(~visible, float("-inf"))
+
+    def _candidate_mask(self, scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
+        """Blocks of `candidate_block_size` entries scored by their max; the newest visible block always kept."""
+        cfg = self.cfg
+        T, C = scores.shape
+        B = cfg.candidate_block_size
+        n_blocks = -(-C // B)
+        padded = torch.full((T, n_blocks * B), float("-inf"), device=scores.device)
+        padded[:, :C] = scores
+        block = padded.view(T, n_blocks, B).amax(dim=-1)
+        newest = ((n_visible - 1) // B).clamp(min=0)
+        has_any = n_visible > 0
+        block[has_any, newest[has_any]] = float("inf")
+        k = min(cfg.candidate_topk_blocks, n_blocks)
+        chosen = topk_lowest_index_ties(block, k)
+        keep_block = torch.zeros(T, n_blocks, dtype=torch.bool, device=scores.device)
+        keep_block.scatter_(1, chosen, block.gather(1, chosen) > float("-inf"))
+        return keep_block.repeat_interleave(B, dim=1)[:, :C]
+
+    @staticmethod
+    def _select(scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Top-k entry ids sorted by position; picks of invisible (-inf) entries become -1 (they sort first)."""
+        ids = topk_lowest_index_ties(scores, k)
+        ids = torch.where(scores.gather(1, ids) == float("-inf"), torch.full_like(ids, -1), ids)
+        return torch.sort(ids, dim=-1).values
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: SequenceState, shared: Shared,
+                trace: dict | None = None) -> torch.Tensor:
+        """x: normed attention input [T, d]. Returns this rank's partial output [T, d] (wo_b row-parallel)."""
+        cfg, p, role = self.cfg, self.p, self.role
+        T, hd = x.shape[0], cfg.head_dim
+
+        qr = rms_norm(p.wq_a(x), p.q_norm, cfg.rms_norm_eps)
+        q = self._rope(p.wq_b(qr).view(T, self.heads, hd), positions)
+
+        kv = rms_norm(p.wkv(x), p.kv_norm, cfg.rms_norm_eps)
+        kv = fp8_block_ue8m0(self._rope(kv, positions), 32, self.fake_quant)
+        win = append_window(state.window(role.index), kv, cfg.sliding_window)
+        win_pos = torch.arange(int(positions[-1]) + 1 - win.shape[0], int(positions[-1]) + 1, device=x.device)
+        win_ok = window_mask(win_pos, positions, cfg.sliding_window)
+
+        comp, comp_ok = None, None
+        if not role.swa_only:
+            src = state.source(role.kv_source)
+            if role.compresses:
+                self._compress(x, positions, src)
+            ids = self._topk_for(x, qr, positions, src, shared, trace)
+            if ids is not None and ids.shape[1] > 0:
+                comp = src.kv[ids.clamp(min=0)]  # [T, k, hd]
+                comp_ok = ids >= 0
+
+        o = self._core(q, win, win_ok, comp, comp_ok)
+        o = self._rope(o.to(x.dtype), positions, inverse=True)
+        groups = o.reshape(T, len(p.wo_a), -1)
+        u = torch.cat([wo(groups[:, g]) for g, wo in enumerate(p.wo_a)], dim=-1)
+        return p.wo_b(u)
+
+    def _topk_for(self, x, qr, positions, src: SourceCache, shared: Shared, trace: dict | None):
+        cfg, role = self.cfg, self.role
+        C = src.entries
+        if not role.scores:
+            return shared.topk.get(role.index_source)
+        if C == 0:
+            ids = torch.empty(x.shape[0], 0, dtype=torch.long, device=x.device)
+        else:
+            n_visible = torch.div(positions + 1, role.compress_ratio, rounding_mode="floor")
+            visible = torch.arange(C, device=x.device)[None, :] < n_visible[:, None]
+            scores = self._index_scores(x, qr, positions, src, visible)
+            if role.is_candidate_source:
+                shared.candidates = self._candidate_mask(scores, n_visible)
+                if trace is not None:
+                    trace["candidate_mask"] = shared.candidates
+            elif role.uses_candidates:
+                scores = scores.masked_fill(~shared.candidates, float("-inf"))
+            ids = self._select(scores, min(cfg.index_topk, C))
+        shared.topk[role.index] = ids
+        if trace is not None:
+            trace["index_topk_ids"] = ids
+        return ids
+
+    def _core(self, q, win, win_ok, comp, comp_ok) -> torch.Tensor:
+        """One softmax over window ∪ selected entries (K = V), with the per-head sink in the denominator."""
+        scale = self.cfg.head_dim ** -0.5
+        qf = q.float()
+        s_win = torch.einsum("thd,sd->ths", qf, win.float()) * scale
+        s_win = s_win.masked_fill(~win_ok[:, None, :], float("-inf"))
+        parts = [s_win]
+        if comp is not None:
+            s_comp = torch.einsum("thd,tkd->thk", qf, comp.float()) * scale
+            parts.append(s_comp.masked_fill(~comp_ok[:, None, :], float("-inf")))
+        s = torch.cat(parts, dim=-1)
+        sink = self.p.sink.float()[None, :, None].expand(s.shape[0], -1, 1)
+        lse = torch.logsumexp(torch.cat((s, sink), dim=-1), dim=-1, keepdim=True)
+        prob = torch.exp(s - lse)
+        o = torch.einsum("ths,sd->thd", prob[..., :win.shape[0]], win.float())
+        if comp is not None:
+            o = o + torch.einsum("thk,tkd->thd", prob[..., win.shape[0]:], comp.float())
+        return o
