@@ -553,3 +553,25 @@ def _prime_sum(config):
     from dsv41.model.engram import engram_primes
 
     return engram_primes(config).sum()
+
+
+def test_bf16_checkpoint_table_equals_fp32(cfg, weights, hasher, input_ids):
+    # the fixture's bf16 file holds the same numbers (its README: every value is exact in bf16)
+    bf16 = EngramTable.from_checkpoint(ORACLE / "model.bf16.safetensors", 1, cfg)
+    row_ids = hasher.hash(input_ids)[:, cfg.engram_layer_ids.index(1)]
+    expected = weights["layers.1.engram.embed.weight"][row_ids]
+    assert torch.equal(bf16.gather(row_ids), expected)
+    in_memory = EngramTable.from_tensors(weights["layers.1.engram.embed.weight"].bfloat16(), None, 1, cfg)
+    assert torch.equal(in_memory.gather(row_ids), expected)
+
+
+def test_ids_beyond_the_tokenizer_hash_like_the_pad(cfg):
+    token_map, _ = build_compressed_token_map(Tokenizer.from_dir(ORACLE))
+    wider = SimpleNamespace(**{k: getattr(cfg, k) for k in (
+        "engram_layer_ids", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
+        "engram_compressed_vocab_size", "engram_num_embeddings", "engram_pad_token_id", "image_token_id")},
+        vocab_size=330)
+    h = EngramHasher(wider, token_map)
+    assert torch.equal(h.hash([5, 325, 7]), h.hash([5, cfg.engram_pad_token_id, 7]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        h.hash([330])
