@@ -575,3 +575,16 @@ def test_ids_beyond_the_tokenizer_hash_like_the_pad(cfg):
     assert torch.equal(h.hash([5, 325, 7]), h.hash([5, cfg.engram_pad_token_id, 7]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         h.hash([330])
+
+
+def test_live_mask_shuts_image_positions(hasher, cfg, weights, input_ids):
+    ids = list(input_ids[:10])
+    ids[4] = cfg.image_token_id
+    live = hasher.live(ids)
+    assert live.tolist() == [i != 4 for i in range(10)]
+    streams = load_file(ORACLE / "activations_oneshot.safetensors")["layer_0.streams_out"][:10]
+    layer = EngramLayer(1, EngramTable.from_checkpoint(ORACLE, 1, cfg), fixture_wkv(weights, 1),
+                        weights["layers.1.engram.q_weight"], weights["layers.1.engram.k_weight"], cfg.rms_norm_eps)
+    out = layer(streams, hasher.hash(ids)[:, cfg.engram_layer_ids.index(1)], live)
+    assert torch.equal(out[4], streams[4])
+    assert not torch.equal(out[3], streams[3]) and not torch.equal(out[5], streams[5])

@@ -201,3 +201,27 @@ def test_tiny_tokenizer_rejects_impossible_sizes(tmp_path):
         build_tiny_tokenizer(tmp_path, vocab_size=400, bpe_size=448)
     with pytest.raises(TokenizerError, match="only supports"):
         build_tiny_tokenizer(tmp_path, vocab_size=100000, bpe_size=90000)
+
+
+def test_unreadable_tokenizer_json_names_the_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
+    shutil.copy(ORACLE / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text("[")
+    with pytest.raises(TokenizerError, match="tokenizer_config.json"):
+        Tokenizer.from_dir(tmp_path)
+
+
+def test_incremental_decoder_without_byte_level_decoder(tmp_path):
+    # a tokenizer whose decoder is not byte-level takes the re-decode path
+    raw = RawTokenizer(models.WordLevel(vocab={"<｜begin▁of▁sentence｜>": 0, "<｜end▁of▁sentence｜>": 1,
+                                               "<｜▁pad▁｜>": 2, "ab": 3, "c": 4}, unk_token="c"))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert not tok.byte_level
+    decoder = tok.incremental_decoder()
+    assert decoder.feed([3, 4]) == tok.decode([3, 4])
+    assert decoder.flush() == ""
+    with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        tok.incremental_decoder().token_bytes(99)

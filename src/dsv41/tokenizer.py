@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders
 
 from dsv41.errors import TokenizerError
 
@@ -55,6 +56,9 @@ class Tokenizer:
         texts = dict(SPECIAL_TOKENS)
         texts.update(special_texts or {})
         self._special_texts = texts
+        # computed once: every streamed request builds an IncrementalDecoder from these
+        self.added_tokens = backend.get_added_tokens_decoder()
+        self.byte_level = isinstance(backend.decoder, decoders.ByteLevel)
         for name in REQUIRED_SPECIAL:
             self.special(name)  # fails early, naming the missing token
 
@@ -123,7 +127,7 @@ class Tokenizer:
 
     def special_ids(self) -> set[int]:
         """Ids of all added tokens flagged special (what `skip_special_tokens` drops)."""
-        return {i for i, tok in self.backend.get_added_tokens_decoder().items() if tok.special}
+        return {i for i, tok in self.added_tokens.items() if tok.special}
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
@@ -180,9 +184,8 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._added = tokenizer.backend.get_added_tokens_decoder()
-        decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
-        self._byte_level = decoder.get("type") == "ByteLevel"
+        self._added = tokenizer.added_tokens
+        self._byte_level = tokenizer.byte_level
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending: list[int] = []  # fallback path only
         self._char_to_byte = byte_level_char_to_byte()

@@ -268,6 +268,13 @@ class EngramHasher:
     def new_history(self) -> EngramHistory:
         return EngramHistory(self.constants.max_ngram)
 
+    def live(self, token_ids) -> torch.Tensor:
+        """bool `[T]`: False at image-span tokens, whose Engram gate is shut (pass to `EngramLayer.forward`)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        if self.image_token_id is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return ids != self.image_token_id
+
     def hash(self, token_ids, history: EngramHistory | None = None, dead: torch.Tensor | None = None
              ) -> torch.Tensor:
         """Row ids `[T, n_layers, n_cols]` (int64) for a chunk of one sequence; updates `history` in place.
