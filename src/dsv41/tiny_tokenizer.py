@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsv41.errors import TokenizerError
 from dsv41.tokenizer import BOS_TEXT, EOS_TEXT, PAD_TEXT, SPECIAL_TOKENS
@@ -113,8 +113,6 @@ def build_tiny_tokenizer(out_dir: str | Path, vocab_size: int = 512, bpe_size: i
     trained = tokenizer.get_vocab_size(with_added_tokens=True)
     if trained != bpe_size:
         raise TokenizerError(f"tiny tokenizer: the corpus only supports {trained} BPE tokens, not {bpe_size}")
-
-    from tokenizers import AddedToken
 
     for text, special in ADDED_TOKENS:
         token = AddedToken(text, normalized=False, special=special)
