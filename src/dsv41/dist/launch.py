@@ -1,0 +1,177 @@
+"""Launching a tensor-parallel `dsv41 serve`: one process per rank.
+
+Two ways in, both through `run_rank`:
+
+- `dsv41 serve --tp N --rank R --master HOST:PORT`: this process is rank R (what each Spark's systemd unit runs;
+  rank 0 also serves HTTP, the others replay rank 0's round plans);
+- `dsv41 serve --tp N` (no --rank): this process becomes rank 0 and starts ranks 1..N-1 on this host as child
+  processes with the same arguments plus `--rank R --master 127.0.0.1:PORT` (PORT: any free one unless --master
+  says otherwise). A child that exits aborts the group.
+
+Exit status: 0 after a normal shutdown; 70 when the group failed (any rank: exception, OOM, lost peer), so the
+watchdog restarts it; 2 for a launch error (bad arguments, rendezvous deadline) like other user-facing errors.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from ..errors import DSV41Error
+from .failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
+from .lockstep import LeaderModel, follow
+from .plan import PlanChannel
+from .rendezvous import init_tp
+
+CLI_MAIN = "import sys; from dsv41.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def register_tp_args(parser) -> None:
+    """Add the tensor-parallel options to `dsv41 serve`'s parser."""
+    group = parser.add_argument_group("tensor parallelism")
+    group.add_argument("--tp", type=int, default=1, metavar="N", help="number of ranks (default 1: no TP)")
+    group.add_argument("--rank", type=int, default=None, metavar="R",
+                       help="this process's rank; without it, `--tp N` starts ranks 1..N-1 on this host")
+    group.add_argument("--master", default=None, metavar="HOST:PORT",
+                       help="rank 0's rendezvous address (rank 0 listens on PORT; default with local ranks: "
+                            "127.0.0.1 and a free port)")
+    group.add_argument("--tp-backend", choices=("gloo", "nccl"), default=None,
+                       help="collective backend (default: nccl when CUDA is available, else gloo)")
+    group.add_argument("--tp-deadline", type=float, default=300.0, metavar="S",
+                       help="seconds to wait for all ranks to join and to finish loading (default 300)")
+    group.add_argument("--tp-peer-timeout", type=float, default=3.0, metavar="S",
+                       help="a rank without heartbeat for this long is lost: the group exits 70 (default 3)")
+    group.add_argument("--tp-collective-timeout", type=float, default=300.0, metavar="S",
+                       help="upper bound on any single collective (default 300)")
+
+
+class _LocalRanks:
+    """Ranks 1..N-1 as children of rank 0 on one host."""
+
+    def __init__(self, world: int, argv: list[str], child_cmd: list[str]):
+        self.world, self.argv, self.child_cmd = world, argv, child_cmd
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, master: str) -> None:
+        for rank in range(1, self.world):
+            cmd = [*self.child_cmd, *self.argv, "--rank", str(rank), "--master", master]
+            self.procs.append(subprocess.Popen(cmd))
+
+    def watch(self, failfast: FailFast) -> None:
+        def run():
+            while not failfast.aborted.is_set():
+                for rank, proc in enumerate(self.procs, start=1):
+                    code = proc.poll()
+                    if code is not None and code != 0:
+                        failfast.abort(f"local rank {rank} (pid {proc.pid}) exited with status {code}")
+                        return
+                time.sleep(0.1)
+
+        threading.Thread(target=run, name="dsv41-tp-children", daemon=True).start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_loaded(group, failfast: FailFast, deadline_s: float) -> None:
+    """Rank 0 reports ready only when every rank holds its shard of the model."""
+    group.store.set(f"tp/loaded/{group.rank}", "1")
+    deadline = time.monotonic() + deadline_s
+    keys = [f"tp/loaded/{r}" for r in range(group.world)]
+    while not all(group.store.check([k]) for k in keys):
+        failfast.check()
+        if time.monotonic() > deadline:
+            missing = [str(r) for r, k in enumerate(keys) if not group.store.check([k])]
+            failfast.abort(f"rank(s) {', '.join(missing)} did not finish loading within {deadline_s:.0f} s")
+            failfast.check()
+        time.sleep(0.05)
+
+
+def _die_with_group(failfast: FailFast) -> int:
+    """After an abort the monitor ends the process (status 70); park this thread until it does."""
+    failfast.aborted.wait()
+    time.sleep(failfast.grace_s + 5.0)
+    return EXIT_CODE  # only reached if the monitor could not exit the process
+
+
+def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: list[str] | None = None,
+             grace_s: float = 1.0) -> int:
+    """Run this process as one rank of `dsv41 serve --tp N`; returns the exit status.
+
+    `load(rank, world, comm)` builds this rank's model (e.g. `load_model(path, ..., rank=rank, world=world,
+    comm=comm)`); `serve(model)` serves HTTP with it on rank 0 and returns at shutdown. In local mode (no
+    `--rank`) `argv` (default `sys.argv[1:]`) is handed to the children, run as `child_cmd` (default: the dsv41
+    CLI with this Python).
+    """
+    world = args.tp
+    if world < 1:
+        raise DSV41Error(f"--tp must be >= 1, got {world}")
+    local = None
+    rank = args.rank
+    master = args.master
+    if rank is None:
+        rank = 0
+        master = master or "127.0.0.1:0"
+        if world > 1:
+            local = _LocalRanks(world, list(sys.argv[1:] if argv is None else argv),
+                                child_cmd or [sys.executable, "-c", CLI_MAIN])
+    elif master is None:
+        raise DSV41Error("--rank needs --master HOST:PORT (rank 0's address)")
+
+    group = init_tp(rank, world, master, deadline_s=args.tp_deadline, backend=args.tp_backend,
+                    collective_timeout_s=args.tp_collective_timeout,
+                    on_listening=local.start if local is not None else None)
+    failfast = FailFast(group, peer_timeout_s=args.tp_peer_timeout, grace_s=grace_s if rank == 0 else 0.2).start()
+    if local is not None:
+        local.watch(failfast)
+    channel = PlanChannel(group.store, rank, failfast.aborted)
+    injector = FailureInjector(rank)
+    try:
+        model = load(rank, world, group.comm)
+        _wait_loaded(group, failfast, args.tp_deadline)
+    except TPAborted:
+        return _die_with_group(failfast)
+    except BaseException as exc:  # noqa: BLE001 - a rank that cannot load takes the group down
+        failfast.abort(f"loading failed: {type(exc).__name__}: {exc}")
+        return _die_with_group(failfast)
+
+    if rank != 0:
+        try:
+            follow(model, channel, failfast, injector=injector,
+                   log=lambda m: print(m, file=sys.stderr, flush=True))
+        except TPAborted:
+            return _die_with_group(failfast)
+        failfast.stop()
+        group.store.set(f"tp/bye/{rank}", "1")
+        return 0
+
+    leader = LeaderModel(model, channel, failfast, injector=injector)
+    try:
+        serve(leader)
+    except BaseException as exc:  # noqa: BLE001
+        if not failfast.aborted.is_set():
+            failfast.abort(f"server failed: {type(exc).__name__}: {exc}")
+        return _die_with_group(failfast)
+    if failfast.aborted.is_set():
+        return _die_with_group(failfast)
+    leader.close()
+    _wait_bye(group, timeout_s=10.0)
+    failfast.stop()
+    if local is not None:
+        local.stop()
+    return 0
+
+
+def _wait_bye(group, timeout_s: float) -> None:
+    """Keep the store (hosted here) up until every follower has read the stop plan."""
+    deadline = time.monotonic() + timeout_s
+    keys = [f"tp/bye/{r}" for r in range(1, group.world)]
+    while time.monotonic() < deadline and not all(group.store.check([k]) for k in keys):
+        time.sleep(0.02)
