@@ -89,3 +89,21 @@ def test_tools_on_any_message_keep_earlier_reasoning():
     kept = encode_messages(with_tools, "thinking")
     assert "r1" not in dropped and f"{tokens.ASSISTANT}{tokens.THINK_START}r1{tokens.THINK_END}a1" in kept
     assert "## Tools" not in kept
+
+
+# Image-part spellings as rendered by DeepSeek's pre-release encoder (smg-project/smg,
+# crates/tokenizer/tests/fixtures/deepseek_v41/render_fixtures.json: cases input_image_and_image_pil_spellings,
+# empty_text_and_image_parts, image_only_part); image handling is the same in the release.
+@pytest.mark.parametrize("parts,expected", [
+    ([{"type": "input_image", "image_url": "https://example.com/a.png"}, {"type": "text", "text": "which is brighter?"},
+      {"type": "image_pil"}],
+     "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜>\n\nwhich is brighter?\n\n<｜deepseek_image｜>"
+     "<｜Assistant｜></think>"),
+    ([{"type": "text", "text": ""}, {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+      {"type": "text", "text": "describe"}],
+     "<｜begin▁of▁sentence｜><｜User｜>\n\n<｜deepseek_image｜>\n\ndescribe<｜Assistant｜></think>"),
+    ([{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}],
+     "<｜begin▁of▁sentence｜><｜User｜><｜deepseek_image｜><｜Assistant｜></think>"),
+])
+def test_image_part_spellings(parts, expected):
+    assert encode_messages([{"role": "user", "content": parts}], "chat") == expected

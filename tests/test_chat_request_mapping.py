@@ -173,6 +173,7 @@ def test_named_tool_choice_must_name_a_declared_tool():
     ({"messages": USER_ONLY, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"messages": USER_ONLY, "guided_json": "{not json"}, "guided_json"),
     ({"messages": USER_ONLY, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": USER_ONLY, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
 ])
 def test_malformed_requests_name_the_field(request_body, param):
     with pytest.raises(RequestError) as info:
@@ -196,3 +197,16 @@ def test_continue_final_message_is_a_prefill():
 def test_encoder_internal_keys_from_clients_are_not_passed_through():
     messages = [{"role": "user", "content": "q", "task": "query", "tools": [WEATHER_TOOL]}]
     assert build_chat_prompt({"messages": messages}).prompt == build_chat_prompt({"messages": USER_ONLY}).prompt
+
+
+def test_new_parser_follows_the_request():
+    text = ('\n\n<｜DSML｜ calls>\n' + '<｜DSML｜ invoke name="get_weather">\n<｜DSML｜ parameter name="city" '
+            'string="true">Oslo</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n' * 2 + '</｜DSML｜ calls><｜end▁of▁sentence｜>')
+    for body, calls in (({"tools": [WEATHER_TOOL]}, 2), ({"tools": [WEATHER_TOOL], "parallel_tool_calls": False}, 1),
+                        ({"tools": [WEATHER_TOOL], "tool_choice": "none"}, 0), ({}, 0)):
+        chat = build_chat_prompt({"messages": USER_ONLY, "reasoning_effort": "none", **body})
+        parser = chat.new_parser()
+        parser.feed(text)
+        parser.finish()
+        assert len(parser.result.tool_calls) == calls
+        assert (parser.result.content == "") == (calls > 0)

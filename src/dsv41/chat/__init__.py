@@ -9,8 +9,8 @@ from .encoding import encode_messages, resolve_effort
 from .errors import ChatError, EncodingError, ParseError, RequestError
 from .parser import parse_completion
 from .request_mapping import ChatPrompt, build_chat_prompt, effort_to_mode
-from .stream_parser import (CompletionResult, ContentDelta, Finished, ReasoningDelta, StreamParser, ToolCallArgumentsDelta,
-                            ToolCallEnd, ToolCallStart, new_call_id, parse_output)
+from .stream_parser import (CompletionResult, ContentDelta, Finished, ReasoningDelta, StreamParser,
+                            ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart, new_call_id, parse_output)
 from . import tokens
 
 __all__ = [

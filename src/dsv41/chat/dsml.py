@@ -10,7 +10,6 @@ import json
 import re
 
 from .errors import ParseError
-from .tokens import DSML
 
 # What follows "<｜DSML｜ invoke" / "<｜DSML｜ parameter" up to the tag's closing ">".
 INVOKE_ATTRS = re.compile(r'\s*name="([^"]*)"\s*>')
@@ -48,6 +47,3 @@ def tool_call_dict(qualified_name: str, arguments: str) -> dict:
         call["namespace"] = namespace
     return call
 
-
-__all__ = ["DSML", "INVOKE_ATTRS", "PARAM_ATTRS", "split_call_name", "json_key", "official_value",
-           "join_arguments", "tool_call_dict"]

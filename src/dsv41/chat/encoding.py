@@ -18,7 +18,7 @@ THINKING_MODES = ("chat", "thinking")
 EFFORT_ALIASES = {"low": 50, "high": 75, "max": 100}
 DEFAULT_EFFORT = "high"
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "latest_reminder")
-IMAGE_PART_TYPES = ("image_url", "image")
+IMAGE_PART_TYPES = ("image_url", "input_image", "image_pil")
 TURN_JOINER = "\n\n"
 
 

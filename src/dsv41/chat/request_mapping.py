@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from .encoding import encode_messages
 from .errors import EncodingError, RequestError
+from .stream_parser import StreamParser
 from .tools_text import qualify
 
 EFFORT_WORDS = {"low": 50, "medium": 75, "high": 75, "xhigh": 100, "max": 100}
@@ -38,6 +39,11 @@ class ChatPrompt:
     tools: list = field(default_factory=list)   # tools offered to the model ([] when none or tool_choice none)
     tool_choice: str | dict = "auto"     # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     response_format: dict | None = None  # the json_schema / json_object object, None for text
+    parallel_tool_calls: bool = True
+
+    def new_parser(self, **kwargs) -> StreamParser:
+        """The output parser for this request (undeclared tool names stay content, values typed by schema)."""
+        return StreamParser(self.thinking_mode, self.tools, parallel_tool_calls=self.parallel_tool_calls, **kwargs)
 
 
 def build_chat_prompt(request: dict) -> ChatPrompt:
@@ -54,6 +60,9 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
     tool_choice = _tool_choice(request.get("tool_choice"), tools)
     offered = [] if tool_choice == "none" else tools
     response_format = _response_format(request)
+    parallel = request.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise RequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
     messages = [_message(m, i) for i, m in enumerate(_message_list(request.get("messages")))]
     if request.get("continue_final_message"):
         if messages[-1]["role"] != "assistant":
@@ -73,7 +82,8 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
     except EncodingError as error:
         raise RequestError(str(error), param="messages") from error
     return ChatPrompt(messages=messages, thinking_mode=mode, reasoning_effort=effort, prompt=prompt,
-                      tools=offered, tool_choice=tool_choice, response_format=response_format)
+                      tools=offered, tool_choice=tool_choice, response_format=response_format,
+                      parallel_tool_calls=parallel is not False)
 
 
 def resolve_thinking(request: dict, kwargs: dict) -> tuple[bool, int]:

@@ -300,7 +300,9 @@ class StreamParser:
     # -- the DSML block -------------------------------------------------------------------------------------------
     def _consume(self, size: int) -> str:
         text, self._buf = self._buf[:size], self._buf[size:]
-        self._block_raw += text
+        if self._block_calls == 0:
+            # Kept only while the block may still turn out to be plain text (see _open_invoke and _fail).
+            self._block_raw += text
         return text
 
     def _expect(self, options, final: bool):
