@@ -210,3 +210,14 @@ def test_new_parser_follows_the_request():
         parser.finish()
         assert len(parser.result.tool_calls) == calls
         assert (parser.result.content == "") == (calls > 0)
+
+
+def test_continued_answer_is_parsed_as_content():
+    chat = build_chat_prompt({"messages": [{"role": "user", "content": "q"},
+                                           {"role": "assistant", "content": "Sure,", "reasoning_content": "r"}],
+                              "continue_final_message": True})
+    assert chat.thinking_mode == "thinking" and chat.prompt.endswith("<think>r</think>Sure,")
+    parser = chat.new_parser()
+    parser.feed(" here it is.<｜end▁of▁sentence｜>")
+    parser.finish()
+    assert (parser.result.content, parser.result.reasoning_content) == (" here it is.", "")

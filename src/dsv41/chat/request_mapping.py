@@ -40,10 +40,13 @@ class ChatPrompt:
     tool_choice: str | dict = "auto"     # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     response_format: dict | None = None  # the json_schema / json_object object, None for text
     parallel_tool_calls: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last assistant's answer (after </think>)
 
     def new_parser(self, **kwargs) -> StreamParser:
         """The output parser for this request (undeclared tool names stay content, values typed by schema)."""
-        return StreamParser(self.thinking_mode, self.tools, parallel_tool_calls=self.parallel_tool_calls, **kwargs)
+        # A continued answer is past </think> already, so the generated text starts as content.
+        mode = "chat" if self.continue_final_message else self.thinking_mode
+        return StreamParser(mode, self.tools, parallel_tool_calls=self.parallel_tool_calls, **kwargs)
 
 
 def build_chat_prompt(request: dict) -> ChatPrompt:
@@ -83,7 +86,8 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
         raise RequestError(str(error), param="messages") from error
     return ChatPrompt(messages=messages, thinking_mode=mode, reasoning_effort=effort, prompt=prompt,
                       tools=offered, tool_choice=tool_choice, response_format=response_format,
-                      parallel_tool_calls=parallel is not False)
+                      parallel_tool_calls=parallel is not False,
+                      continue_final_message=bool(request.get("continue_final_message")))
 
 
 def resolve_thinking(request: dict, kwargs: dict) -> tuple[bool, int]:
