@@ -1,0 +1,7 @@
+"""`python -m dsv41.server serve ...`: the same command as `dsv41 serve`."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,369 @@
+"""The Starlette application: routes, auth, limits, error mapping, health, metrics, drain.
+
+Every API endpoint runs through `_endpoint`, which checks the bearer key (constant-time compare), refuses work
+while loading or draining (503 + Retry-After), reads the body under the size limit, maps every failure to an
+OpenAI error object, and races non-streaming handlers against the client's disconnect so a departed client
+cancels its engine request. Streaming responses settle their own bookkeeping when they end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..engine import Engine, EngineClosed, EngineFailure, EngineOverloaded, GenerationRequest, RequestStream
+from .chat import create_chat_completion, render_chat
+from .completions import create_completion, prompt_ids
+from .errors import APIError, bad_request, engine_failed, from_validation_error, overloaded, unavailable
+from .generation import Generation, ServerDraining
+from .metrics import Metrics
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .request_log import RequestLog
+from .streaming import GenerationStream
+
+log = logging.getLogger("dsv41.server")
+
+
+@dataclass
+class ServerConfig:
+    served_name: str = "dsv41"
+    aliases: tuple[str, ...] = ()
+    max_model_len: int = 4096
+    max_body_bytes: int = 8 << 20
+    api_key: str | None = None
+    drain_timeout_s: float = 20.0
+    request_log: str | None = None
+    owned_by: str = "dsv41"
+    extra_health: dict = field(default_factory=dict)
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streaming reply was ready."""
+
+
+class ServerContext:
+    """What every handler shares: engine, tokenizer, grammars, counters, the set of live generations."""
+
+    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, grammars):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.vocab_size = min(engine.vocab_size, tokenizer.vocab_size)
+        self.status = "loading"
+        self.started = time.monotonic()
+        self.created = int(time.time())
+        self.inflight = 0
+        self.requests_total = 0
+        self.errors_total = 0
+        self.prompt_tokens_total = 0
+        self.completion_tokens_total = 0
+        self.active: set[Generation] = set()
+        self.metrics = Metrics(config.served_name)
+        self.request_log = RequestLog(config.request_log)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.config.served_name, *[a for a in self.config.aliases if a != self.config.served_name]]
+
+    def response_model_name(self, requested: str | None) -> str:
+        return requested if requested in self.model_names else self.config.served_name
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        try:
+            return self.engine.submit(request)
+        except EngineOverloaded as exc:
+            raise overloaded(f"the server is busy ({exc}); retry shortly") from None
+        except EngineClosed:
+            raise unavailable("the server is shutting down") from None
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new work, let running requests finish for drain_timeout_s, then end them."""
+        if self.status == "draining":
+            return
+        self.status = "draining"
+        self.engine.begin_drain()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for gen in list(self.active):
+            gen.abort_for_drain()
+        # give the aborted responses a moment to write their error event and [DONE]
+        deadline = time.monotonic() + 2.0
+        while (self.active or self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
+
+def _check_auth(ctx: ServerContext, request: Request) -> None:
+    key = ctx.config.api_key
+    if not key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+    if not ok:
+        raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+async def _read_json(ctx: ServerContext, request: Request) -> dict:
+    limit = ctx.config.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes is larger than the limit of {limit} bytes",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    return data
+
+
+def _parse(model, body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def _until_disconnect(request: Request, work: Awaitable):
+    """Run `work`; if the client disconnects first, cancel it (the body has already been read)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not watcher.done():
+            watcher.cancel()
+    gone = watcher.done() and not watcher.cancelled()
+    if task.done():
+        result = task.result()
+        if not gone:
+            return result
+        if isinstance(result, GenerationStream):
+            result._gen.close()  # the stream will never be sent: free the engine request now
+        raise ClientGone()
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    raise ClientGone()
+
+
+Handler = Callable[[ServerContext, Request], Awaitable[Response]]
+
+
+def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
+    async def endpoint(request: Request) -> Response:
+        ctx: ServerContext = request.app.state.ctx
+        ctx.inflight += 1
+        ctx.requests_total += 1
+        handed_off = False
+        status = 200
+        try:
+            if guarded:
+                _check_auth(ctx, request)
+                if ctx.status == "loading":
+                    raise unavailable("the model is loading")
+                if ctx.status == "draining":
+                    raise unavailable("the server is shutting down")
+            response = await _until_disconnect(request, handler(ctx, request))
+            status = response.status_code
+            if isinstance(response, GenerationStream):
+                handed_off = True
+                response._on_close = lambda: _settle(ctx, name, response._gen.status)
+            return response
+        except APIError as exc:
+            status = exc.status
+            return exc.response()
+        except ClientGone:
+            status = 499  # nginx's "client closed request": nobody reads this response
+            return Response(status_code=499)
+        except Exception as exc:  # a bug: answer 500 instead of dropping the connection
+            log.exception("unhandled error in %s", name)
+            error = engine_failed(f"internal error: {type(exc).__name__}: {exc}")
+            status = error.status
+            return error.response()
+        finally:
+            if not handed_off:
+                _settle(ctx, name, status)
+
+    return endpoint
+
+
+def _settle(ctx: ServerContext, name: str, status: int) -> None:
+    ctx.inflight -= 1
+    ctx.metrics.requests.labels(name, str(status)).inc()
+    if status >= 400 and status != 499:
+        ctx.errors_total += 1
+        ctx.metrics.errors.labels(name, str(status)).inc()
+
+
+async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) -> Response:
+    if stream:
+        return GenerationStream(gen, reply, on_close=lambda: None)
+    try:
+        return JSONResponse(await reply.complete())
+    except EngineFailure as exc:
+        error = engine_failed(f"engine failure: {exc}")
+        gen.fail(error)
+        raise error from None
+    except ServerDraining as exc:
+        error = unavailable(str(exc))
+        gen.fail(error)
+        raise error from None
+    finally:
+        gen.close()
+
+
+# ---------------------------------------------------------------------------- handlers
+async def chat_completions(ctx: ServerContext, request: Request) -> Response:
+    body = await _read_json(ctx, request)
+    req = _parse(ChatCompletionRequest, body)
+    gen, reply = await create_chat_completion(ctx, req, body)
+    return await _generate(ctx, gen, reply, req.stream)
+
+
+async def completions(ctx: ServerContext, request: Request) -> Response:
+    req = _parse(CompletionRequest, await _read_json(ctx, request))
+    gen, reply = await create_completion(ctx, req)
+    return await _generate(ctx, gen, reply, req.stream)
+
+
+async def tokenize(ctx: ServerContext, request: Request) -> Response:
+    body = await _read_json(ctx, request)
+    req = _parse(TokenizeRequest, body)
+    if req.prompt is not None:
+        ids = prompt_ids(ctx, req.prompt, req.add_special_tokens)
+    else:
+        _, ids = render_chat(ctx, body)
+    return JSONResponse({"count": len(ids), "max_model_len": ctx.config.max_model_len, "tokens": ids,
+                         "token_strs": None})
+
+
+async def detokenize(ctx: ServerContext, request: Request) -> Response:
+    req = _parse(DetokenizeRequest, await _read_json(ctx, request))
+    for i, token in enumerate(req.tokens):
+        if not 0 <= token < ctx.vocab_size:
+            raise bad_request(f"tokens[{i}] = {token} is not a token id (0 <= id < {ctx.vocab_size})",
+                              param="tokens")
+    return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+
+
+async def models(ctx: ServerContext, request: Request) -> Response:
+    names = ctx.model_names
+    data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": ctx.config.owned_by,
+             "root": ctx.config.served_name, "parent": None if name == ctx.config.served_name else names[0],
+             "max_model_len": ctx.config.max_model_len, "context_length": ctx.config.max_model_len,
+             "aliases": [n for n in names if n != name]} for name in names]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(ctx: ServerContext, request: Request) -> Response:
+    stats = ctx.engine.stats()
+    ok = ctx.status == "ready"
+    body = {
+        "ok": ok,
+        "status": ctx.status,
+        "model": ctx.config.served_name,
+        "uptime_s": round(time.monotonic() - ctx.started, 3),
+        "inflight": ctx.inflight - 1,  # not counting this health request itself
+        "generations": len(ctx.active),
+        "requests_total": ctx.requests_total,
+        "errors_total": ctx.errors_total,
+        "prompt_tokens_total": ctx.prompt_tokens_total,
+        "completion_tokens_total": ctx.completion_tokens_total,
+        "max_model_len": ctx.config.max_model_len,
+        "engine": {"state": stats.state, "running": stats.running, "waiting": stats.waiting,
+                   "live_sequences": stats.live_sequences, "prompt_tokens_total": stats.prompt_tokens_total,
+                   "generation_tokens_total": stats.generation_tokens_total},
+        **ctx.config.extra_health,
+    }
+    headers = {} if ok else {"Retry-After": "5"}
+    return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
+
+
+async def metrics(ctx: ServerContext, request: Request) -> Response:
+    stats = ctx.engine.stats()
+    ctx.metrics.engine_gauges(stats.running, stats.waiting)
+    ctx.metrics.inflight.set(ctx.inflight - 1)
+    return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
+
+
+# ---------------------------------------------------------------------------- app
+async def _not_found(request: Request, exc: HTTPException) -> Response:
+    if exc.status_code == 405:
+        return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response()
+    return APIError(exc.status_code, f"no route {request.method} {request.url.path}",
+                    code="not_found" if exc.status_code == 404 else None).response()
+
+
+def build_app(ctx: ServerContext, *, warmup: bool = True) -> Starlette:
+    api = [
+        ("chat", ["/v1/chat/completions", "/chat/completions"], chat_completions, ["POST"]),
+        ("completions", ["/v1/completions", "/completions"], completions, ["POST"]),
+        ("tokenize", ["/tokenize", "/v1/tokenize"], tokenize, ["POST"]),
+        ("detokenize", ["/detokenize", "/v1/detokenize"], detokenize, ["POST"]),
+        ("models", ["/v1/models", "/models"], models, ["GET"]),
+    ]
+    routes = [Route(path, _endpoint(name, handler), methods=methods)
+              for name, paths, handler, methods in api for path in paths]
+    routes += [
+        Route("/health", _endpoint("health", health, guarded=False), methods=["GET"]),
+        Route("/v1/health", _endpoint("health", health, guarded=False), methods=["GET"]),
+        Route("/metrics", _endpoint("metrics", metrics, guarded=False), methods=["GET"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        await ctx.engine.start()
+        if warmup:
+            await _warm_up(ctx)
+        ctx.status = "ready"
+        try:
+            yield
+        finally:
+            await ctx.engine.shutdown()
+            ctx.request_log.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={404: _not_found, 405: _not_found})
+    app.state.ctx = ctx
+    return app
+
+
+async def _warm_up(ctx: ServerContext) -> None:
+    """One token through the engine before reporting ready (READY=1 means a token really came out)."""
+    stream = ctx.engine.submit(GenerationRequest(prompt_ids=[ctx.tokenizer.bos_id], max_tokens=1,
+                                                 request_id="warmup"))
+    async for _ in stream:
+        pass

@@ -1,0 +1,209 @@
+"""POST /v1/chat/completions: V4.1 encoding in, reasoning / content / DSML tool calls out.
+
+The prompt comes from `dsv41.chat.build_chat_prompt` (the official encoding; effort and thinking rules), the
+reply goes through `dsv41.chat.StreamParser` token by token. Grammars (xgrammar) enforce `tool_choice`
+required / named and `response_format` / `structured_outputs`, after `</think>` when thinking. Stop strings cut
+the visible answer only, never reasoning or tool-call text.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..chat import (
+    ContentDelta,
+    Finished,
+    ReasoningDelta,
+    StreamParser,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    build_chat_prompt,
+)
+from ..chat.errors import RequestError
+from ..engine import GenerationRequest, TokenEvent
+from ..engine.grammar import GrammarError
+from .errors import bad_request
+from .generation import (
+    Generation,
+    TokenText,
+    completion_budget,
+    new_id,
+    sampling_params,
+    structured_grammar,
+    usage,
+)
+from .protocol import ChatCompletionRequest
+from .stop import StopMatcher
+
+if TYPE_CHECKING:
+    from .app import ServerContext
+
+
+def render_chat(ctx: "ServerContext", body: dict):
+    """(ChatPrompt, prompt ids) exactly as a chat request renders them (also used by /tokenize)."""
+    try:
+        prompt = build_chat_prompt(body)
+    except RequestError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    return prompt, ctx.tokenizer.encode(prompt.prompt)
+
+
+def _tool_grammar(ctx: "ServerContext", req: ChatCompletionRequest, prompt):
+    choice = prompt.tool_choice
+    if choice in ("none", "auto") or not prompt.tools:
+        return None
+    if isinstance(choice, dict) and (req.response_format or req.structured_outputs or req.guided_json):
+        raise bad_request("a named tool_choice cannot be combined with structured outputs", param="tool_choice")
+    try:
+        return ctx.grammars.tool_calls(prompt.tools, choice, parallel=req.parallel_tool_calls,
+                                       thinking=prompt.thinking_mode == "thinking")
+    except GrammarError as exc:
+        raise bad_request(str(exc), param="tools") from None
+
+
+async def create_chat_completion(ctx: "ServerContext", req: ChatCompletionRequest, body: dict):
+    prompt, ids = render_chat(ctx, body)
+    thinking = prompt.thinking_mode == "thinking"
+    budget = completion_budget(ctx, len(ids), req.completion_limit, "messages")
+    grammar = _tool_grammar(ctx, req, prompt) or structured_grammar(ctx, req, thinking=thinking)
+    top = req.top_logprobs or 0
+    engine_request = GenerationRequest(
+        prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req),
+        stop_token_ids=frozenset({ctx.tokenizer.eos_id}), ignore_eos=req.ignore_eos,
+        logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
+    gen = Generation(ctx, "chat", engine_request, stream=req.stream)
+    reply = _ChatReply(ctx, gen, req, prompt)
+    return gen, (reply.chunks() if req.stream else reply)
+
+
+class _ChatReply:
+    def __init__(self, ctx: "ServerContext", gen: Generation, req: ChatCompletionRequest, prompt):
+        self.ctx, self.gen, self.req = ctx, gen, req
+        self.created = int(time.time())
+        self.model = ctx.response_model_name(req.model)
+        # the parser needs every marker, EOS included, so nothing is skipped or hidden here
+        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=frozenset())
+        tools = prompt.tools if prompt.tools else []
+        self.parser = StreamParser(prompt.thinking_mode, tools, parallel_tool_calls=req.parallel_tool_calls)
+        self.stop = StopMatcher(req.stop_strings)
+        self.calls_seen = 0
+
+    def _logprob_entries(self, event: TokenEvent) -> list[dict]:
+        if not self.req.logprobs:
+            return []
+        t = self.text
+        return [{
+            "token": t.token_string(event.token_id), "logprob": event.logprob,
+            "bytes": t.token_bytes(event.token_id),
+            "top_logprobs": [{"token": t.token_string(i), "logprob": v, "bytes": t.token_bytes(i)}
+                             for i, v in event.top_logprobs],
+        }]
+
+    def _deltas(self, events) -> list[dict]:
+        """Parser events -> OpenAI delta dicts (stop strings applied to content)."""
+        deltas: list[dict] = []
+        for ev in events:
+            if isinstance(ev, ReasoningDelta):
+                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
+            elif isinstance(ev, ContentDelta):
+                visible = self.stop.feed(ev.text)
+                if visible:
+                    deltas.append({"content": visible})
+                if self.stop.stopped:
+                    break
+            elif isinstance(ev, ToolCallStart):
+                self.calls_seen += 1
+                deltas.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                               "function": {"name": ev.name, "arguments": ""}}]})
+            elif isinstance(ev, ToolCallArgumentsDelta):
+                deltas.append({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.fragment}}]})
+            elif isinstance(ev, (ToolCallEnd, Finished)):
+                pass
+        return deltas
+
+    async def steps(self):
+        """(deltas, logprob entries, finish_reason or None) per engine event."""
+        async for event in self.gen.events():
+            if isinstance(event, TokenEvent):
+                deltas = self._deltas(self.parser.feed(self.text.feed(event.token_id)))
+                entries = self._logprob_entries(event)
+                if self.stop.stopped:
+                    yield deltas, entries, "stop"
+                    return
+                yield deltas, entries, None
+            else:
+                tail = self._deltas(self.parser.feed(self.text.flush()) + self.parser.finish())
+                if not self.stop.stopped:
+                    rest = self.stop.flush()
+                    if rest:
+                        tail.append({"content": rest})
+                yield tail, [], self._finish_reason(event.reason)
+                return
+
+    def _finish_reason(self, engine_reason: str) -> str:
+        if engine_reason == "length":
+            return "length"
+        return "tool_calls" if self.calls_seen else "stop"
+
+    def _chunk(self, delta: dict, entries: list[dict] | None, finish_reason) -> dict:
+        choice = {"index": 0, "delta": delta, "logprobs": {"content": entries} if entries else None,
+                  "finish_reason": finish_reason}
+        return {"id": self.gen.request.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    async def chunks(self):
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        yield self._chunk({"role": "assistant", "content": ""}, None, None)
+        async for deltas, entries, finish in self.steps():
+            if finish is not None:
+                for delta in deltas:
+                    yield self._chunk(delta, None, None)
+                self.gen.done(finish)
+                yield self._chunk({}, entries, finish)
+                break
+            if not deltas and entries:
+                deltas = [{}]
+            for i, delta in enumerate(deltas):
+                yield self._chunk(delta, entries if i == 0 else None, None)
+        if include_usage:
+            chunk = self._chunk({}, None, None)
+            chunk["choices"] = []
+            chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            yield chunk
+
+    async def complete(self) -> dict:
+        content, reasoning, calls, entries, finish = [], [], {}, [], "stop"
+        async for deltas, step_entries, reason in self.steps():
+            entries += step_entries
+            for delta in deltas:
+                if "content" in delta:
+                    content.append(delta["content"])
+                if "reasoning_content" in delta:
+                    reasoning.append(delta["reasoning_content"])
+                for call in delta.get("tool_calls", []):
+                    slot = calls.setdefault(call["index"], {"id": None, "type": "function",
+                                                            "function": {"name": "", "arguments": ""}})
+                    if "id" in call:
+                        slot["id"] = call["id"]
+                        slot["function"]["name"] = call["function"]["name"]
+                    slot["function"]["arguments"] += call["function"].get("arguments", "")
+            if reason is not None:
+                finish = reason
+        self.gen.done(finish)
+        reasoning_text = "".join(reasoning) if reasoning else None
+        message = {
+            "role": "assistant",
+            "content": "".join(content) or None,
+            "reasoning_content": reasoning_text,
+            "reasoning": reasoning_text,
+            "tool_calls": [calls[i] for i in sorted(calls)] or None,
+        }
+        if message["tool_calls"] is None:
+            del message["tool_calls"]
+        choice = {"index": 0, "message": message, "logprobs": {"content": entries} if self.req.logprobs else None,
+                  "finish_reason": finish}
+        return {"id": self.gen.request.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": [choice],
+                "usage": usage(self.gen.prompt_tokens, self.gen.completion_tokens)}

@@ -1,0 +1,175 @@
+"""`dsv41 serve`: load the model, then serve the OpenAI-compatible API with hypercorn.
+
+Order (PLATFORM.md §4.3): load model, tokenizer and grammar compiler first (extending systemd's start timeout),
+bind the socket, start hypercorn, run one warm-up token, then report READY=1 and /health 200. SIGTERM/SIGINT
+start a drain: STOPPING=1, /health 503, new requests 503, in-flight requests get --drain-timeout seconds, the
+rest end with an error event; then hypercorn stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import DSV41Error
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                              description="Serve the model over an OpenAI-compatible HTTP API (hypercorn).")
+    p.add_argument("--model", metavar="DIR", help="model folder (default: the built-in tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--served-name", metavar="NAME", help="model id reported by /v1/models (default: folder name)")
+    p.add_argument("--alias", metavar="NAME", nargs="+", action="extend", default=[],
+                   help="more model ids accepted and listed")
+    p.add_argument("--api-key-file", metavar="F", help="file holding the bearer key clients must send")
+    p.add_argument("--max-model-len", type=int, metavar="N",
+                   help=f"prompt + completion limit in tokens (default min(model, {DEFAULT_MAX_MODEL_LEN}))")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N", help="request body limit (8 MiB)")
+    p.add_argument("--drain-timeout", type=float, default=20.0, metavar="S",
+                   help="seconds in-flight requests get after SIGTERM (default 20)")
+    p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request to FILE")
+    p.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                   help="requests queued before new ones get 429 (default 64)")
+    p.add_argument("--cpu-threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    p.set_defaults(func=run_serve)
+    return p
+
+
+def _api_key(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise DSV41Error(f"--api-key-file {path}: {exc.strerror}") from None
+    if not key:
+        raise DSV41Error(f"--api-key-file {path} is empty")
+    return key
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise DSV41Error(f"cannot bind {host}:{port}: {exc.strerror}") from None
+    sock.listen(512)
+    sock.set_inheritable(True)
+    return sock
+
+
+def build_server(args):
+    """Load everything the server needs (before any socket is bound). Returns (ServerContext, config)."""
+    import torch
+
+    from ..engine.grammar import Grammars
+    from ..engine.serial import SerialEngine
+    from ..model.loader import load_model
+    from ..tokenizer import Tokenizer
+    from .app import ServerConfig, ServerContext
+
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    if args.model:
+        folder = Path(args.model)
+        if not folder.is_dir():
+            raise DSV41Error(f"--model {folder}: no such folder")
+    else:
+        from ..tiny import default_model_dir
+
+        folder = default_model_dir()
+    api_key = _api_key(args.api_key_file)
+    model = load_model(folder)
+    model_config = getattr(model, "config", None) or model.cfg
+    tokenizer = Tokenizer.from_dir(folder)
+    limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    max_model_len = args.max_model_len or min(int(limit), DEFAULT_MAX_MODEL_LEN)
+    engine = SerialEngine(model, max_model_len=max_model_len, max_waiting=args.max_waiting)
+    grammars = Grammars(folder / "tokenizer.json", vocab_size=engine.vocab_size, stop_token_ids=[tokenizer.eos_id])
+    config = ServerConfig(
+        served_name=args.served_name or folder.name, aliases=tuple(args.alias), max_model_len=max_model_len,
+        max_body_bytes=args.max_body_bytes, api_key=api_key, drain_timeout_s=args.drain_timeout,
+        request_log=args.request_log)
+    return ServerContext(config, engine, tokenizer, grammars)
+
+
+def run_serve(args) -> int:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from ..ops.notify import Notifier
+    from .app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    notifier = Notifier()
+    notifier.extend_timeout(600, status="loading model")
+    ctx = build_server(args)
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+
+    hc = Config()
+    hc.bind = [f"fd://{sock.fileno()}"]
+    hc.graceful_timeout = 3.0  # after our own drain; only stragglers are cut here
+    hc.keep_alive_timeout = 30.0
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        draining: list[asyncio.Task] = []
+
+        async def drain_then_stop() -> None:
+            notifier.stopping()
+            print("dsv41: draining", file=sys.stderr, flush=True)
+            await ctx.drain()
+            stop.set()
+
+        def on_signal() -> None:
+            if not draining:
+                draining.append(loop.create_task(drain_then_stop()))
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal)
+
+        app = build_app(ctx)
+
+        async def announce_ready() -> None:
+            while ctx.status == "loading":
+                await asyncio.sleep(0.02)
+            notifier.ready(f"serving {ctx.config.served_name} on {host}:{port}")
+            print(f"dsv41: serving {ctx.config.served_name} on http://{host}:{port}", flush=True)
+
+        ready_task = loop.create_task(announce_ready())
+        try:
+            await serve(app, hc, shutdown_trigger=stop.wait)
+        finally:
+            ready_task.cancel()
+
+    asyncio.run(main())
+    sock.detach()  # hypercorn closed the descriptor it was handed
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m dsv41.server serve ...` (the same command as `dsv41 serve`)."""
+    parser = argparse.ArgumentParser(prog="dsv41")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except DSV41Error as exc:
+        print(f"dsv41: {exc}", file=sys.stderr)
+        return exc.exit_code

@@ -1,0 +1,135 @@
+"""POST /v1/completions: a raw prompt (text, or one flat list of token ids) continued by the model."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..engine import GenerationRequest, TokenEvent
+from .errors import bad_request
+from .generation import (
+    Generation,
+    TokenText,
+    completion_budget,
+    new_id,
+    sampling_params,
+    structured_grammar,
+    usage,
+)
+from .protocol import CompletionRequest
+from .stop import StopMatcher
+
+if TYPE_CHECKING:
+    from .app import ServerContext
+
+
+def prompt_ids(ctx: "ServerContext", prompt, add_special_tokens: bool) -> list[int]:
+    tokenizer = ctx.tokenizer
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+        if add_special_tokens and (not ids or ids[0] != tokenizer.bos_id):
+            ids = [tokenizer.bos_id] + ids
+        return ids
+    vocab = ctx.vocab_size
+    for i, token in enumerate(prompt):
+        if not 0 <= token < vocab:
+            raise bad_request(f"prompt[{i}] = {token} is not a token id (0 <= id < {vocab})", param="prompt")
+    return list(prompt)
+
+
+async def create_completion(ctx: "ServerContext", req: CompletionRequest) -> tuple[Generation, object]:
+    ids = prompt_ids(ctx, req.prompt, req.add_special_tokens)
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported", param="echo")
+    budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
+    grammar = structured_grammar(ctx, req, thinking=False)
+    eos = ctx.tokenizer.eos_id
+    engine_request = GenerationRequest(
+        prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req), stop_token_ids=frozenset({eos}),
+        ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"))
+    gen = Generation(ctx, "completions", engine_request, stream=req.stream)
+    reply = _Reply(ctx, gen, req)
+    return gen, (reply.chunks() if req.stream else reply)
+
+
+class _Reply:
+    def __init__(self, ctx: "ServerContext", gen: Generation, req: CompletionRequest):
+        self.ctx, self.gen, self.req = ctx, gen, req
+        self.created = int(time.time())
+        self.model = ctx.response_model_name(req.model)
+        self.text = TokenText(ctx, skip_special_tokens=req.skip_special_tokens,
+                              hidden_ids=frozenset() if req.ignore_eos else gen.request.stop_token_ids)
+        self.stop = StopMatcher(req.stop_strings)
+        self.offset = 0
+        if req.echo:
+            prompt = req.prompt if isinstance(req.prompt, str) else ctx.tokenizer.decode(req.prompt)
+            self.echo = prompt
+        else:
+            self.echo = ""
+
+    async def pieces(self):
+        """(visible text, logprobs dict or None) per token; the last item is (tail text, None, finish_reason)."""
+        if self.echo:
+            yield self.echo, None, None
+        async for event in self.gen.events():
+            if not isinstance(event, TokenEvent):
+                tail = self.stop.feed(self.text.flush())
+                tail += self.stop.flush()
+                yield tail, None, event.reason if event.reason != "cancelled" else "stop"
+                return
+            visible = self.stop.feed(self.text.feed(event.token_id))
+            yield visible, self._logprobs(event, visible), None
+            if self.stop.stopped:
+                yield "", None, "stop"
+                return
+
+    def _logprobs(self, event: TokenEvent, visible: str) -> dict | None:
+        if self.req.logprobs is None:
+            return None
+        lp = {
+            "tokens": [self.text.token_string(event.token_id)],
+            "token_logprobs": [event.logprob],
+            "top_logprobs": [{self.text.token_string(t): v for t, v in event.top_logprobs}],
+            "text_offset": [self.offset],
+        }
+        self.offset += len(visible)
+        return lp
+
+    def _chunk(self, text: str, logprobs, finish_reason) -> dict:
+        return {
+            "id": self.gen.request.request_id, "object": "text_completion", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }
+
+    async def chunks(self):
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        async for text, logprobs, finish in self.pieces():
+            if finish is not None:
+                self.gen.done(finish)
+                yield self._chunk(text, None, finish)
+            elif text or logprobs:
+                yield self._chunk(text, logprobs, None)
+        if include_usage:
+            chunk = self._chunk("", None, None)
+            chunk["choices"] = []
+            chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            yield chunk
+
+    async def complete(self) -> dict:
+        parts, merged, finish = [], None, "stop"
+        async for text, logprobs, reason in self.pieces():
+            parts.append(text)
+            if logprobs is not None:
+                if merged is None:
+                    merged = {k: [] for k in logprobs}
+                for key, values in logprobs.items():
+                    merged[key].extend(values)
+            if reason is not None:
+                finish = reason
+        self.gen.done(finish)
+        if self.req.logprobs is not None and merged is None:
+            merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        body = self._chunk("".join(parts), merged, finish)
+        body["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+        return body

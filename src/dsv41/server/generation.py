@@ -1,0 +1,230 @@
+"""What chat and completions share: request fields -> engine request, token text, logprobs, usage, bookkeeping.
+
+`Generation` is one engine request seen from HTTP: it turns token events into text (complete UTF-8 only),
+keeps the timing for metrics, and on `close()` (always called, however the response ended) cancels the
+engine request if it is still running and records the request in the metrics, the health totals and the
+JSONL log.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+from ..engine import FinishEvent, GenerationRequest, RequestStream, SamplingParams, TokenEvent
+from ..engine.grammar import GrammarError
+from .errors import APIError, bad_request
+
+if TYPE_CHECKING:
+    from .app import ServerContext
+    from .protocol import SamplingFields
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+class ServerDraining(Exception):
+    """Pushed into a stream when the drain grace period is over: the response ends with an error."""
+
+
+def sampling_params(fields: "SamplingFields") -> SamplingParams:
+    top_k = fields.top_k if fields.top_k is not None and fields.top_k > 0 else 0
+    seed = fields.seed % (1 << 64) if fields.seed is not None else None
+    return SamplingParams(
+        temperature=float(fields.temperature) if fields.temperature is not None else 1.0,
+        top_p=float(fields.top_p) if fields.top_p is not None else 1.0,
+        top_k=top_k,
+        min_p=float(fields.min_p) if fields.min_p is not None else 0.0,
+        seed=seed,
+    )
+
+
+def completion_budget(ctx: "ServerContext", prompt_len: int, requested: int | None, param: str) -> int:
+    """max_tokens after the context check: prompt + max_tokens must fit max_model_len (else 400)."""
+    limit = ctx.config.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} tokens "
+            f"(leaving no room for a reply); shorten the prompt or raise --max-model-len.",
+            param=param, code="context_length_exceeded")
+    if requested is None:
+        return limit - prompt_len
+    if prompt_len + requested > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
+            f"Reduce the prompt or max_tokens, or raise --max-model-len.",
+            param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+def structured_grammar(ctx: "ServerContext", fields: "SamplingFields", *, thinking: bool):
+    """The compiled grammar for response_format / structured_outputs / guided_*, or None. 400 if unenforceable."""
+    grammars = ctx.grammars
+    try:
+        rf = fields.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                return grammars.json(None, thinking=thinking)
+            if kind == "json_schema":
+                envelope = rf.get("json_schema")
+                if not isinstance(envelope, dict):
+                    raise bad_request("response_format.json_schema must be an object",
+                                      param="response_format.json_schema")
+                schema = envelope.get("schema", {})
+                grammars.check_schema(schema, "response_format.json_schema.schema")
+                return grammars.json(schema, thinking=thinking)
+            if kind in (None, "text"):
+                if kind is None:
+                    raise bad_request("response_format.type is required", param="response_format.type")
+                return None
+            raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema)",
+                              param="response_format.type")
+        so = fields.structured_outputs or {}
+        chosen = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
+        if len(chosen) > 1:
+            raise bad_request("structured_outputs takes only one of json, regex, choice, grammar",
+                              param="structured_outputs")
+        if so.get("json_object"):
+            return grammars.json(None, thinking=thinking)
+        json_schema = so.get("json") if "json" in chosen else fields.guided_json
+        if json_schema is not None:
+            if isinstance(json_schema, str):
+                import json as _json
+
+                try:
+                    json_schema = _json.loads(json_schema)
+                except ValueError:
+                    raise bad_request("the JSON schema is not valid JSON", param="guided_json") from None
+            grammars.check_schema(json_schema, "structured_outputs.json")
+            return grammars.json(json_schema, thinking=thinking)
+        regex = so.get("regex") if "regex" in chosen else fields.guided_regex
+        choice = so.get("choice") if "choice" in chosen else fields.guided_choice
+        if choice is not None:
+            if not isinstance(choice, list) or not choice or not all(isinstance(c, str) for c in choice):
+                raise bad_request("choice must be a non-empty list of strings", param="structured_outputs.choice")
+            return grammars.choice(choice, thinking=thinking)
+        if regex is not None:
+            if not isinstance(regex, str):
+                raise bad_request("regex must be a string", param="structured_outputs.regex")
+            return grammars.regex(regex, thinking=thinking)
+        if "grammar" in chosen:
+            raise bad_request("structured_outputs.grammar is not supported", param="structured_outputs.grammar")
+        return None
+    except GrammarError as exc:
+        raise bad_request(str(exc), param=_grammar_param(fields)) from None
+
+
+def _grammar_param(fields) -> str:
+    if fields.response_format is not None:
+        return "response_format"
+    if fields.structured_outputs is not None:
+        return "structured_outputs"
+    return "guided_json"
+
+
+class Generation:
+    """One engine request as seen by an HTTP handler."""
+
+    def __init__(self, ctx: "ServerContext", endpoint: str, request: GenerationRequest, *, stream: bool):
+        self.ctx = ctx
+        self.endpoint = endpoint
+        self.request = request
+        self.is_stream = stream
+        self.arrived = time.monotonic()
+        self.first_token_at: float | None = None
+        self.completion_tokens = 0
+        self.finish: FinishEvent | None = None
+        self.final_reason: str | None = None  # set by the handler once the reply is complete
+        self.status = 200
+        self.error: str | None = None
+        self.disconnected = False
+        self.closed = False
+        self.engine_stream: RequestStream = ctx.submit(request)
+        ctx.active.add(self)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    async def events(self):
+        """Token and finish events; EngineFailure / ServerDraining propagate to the caller."""
+        async for event in self.engine_stream:
+            if isinstance(event, TokenEvent):
+                if self.first_token_at is None:
+                    self.first_token_at = time.monotonic()
+                self.completion_tokens += 1
+            else:
+                self.finish = event
+            yield event
+
+    def abort_for_drain(self) -> None:
+        self.engine_stream.push(ServerDraining("the server is shutting down"))
+        self.engine_stream.cancel()
+
+    def done(self, reason: str) -> None:
+        """The reply is complete (finish reason as sent); whatever the engine still does is cancelled."""
+        self.final_reason = reason
+        if not self.engine_stream.finished:
+            self.engine_stream.cancel()
+
+    def fail(self, error: APIError) -> None:
+        self.status = error.status
+        self.error = error.message
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if not self.engine_stream.finished:
+            self.engine_stream.cancel()
+        self.disconnected = self.final_reason is None and self.error is None
+        self.ctx.active.discard(self)
+        now = time.monotonic()
+        ttft = self.first_token_at - self.arrived if self.first_token_at is not None else None
+        reason = self.final_reason or ("abort" if self.disconnected else "error")
+        ctx = self.ctx
+        ctx.prompt_tokens_total += self.prompt_tokens
+        ctx.completion_tokens_total += self.completion_tokens
+        if self.disconnected:
+            ctx.metrics.disconnects.inc()
+        ctx.metrics.finished_generation(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                                        ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason)
+        ctx.request_log.write(
+            id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
+            disconnected=self.disconnected, error=self.error, ttft_s=None if ttft is None else round(ttft, 4),
+            latency_s=round(now - self.arrived, 4))
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+class TokenText:
+    """Token ids -> text for one reply: complete characters only; stop ids (EOS) are not shown."""
+
+    def __init__(self, ctx: "ServerContext", *, skip_special_tokens: bool, hidden_ids: frozenset[int]):
+        self.tokenizer = ctx.tokenizer
+        self.decoder = ctx.tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
+        self.hidden = hidden_ids
+
+    def feed(self, token_id: int) -> str:
+        return "" if token_id in self.hidden else self.decoder.feed(token_id)
+
+    def flush(self) -> str:
+        return self.decoder.flush()
+
+    def token_string(self, token_id: int) -> str:
+        return self.tokenizer.decode_token(token_id)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.decoder.token_bytes(token_id))

@@ -1,0 +1,144 @@
+"""Request bodies of every endpoint, as pydantic models (one module, like vLLM's protocol files).
+
+Unknown fields are ignored, as vLLM does. Numbers are parsed strictly: a bool or a string is not a number, and
+NaN/inf are refused. Message contents, tools and schemas stay plain dicts here: the chat layer
+(`dsv41.chat.build_chat_prompt`) validates them and names the offending field itself.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+Number = StrictFloat | StrictInt
+Probability = Annotated[Number, Field(ge=0.0, le=1.0)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class SamplingFields(_Request):
+    """Sampling and stopping fields common to chat and completions."""
+
+    model: StrictStr | None = None
+    temperature: Annotated[Number, Field(ge=0.0, le=100.0)] | None = None
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
+    top_k: StrictInt | None = None
+    min_p: Probability | None = None
+    seed: Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    # structured output (vLLM spellings); response_format is OpenAI's
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+
+    @model_validator(mode="after")
+    def _common_rules(self):
+        if self.n != 1:
+            raise ValueError("n must be 1")
+        if self.top_k is not None and self.top_k < -1:
+            raise ValueError("top_k must be -1 (off), 0 (off) or a positive integer")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if "" in self.stop_strings:
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[Any]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool = True
+    reasoning_effort: StrictStr | StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _chat_rules(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.tools is not None and len(self.tools) == 0:
+            raise ValueError("tools must not be an empty list")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields):
+    prompt: StrictStr | list[StrictInt] | list[Any]
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    echo: StrictBool = False
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    add_special_tokens: StrictBool = True
+    suffix: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _completion_rules(self):
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("prompt must not be empty")
+            if not all(type(t) is int for t in self.prompt):
+                raise ValueError("prompt must be a string or one flat list of token ids")
+        elif self.prompt == "":
+            raise ValueError("prompt must not be empty")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TokenizeRequest(_Request):
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: StrictBool = True
+    # chat fields that change the rendering (same meaning as in a chat request)
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    reasoning_effort: StrictStr | StrictInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    continue_final_message: StrictBool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
