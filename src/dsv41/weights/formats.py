@@ -86,7 +86,13 @@ def dequant_fp8_block(
     expected = (_ceil_div(rows, block), _ceil_div(cols, block))
     if tuple(scale.shape) != expected:
         raise ValueError(f"FP8 scale shape {list(scale.shape)} != {list(expected)} for weight {[rows, cols]}")
-    w = e4m3_to_float(weight) * expand_block_scale(e8m0_to_float(scale), rows, cols, block)
+    w = e4m3_to_float(weight)
+    scale = e8m0_to_float(scale)
+    if rows % block == 0 and cols % block == 0:
+        # Broadcast over a blocked view instead of expanding the scales to a full-size tensor.
+        w.view(rows // block, block, cols // block, block).mul_(scale[:, None, :, None])
+    else:
+        w.mul_(expand_block_scale(scale, rows, cols, block))
     return w.to(dtype)
 
 

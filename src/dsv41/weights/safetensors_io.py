@@ -201,7 +201,7 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         """The whole tensor, as a fresh CPU tensor (F8_E8M0 comes back as uint8 bytes)."""
         info = self.info(name)
-        raw = _read_range(info.file, info.offset, info.nbytes, lambda a: a.copy())
+        raw = _copy_rows(info.file, info.offset, 1, info.nbytes, 0, info.nbytes)
         return _as_tensor(raw, info, info.shape)
 
     def get_slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
@@ -215,34 +215,60 @@ class Checkpoint:
         inner = math.prod(shape[dim + 1 :]) * info.itemsize  # bytes per index step along dim
         out_shape = shape[:dim] + [stop - start] + shape[dim + 1 :]
         if dim == 0:
-            raw = _read_range(info.file, info.offset + start * inner, (stop - start) * inner, lambda a: a.copy())
+            length = (stop - start) * inner
+            raw = _copy_rows(info.file, info.offset + start * inner, 1, length, 0, length)
         else:
-            rows, row_bytes = shape[0], shape[1] * inner
-
-            def take_columns(a: np.ndarray) -> np.ndarray:
-                # Strided view over all rows; the copy touches only the wanted column bytes of each row.
-                return a.reshape(rows, row_bytes)[:, start * inner : stop * inner].copy()
-
-            raw = _read_range(info.file, info.offset, info.nbytes, take_columns)
-        return _as_tensor(raw.reshape(-1), info, tuple(out_shape))
+            raw = _copy_rows(info.file, info.offset, shape[0], shape[1] * inner, start * inner, stop * inner)
+        return _as_tensor(raw, info, tuple(out_shape))
 
 
-def _read_range(path: Path, offset: int, length: int, take) -> np.ndarray:
-    """Map `[offset, offset+length)` of `path`, apply `take` (which must copy) to the bytes, unmap."""
-    if length == 0:
-        return np.empty(0, dtype=np.uint8)
+_CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def _copy_rows(path: Path, offset: int, rows: int, row_bytes: int, lo: int, hi: int) -> np.ndarray:
+    """Bytes `[lo, hi)` of each of `rows` rows of `row_bytes` starting at `offset`, copied out of a mapping.
+
+    Only the file range holding the rows is mapped; the copy walks it in chunks and drops each chunk's
+    pages from this process right after (MADV_DONTNEED: they stay in the page cache), so the resident set
+    grows by the copy alone and nothing stays mapped afterwards.
+    """
+    out = np.empty((rows, hi - lo), dtype=np.uint8)
+    if out.size == 0:
+        return out.reshape(-1)
+    length = rows * row_bytes
     aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+    rows_per_chunk = max(1, _CHUNK_BYTES // row_bytes)
     try:
         with open(path, "rb") as f, mmap.mmap(
             f.fileno(), offset + length - aligned, offset=aligned, access=mmap.ACCESS_READ
         ) as mm:
-            view = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset - aligned)
+            grid = np.frombuffer(mm, dtype=np.uint8, count=length, offset=offset - aligned).reshape(rows, row_bytes)
             try:
-                return take(view)
+                if lo == 0 and hi == row_bytes:  # whole rows: one contiguous range, copied in byte chunks
+                    flat_out, flat_in = out.reshape(-1), grid.reshape(-1)
+                    for b0 in range(0, length, _CHUNK_BYTES):
+                        b1 = min(length, b0 + _CHUNK_BYTES)
+                        flat_out[b0:b1] = flat_in[b0:b1]
+                        _drop_pages(mm, offset - aligned + b0, b1 - b0)
+                    del flat_in
+                else:
+                    for r0 in range(0, rows, rows_per_chunk):
+                        r1 = min(rows, r0 + rows_per_chunk)
+                        out[r0:r1] = grid[r0:r1, lo:hi]
+                        _drop_pages(mm, offset - aligned + r0 * row_bytes, (r1 - r0) * row_bytes)
             finally:
-                del view  # the mapping can only close once no array points into it
+                del grid  # the mapping can only close once no array points into it
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot read bytes {offset}..{offset + length} ({e})") from None
+    return out.reshape(-1)
+
+
+def _drop_pages(mm: mmap.mmap, start: int, length: int) -> None:
+    if not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return  # the mapping is closed right after the copy anyway
+    page = mmap.PAGESIZE
+    first = start - start % page
+    mm.madvise(mmap.MADV_DONTNEED, first, min(len(mm), start + length) - first)
 
 
 def _as_tensor(raw: np.ndarray, info: TensorInfo, shape: tuple[int, ...]) -> torch.Tensor:
