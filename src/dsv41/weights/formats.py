@@ -151,7 +151,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
 def _nearest_e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """Round |x| <= 6 to the nearest e2m1 magnitude, ties to the even code (as a float cast would); sign in bit 3."""
     a = x.abs()
-    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=a.dtype)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=a.dtype, device=a.device)
     code = torch.bucketize(a, midpoints)  # a tie lands on the lower code
     odd_lower_ties = (a == 0.75) | (a == 1.75) | (a == 3.5)  # the lower neighbour's code is odd there
     code = code + odd_lower_ties.to(code.dtype)
