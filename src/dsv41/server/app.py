@@ -187,6 +187,7 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
         ctx: ServerContext = request.app.state.ctx
         ctx.inflight += 1
         ctx.requests_total += 1
+        started = time.monotonic()
         handed_off = False
         status = 200
         try:
@@ -200,7 +201,7 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
             status = response.status_code
             if isinstance(response, GenerationStream):
                 handed_off = True
-                response._on_close = lambda: _settle(ctx, name, response._gen.status)
+                response._on_close = lambda: _settle(ctx, name, response._gen.status, started)
             return response
         except APIError as exc:
             status = exc.status
@@ -215,13 +216,14 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
             return error.response()
         finally:
             if not handed_off:
-                _settle(ctx, name, status)
+                _settle(ctx, name, status, started)
 
     return endpoint
 
 
-def _settle(ctx: ServerContext, name: str, status: int) -> None:
+def _settle(ctx: ServerContext, name: str, status: int, started: float) -> None:
     ctx.inflight -= 1
+    ctx.metrics.latency.labels(name).observe(time.monotonic() - started)
     ctx.metrics.requests.labels(name, str(status)).inc()
     if status >= 400 and status != 499:
         ctx.errors_total += 1
