@@ -230,3 +230,72 @@ def test_encoded_assistant_turns_stream_back_to_their_calls(case, message):
     assert result.content == (message.get("content") or "")
     assert [json.loads(c["function"]["arguments"]) for c in result.tool_calls] == [
         json.loads(c["function"]["arguments"]) for c in message["tool_calls"]]
+
+
+# --- grammar-constrained output -----------------------------------------------------------------------------------
+# The server enforces tool_choice required / named with xgrammar's `deepseek_v4_1` structural tag. A random walk
+# through that grammar (a toy character vocabulary plus the DSML tag pieces) stands in for a random model: whatever
+# the grammar lets through must come out as declared calls whose arguments validate against the tool schemas.
+
+# No JSON strings inside string="false" values: xgrammar's DSML grammar lets a JSON string there contain the
+# closing "</｜DSML｜ parameter>" (the official parser, and this one, end the value at it). A real model has no
+# reason to write that, and with the real vocabulary it needs the special ｜DSML｜ token inside a JSON string.
+GRAMMAR_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+        "opts": {"type": "object", "properties": {"metric": {"type": "boolean"}}, "additionalProperties": False}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {},
+                                                                      "additionalProperties": False}}},
+]
+WALK_VOCAB = (["<think>", "</think>", EOS, "｜DSML｜", '<｜DSML｜ parameter name="', "</｜DSML｜ parameter>",
+               '" string="true">', '" string="false">', '<｜DSML｜ invoke name="', "</｜DSML｜ invoke>\n",
+               "</｜DSML｜ calls>", "<｜DSML｜ calls>\n", "\n\n", '">\n']
+              + [chr(c) for c in range(32, 127)] + ["\n", "\t", "é", "中", "｜", "▁"])
+
+
+def grammar_walks(tool_choice, thinking, parallel, count, seed):
+    xgr = pytest.importorskip("xgrammar", reason="xgrammar (optional 'serve' dependency) is not installed")
+    torch = pytest.importorskip("torch", reason="torch is needed for xgrammar's token bitmask")
+    info = xgr.TokenizerInfo(WALK_VOCAB, xgr.VocabType.RAW, stop_token_ids=[2])
+    tag = xgr.get_model_structural_tag("deepseek_v4_1", tools=GRAMMAR_TOOLS, tool_choice=tool_choice,
+                                       reasoning="enabled" if thinking else "disabled",
+                                       parallel_tool_calls=parallel, max_whitespace_cnt=4)
+    compiled = xgr.GrammarCompiler(info, max_threads=1).compile_structural_tag(tag)
+    shifts = torch.arange(32, dtype=torch.int32)
+    rng, walks = random.Random(seed), []
+    while len(walks) < count:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+        out = []
+        for _ in range(800):
+            if matcher.is_terminated():
+                walks.append("".join(out))
+                break
+            matcher.fill_next_token_bitmask(mask)
+            bits = ((mask[0][:, None] >> shifts) & 1).flatten()[:len(WALK_VOCAB)]
+            allowed = [i for i in torch.nonzero(bits).flatten().tolist() if i != 2]
+            tags = [i for i in allowed if len(WALK_VOCAB[i]) > 1]
+            token = rng.choice(tags if tags and rng.random() < 0.35 else allowed)
+            assert matcher.accept_token(token)
+            out.append(WALK_VOCAB[token])
+    return walks
+
+
+@pytest.mark.parametrize("tool_choice,thinking,parallel", [
+    ("required", False, True), ("required", True, True), ("required", False, False), ("named", False, True)])
+def test_grammar_constrained_calls_parse_to_valid_arguments(tool_choice, thinking, parallel):
+    jsonschema = pytest.importorskip("jsonschema", reason="jsonschema (test dependency) is not installed")
+    named = tool_choice == "named"
+    choice = {"type": "function", "function": {"name": "get_weather"}} if named else tool_choice
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in GRAMMAR_TOOLS}
+    walks = grammar_walks(choice, thinking, parallel, count=12, seed=f"{tool_choice}{thinking}{parallel}")
+    rng = random.Random(1)
+    for text in walks:
+        _, result = run(random_pieces(text + EOS, rng), "thinking" if thinking else "chat", GRAMMAR_TOOLS,
+                        parallel_tool_calls=parallel)
+        assert result.content == "" and result.finish_reason == "tool_calls", text
+        assert len(result.tool_calls) >= 1 and (parallel or len(result.tool_calls) == 1), text
+        for call in result.tool_calls:
+            assert not named or call["function"]["name"] == "get_weather"
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])

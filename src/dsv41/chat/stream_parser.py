@@ -11,7 +11,9 @@ engine stops. Events, in order:
   Finished(result)                          last event of finish(): the CompletionResult
 
 Text that could be the start of a marker (`</think>`, `\\n\\n<｜DSML｜ calls`, `<｜end▁of▁sentence｜>`, a
-parameter's closing tag) is held back until the next piece decides; nothing after EOS is parsed.
+parameter's closing tag) is held back until the next piece decides; nothing after EOS is parsed. Between DSML
+tags any whitespace is accepted (the encoder writes single newlines; grammar-constrained decoding with
+xgrammar's `deepseek_v4_1` structural tag may write other whitespace there).
 
 `tools=None` accepts every tool name and reproduces the official parser (string values JSON-quoted,
 `string="false"` text spliced unchecked, bare `name` + `namespace`); on every completion the official parser
@@ -96,7 +98,10 @@ Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgumentsDelta |
 # Tiny grammar for tag attributes, matched on a buffer that may still be incomplete.
 _WS, _LIT, _UNTIL, _CHOICE = "ws", "lit", "until", "choice"
 _NEED, _FAIL = "need", "fail"
-INVOKE_ATTRS = ((_WS,), (_LIT, 'name="'), (_UNTIL, '"'), (_WS,), (_LIT, ">"), (_LIT, "\n"))
+# A value ends at the complete closing tag (the official parser stops at "</｜DSML｜ parameter" and then demands
+# ">\n"; xgrammar's DSML grammar only excludes the complete tag from string values).
+VALUE_END = PARAM_CLOSE + ">"
+INVOKE_ATTRS = ((_WS,), (_LIT, 'name="'), (_UNTIL, '"'), (_WS,), (_LIT, ">"))
 PARAM_ATTRS = ((_WS,), (_LIT, 'name="'), (_UNTIL, '"'), (_WS,), (_LIT, 'string="'), (_CHOICE, ("true", "false")),
                (_LIT, '"'), (_WS,), (_LIT, ">"))
 
@@ -330,12 +335,14 @@ class StreamParser:
             raw = self._consume(end)
             return self._open_invoke(captures[0], raw, final) if at == "invoke_attrs" else \
                 self._open_param(captures[0], captures[1] == "true", final)
-        if at == "invoke_body":
-            # The encoder writes a blank line for a call without arguments; the official parser takes both.
-            options = (PARAM_OPEN, INVOKE_CLOSE) + (() if self._call.keys else ("\n" + INVOKE_CLOSE,))
-        else:
-            options = {"open": (">\n",), "item": (INVOKE_OPEN, CALLS_CLOSE), "param_end": (">\n",),
-                       "invoke_end": ("\n",)}[at]
+        if at in ("item", "invoke_body"):
+            # Between tags the encoder writes one newline (a blank line in an empty invoke); grammar-constrained
+            # decoding (xgrammar's deepseek_v4_1 tag) may write any whitespace there, so any is accepted.
+            spaces = len(self._buf) - len(self._buf.lstrip(" \t\r\n"))
+            self._consume(spaces)
+            if not self._buf and not final:
+                return False
+        options = {"open": (">",), "item": (INVOKE_OPEN, CALLS_CLOSE), "invoke_body": (PARAM_OPEN, INVOKE_CLOSE)}[at]
         found = self._expect(options, final)
         if found is None:
             return False
@@ -347,11 +354,11 @@ class StreamParser:
             self._at = "invoke_attrs"
         elif found == PARAM_OPEN:
             self._at = "param_attrs"
-        elif found.endswith(INVOKE_CLOSE):
+        elif found == INVOKE_CLOSE:
             self._end_call()
-            self._at = "invoke_end"
-        else:  # ">\n" after the block opener or a parameter, "\n" after an invoke
-            self._at = "invoke_body" if at == "param_end" else "item"
+            self._at = "item"
+        else:  # the ">" closing the block opener
+            self._at = "item"
         return True
 
     def _open_invoke(self, qualified: str, attrs_raw: str, final: bool) -> bool:
@@ -417,16 +424,16 @@ class StreamParser:
         call.value_open = False
 
     def _step_value(self, final: bool) -> bool:
-        end = self._buf.find(PARAM_CLOSE)
+        end = self._buf.find(VALUE_END)
         if end >= 0:
             self._value_text(self._consume(end))
-            self._consume(len(PARAM_CLOSE))
+            self._consume(len(VALUE_END))
             self._close_value()
-            self._at = "param_end"
+            self._at = "invoke_body"
             return True
         if final:
             return self._fail(final)
-        size = len(self._buf) - _held_suffix(self._buf, (PARAM_CLOSE,))
+        size = len(self._buf) - _held_suffix(self._buf, (VALUE_END,))
         self._value_text(self._consume(size))
         return False
 

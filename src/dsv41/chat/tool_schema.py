@@ -74,5 +74,11 @@ def tool_specs(tools) -> dict[str, ToolSpec] | None:
     """qualified DSML name -> ToolSpec; None (no tools argument) means "accept every name, untyped"."""
     if tools is None:
         return None
-    specs = (ToolSpec(t) for t in tools)
-    return {spec.qualified_name: spec for spec in specs}
+    specs = [ToolSpec(t) for t in tools]
+    by_name = {spec.qualified_name: spec for spec in specs}
+    # A tool declared with a separate namespace may also be called by its bare name (grammars built from the
+    # OpenAI tool list write that one) as long as the bare name is unambiguous.
+    for spec in specs:
+        if spec.name not in by_name and sum(other.name == spec.name for other in specs) == 1:
+            by_name[spec.name] = spec
+    return by_name
