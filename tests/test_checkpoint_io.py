@@ -51,6 +51,17 @@ def test_reads_files_written_by_the_official_library(tmp_path):
     assert ckpt.get("a.fp8").dtype == torch.float8_e4m3fn
     assert ckpt.shape("a.i16") == (2, 3, 8) and ckpt.dtype("a.bf16") == "BF16"
     assert ckpt.has("a.u8") and not ckpt.has("a.nope")
+    assert ckpt.unclaimed() == []
+
+
+def test_unclaimed_lists_tensors_nobody_asked_for(tmp_path):
+    save_file(sample_tensors(), str(tmp_path / "model.safetensors"))
+    ckpt = Checkpoint(tmp_path)
+    ckpt.get("a.f32")
+    ckpt.get_slice("a.u8", 0, 0, 1)
+    ckpt.shape("a.i8")
+    assert ckpt.has("a.f16")  # has() does not claim
+    assert sorted(ckpt.unclaimed()) == sorted(set(sample_tensors()) - {"a.f32", "a.u8", "a.i8"})
 
 
 def test_writer_output_reads_back_with_the_official_library(tmp_path):

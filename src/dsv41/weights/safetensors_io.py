@@ -129,6 +129,7 @@ class Checkpoint:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         self._tensors: dict[str, TensorInfo] = {}
+        self._claimed: set[str] = set()  # names looked up so far, to find tensors a model never asked for
         self.metadata: dict[str, dict[str, str]] = {}  # per shard file name
         index_path = self.folder / INDEX_FILE
         if index_path.is_file():
@@ -176,9 +177,15 @@ class Checkpoint:
 
     def info(self, name: str) -> TensorInfo:
         try:
-            return self._tensors[name]
+            info = self._tensors[name]
         except KeyError:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.folder}") from None
+        self._claimed.add(name)
+        return info
+
+    def unclaimed(self) -> list[str]:
+        """Tensors never looked up (info/shape/dtype/expect/get): after loading a model, its extra tensors."""
+        return [name for name in self._tensors if name not in self._claimed]
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.info(name).shape
@@ -187,7 +194,9 @@ class Checkpoint:
         """The safetensors dtype string ("BF16", "F8_E4M3", "F8_E8M0", ...)."""
         return self.info(name).dtype
 
-    def expect(self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[str, ...] | None = None) -> TensorInfo:
+    def expect(
+        self, name: str, shape: tuple[int, ...] | None = None, dtypes: tuple[str, ...] | None = None
+    ) -> TensorInfo:
         """Check a tensor exists with the given shape / one of the given dtypes, or raise naming it."""
         info = self.info(name)
         if shape is not None and info.shape != tuple(shape):

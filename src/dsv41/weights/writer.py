@@ -161,7 +161,9 @@ def random_exl3_group(
     """A valid EXL3 group `{trellis, suh, svh[, marker]}` standing in for torch weight W `[out, in]`."""
     out_features, in_features = W.shape
     if in_features % 128 or out_features % 128:
-        raise ValueError(f"{prefix}: EXL3 needs in and out features divisible by 128, got [{out_features}, {in_features}]")
+        raise ValueError(
+            f"{prefix}: EXL3 needs in and out features divisible by 128, got [{out_features}, {in_features}]"
+        )
     if codebook not in exl3.CODEBOOKS:
         raise ValueError(f"{prefix}: unknown EXL3 codebook {codebook!r}")
     if generator is None:
