@@ -107,3 +107,131 @@ def test_tools_on_any_message_keep_earlier_reasoning():
 ])
 def test_image_part_spellings(parts, expected):
     assert encode_messages([{"role": "user", "content": parts}], "chat") == expected
+
+
+def _tools_text_from_fixture_1(schema_lines):
+    """The ## Tools section around `schema_lines`, cut out of official fixture 1's prompt (data, not our code)."""
+    prompt = next(c for c in ENCODE_CASES if c["name"] == "official_fixture_1")["prompt"]
+    head = prompt[prompt.index("\n\n## Tools"):prompt.index("### Available Tool Schemas\n\n") + 28]
+    tail = prompt[prompt.index("\n\nYou MUST strictly follow"):prompt.index("<｜User｜>")]
+    return head + "\n".join(schema_lines) + tail
+
+
+def test_official_fixture_3_chat_mid_system_tools_after_reminder():
+    # Upstream test_input_3 as recorded by smg-project/smg (render_fixtures.json, case hf_3); chat mode, so the
+    # pre-release effort table it was rendered with does not show.
+    search = {"type": "function", "function": {
+        "name": "search", "description": "Web search. Split multiple queries with '||'.",
+        "parameters": {"type": "object", "properties": {"queries": {"type": "string", "description": "query1||query2"}},
+                       "required": ["queries"], "additionalProperties": False}}}
+    open_ = {"type": "function", "function": {
+        "name": "open", "description": "Batch open IDs (format 【{id}†...】) or URLs.",
+        "parameters": {"type": "object", "properties": {"open_list": {"type": "array", "items": {
+            "type": "object", "properties": {
+                "id": {"description": "ID or URL", "anyOf": [{"type": "integer"}, {"type": "string"}], "default": -1},
+                "loc": {"type": "integer", "description": "Start line", "default": -1},
+                "num_lines": {"type": "integer", "description": "", "default": -1}},
+            "additionalProperties": False}, "description": ""}},
+            "required": ["open_list"], "additionalProperties": False}}}
+    messages = [
+        {"role": "system", "content": "该助手为DeepSeek，由深度求索公司创造。"},
+        {"role": "latest_reminder", "content": "2026-02-21,星期六,广州,App,中文"},
+        {"role": "system", "content": "CITATION FORMAT: 【{cursor_id}†L{start_line_id}(-L{end_line_id})?】",
+         "tools": [search, open_]},
+        {"role": "user", "content": "小柴胡冲剂和布洛芬能一起吃吗？"},
+        {"role": "assistant", "content": "", "reasoning_content": "用户想知道小柴胡冲剂和布洛芬能否一起服用。",
+         "tool_calls": [{"type": "function", "function": {
+             "name": "search", "arguments": "{\"queries\": \"小柴胡冲剂 布洛芬 相互作用 一起吃\"}"}}]},
+        {"role": "tool", "content": "[0]"},
+        {"role": "assistant", "content": "请及时就医。", "reasoning_content": "现在开始组织回答。", "tool_calls": []},
+    ]
+    schema_lines = [
+        '{"name": "search", "description": "Web search. Split multiple queries with \'||\'.", "parameters": {"type": '
+        '"object", "properties": {"queries": {"type": "string", "description": "query1||query2"}}, "required": '
+        '["queries"], "additionalProperties": false}}',
+        '{"name": "open", "description": "Batch open IDs (format 【{id}†...】) or URLs.", "parameters": {"type": '
+        '"object", "properties": {"open_list": {"type": "array", "items": {"type": "object", "properties": {"id": '
+        '{"description": "ID or URL", "anyOf": [{"type": "integer"}, {"type": "string"}], "default": -1}, "loc": '
+        '{"type": "integer", "description": "Start line", "default": -1}, "num_lines": {"type": "integer", '
+        '"description": "", "default": -1}}, "additionalProperties": false}, "description": ""}}, "required": '
+        '["open_list"], "additionalProperties": false}}',
+    ]
+    expected = (
+        "<｜begin▁of▁sentence｜><｜System｜>该助手为DeepSeek，由深度求索公司创造。<｜latest_reminder｜>"
+        "2026-02-21,星期六,广州,App,中文<｜System｜>CITATION FORMAT: 【{cursor_id}†L{start_line_id}(-L{end_line_id})?】"
+        + _tools_text_from_fixture_1(schema_lines) +
+        "<｜User｜>小柴胡冲剂和布洛芬能一起吃吗？<｜Assistant｜></think>\n\n<｜DSML｜ calls>\n"
+        '<｜DSML｜ invoke name="search">\n'
+        '<｜DSML｜ parameter name="queries" string="true">小柴胡冲剂 布洛芬 相互作用 一起吃</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜><｜User｜><tool_result>[0]</tool_result>"
+        "<｜Assistant｜></think>请及时就医。<｜end▁of▁sentence｜>")
+    assert encode_messages(messages, "chat") == expected
+
+
+def test_official_fixture_5_thinking_images_max_effort():
+    # Upstream test_input_5 (smg-project/smg render_fixtures.json, case hf_5); "max" is 100 in both effort tables.
+    messages = [
+        {"role": "system", "content": "You are a helpful vision assistant."},
+        {"role": "user", "content": [
+            {"type": "text", "text": "请按“第一张、第二张”的顺序回答：第一张图"},
+            {"type": "image_url", "image_url": {"url": "examples/images/carrots.jpeg"}},
+            {"type": "text", "text": "和第二张图"},
+            {"type": "image_url", "image_url": {"url": "examples/images/corn.jpeg"}},
+            {"type": "text", "text": "中分别是什么食材？它们通常食用的部位分别是什么？"}]},
+    ]
+    assert encode_messages(messages, "thinking", reasoning_effort="max") == (
+        "<｜begin▁of▁sentence｜><｜System｜>Reasoning Effort: 100 (range 1-100, the higher the value, the more "
+        "thorough the reasoning)\n\nYou are a helpful vision assistant.<｜User｜>请按“第一张、第二张”的顺序回答：第一张图"
+        "\n\n<｜deepseek_image｜>\n\n和第二张图\n\n<｜deepseek_image｜>\n\n中分别是什么食材？它们通常食用的部位分别是什么？"
+        "<｜Assistant｜><think>")
+
+
+EFFORT_50 = "Reasoning Effort: 50 (range 1-100, the higher the value, the more thorough the reasoning)"
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "Look up", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}
+LOOKUP_LINE = ('{"name": "lookup", "description": "Look up", "parameters": {"type": "object", "properties": '
+               '{"query": {"type": "string"}}, "required": ["query"]}}')
+F_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+F_LINE = '{"name": "f", "parameters": {"type": "object"}}'
+
+
+# More cases recorded by smg-project/smg (render_fixtures.json) from the pre-release encoder; its default effort
+# was 50, so these pass 50 explicitly.
+def test_unknown_result_id_sorts_first():
+    calls = [{"id": f"call_{x}", "type": "function",
+              "function": {"name": "lookup", "arguments": f"{{\"query\": \"{q}\"}}"}}
+             for x, q in (("a", "first"), ("b", "second"))]
+    messages = [{"role": "system", "content": "", "tools": [LOOKUP]}, {"role": "user", "content": "question"},
+                {"role": "assistant", "reasoning_content": "reason", "content": "summary", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_b", "content": "second result"},
+                {"role": "tool", "tool_call_id": "call_x", "content": "unknown result"},
+                {"role": "tool", "tool_call_id": "call_a", "content": "first result"}]
+    invoke = ('<｜DSML｜ invoke name="lookup">\n<｜DSML｜ parameter name="query" string="true">{}</｜DSML｜ parameter>\n'
+              "</｜DSML｜ invoke>")
+    assert encode_messages(messages, "thinking", reasoning_effort=50) == (
+        f"<｜begin▁of▁sentence｜><｜System｜>{EFFORT_50}\n\n" + _tools_text_from_fixture_1([LOOKUP_LINE]) +
+        "<｜User｜>question<｜Assistant｜><think>reason</think>summary\n\n<｜DSML｜ calls>\n"
+        + invoke.format("first") + "\n" + invoke.format("second") + "\n</｜DSML｜ calls><｜end▁of▁sentence｜>"
+        "<｜User｜><tool_result>unknown result</tool_result>\n\n<tool_result>first result</tool_result>\n\n"
+        "<tool_result>second result</tool_result><｜Assistant｜><think>")
+
+
+@pytest.mark.parametrize("arguments,parameters", [
+    ('"{\\"a\\": 1}"', '<｜DSML｜ parameter name="a" string="false">1</｜DSML｜ parameter>'),   # double-encoded
+    ("[1, 2]", '<｜DSML｜ parameter name="arguments" string="true">[1, 2]</｜DSML｜ parameter>'),  # not an object
+    ('{"n": 3, "ok": true, "obj": {"temp": "C"}, "s": "raw <x>"}',
+     '<｜DSML｜ parameter name="n" string="false">3</｜DSML｜ parameter>\n'
+     '<｜DSML｜ parameter name="ok" string="false">true</｜DSML｜ parameter>\n'
+     '<｜DSML｜ parameter name="obj" string="false">{"temp": "C"}</｜DSML｜ parameter>\n'
+     '<｜DSML｜ parameter name="s" string="true">raw <x></｜DSML｜ parameter>'),
+])
+def test_call_arguments_spellings(arguments, parameters):
+    messages = [{"role": "system", "content": "", "tools": [F_TOOL]}, {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    assert encode_messages(messages, "thinking", reasoning_effort=50) == (
+        f"<｜begin▁of▁sentence｜><｜System｜>{EFFORT_50}\n\n" + _tools_text_from_fixture_1([F_LINE]) +
+        '<｜User｜>q<｜Assistant｜><think></think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f">\n' + parameters +
+        "\n</｜DSML｜ invoke>\n</｜DSML｜ calls><｜end▁of▁sentence｜><｜User｜><tool_result>done</tool_result>"
+        "<｜Assistant｜><think>")
