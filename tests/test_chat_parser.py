@@ -64,3 +64,47 @@ def test_documented_refusals(text):
 def test_empty_calls_block_parses_to_no_calls():
     parsed = parse_completion("a\n\n<｜DSML｜ calls>\n</｜DSML｜ calls><｜end▁of▁sentence｜>", "chat")
     assert parsed["content"] == "a" and parsed["tool_calls"] == []
+
+
+def _random_text(rng, alphabet="ab c\n\"\\<>/{}é中😀\t"):
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+
+
+def _random_value(rng, depth=0):
+    kind = rng.choice(["str", "int", "float", "bool", "null", "list", "dict"] if depth < 2 else ["str", "int"])
+    if kind == "str":
+        return _random_text(rng)
+    if kind == "int":
+        return rng.randint(-10**6, 10**6)
+    if kind == "float":
+        return rng.choice([0.5, -1.25, 1e20, 3.0e-7])
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "null":
+        return None
+    if kind == "list":
+        return [_random_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+    return {f"k{i}": _random_value(rng, depth + 1) for i in range(rng.randint(0, 3))}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_assistant_turns_round_trip(seed):
+    # encode(message) as a completion -> parse -> the same message, and encoding the parse gives the same text
+    import random
+    rng = random.Random(seed)
+    thinking_mode = rng.choice(["chat", "thinking"])
+    calls = [{"type": "function", "function": {"name": rng.choice(["f", "get_x", "ns::tool"]), "arguments": json.dumps(
+        {f"p{i}": _random_value(rng) for i in range(rng.randint(0, 4))}, ensure_ascii=False)}}
+        for _ in range(rng.choice([0, 0, 1, 3]))]
+    message = {"role": "assistant", "content": _random_text(rng),
+               "reasoning_content": _random_text(rng) if thinking_mode == "thinking" else ""}
+    if calls:
+        message["tool_calls"] = calls
+    text = encode_messages([message], thinking_mode, context=[{"role": "user", "content": "q"}])
+    parsed = parse_completion(text, thinking_mode)
+    assert parsed["content"] == message["content"] and parsed["reasoning_content"] == message["reasoning_content"]
+    assert [json.loads(c["function"]["arguments"]) for c in parsed["tool_calls"]] == [
+        json.loads(c["function"]["arguments"]) for c in calls]
+    assert [c.get("namespace", "") + c["function"]["name"] for c in parsed["tool_calls"]] == [
+        c["function"]["name"].replace("::", "") for c in calls]
+    assert encode_messages([parsed], thinking_mode, context=[{"role": "user", "content": "q"}]) == text
