@@ -1,0 +1,239 @@
+"""sd_notify and journald logging, tested over a real unix datagram socket and real child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@pytest.fixture
+def notify_socket(tmp_path):
+    """A bound AF_UNIX/SOCK_DGRAM socket standing in for systemd's notification socket."""
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(5)
+    yield sock, str(path)
+    sock.close()
+
+
+def receive_all(sock: socket.socket, until: str | None = None, timeout: float = 5.0) -> list[str]:
+    """Datagrams until one contains `until` (or the socket stays quiet for 0.3 s when `until` is None)."""
+    messages: list[str] = []
+    deadline = time.monotonic() + timeout
+    sock.settimeout(0.3 if until is None else 0.2)
+    while time.monotonic() < deadline:
+        try:
+            messages.append(sock.recv(4096).decode("latin-1"))
+        except socket.timeout:
+            if until is None:
+                break
+            continue
+        if until is not None and until in messages[-1]:
+            break
+    return messages
+
+
+def run_child(code: str, env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **env}
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    return subprocess.run([PY, "-c", textwrap.dedent(code)], env=full_env, stderr=subprocess.PIPE, text=True,
+                          timeout=60, **kwargs)
+
+
+def test_child_process_messages_arrive_in_order(notify_socket):
+    sock, path = notify_socket
+    result = run_child(
+        """
+        from dsv41.ops.notify import Notifier, LoadProgress
+        n = Notifier(debug=True)
+        progress = LoadProgress(n, extend_s=180)
+        progress.update(1, 4, "shards")
+        progress.update(1, 4, "shards")   # no progress: status only, no extension
+        progress.update(4, 4, "shards")
+        n.ready()
+        n.stopping()
+        """,
+        {"NOTIFY_SOCKET": path},
+    )
+    assert result.returncode == 0, result.stderr
+    messages = receive_all(sock)
+    assert messages == [
+        "EXTEND_TIMEOUT_USEC=180000000\nSTATUS=loading shards 1/4 (25%)",
+        "STATUS=loading shards 1/4 (25%)",
+        "EXTEND_TIMEOUT_USEC=180000000\nSTATUS=loading shards 4/4 (100%)",
+        "READY=1\nSTATUS=serving",
+        "STOPPING=1\nSTATUS=draining",
+    ]
+
+
+def test_abstract_namespace_socket():
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    name = f"dsv41-test-{os.getpid()}"
+    sock.bind("\0" + name)
+    try:
+        result = run_child(
+            "from dsv41.ops.notify import Notifier\nNotifier(debug=True).status('warming', percent=42.4)\n",
+            {"NOTIFY_SOCKET": "@" + name},
+        )
+        assert result.returncode == 0, result.stderr
+        assert receive_all(sock) == ["STATUS=warming (42%)"]
+    finally:
+        sock.close()
+
+
+def test_no_socket_is_a_silent_no_op(monkeypatch):
+    monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    from dsv41.ops.notify import Notifier
+
+    notifier = Notifier(debug=True)
+    assert not notifier.enabled
+    notifier.ready()  # would raise with debug=True if it tried to use a socket
+    notifier.watchdog()
+
+
+def test_watchdog_pings_only_while_engine_healthy(notify_socket):
+    sock, path = notify_socket
+    # The child flips its engine to unhealthy after 0.5 s and back to healthy at 1.0 s, then exits at 1.5 s.
+    result = run_child(
+        """
+        import time
+        from dsv41.ops.notify import Notifier, WatchdogPinger
+        start = time.monotonic()
+        def healthy():
+            t = time.monotonic() - start
+            return not (0.5 <= t < 1.0)
+        pinger = WatchdogPinger(Notifier(debug=True), healthy)
+        assert abs(pinger.interval_s - 0.1) < 1e-9, pinger.interval_s
+        pinger.start()
+        time.sleep(1.5)
+        pinger.stop()
+        print(pinger.pings, pinger.skipped)
+        """,
+        {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"},
+    )
+    assert result.returncode == 0, result.stderr
+    pings, skipped = map(int, result.stdout.split())
+    messages = receive_all(sock)
+    assert messages and set(messages) == {"WATCHDOG=1"}
+    assert len(messages) == pings
+    # ~15 ticks at half of WATCHDOG_USEC; ~5 of them fall in the unhealthy half second.
+    assert 7 <= pings <= 12, (pings, skipped)
+    assert 3 <= skipped <= 6, (pings, skipped)
+
+
+def test_watchdog_not_armed_for_another_pid(monkeypatch):
+    from dsv41.ops.notify import watchdog_interval_s
+
+    monkeypatch.setenv("WATCHDOG_USEC", "60000000")
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert watchdog_interval_s() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))
+    assert watchdog_interval_s() is None
+
+
+def test_raising_health_probe_withholds_ping(notify_socket, monkeypatch):
+    sock, path = notify_socket
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    from dsv41.ops.notify import Notifier, WatchdogPinger
+
+    def broken():
+        raise RuntimeError("engine state unreadable")
+
+    pinger = WatchdogPinger(Notifier(debug=True), broken, interval_s=1.0)
+    assert pinger.tick() is False
+    assert receive_all(sock) == []
+
+
+# ------------------------------------------------------------------------------------------ journald prefixes
+
+LOG_CHILD = """
+import logging
+from dsv41.ops.journal import setup_logging
+setup_logging(logging.DEBUG)
+log = logging.getLogger("dsv41.test")
+log.error("disk on fire")
+log.warning("slow shard")
+log.info("loaded")
+log.debug("detail")
+try:
+    1 / 0
+except ZeroDivisionError:
+    log.exception("boom")
+"""
+
+
+def test_priority_prefixes_under_journald(tmp_path):
+    out = tmp_path / "stdout"
+    with out.open("w") as handle:
+        st = os.fstat(handle.fileno())
+        result = run_child(LOG_CHILD, {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}, stdout=handle)
+    assert result.returncode == 0, result.stderr
+    lines = out.read_text().splitlines()
+    assert lines[:4] == ["<3>dsv41.test: disk on fire", "<4>dsv41.test: slow shard", "<6>dsv41.test: loaded",
+                         "<7>dsv41.test: detail"]
+    # every traceback line keeps the error priority, so the journal entry is not split into info lines
+    assert lines[4] == "<3>dsv41.test: boom"
+    assert len(lines) > 6 and all(line.startswith("<3>") for line in lines[4:])
+    assert lines[-1] == "<3>ZeroDivisionError: division by zero"
+
+
+def test_plain_lines_outside_journald(tmp_path):
+    out = tmp_path / "stdout"
+    with out.open("w") as handle:
+        # JOURNAL_STREAM naming some other file (inherited from a parent) must not switch prefixes on
+        result = run_child(LOG_CHILD, {"JOURNAL_STREAM": "1:1"}, stdout=handle)
+    assert result.returncode == 0, result.stderr
+    first = out.read_text().splitlines()[0]
+    assert not first.startswith("<")
+    assert first.endswith("ERROR dsv41.test: disk on fire")
+
+
+# ------------------------------------------------------------------------------------------ end to end with serve
+
+def serve_available() -> str | None:
+    """None when `dsv41 serve` exists, else the reason it cannot be tested yet."""
+    probe = subprocess.run([PY, "-c", "from dsv41.cli import main; main(['serve', '--help'])"], capture_output=True,
+                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    if probe.returncode != 0 or "usage" not in probe.stdout.lower():
+        return f"`dsv41 serve` is not available yet (rc={probe.returncode}: {(probe.stderr or probe.stdout).strip()[:200]})"
+    return None
+
+
+@pytest.mark.slow
+def test_serve_notifies_systemd(notify_socket, tmp_path):
+    reason = serve_available()
+    if reason:
+        print(reason)
+        pytest.skip(reason)
+    sock, path = notify_socket
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}
+    proc = subprocess.Popen([PY, "-c", "import sys; from dsv41.cli import main; main(sys.argv[1:])", "serve", "--host", "127.0.0.1", "--port", "0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        before_ready = receive_all(sock, until="READY=1", timeout=600)
+        assert before_ready and "READY=1" in before_ready[-1], before_ready
+        loading = before_ready[:-1]
+        assert any("EXTEND_TIMEOUT_USEC=" in m for m in loading), loading
+        assert any("STATUS=" in m and "%" in m for m in loading), loading
+        pings = receive_all(sock, until="WATCHDOG=1", timeout=10)
+        assert any("WATCHDOG=1" in m for m in pings), pings
+        proc.send_signal(signal.SIGTERM)
+        after = receive_all(sock, until="STOPPING=1", timeout=60)
+        assert any("STOPPING=1" in m for m in after), after
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
