@@ -174,6 +174,7 @@ def test_named_tool_choice_must_name_a_declared_tool():
     ({"messages": USER_ONLY, "guided_json": "{not json"}, "guided_json"),
     ({"messages": USER_ONLY, "continue_final_message": True}, "continue_final_message"),
     ({"messages": USER_ONLY, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"messages": USER_ONLY, "continue_final_message": 1}, "continue_final_message"),
 ])
 def test_malformed_requests_name_the_field(request_body, param):
     with pytest.raises(RequestError) as info:

@@ -63,11 +63,9 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
     tool_choice = _tool_choice(request.get("tool_choice"), tools)
     offered = [] if tool_choice == "none" else tools
     response_format = _response_format(request)
-    parallel = request.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise RequestError("parallel_tool_calls must be a boolean", param="parallel_tool_calls")
+    parallel, continuing = (_optional_bool(request, key) for key in ("parallel_tool_calls", "continue_final_message"))
     messages = [_message(m, i) for i, m in enumerate(_message_list(request.get("messages")))]
-    if request.get("continue_final_message"):
+    if continuing:
         if messages[-1]["role"] != "assistant":
             raise RequestError("continue_final_message needs a final assistant message",
                                param="continue_final_message")
@@ -87,7 +85,14 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
     return ChatPrompt(messages=messages, thinking_mode=mode, reasoning_effort=effort, prompt=prompt,
                       tools=offered, tool_choice=tool_choice, response_format=response_format,
                       parallel_tool_calls=parallel is not False,
-                      continue_final_message=bool(request.get("continue_final_message")))
+                      continue_final_message=bool(continuing))
+
+
+def _optional_bool(request: dict, key: str) -> bool | None:
+    value = request.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{key} must be a boolean", param=key)
+    return value
 
 
 def resolve_thinking(request: dict, kwargs: dict) -> tuple[bool, int]:
