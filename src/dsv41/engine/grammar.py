@@ -7,7 +7,7 @@ vocab width so the bitmask matches the logits. Compiled grammars are handed to t
 
 Output shapes the server asks for:
 - JSON (a schema, or any object) — after `</think>` when the prompt ends in `<think>` (thinking mode);
-- DSML tool calls for `tool_choice` required / named — xgrammar's `deepseek_v4_1` structural tag.
+- DSML tool calls for `tool_choice` required / named — dsml_grammar.py (the encoder's exact layout).
 A schema xgrammar cannot compile raises `GrammarError`, which the server answers with 400.
 """
 
@@ -84,19 +84,23 @@ class Grammars:
         )
         return self._compile(self._after_reasoning(body, thinking), what="response_format schema")
 
+    def regex(self, pattern: str, *, thinking: bool) -> Any:
+        body = self._xgr.structural_tag.RegexFormat(pattern=pattern)
+        return self._compile(self._after_reasoning(body, thinking), what="regex")
+
+    def choice(self, options: list[str], *, thinking: bool) -> Any:
+        fmt = self._xgr.structural_tag
+        body = fmt.OrFormat(elements=[fmt.ConstStringFormat(value=o) for o in options])
+        return self._compile(self._after_reasoning(body, thinking), what="choice")
+
     def tool_calls(self, tools: list[dict], tool_choice: Any, *, parallel: bool, thinking: bool) -> Any:
-        """DSML tool calls: tool_choice "required" or {"type": "function", "function": {"name": ...}}."""
+        """DSML tool calls in the encoder's exact layout: tool_choice "required" or a named function."""
+        from .dsml_grammar import dsml_tool_call_tag
+
         try:
-            tag = self._xgr.get_model_structural_tag(
-                "deepseek_v4_1",
-                tools=tools,
-                tool_choice=tool_choice,
-                reasoning="enabled" if thinking else "disabled",
-                parallel_tool_calls=parallel,
-                max_whitespace_cnt=MAX_WHITESPACE,
-            )
+            tag = dsml_tool_call_tag(tools, tool_choice, parallel=parallel, thinking=thinking)
         except Exception as exc:
-            raise GrammarError(f"tools cannot be enforced: {exc}") from None
+            raise GrammarError(f"tools cannot be enforced: {_first_line(exc)}") from None
         return self._compile(tag, what="tools")
 
     def check_schema(self, schema: Any, what: str) -> None:

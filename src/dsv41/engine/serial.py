@@ -33,7 +33,8 @@ from .sampling import derive_seed, sample_token, token_logprobs
 class SerialEngine(Engine):
     def __init__(self, model, *, max_model_len: int, max_waiting: int = 64, prefill_chunk: int = 512):
         self.model = model
-        self.vocab_size = int(model.config.vocab_size)
+        config = getattr(model, "config", None) or model.cfg
+        self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(max_model_len)
         self.max_waiting = max_waiting
         self.prefill_chunk = prefill_chunk
