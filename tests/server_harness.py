@@ -41,7 +41,7 @@ class ServerProcess:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.request_log = self.tmp / "requests.jsonl"
         args = [sys.executable, "-m", "dsv41.server", "serve", "--model", str(model_dir()), "--port", "0",
-                "--served-name", SERVED_NAME, "--alias", ALIAS, "--cpu-threads", "1",
+                "--served-name", SERVED_NAME, "--alias", ALIAS, "--cpu-threads", "1", "--max-body-bytes", "1000000",
                 "--request-log", str(self.request_log), *extra]
         self.api_key = api_key
         if api_key is not None:

@@ -66,7 +66,8 @@ def _tool_grammar(ctx: "ServerContext", req: ChatCompletionRequest, prompt):
 async def create_chat_completion(ctx: "ServerContext", req: ChatCompletionRequest, body: dict):
     prompt, ids = render_chat(ctx, body)
     thinking = prompt.thinking_mode == "thinking"
-    budget = completion_budget(ctx, len(ids), req.completion_limit, "messages")
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    budget = completion_budget(ctx, len(ids), req.completion_limit, "messages", limit_param)
     grammar = _tool_grammar(ctx, req, prompt) or structured_grammar(ctx, req, thinking=thinking)
     top = req.top_logprobs or 0
     engine_request = GenerationRequest(

@@ -67,7 +67,10 @@ def engine_failed(message: str) -> APIError:
 
 def from_validation_error(exc) -> APIError:
     """A pydantic ValidationError -> 400 naming the first offending field."""
-    first = exc.errors()[0]
+    errors = exc.errors()
+    # for a union (e.g. stop: str | list[str]) the first error is often "not a string"; prefer a specific one
+    specific = [e for e in errors if not e.get("msg", "").startswith("Input should be a valid")]
+    first = (specific or errors)[0]
     loc = ".".join(str(p) for p in first.get("loc", ()) if not _is_union_tag(p))
     msg = first.get("msg", "invalid value")
     if msg.startswith("Value error, "):

@@ -41,7 +41,8 @@ def sampling_params(fields: "SamplingFields") -> SamplingParams:
     )
 
 
-def completion_budget(ctx: "ServerContext", prompt_len: int, requested: int | None, param: str) -> int:
+def completion_budget(ctx: "ServerContext", prompt_len: int, requested: int | None, param: str,
+                      limit_param: str = "max_tokens") -> int:
     """max_tokens after the context check: prompt + max_tokens must fit max_model_len (else 400)."""
     limit = ctx.config.max_model_len
     if prompt_len >= limit:
@@ -56,7 +57,7 @@ def completion_budget(ctx: "ServerContext", prompt_len: int, requested: int | No
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the completion). "
             f"Reduce the prompt or max_tokens, or raise --max-model-len.",
-            param="max_tokens", code="context_length_exceeded")
+            param=limit_param, code="context_length_exceeded")
     return requested
 
 
