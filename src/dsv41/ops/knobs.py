@@ -27,7 +27,6 @@ class ServeKnob:
     env: str
     flag: str
     doc: str
-    example: str = ""
     many: bool = False
 
 
@@ -41,25 +40,29 @@ class OpsKnob:
 
 
 SERVE_KNOBS: tuple[ServeKnob, ...] = (
-    ServeKnob("DSV41_MODEL", "--model", "model folder (config.json, tokenizer, safetensors); byte-identical on both nodes",
-              "/srv/dsv41/model"),
-    ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)", "127.0.0.1"),
-    ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0", "8000"),
-    ServeKnob("DSV41_SERVED_NAME", "--served-name", "model id reported by /v1/models", "DeepSeek-V4.1-Flash"),
-    ServeKnob("DSV41_ALIASES", "--alias", "extra model ids accepted and listed (space-separated)", "deepseek-v4.1-flash",
-              many=True),
-    ServeKnob("DSV41_API_KEY_FILE", "--api-key-file", "file holding the bearer key; empty = no auth", ""),
-    ServeKnob("DSV41_TP", "--tp", "tensor-parallel world size (2 = the two Sparks)", "2"),
-    ServeKnob("DSV41_MASTER", "--master", "HEAD_LINK_IP:PORT of rank 0's rendezvous on the direct link", "10.0.0.1:29571"),
-    ServeKnob("DSV41_CONTEXT", "--context", "max context length in tokens", ""),
-    ServeKnob("DSV41_MAX_TOKENS", "--max-tokens", "default max_tokens when a request sets none", ""),
-    ServeKnob("DSV41_ENGRAM_DIR", "--engram-dir", "folder of this node's packed Engram shards engram-l{L}-r{R}of{W}.bin",
-              "/srv/dsv41/engram"),
-    ServeKnob("DSV41_PREPARED_DIR", "--prepared-dir", "prepared per-rank weight folders (fast restarts)",
-              "/srv/dsv41/prepared"),
+    ServeKnob("DSV41_MODEL", "--model", "model folder (config.json, tokenizer, safetensors); byte-identical on both nodes"),
+    ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)"),
+    ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0"),
+    ServeKnob("DSV41_SERVED_NAME", "--served-name", "model id reported by /v1/models"),
+    ServeKnob("DSV41_ALIASES", "--alias", "extra model ids accepted and listed (space-separated)", many=True),
+    ServeKnob("DSV41_API_KEY_FILE", "--api-key-file", "file holding the bearer key; empty = no auth"),
+    ServeKnob("DSV41_MAX_MODEL_LEN", "--max-model-len", "prompt + completion limit in tokens"),
+    ServeKnob("DSV41_MAX_BODY_BYTES", "--max-body-bytes", "request body limit in bytes"),
+    ServeKnob("DSV41_DRAIN_TIMEOUT_S", "--drain-timeout", "seconds in-flight requests get after SIGTERM"),
+    ServeKnob("DSV41_REQUEST_LOG", "--request-log", "JSONL request log file"),
+    ServeKnob("DSV41_MAX_WAITING", "--max-waiting", "queued requests before new ones get 429"),
+    ServeKnob("DSV41_CPU_THREADS", "--cpu-threads", "torch CPU threads"),
+    ServeKnob("DSV41_TP", "--tp", "tensor-parallel world size (2 = the two Sparks)"),
+    ServeKnob("DSV41_MASTER", "--master", "HEAD_LINK_IP:PORT of rank 0's rendezvous on the direct link"),
+    ServeKnob("DSV41_TP_BACKEND", "--tp-backend", "collective backend: nccl or gloo"),
+    ServeKnob("DSV41_TP_DEADLINE_S", "--tp-deadline", "seconds to wait for all ranks to join and load"),
+    ServeKnob("DSV41_TP_PEER_TIMEOUT_S", "--tp-peer-timeout", "a peer silent this long is lost (fail-fast, exit 70)"),
+    ServeKnob("DSV41_TP_COLLECTIVE_TIMEOUT_S", "--tp-collective-timeout", "upper bound on any single collective"),
 )
 
 OPS_KNOBS: tuple[OpsKnob, ...] = (
+    OpsKnob("DSV41_ENGRAM_DIR", "", "this node's packed Engram shards engram-l{L}-r{R}of{W}.bin (preflight, warm)"),
+    OpsKnob("DSV41_PREPARED_DIR", "", "prepared per-rank weight folders (preflight, warm)"),
     OpsKnob("DSV41_WORKER_SSH", "", "ssh destination of the worker (rank 1) as seen from the head, e.g. root@10.0.0.2"),
     OpsKnob("DSV41_LOCAL_RANKS", "", "ranks this node runs (rank0 on the head, rank1 on the worker); written by deploy"),
     OpsKnob("DSV41_RDMA_PORTS", "", "RoCE devices/ports that must be ACTIVE, e.g. rocep1s0f1:1 roceP2p1s0f1:1"),

@@ -1,0 +1,50 @@
+"""Running host commands (systemctl, nix, ssh) through one seam, so ops logic is testable without systemd.
+
+`host=None` runs locally; otherwise the command goes through `ssh -o BatchMode=yes HOST -- <quoted argv>`.
+Tests pass their own executor that records every command and answers from real processes.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+SSH = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+
+class Executor(Protocol):
+    def __call__(self, argv: Sequence[str], host: str | None = None, timeout: float | None = None,
+                 input: str | None = None) -> Result: ...
+
+
+def remote_argv(argv: Sequence[str], host: str | None) -> list[str]:
+    """The local argv that runs `argv` on `host` (unchanged when host is None)."""
+    if host is None:
+        return list(argv)
+    return [*SSH, host, "--", shlex.join(argv)]
+
+
+def run(argv: Sequence[str], host: str | None = None, timeout: float | None = 120,
+        input: str | None = None) -> Result:
+    """The real executor: a subprocess, via ssh for a remote host. A missing program is rc 127, never a crash."""
+    full = remote_argv(argv, host)
+    try:
+        proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)
+    except FileNotFoundError:
+        return Result(127, "", f"{full[0]}: command not found")
+    except subprocess.TimeoutExpired:
+        return Result(124, "", f"timed out after {timeout} s: {shlex.join(full)}")
+    return Result(proc.returncode, proc.stdout, proc.stderr)
