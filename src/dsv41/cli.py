@@ -1,2 +1,191 @@
-def main(argv=None):
-    raise SystemExit("dsv41: cli not yet built")
+"""`dsv41` command line. Every user-facing failure is one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import DSV41Error
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _model_dir(arg: str | None) -> Path:
+    if arg:
+        return Path(arg)
+    from .tiny import default_model_dir
+    return default_model_dir()
+
+
+def _load(args, dspark: bool = False):
+    import torch
+
+    from .model.loader import load_model
+    dtype = getattr(torch, args.dtype)
+    return load_model(_model_dir(args.model), dtype=dtype, device=args.device, fake_quant=not args.no_fake_quant,
+                      dspark=dspark)
+
+
+def _model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    p.add_argument("--model", metavar="DIR", required=model_required,
+                   help="checkpoint folder" + ("" if model_required else " (default: the built-in tiny model)"))
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--no-fake-quant", action="store_true",
+                   help="skip the FP8/FP4 KV and index fake quantisation everywhere (diagnosis)")
+
+
+# ---------------------------------------------------------------------------------------------------- generate
+def cmd_generate(args) -> int:
+    import torch
+
+    from .engine.sampling import SamplingParams, derive_seed, sample_token
+    model = _load(args)
+    tok = model.tokenizer
+    if tok is None:
+        raise DSV41Error(f"{_model_dir(args.model)}: tokenizer.json is missing")
+    ids = tok.encode(args.prompt)
+    if not ids or ids[0] != tok.bos_id:
+        ids = [tok.bos_id] + ids
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    seed = args.seed if args.seed is not None else derive_seed(ids)
+    state = model.new_state()
+    decoder = tok.incremental_decoder()
+    start = time.perf_counter()
+    with torch.no_grad():
+        logits = model.forward(state, torch.tensor(ids))[-1]
+        prefill_s = time.perf_counter() - start
+        out = []
+        for step in range(args.max_tokens):
+            nxt = sample_token(logits, params, seed, step)
+            out.append(nxt)
+            if nxt == tok.eos_id and not args.ignore_eos:
+                break
+            sys.stdout.write(decoder.feed([nxt]))
+            sys.stdout.flush()
+            logits = model.forward(state, torch.tensor([nxt]))[-1]
+    sys.stdout.write(decoder.flush() + "\n")
+    total = time.perf_counter() - start
+    decode_s = max(total - prefill_s, 1e-9)
+    print(f"[{len(ids)} prompt tokens in {prefill_s:.2f} s ({len(ids) / max(prefill_s, 1e-9):.1f} tok/s); "
+          f"{len(out)} generated in {decode_s:.2f} s ({len(out) / decode_s:.2f} tok/s)]", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------- score
+def cmd_score(args) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    spec = _read_score_input(Path(args.input))
+    model = _load(args)
+    ids = torch.tensor(spec["ids"])
+    state = model.new_state()
+    rows, pos = [], 0
+    with torch.no_grad():
+        for n in spec["chunks"]:
+            rows.append(model.forward(state, ids[pos:pos + n]))
+            pos += n
+        for i in range(pos, len(ids)):  # the remainder is decoded one token at a time
+            rows.append(model.forward(state, ids[i:i + 1]))
+    logits = torch.cat(rows).float().contiguous()
+    save_file({"logits": logits}, args.out)
+    print(f"wrote logits {list(logits.shape)} to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _read_score_input(path: Path) -> dict:
+    try:
+        spec = json.loads(path.read_text())
+    except OSError as e:
+        raise DSV41Error(f"--input {path}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise DSV41Error(f"--input {path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(spec, dict):
+        raise DSV41Error(f"--input {path}: expected an object with 'ids' and 'chunks'")
+    ids, chunks = spec.get("ids"), spec.get("chunks", [])
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                       for i in ids):
+        raise DSV41Error(f"--input {path}: field 'ids' must be a non-empty list of token ids")
+    if not isinstance(chunks, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0
+                                               for c in chunks):
+        raise DSV41Error(f"--input {path}: field 'chunks' must be a list of positive chunk lengths")
+    if sum(chunks) > len(ids):
+        raise DSV41Error(f"--input {path}: chunks add up to {sum(chunks)}, more than the {len(ids)} ids")
+    return {"ids": ids, "chunks": chunks}
+
+
+# --------------------------------------------------------------------------------------------------- make-tiny
+def cmd_make_tiny(args) -> int:
+    from .tiny import make_tiny
+    out = make_tiny(args.dir, args.format, args.seed)
+    print(f"wrote the tiny {args.format} model to {out}", file=sys.stderr)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    from .tiny import DEFAULT_FORMAT, FORMATS
+    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference appliance")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="continue a prompt and print tokens/s")
+    _model_args(p)
+    p.add_argument("--prompt", required=True, help="prompt text (BOS is added unless the text starts with it)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: derived from the prompt)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sentence token")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("score", help="teacher-forced logits of ids, prefilled in chunks then decoded")
+    _model_args(p, model_required=True)
+    p.add_argument("--input", required=True, metavar="IN.json", help='{"ids": [...], "chunks": [...]}')
+    p.add_argument("--out", required=True, metavar="OUT.safetensors", help="float32 logits [len(ids), vocab]")
+    p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("make-tiny", help="write the small test model in the real checkpoint formats")
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--format", choices=FORMATS, default=DEFAULT_FORMAT)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny)
+
+    for module in ("server.cli", "ops.cli"):
+        _register_optional(module, sub)
+    return parser
+
+
+def _register_optional(module: str, sub) -> None:
+    """Subcommands of other packages (serve, ops); their heavy imports happen only when they run."""
+    import importlib
+    import importlib.util
+    if importlib.util.find_spec(f"dsv41.{module.split('.')[0]}") is None:
+        return
+    try:
+        mod = importlib.import_module(f"dsv41.{module}")
+    except ModuleNotFoundError as e:  # a missing optional dependency must not break the core commands
+        if e.name == f"dsv41.{module}":
+            return
+        print(f"dsv41: {module} commands unavailable ({e})", file=sys.stderr)
+        return
+    mod.register(sub)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except DSV41Error as e:
+        print(f"dsv41: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

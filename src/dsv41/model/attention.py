@@ -169,11 +169,8 @@ class Attention:
         cfg, p, role = self.cfg, self.p, self.role
         T, hd = x.shape[0], cfg.head_dim
 
-        qr = rms_norm(p.wq_a(x), p.q_norm, cfg.rms_norm_eps)
-        q = self._rope(p.wq_b(qr).view(T, self.heads, hd), positions)
-
-        kv = rms_norm(p.wkv(x), p.kv_norm, cfg.rms_norm_eps)
-        kv = fp8_block_ue8m0(self._rope(kv, positions), 32, self.fake_quant)
+        qr, q = self._query(x, positions)
+        kv = self.window_kv(x, positions)
         win = append_window(state.window(role.index), kv, cfg.sliding_window)
         win_pos = torch.arange(int(positions[-1]) + 1 - win.shape[0], int(positions[-1]) + 1, device=x.device)
         win_ok = window_mask(win_pos, positions, cfg.sliding_window)
@@ -188,11 +185,33 @@ class Attention:
                 comp = src.kv[ids.clamp(min=0)]  # [T, k, hd]
                 comp_ok = ids >= 0
 
-        o = self._core(q, win, win_ok, comp, comp_ok)
-        o = self._rope(o.to(x.dtype), positions, inverse=True)
-        groups = o.reshape(T, len(p.wo_a), -1)
-        u = torch.cat([wo(groups[:, g]) for g, wo in enumerate(p.wo_a)], dim=-1)
-        return p.wo_b(u)
+        return self._output(self._core(q, win, win_ok, comp, comp_ok), positions, x.dtype)
+
+    def forward_block(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor | None) -> torch.Tensor:
+        """DSpark draft block: every row attends to all `ring` rows and to all rows of the block (no causal
+        mask inside the block); nothing is written to any cache. Returns this rank's partial output."""
+        _, q = self._query(x, positions)
+        kv = self.window_kv(x, positions)
+        keys = kv if ring is None else torch.cat((ring, kv))
+        visible = torch.ones(x.shape[0], keys.shape[0], dtype=torch.bool, device=x.device)
+        return self._output(self._core(q, keys, visible, None, None), positions, x.dtype)
+
+    def window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The single K = V latent of rows x: RMSNorm(x wkv), RoPE at their positions, FP8 fake-quant."""
+        kv = rms_norm(self.p.wkv(x), self.p.kv_norm, self.cfg.rms_norm_eps)
+        return fp8_block_ue8m0(self._rope(kv, positions), 32, self.fake_quant)
+
+    def _query(self, x: torch.Tensor, positions: torch.Tensor):
+        qr = rms_norm(self.p.wq_a(x), self.p.q_norm, self.cfg.rms_norm_eps)
+        q = self._rope(self.p.wq_b(qr).view(x.shape[0], self.heads, self.cfg.head_dim), positions)
+        return qr, q
+
+    def _output(self, o: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse RoPE on the head outputs, then the grouped low-rank projection (wo_a per group, wo_b)."""
+        o = self._rope(o.to(dtype), positions, inverse=True)
+        groups = o.reshape(o.shape[0], len(self.p.wo_a), -1)
+        u = torch.cat([wo(groups[:, g]) for g, wo in enumerate(self.p.wo_a)], dim=-1)
+        return self.p.wo_b(u)
 
     def _topk_for(self, x, qr, positions, src: SourceCache, shared: Shared, trace: dict | None):
         cfg, role = self.cfg, self.role

@@ -80,7 +80,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         tokenizer = Tokenizer.from_dir(path)
 
     tables = rope_tables(cfg)
-    blocks = [_load_block(reader, cfg, cfg.role(L), tables, rank, world, fake_quant)
+    blocks = [load_block(reader, cfg, cfg.role(L), tables, rank, world, fake_quant)
               for L in range(cfg.num_hidden_layers)]
 
     d, V = cfg.hidden_size, cfg.vocab_size
@@ -135,6 +135,8 @@ def load_attention(reader: WeightReader, cfg: ModelConfig, role: LayerRole, pref
     g0, g1 = split_range(G, world, rank)
     if _is_exl3(reader, f"{a}wo_a.slice.0"):  # the EXL3 pack stores one group per tensor
         wo_a = [reader.linear(f"{a}wo_a.slice.{g}", ol, hpg * hd) for g in range(g0, g1)]
+        # the other ranks' groups are theirs to read, not unexpected tensors (TP fix by the dist helper)
+        reader.used.update(f"{a}wo_a.slice.{g}.{part}" for g in range(G) for part in _LINEAR_PARTS)
     else:
         wo_a = [reader.linear(f"{a}wo_a", G * ol, hpg * hd, split="col", rank=g, world=G, block=ol)
                 for g in range(g0, g1)]
@@ -200,10 +202,14 @@ def _inter_block(inter: int, world: int) -> int:
     return 1
 
 
-def _load_block(reader: WeightReader, cfg: ModelConfig, role: LayerRole, tables, rank: int, world: int,
-                fake_quant: bool) -> Block:
+def load_block(reader: WeightReader, cfg: ModelConfig, role: LayerRole, tables, rank: int, world: int,
+               fake_quant: bool) -> Block:
+    """A backbone layer (`layers.{L}.`) or a DSpark block (`mtp.{s}.`, its own expert count and top-k)."""
     L = role.index
-    prefix = f"layers.{L}."
+    s = L - cfg.num_hidden_layers
+    prefix = f"mtp.{s}." if role.is_dspark else f"layers.{L}."
+    n_experts = cfg.dspark_n_routed_experts if role.is_dspark else cfg.n_routed_experts
+    topk = cfg.dspark_num_experts_per_tok if role.is_dspark else cfg.num_experts_per_tok
     d = cfg.hidden_size
     attn = Attention(cfg, role, load_attention(reader, cfg, role, prefix, rank, world), tables[role.rope_kind],
                      local_heads=cfg.num_attention_heads // world, fake_quant=fake_quant)
@@ -214,7 +220,7 @@ def _load_block(reader: WeightReader, cfg: ModelConfig, role: LayerRole, tables,
         hc_attn=hc_params(reader, prefix, cfg, "attn"),
         hc_ffn=hc_params(reader, prefix, cfg, "ffn"),
         attn=attn,
-        moe=load_moe(reader, cfg, prefix, cfg.n_routed_experts, cfg.num_experts_per_tok, rank, world),
+        moe=load_moe(reader, cfg, prefix, n_experts, topk, rank, world),
     )
 
 

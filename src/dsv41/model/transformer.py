@@ -37,22 +37,29 @@ class Block:
 
     def forward(self, model: "Model", x: torch.Tensor, pre_in: torch.Tensor, positions: torch.Tensor,
                 state: SequenceState, shared: Shared, trace: dict | None):
+        attn_trace = {} if trace is not None else None
+        x, f_pre, moe_trace = self.run(model, x, pre_in,
+                                       lambda h: self.attn.forward(h, positions, state, shared, attn_trace),
+                                       trace is not None)
+        if trace is not None:
+            trace[self.index] = {**attn_trace, **moe_trace, "streams_out": x, "pre_mix_out": f_pre}
+        return x, f_pre
+
+    def run(self, model: "Model", x: torch.Tensor, pre_in: torch.Tensor,
+            attend: Callable[[torch.Tensor], torch.Tensor], want_trace: bool = False):
+        """Both sublayers with single-pass mHC; `attend` maps the normed attention input to this rank's partial."""
         cfg, comm = model.cfg, model.comm
         hc, eps = cfg.hc_mult, cfg.rms_norm_eps
         a_pre, a_post, a_comb = mhc.coefficients(x, self.hc_attn, hc, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         h = rms_norm(mhc.collapse(x, pre_in), self.attn_norm, eps)
-        attn_trace = {} if trace is not None else None
-        y = comm.sum_partials(self.attn.forward(h, positions, state, shared, attn_trace).float()).to(x.dtype)
+        y = comm.sum_partials(attend(h).float()).to(x.dtype)
         x = mhc.expand(y, x, a_post, a_comb)
 
         f_pre, f_post, f_comb = mhc.coefficients(x, self.hc_ffn, hc, eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
         h = rms_norm(mhc.collapse(x, a_pre), self.ffn_norm, eps)  # the FFN collapses with the attention site's pre
-        moe_trace = {} if trace is not None else None
+        moe_trace = {} if want_trace else None
         y = comm.sum_partials(self.moe.partial(h, moe_trace)).to(x.dtype)
-        x = mhc.expand(y, x, f_post, f_comb)
-        if trace is not None:
-            trace[self.index] = {**attn_trace, **moe_trace, "streams_out": x, "pre_mix_out": f_pre}
-        return x, f_pre
+        return mhc.expand(y, x, f_post, f_comb), f_pre, moe_trace
 
 
 @dataclass

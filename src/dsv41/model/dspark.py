@@ -1,0 +1,107 @@
+"""DSpark drafter forward (MODEL.md §10): three draft blocks fed by taps of the target model.
+
+- Taps: the mean over mHC streams of the residual entering each `dspark_target_layer_ids` layer, concatenated.
+  `main_x = RMSNorm(taps · main_projᵀ; main_norm)`.
+- Absorb: for every committed position p, each stage s appends to its own window ring the K = V latent of
+  `main_x[p]` computed with that stage's `wkv`/`kv_norm`, plain RoPE at p and FP8 fake-quant.
+- Draft at the last committed position p, given y (the token chosen for p+1): block ids [y, noise × (B−1)] at
+  positions p+1 .. p+B go through the stages (single-pass mHC, attention over the stage's ring plus all block
+  rows, no causal mask inside the block, MoE); the collapsed hidden x gives base logits through the shared head
+  after `norm`; a Markov head adds `markov_head · markov_embed[previous token]` row by row, each row's choice
+  feeding the next; a confidence head maps [x_i ; e_i] to the logit that the draft at row i is accepted.
+The verify/accept loop is the scheduler's (not part of the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..config import ModelConfig
+from . import mhc
+from .attention import append_window
+from .norm import rms_norm
+from .state import SequenceState
+from .transformer import Block
+
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class Draft:
+    tokens: list[int]  # B drafted ids for positions p+2 .. p+B+1
+    logits: torch.Tensor  # [B, vocab] fp32, row i = distribution of tokens[i]
+    confidence: torch.Tensor  # [B] fp32 acceptance probability of each draft given the previous ones
+
+
+@dataclass
+class DSpark:
+    cfg: ModelConfig
+    blocks: Sequence[Block]
+    main_proj: LinearFn
+    main_norm: torch.Tensor
+    norm: torch.Tensor
+    markov_embed: torch.Tensor  # [vocab, rank]
+    markov_head: torch.Tensor  # [vocab, rank]
+    confidence_proj: torch.Tensor  # [1, d + rank]
+
+    def main_x(self, taps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return rms_norm(self.main_proj(taps.to(dtype)), self.main_norm, self.cfg.rms_norm_eps)
+
+    def absorb(self, model, state: SequenceState, taps: torch.Tensor, ids: torch.Tensor) -> None:
+        """Seed every stage's ring with the committed rows' `main_x` (prefill chunks and decode alike)."""
+        T = taps.shape[0]
+        positions = torch.arange(state.pos - T, state.pos, device=taps.device)
+        mx = self.main_x(taps, model.dtype)
+        for s, block in enumerate(self.blocks):
+            append_window(state.dspark_window(s), block.attn.window_kv(mx, positions), self.cfg.sliding_window)
+
+    @torch.no_grad()
+    def draft(self, model, state: SequenceState, y: int,
+              choose: Callable[[torch.Tensor, int], int] | None = None) -> Draft:
+        """Draft B tokens after the committed sequence in `state` followed by `y`. `choose(logits_row, i)` picks
+        each row's token (greedy when None)."""
+        cfg = self.cfg
+        B = cfg.dspark_block_size
+        choose = choose or (lambda row, i: int(torch.argmax(row)))
+        ids = torch.tensor([y] + [cfg.dspark_noise_token_id] * (B - 1), device=model.device)
+        p = state.pos - 1
+        positions = torch.arange(p + 1, p + 1 + B, device=model.device)
+        h = model.embed(ids)
+        x = h[:, None, :].expand(B, cfg.hc_mult, h.shape[-1]).contiguous()
+        pre = torch.zeros(B, cfg.hc_mult, device=model.device)
+        pre[:, 0] = 1.0
+        for s, block in enumerate(self.blocks):
+            ring = state.dspark_window(s).kv
+            x, pre, _ = block.run(model, x, pre, lambda hh, blk=block, r=ring: blk.attn.forward_block(hh, positions, r))
+        collapsed = mhc.collapse(x, pre)
+        base = model.logits(rms_norm(collapsed, self.norm, cfg.rms_norm_eps))
+        tokens, rows, conf, prev = [], [], [], y
+        for i in range(B):
+            e = self.markov_embed[prev].float()
+            row = base[i] + self.markov_head.float() @ e
+            conf.append(torch.sigmoid(self.confidence_proj.float() @ torch.cat((collapsed[i].float(), e))))
+            prev = choose(row, i)
+            tokens.append(prev)
+            rows.append(row)
+        return Draft(tokens, torch.stack(rows), torch.cat(conf))
+
+
+def load_dspark(reader, cfg: ModelConfig, tables, rank: int, world: int, fake_quant: bool) -> DSpark:
+    from .loader import load_block
+    n, d, V, r = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    last = f"mtp.{cfg.n_dspark - 1}."
+    blocks = [load_block(reader, cfg, cfg.role(n + s), tables, rank, world, fake_quant) for s in range(cfg.n_dspark)]
+    n_taps = len(cfg.dspark_target_layer_ids)
+    return DSpark(
+        cfg=cfg,
+        blocks=blocks,
+        main_proj=reader.linear("mtp.0.main_proj", d, n_taps * d),
+        main_norm=reader.tensor("mtp.0.main_norm.weight", (d,)),
+        norm=reader.tensor(f"{last}norm.weight", (d,)),
+        markov_embed=reader.tensor(f"{last}markov_head.embed.weight", (V, r)),
+        markov_head=reader.tensor(f"{last}markov_head.head.weight", (V, r)),
+        confidence_proj=reader.tensor(f"{last}confidence_head.proj.weight", (1, d + r)),
+    )
