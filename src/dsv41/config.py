@@ -338,7 +338,7 @@ class ModelConfig:
             raise ConfigError("config.json: field text_config.o_groups must divide num_attention_heads")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError("config.json: field text_config.num_experts_per_tok exceeds n_routed_experts")
-        if self.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+        if self.scoring_func != "sqrtsoftplus":  # the only router V4.1 has (MODEL.md §8)
             raise ConfigError(f"config.json: field text_config.scoring_func: unknown value {self.scoring_func!r}")
         n = self.num_hidden_layers
         for name in ("kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids"):
