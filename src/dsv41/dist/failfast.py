@@ -108,7 +108,7 @@ class FailFast:
     def check(self) -> None:
         """Raise TPAborted if the group failed (call before starting work that needs the peers)."""
         if self.aborted.is_set():
-            raise TPAborted(f"tensor-parallel group aborted ({self.reason})")
+            raise TPAborted(f"tensor-parallel group aborted: {self.reason}")
 
     def memory_reports(self) -> dict[int, dict]:
         """Rank -> latest memory report (rank 0 collects them all; other ranks know only their own)."""
@@ -202,7 +202,8 @@ class FailureInjector:
         if self.target is None or self.target[0] != self.rank or self.target[1] != round_no:
             return
         kind = self.target[2]
-        what = f"injected failure ({INJECT_ENV}) on rank {self.rank} at round {round_no}"
+        what = f"injected failure ({INJECT_ENV}={kind}) on rank {self.rank} at round {round_no}"
+        print(f"dsv41 tp: {what} at unix time {time.time():.3f}", file=sys.stderr, flush=True)
         if kind == "raise":
             raise RuntimeError(what)
         if kind == "oom":

@@ -52,7 +52,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _run_abortable(fn, aborted, poll_s: float = 0.02):
+def _run_abortable(fn, failfast, poll_s: float = 0.02):
     """Run `fn()` in a worker thread; return its result, re-raise its exception, or raise TPAborted as soon as
     `aborted` is set (the worker may be stuck in a collective with a dead peer)."""
     done = threading.Event()
@@ -74,8 +74,8 @@ def _run_abortable(fn, aborted, poll_s: float = 0.02):
 
     threading.Thread(target=work, name="dsv41-tp-round", daemon=True).start()
     while not done.wait(poll_s):
-        if aborted.is_set():
-            raise TPAborted("tensor-parallel group aborted during a round")
+        if failfast.aborted.is_set():
+            raise TPAborted(f"tensor-parallel group aborted during a round: {failfast.reason}")
     if "error" in box:
         raise box["error"]
     return box["result"]
@@ -94,7 +94,6 @@ class LeaderModel:
         self._pending: list[Call] = []
         self._freed: list[int] = []
         self._freed_lock = threading.Lock()
-        self._state_types: set[type] = set()
 
     @property
     def rounds(self) -> int:
@@ -155,7 +154,6 @@ class LeaderModel:
                 except BaseException as exc:
                     self._failfast.abort(f"{name} failed: {_describe(exc)}")
                     raise TPAborted(f"{name} failed on rank 0: {_describe(exc)}") from exc
-                self._state_types.add(type(state))
                 self._pending.append(call)
                 handle = StateHandle(slot, state)
                 weakref.finalize(handle, self._release, slot)
@@ -177,7 +175,7 @@ class LeaderModel:
                 return local(*local_args, **local_kwargs)
 
             try:
-                return _run_abortable(work, self._failfast.aborted)
+                return _run_abortable(work, self._failfast)
             except TPAborted:
                 raise
             except BaseException as exc:
