@@ -17,12 +17,14 @@ PLACEHOLDER = "@PREFIX@"
 
 
 def templates_dir() -> Path:
-    """The repo's systemd/ in a checkout; <prefix>/share/dsv41/systemd in the Nix package."""
-    candidates = [Path(__file__).resolve().parents[3] / "systemd", Path(sys.prefix) / "share" / "dsv41" / "systemd"]
+    """The repo's systemd/ in a checkout; <out>/share/dsv41/systemd when installed by the Nix package."""
+    here = Path(__file__).resolve()
+    candidates = [p / sub for p in here.parents for sub in ("systemd", "share/dsv41/systemd")]
+    candidates.append(Path(sys.prefix) / "share" / "dsv41" / "systemd")
     for candidate in candidates:
         if candidate.is_dir() and any(candidate.glob("*.in")):
             return candidate
-    raise ConfigError(f"systemd unit templates not found (looked in {', '.join(map(str, candidates))})")
+    raise ConfigError("systemd unit templates (*.in) not found in systemd/ or share/dsv41/systemd above " + str(here))
 
 
 def render_units(prefix: str = PROFILE, source: Path | None = None) -> dict[str, str]:
