@@ -31,9 +31,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def use_inline_asm(device: torch.device) -> bool:
-    """Inline PTX (dp4a + packed fp16 FMA for MUL1) only on a real NVIDIA GPU; the interpreter has no PTX."""
-    if interpreting() or device.type != "cuda" or torch.version.hip is not None:
+def use_inline_asm(device: torch.device, codebook: str) -> bool:
+    """Inline PTX (dp4a + fp16 FMA, MUL1 only) on a real NVIDIA GPU; the interpreter has no PTX.
+
+    DSV41_EXL3_NO_ASM=1 selects the portable pure-Triton decode (what runs on non-NVIDIA backends too).
+    """
+    if codebook != "mul1" or interpreting() or device.type != "cuda" or torch.version.hip is not None:
         return False
     return os.environ.get("DSV41_EXL3_NO_ASM", "0") in ("", "0")
 

@@ -63,12 +63,14 @@ def _exl3_matmul_kernel(
     n,
     stride_xm,
     stride_ym,
+    SPLITS,
     K: tl.constexpr,
     CODEBOOK: tl.constexpr,
-    SPLITS: tl.constexpr,
     BK: tl.constexpr,
     USE_ASM: tl.constexpr,
 ):
+    # SPLITS is a runtime value (one compiled kernel serves every split count); a split count of 1 skips the
+    # workspace round trip.
     nb = tl.program_id(0)
     sp = tl.program_id(1)
     mb = tl.program_id(2)
@@ -115,7 +117,7 @@ def _exl3_matmul_kernel(
         ticket = tl.atomic_add(counter, 1, sem="acq_rel")
         if ticket == SPLITS - 1:
             total = tl.zeros((16, 128), dtype=tl.float32)
-            for s in tl.static_range(SPLITS):
+            for s in range(SPLITS):
                 # .cg: bypass L1, the other programs wrote these from other SMs.
                 total += tl.load(part_ptr + s * block_stride + part_offsets, cache_modifier=".cg")
             tl.atomic_xchg(counter, 0)  # ready for the next launch (graph replays included)
@@ -178,11 +180,11 @@ def fused_matmul(
         weight.n,
         x.stride(0),
         out.stride(0),
+        cfg.splits,
         K=weight.K,
         CODEBOOK=CODEBOOK_IDS[weight.codebook],
-        SPLITS=cfg.splits,
         BK=cfg.block_k,
-        USE_ASM=use_inline_asm(x.device),
+        USE_ASM=use_inline_asm(x.device, weight.codebook),
         num_warps=cfg.num_warps,
     )
     return out

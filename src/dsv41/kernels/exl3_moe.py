@@ -311,7 +311,7 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeConfi
     route = topk_weights.reshape(-1).to(torch.float32).contiguous()
     ws = _WORKSPACE.get(x.device, n_slots, w1.n, w2.n, cfg)
     had = hadamard_signs(x.device, torch.float16)
-    use_asm = use_inline_asm(x.device)
+    use_asm = use_inline_asm(x.device, w1.codebook)
     max_unique = min(n_slots, w1.experts)
     _moe_gate_up_kernel[(max_unique, w1.n // 128, cfg.splits_gate_up)](
         x, x.stride(0), ids, route, n_slots,
@@ -320,6 +320,7 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeConfi
         TOPK=topk, SLOTS=slots_pow2, K=w1.K, CODEBOOK=CODEBOOK_IDS[w1.codebook],
         SPLITS=cfg.splits_gate_up, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps,
     )
+    use_asm = use_inline_asm(x.device, w2.codebook)
     _moe_down_kernel[(max_unique, w2.n // 128, cfg.splits_down)](
         ws["h"], ids, n_slots, T,
         w2.words, w2.suh, w2.svh, had,

@@ -77,7 +77,7 @@ def reconstruct(weight: Exl3Tensor, dtype: torch.dtype = torch.float16, rotate: 
         K=weight.K,
         CODEBOOK=CODEBOOK_IDS[weight.codebook],
         ROTATE=rotate,
-        USE_ASM=use_inline_asm(weight.device),
+        USE_ASM=use_inline_asm(weight.device, weight.codebook),
         num_warps=8,
     )
     return out
