@@ -10,6 +10,8 @@ Timeouts are those of the process group (set by `init_tp`); a lost peer is caugh
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +34,13 @@ class TorchComm(Comm):
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
         self.calls = {"sum_partials": 0, "gather_cat": 0}
         self.bytes_sent = 0
+        # (collective, dtype, row width) -> (calls, rows): what crosses the link, for docs and benchmarks
+        self.traffic: Counter = Counter()
+
+    def _count(self, op: str, x: torch.Tensor) -> None:
+        width = x.shape[-1] if x.dim() else 1
+        self.traffic[(op, str(x.dtype).removeprefix("torch."), width, "calls")] += 1
+        self.traffic[(op, str(x.dtype).removeprefix("torch."), width, "rows")] += x.numel() // max(width, 1)
 
     def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = x.contiguous()
@@ -42,6 +51,7 @@ class TorchComm(Comm):
 
     def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
         self.calls["sum_partials"] += 1
+        self._count("sum_partials", x)
         if self.world == 1:
             return x
         parts = self._all_gather(x)
@@ -53,6 +63,7 @@ class TorchComm(Comm):
 
     def gather_cat(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         self.calls["gather_cat"] += 1
+        self._count("gather_cat", x)
         if self.world == 1:
             return x
         dim = dim % x.dim()
