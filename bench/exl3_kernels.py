@@ -154,20 +154,23 @@ def sweep_configs(copies: list[Exl3Tensor], log) -> tuple[MatmulConfig, list]:
     k_blocks = copies[0].k // 128
     split_options = sorted({max(1, base.splits // 2), base.splits, min(k_blocks, base.splits * 2)})
     tried = []
-    for bk in (32, 64):
-        for warps in (4, 8):
-            for splits in split_options:
-                cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps)
-                try:
-                    t1 = time_ours(copies, 1, cfg)
-                    t16 = time_ours(copies, 16, cfg)
-                except Exception as exc:  # a config that fails to compile or launch is recorded, not fatal
-                    log(f"    config {cfg} failed: {type(exc).__name__}: {exc}")
-                    continue
-                tried.append({"splits": splits, "block_k": bk, "num_warps": warps, "m1_us": t1, "m16_us": t16})
-                log(f"    {cfg}: m=1 {t1:.1f} us, m=16 {t16:.1f} us")
+    variants = [(bk, warps, 1) for bk in (32, 64) for warps in (4, 8)] + [(32, 4, 2), (32, 8, 2)]
+    for bk, warps, stages in variants:
+        for splits in split_options:
+            cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps, num_stages=stages)
+            try:
+                t1 = time_ours(copies, 1, cfg)
+                t16 = time_ours(copies, 16, cfg)
+            except Exception as exc:  # a config that fails to compile or launch is recorded, not fatal
+                log(f"    config {cfg} failed: {type(exc).__name__}: {exc}")
+                continue
+            tried.append({"splits": splits, "block_k": bk, "num_warps": warps, "num_stages": stages,
+                          "m1_us": t1, "m16_us": t16})
+            log(f"    {cfg}: m=1 {t1:.1f} us, m=16 {t16:.1f} us")
+    if not tried:
+        return base, tried
     best = min(tried, key=lambda r: r["m1_us"] + 0.5 * r["m16_us"])
-    return MatmulConfig(best["splits"], best["block_k"], best["num_warps"]), tried
+    return MatmulConfig(best["splits"], best["block_k"], best["num_warps"], best["num_stages"]), tried
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,6 +37,8 @@ class MatmulConfig:
     splits: int
     block_k: int = 32
     num_warps: int = 4
+    # Software pipelining would stage the gathered trellis words in shared memory (~100 KB per stage).
+    num_stages: int = 1
 
 
 def default_config(weight: Exl3Tensor, sm_count: int = 132) -> MatmulConfig:
@@ -186,5 +188,6 @@ def fused_matmul(
         BK=cfg.block_k,
         USE_ASM=use_inline_asm(x.device, weight.codebook),
         num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

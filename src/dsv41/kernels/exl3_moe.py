@@ -39,6 +39,7 @@ class MoeConfig:
     splits_down: int = 2
     block_k: int = 32
     num_warps: int = 4
+    num_stages: int = 1
 
 
 @triton.jit
@@ -318,7 +319,7 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeConfi
         w1.words, w1.suh, w1.svh, w3.words, w3.suh, w3.svh, had,
         ws["h"], ws["part_a"], ws["count_a"], w1.k, w1.n, float(limit),
         TOPK=topk, SLOTS=slots_pow2, K=w1.K, CODEBOOK=CODEBOOK_IDS[w1.codebook],
-        SPLITS=cfg.splits_gate_up, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps,
+        SPLITS=cfg.splits_gate_up, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     use_asm = use_inline_asm(x.device, w2.codebook)
     _moe_down_kernel[(max_unique, w2.n // 128, cfg.splits_down)](
@@ -326,5 +327,5 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeConfi
         w2.words, w2.suh, w2.svh, had,
         ws["y"], out, out.stride(0), ws["part_b"], ws["count_b"], ws["count_out"], w2.k, w2.n,
         TOPK=topk, SLOTS=slots_pow2, K=w2.K, CODEBOOK=CODEBOOK_IDS[w2.codebook],
-        SPLITS=cfg.splits_down, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps,
+        SPLITS=cfg.splits_down, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
