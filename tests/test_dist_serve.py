@@ -88,6 +88,7 @@ async def generate(model, args) -> None:
             return
         record["tokens"].append(tokens)
     record["rounds"] = model.rounds
+    record["live_states"] = model.live_states
     record["memory"] = {str(k): v for k, v in model._failfast.memory_reports().items()}
     await engine.shutdown()
     out.write_text(json.dumps(record))
@@ -158,6 +159,7 @@ def test_spawned_tp2_generation_equals_tp1(tiny_dir, tmp_path):
     record = json.loads(out.read_text())
     assert record["tokens"] == tp1_greedy(tiny_dir)
     assert record["rounds"] == len(PROMPTS) * MAX_TOKENS  # one prefill + MAX_TOKENS-1 decodes per prompt
+    assert record["live_states"] == 0  # finished requests' states were released on every rank
     assert set(record["memory"]) == {"0", "1"} and all(m["free"] > 0 for m in record["memory"].values())
 
 

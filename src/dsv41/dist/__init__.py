@@ -1,4 +1,8 @@
-"""Tensor parallelism: communicators and launch. `LocalComm` is the TP=1 default."""
+"""Tensor parallelism: communicators, rendezvous, round plans, fail-fast, launch (docs/TENSOR_PARALLEL.md).
+
+`LocalComm` is the TP=1 default; everything else needs torch.distributed and is imported from its module
+(`dsv41.dist.launch.run_rank`, `dsv41.dist.rendezvous.init_tp`, ...) so that TP=1 never pays for it.
+"""
 
 from .comm import Comm, LocalComm
 

@@ -102,13 +102,14 @@ def _die_with_group(failfast: FailFast) -> int:
 
 
 def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: list[str] | None = None,
-             grace_s: float = 1.0) -> int:
+             grace_s: float = 1.0, on_ready=None) -> int:
     """Run this process as one rank of `dsv41 serve --tp N`; returns the exit status.
 
     `load(rank, world, comm)` builds this rank's model (e.g. `load_model(path, ..., rank=rank, world=world,
     comm=comm)`); `serve(model)` serves HTTP with it on rank 0 and returns at shutdown. In local mode (no
     `--rank`) `argv` (default `sys.argv[1:]`) is handed to the children, run as `child_cmd` (default: the dsv41
-    CLI with this Python).
+    CLI with this Python). `on_ready()` runs on ranks other than 0 once every rank has loaded (e.g. systemd
+    READY=1; rank 0's `serve` notifies for itself when it accepts connections).
     """
     world = args.tp
     if world < 1:
@@ -143,6 +144,8 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         return _die_with_group(failfast)
 
     if rank != 0:
+        if on_ready is not None:
+            on_ready()
         try:
             follow(model, channel, failfast, injector=injector,
                    log=lambda m: print(m, file=sys.stderr, flush=True))

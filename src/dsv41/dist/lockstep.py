@@ -94,10 +94,20 @@ class LeaderModel:
         self._pending: list[Call] = []
         self._freed: list[int] = []
         self._freed_lock = threading.Lock()
+        self._released = 0
 
     @property
     def rounds(self) -> int:
         return self._round
+
+    def __call__(self, *args, **kwargs):
+        return self._call("forward", args, kwargs)
+
+    @property
+    def live_states(self) -> int:
+        """Decode states the followers still hold for us (created, not yet freed)."""
+        with self._freed_lock:
+            return self._next_slot - self._released
 
     def __getattr__(self, name):
         attr = getattr(self._model, name)
@@ -135,6 +145,7 @@ class LeaderModel:
     def _release(self, slot: int) -> None:
         with self._freed_lock:
             self._freed.append(slot)
+            self._released += 1
 
     def _call(self, name: str, args: tuple, kwargs: dict):
         self._failfast.check()
@@ -206,12 +217,13 @@ def follow(model, channel: PlanChannel, failfast, injector=None, log=None) -> in
             if plan.stop:
                 return number
             injector.at_round(number)
-            for slot in plan.freed:
-                states.pop(slot, None)
             for call in plan.calls:
                 result = getattr(model, call.method)(*local(call.args), **local(call.kwargs))
                 if call.result_slot is not None:
                     states[call.result_slot] = result
+            # after the calls: a state created by this plan's new_state may already be dropped by rank 0
+            for slot in plan.freed:
+                states.pop(slot, None)
             number += 1
     except TPAborted:
         failfast.aborted.wait()
