@@ -133,7 +133,8 @@ def load_attention(reader: WeightReader, cfg: ModelConfig, role: LayerRole, pref
     a = prefix + "attn."
     h0, h1 = split_range(H, world, rank)
     g0, g1 = split_range(G, world, rank)
-    if _is_exl3(reader, f"{a}wo_a.slice.0"):  # the EXL3 pack stores one group per tensor
+    sliced = any(reader.ckpt.has(f"{a}wo_a.slice.0.{part}") for part in ("trellis", "weight"))
+    if sliced:  # the EXL3 pack stores one group per tensor
         wo_a = [reader.linear(f"{a}wo_a.slice.{g}", ol, hpg * hd) for g in range(g0, g1)]
         # the other ranks' groups are theirs to read, not unexpected tensors (TP fix by the dist helper)
         reader.used.update(f"{a}wo_a.slice.{g}.{part}" for g in range(G) for part in _LINEAR_PARTS)
