@@ -245,6 +245,15 @@ def test_kill_9_of_rank0_ends_rank1_with_70(tiny_dir, tmp_path):
     assert times[0] - t_kill < 2.5, f"rank 1 exited {times[0] - t_kill:.2f} s after the kill"
 
 
+def test_sigterm_to_a_standalone_follower_takes_the_group_down_naming_it(tiny_dir, tmp_path):
+    rank0, rank1 = start_pair(tiny_dir, tmp_path, ["--idle-s", "60"])
+    rank1.send_signal(signal.SIGTERM)
+    codes, _ = wait_all([rank0, rank1], timeout=30)
+    err0 = rank0.communicate()[1]
+    assert codes == [70, 70], f"exit codes {codes}\n{err0[-2000:]}"
+    assert "rank 1 received SIGTERM" in err0, err0[-2000:]
+
+
 def _peek(tmp_path: Path) -> str:
     marker = tmp_path / "progress"
     return marker.read_text() if marker.exists() else ""

@@ -14,6 +14,8 @@ watchdog restarts it; 2 for a launch error (bad arguments, rendezvous deadline) 
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -26,6 +28,7 @@ from .plan import PlanChannel
 from .rendezvous import init_tp
 
 CLI_MAIN = "import sys; from dsv41.cli import main; sys.exit(main(sys.argv[1:]))"
+LOCAL_CHILD_ENV = "DSV41_TP_LOCAL_CHILD"
 
 
 def register_tp_args(parser) -> None:
@@ -57,7 +60,7 @@ class _LocalRanks:
     def start(self, master: str) -> None:
         for rank in range(1, self.world):
             cmd = [*self.child_cmd, *self.argv, "--rank", str(rank), "--master", master]
-            self.procs.append(subprocess.Popen(cmd))
+            self.procs.append(subprocess.Popen(cmd, env=dict(os.environ, **{LOCAL_CHILD_ENV: "1"})))
 
     def watch(self, failfast: FailFast) -> None:
         def run():
@@ -92,6 +95,21 @@ def _wait_loaded(group, failfast: FailFast, deadline_s: float) -> None:
             failfast.abort(f"rank(s) {', '.join(missing)} did not finish loading within {deadline_s:.0f} s")
             failfast.check()
         time.sleep(0.05)
+
+
+def _follower_signals(rank: int, failfast: FailFast) -> None:
+    """SIGTERM/SIGINT on a follower: a local child ignores them (rank 0 drains and then sends the stop plan; a
+    terminal's Ctrl-C reaches the whole process group); a rank of its own (a systemd unit) takes the group down,
+    naming itself, instead of leaving rank 0 to discover a missing heartbeat."""
+    def stop(signum, frame):
+        failfast.abort(f"rank {rank} received {signal.Signals(signum).name}")
+
+    handler = signal.SIG_IGN if os.environ.get(LOCAL_CHILD_ENV) == "1" else stop
+    try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+    except ValueError:  # not the main thread (embedded use): keep the defaults
+        pass
 
 
 def _die_with_group(failfast: FailFast) -> int:
@@ -144,6 +162,7 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         return _die_with_group(failfast)
 
     if rank != 0:
+        _follower_signals(rank, failfast)
         if on_ready is not None:
             on_ready()
         try:
