@@ -89,7 +89,7 @@ async def generate(model, args) -> None:
         record["tokens"].append(tokens)
     record["rounds"] = model.rounds
     record["live_states"] = model.live_states
-    record["memory"] = {str(k): v for k, v in model._failfast.memory_reports().items()}
+    record["memory"] = {str(k): v for k, v in model.memory_reports().items()}
     await engine.shutdown()
     out.write_text(json.dumps(record))
 
@@ -206,6 +206,25 @@ def start_pair(tiny_dir, tmp_path, extra: list[str]) -> tuple[subprocess.Popen, 
     time.sleep(0.5)
     assert rank0.poll() is None and rank1.poll() is None, "ranks ended before the kill"
     return rank0, rank1
+
+
+def test_a_hung_rank_is_caught_by_the_collective_timeout(tiny_dir, tmp_path):
+    """Rank 1 stops inside round 3 but its heartbeat goes on: rank 0's collective times out (3 s here),
+    rank 0 aborts, rank 1 sees the abort key; both exit 70 and the request gets the error."""
+    out = tmp_path / "out.json"
+    master = f"127.0.0.1:{free_port()}"
+    common = ["--model", str(tiny_dir), "--out", str(out), "--tp", "2", "--master", master, "--repeat", "3",
+              "--tp-collective-timeout", "3"]
+    env = {"DSV41_TEST_FAIL_AT_ROUND": "1:3:hang"}
+    rank1 = start(common + ["--rank", "1"], env)
+    rank0 = start(common + ["--rank", "0"], env)
+    codes, times = wait_all([rank0, rank1], timeout=120)
+    err0, err1 = rank0.communicate()[1], rank1.communicate()[1]
+    assert codes == [70, 70], f"exit codes {codes}\n{err0[-2000:]}\n{err1[-2000:]}"
+    t_hang = injected_at(err1)
+    print(f"\nhang: exits {[round(t - t_hang, 2) for t in times]} s after rank 1 stopped")
+    assert 3.0 <= min(times) - t_hang and max(times) - t_hang < 3.0 + 3.0
+    assert "error" in json.loads(out.read_text())
 
 
 def test_kill_9_of_rank1_mid_generation_fails_the_request_and_rank0_exits_70(tiny_dir, tmp_path):

@@ -100,6 +100,10 @@ class LeaderModel:
     def rounds(self) -> int:
         return self._round
 
+    def memory_reports(self) -> dict[int, dict]:
+        """Every rank's latest memory report (bytes: free, total, rss, ...), for admission control."""
+        return self._failfast.memory_reports()
+
     def __call__(self, *args, **kwargs):
         return self._call("forward", args, kwargs)
 
