@@ -137,6 +137,7 @@ class ModelConfig:
     moe_intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
+    num_key_value_heads: int
     head_dim: int
     qk_rope_head_dim: int
     q_lora_rank: int
@@ -263,6 +264,7 @@ class ModelConfig:
             moe_intermediate_size=_get(t, "moe_intermediate_size", int),
             num_hidden_layers=n_layers,
             num_attention_heads=_get(t, "num_attention_heads", int),
+            num_key_value_heads=_get(t, "num_key_value_heads", int, default=1),
             head_dim=_get(t, "head_dim", int),
             qk_rope_head_dim=_get(t, "qk_rope_head_dim", int),
             q_lora_rank=_get(t, "q_lora_rank", int),
@@ -330,6 +332,8 @@ class ModelConfig:
                      "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters", "rope_theta",
                      "compress_rope_theta"):
             _positive(name, getattr(self, name))
+        if self.num_key_value_heads != 1:
+            raise ConfigError("config.json: field text_config.num_key_value_heads must be 1 (one shared K = V latent)")
         if self.qk_rope_head_dim > self.head_dim or self.qk_rope_head_dim % 2:
             raise ConfigError("config.json: field text_config.qk_rope_head_dim must be even and <= head_dim")
         if self.index_head_dim < self.qk_rope_head_dim:

@@ -188,7 +188,15 @@ def load_moe(reader: WeightReader, cfg: ModelConfig, prefix: str, n_experts: int
                       w3=reader.linear(f"{p}w3", inter, d, split="col", **tp))
 
     experts = [expert(f"{f}experts.{e}.") for e in range(n_experts)]
-    shared = [expert(f"{f}shared_experts.")] if cfg.n_shared_experts else []
+    # n shared experts are stored as one expert n times as wide (DeepSeek's layout)
+    shared_inter = inter * cfg.n_shared_experts
+    sblock = _inter_block(shared_inter, world)
+    shared = [Expert(w1=reader.linear(f"{f}shared_experts.w1", shared_inter, d, split="col", rank=rank, world=world,
+                                      block=sblock),
+                     w2=reader.linear(f"{f}shared_experts.w2", d, shared_inter, split="row", rank=rank, world=world,
+                                      block=sblock),
+                     w3=reader.linear(f"{f}shared_experts.w3", shared_inter, d, split="col", rank=rank, world=world,
+                                      block=sblock))] if cfg.n_shared_experts else []
     return MoE(reader.tensor(f"{f}gate.weight", (n_experts, d)), reader.optional(f"{f}gate.bias", (n_experts,)),
                experts, shared, topk=topk, route_scale=cfg.routed_scaling_factor, renorm=cfg.norm_topk_prob,
                swiglu_limit=cfg.swiglu_limit, gate_temp=cfg.gate_temp)

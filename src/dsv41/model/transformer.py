@@ -111,9 +111,10 @@ class Model:
         ids = ids.to(self.device).long().reshape(-1)
         T = ids.shape[0]
         positions = torch.arange(state.pos, state.pos + T, device=self.device)
-        row_ids = None
+        row_ids = live = None
         if self.engram_hasher is not None:
             row_ids = self.engram_hasher.hash(ids.cpu(), state.engram)  # [T, n_layers, n_cols]
+            live = self.engram_hasher.live(ids.cpu())  # image-span tokens get no Engram term
 
         h = self.embed(ids)
         if trace is not None:
@@ -126,7 +127,7 @@ class Model:
         for block in self.blocks:
             L = block.index
             if L in self.engram:
-                x = self.engram[L](x, row_ids[:, cfg.engram_layer_ids.index(L)])
+                x = self.engram[L](x, row_ids[:, cfg.engram_layer_ids.index(L)], live)
             if L in cfg.dspark_target_layer_ids:
                 taps.append(x.float().mean(dim=1))
             x, pre = block.forward(self, x, pre, positions, state, shared, trace)
