@@ -72,7 +72,8 @@ def _run_canary(args) -> int:
     from dsv41.ops.canary import run_canary
 
     env = load_env(args.env_file)
-    return run_canary(env, url=args.url, api_key_file=args.api_key_file, wait_s=args.wait, model=args.model)
+    return run_canary(env, url=args.url, api_key_file=args.api_key_file, wait_s=args.wait, model=args.model,
+                      level=args.level)
 
 
 def _run_render_units(args) -> int:
@@ -152,6 +153,8 @@ def register(subparsers) -> None:
     p.add_argument("--url", help="server base URL (default: http://DSV41_HOST:DSV41_PORT)")
     p.add_argument("--api-key-file", help="bearer key file (default: DSV41_API_KEY_FILE)")
     p.add_argument("--model", help="model id to send (default: DSV41_SERVED_NAME or the first of /v1/models)")
+    p.add_argument("--level", choices=("full", "structural"), default="full",
+                   help="structural: skip the knowledge checks (for random-weight test models)")
     p.add_argument("--wait", type=float, default=0.0, metavar="S",
                    help="first wait up to S seconds for /health to be ok")
     _env_arg(p)
