@@ -1,0 +1,289 @@
+"""`nix run .#deploy -- --head HOST --worker HOST [--config FILE] [--dry-run]`: install dsv41 on both Sparks.
+
+Steps (each printed as `[n] where: command`, and only printed with --dry-run):
+ 1. build the aarch64 closure, on the head by default (`--eval-store auto --store ssh-ng://head`: evaluation here,
+    the build on a Spark, nothing to cross-compile), or locally with --build-on local;
+ 2. `nix copy` it to both nodes (ssh-ng with remote-program set, so a non-interactive ssh finds nix-daemon);
+ 3. on each node: remember the current profile generation, point /nix/var/nix/profiles/dsv41 at the new build
+    (skipped when already there), write /etc/dsv41/dsv41.env (from --config) and node.env, link the units from the
+    profile into /etc/systemd/system, install the driver tmpfiles rules, daemon-reload, enable boot (+ watchdog
+    timer on the head);
+ 4. restart: stop rank 0 then rank 1, start rank 1 first (it retries the rendezvous until rank 0 listens), then
+    rank 0 under the start lock, and gate on /health plus the canary;
+ 5. if the gate fails: roll each changed profile back (`nix-env --rollback`), restart the previous build, exit 1.
+Re-running with nothing changed rewrites identical files, keeps the profile, and skips the restart when the pair
+is healthy: idempotent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from dsv41.errors import ConfigError, DSV41Error
+from dsv41.ops import executor as executor_mod
+from dsv41.ops.executor import Executor
+from dsv41.ops.knobs import PROFILE, parse_env_file, unknown_keys
+
+NIX = ["nix", "--extra-experimental-features", "nix-command flakes"]
+REMOTE_NIX_DAEMON = "/nix/var/nix/profiles/default/bin/nix-daemon"
+UNITS = ("dsv41@.service", "dsv41-warm@.service", "dsv41-watchdog.service", "dsv41-watchdog.timer",
+         "dsv41-boot.service")
+UNIT_DIR = "/etc/systemd/system"
+ENV_FILE = "/etc/dsv41/dsv41.env"
+NODE_ENV_FILE = "/etc/dsv41/node.env"
+TMPFILES = "/etc/tmpfiles.d/dsv41-driver.conf"
+START_LOCK = "/var/lib/dsv41/start.lock"
+OUT = "$OUT"  # the build's store path, known once step 1 ran
+
+
+@dataclass
+class Options:
+    head: str
+    worker: str
+    flake: str
+    config: Path | None = None
+    dry_run: bool = False
+    build_on: str = "head"
+    system: str = "aarch64-linux"
+    driver_libdir: str = "/usr/lib/aarch64-linux-gnu"
+    ready_timeout: float = 900.0
+    canary_level: str = "full"
+    force_restart: bool = False
+
+
+@dataclass
+class Node:
+    role: str  # head | worker
+    host: str
+    rank: str
+    previous: str | None = None  # profile target before this deploy
+    switched: bool = False
+
+
+def store_url(host: str) -> str:
+    return f"ssh-ng://{host}?remote-program={REMOTE_NIX_DAEMON}"
+
+
+class DeployFailed(DSV41Error):
+    exit_code = 1
+
+
+@dataclass
+class Deploy:
+    opts: Options
+    run: Executor = executor_mod.run
+    out: Callable[[str], None] = print
+    steps: int = 0
+    out_path: str = OUT
+    log: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def step(self, where: str | None, argv: list[str], input: str | None = None, note: str = "",
+             check: bool = True, timeout: float | None = 600) -> executor_mod.Result:
+        """Print (dry run) or run one command; `where` None = this machine."""
+        self.steps += 1
+        argv = [self.out_path if a == OUT else a.replace(OUT, self.out_path) for a in argv]
+        line = f"[{self.steps}] {where or 'local'}: {shlex.join(argv)}"
+        if input is not None:
+            line += f"  <<< {len(input.splitlines())} line(s)"
+        if note:
+            line += f"  # {note}"
+        self.out(line)
+        if self.opts.dry_run:
+            return executor_mod.Result(0, "")
+        result = self.run(argv, host=where, timeout=timeout, input=input)
+        if check and not result.ok:
+            raise DeployFailed(f"step {self.steps} failed on {where or 'local'} (rc {result.rc}): "
+                               f"{shlex.join(argv)}\n{(result.stderr or result.stdout).strip()[-2000:]}")
+        return result
+
+    def nodes(self) -> list[Node]:
+        return [Node("head", self.opts.head, "rank0"), Node("worker", self.opts.worker, "rank1")]
+
+    # ------------------------------------------------------------------ the deploy
+
+    def execute(self) -> int:
+        opts = self.opts
+        config_text = self.read_config()
+        self.out(f"dsv41 deploy{' (dry run)' if opts.dry_run else ''}: head {opts.head}, worker {opts.worker}, "
+                 f"flake {opts.flake}, {opts.system}, build on {opts.build_on}")
+        if opts.dry_run:
+            self.out(f"{OUT} = the store path step 1 builds")
+        self.build()
+        nodes = self.nodes()
+        self.copy(nodes)
+        changed = False
+        for node in nodes:
+            changed |= self.install(node, config_text)
+        healthy_before = False
+        if opts.dry_run or (not changed and not opts.force_restart):
+            status = self.step(opts.head, [f"{PROFILE}/bin/dsv41", "status"], check=False,
+                               note="unchanged and healthy -> no restart")
+            healthy_before = not opts.dry_run and status.ok
+        if healthy_before:
+            self.out("nothing changed and the pair is healthy: no restart")
+        else:
+            self.restart(nodes, note="skipped when nothing changed and the pair is healthy" if opts.dry_run else "")
+        ok = self.gate(nodes[0])
+        if opts.dry_run:
+            self.out("on a failed gate: on each switched node `nix-env -p /nix/var/nix/profiles/dsv41 --rollback` "
+                     "and `systemctl daemon-reload`, then the restart steps again; exit 1")
+            self.out("dry run: nothing was run")
+            return 0
+        if ok:
+            self.out(f"deployed {self.out_path}")
+            return 0
+        self.rollback(nodes)
+        return 1
+
+    def read_config(self) -> str | None:
+        if self.opts.config is None:
+            return None
+        values = parse_env_file(self.opts.config)  # parse errors name the file and line
+        unknown = unknown_keys(values)
+        if unknown:
+            raise ConfigError(f"{self.opts.config}: unknown knob(s) {', '.join(unknown)} "
+                              "(see config/dsv41.env.example)")
+        return self.opts.config.read_text()
+
+    def build(self) -> None:
+        opts = self.opts
+        attr = f"{opts.flake}#packages.{opts.system}.default"
+        if opts.build_on == "head":
+            argv = [*NIX, "build", "--json", "--no-link", "--eval-store", "auto", "--store", store_url(opts.head), attr]
+            note = "evaluate here, build on the head (aarch64)"
+        else:
+            argv = [*NIX, "build", "--json", "--no-link", attr]
+            note = "build on this machine"
+        result = self.step(None, argv, note=note, timeout=None)
+        if not opts.dry_run:
+            try:
+                self.out_path = json.loads(result.stdout)[0]["outputs"]["out"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise DeployFailed(f"nix build printed no output path: {result.stdout[:300]!r}") from None
+            self.out(f"built {self.out_path}")
+
+    def copy(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            if self.opts.build_on == "head" and node.role == "head":
+                continue  # built there
+            source = ["--from", store_url(self.opts.head)] if self.opts.build_on == "head" else []
+            self.step(None, [*NIX, "copy", "-s", *source, "--to", store_url(node.host), OUT],
+                      note=f"closure to the {node.role}", timeout=None)
+
+    def install(self, node: Node, config_text: str | None) -> bool:
+        """Switch the profile and install config/units on one node; returns whether anything changed."""
+        host = node.host
+        current = self.step(host, ["readlink", "-e", PROFILE], check=False, note="current generation")
+        target = current.stdout.strip() if current.ok else ""
+        node.previous = target if target.startswith("/nix/store/") else None
+        changed = False
+        if self.opts.dry_run or node.previous != self.out_path:
+            self.step(host, ["nix-env", "-p", PROFILE, "--set", OUT], note="new profile generation")
+            node.switched = not self.opts.dry_run
+            changed = True
+        if config_text is not None:
+            before = self.step(host, ["cat", ENV_FILE], check=False, note="current env file")
+            changed |= not before.ok or before.stdout != config_text
+            self.step(host, ["install", "-D", "-m", "0644", "/dev/stdin", ENV_FILE], input=config_text)
+        else:
+            self.step(host, ["test", "-f", ENV_FILE], note="no --config: the node must have its env file")
+        node_env = f"DSV41_LOCAL_RANKS={node.rank}\n"
+        if node.role == "head":
+            node_env += f"DSV41_WORKER_SSH={self.opts.worker}\n"
+        self.step(host, ["install", "-D", "-m", "0644", "/dev/stdin", NODE_ENV_FILE], input=node_env)
+        for unit in UNITS:
+            self.step(host, ["ln", "-sfn", f"{PROFILE}/lib/systemd/system/{unit}", f"{UNIT_DIR}/{unit}"])
+        self.step(host, ["sh", "-c", f"{PROFILE}/bin/dsv41 driver-tmpfiles --libdir {self.opts.driver_libdir} "
+                                     f"> {TMPFILES} && systemd-tmpfiles --create {TMPFILES}"],
+                  note="/run/opengl-driver/lib -> host libcuda/libnvidia only")
+        self.step(host, ["systemctl", "daemon-reload"])
+        enable = ["dsv41-boot.service"] + (["dsv41-watchdog.timer"] if node.role == "head" else [])
+        self.step(host, ["systemctl", "enable", *enable])
+        if node.role == "head":
+            self.step(host, ["systemctl", "start", "dsv41-watchdog.timer"])
+        return changed
+
+    def restart(self, nodes: list[Node], note: str = "") -> None:
+        head, worker = nodes
+        # rank 0 first: its stop leaves the deliberate-stop marker, so the watchdog stands down meanwhile
+        self.step(head.host, ["systemctl", "stop", "dsv41@rank0.service", "dsv41-warm@rank0.service"], note=note)
+        self.step(worker.host, ["systemctl", "stop", "dsv41@rank1.service", "dsv41-warm@rank1.service"], note=note)
+        self.step(worker.host, ["systemctl", "reset-failed", "dsv41@rank1.service"], check=False)
+        # rank 1 first and without blocking: its READY needs rank 0, and it retries the rendezvous meanwhile
+        self.step(worker.host, ["systemctl", "start", "--no-block", "dsv41@rank1.service"],
+                  note="rank 1 waits for rank 0's rendezvous")
+        self.step(head.host, ["systemctl", "reset-failed", "dsv41@rank0.service"], check=False)
+        self.step(head.host, ["systemctl", "start", "--no-block", "dsv41@rank0.service"])
+
+    def gate(self, head: Node) -> bool:
+        """/health ok within the ready timeout, then the canary, on the head, holding the start lock."""
+        argv = ["flock", START_LOCK, f"{PROFILE}/bin/dsv41", "canary", "--wait", f"{self.opts.ready_timeout:g}",
+                "--level", self.opts.canary_level]
+        result = self.step(head.host, argv, check=False, note="gate: /health + canary", timeout=None)
+        if not result.ok:
+            self.out(f"gate failed:\n{(result.stdout + result.stderr).strip()[-3000:]}")
+        return result.ok
+
+    def rollback(self, nodes: list[Node]) -> None:
+        self.out("rolling back")
+        for node in nodes:
+            if not node.switched:
+                continue
+            if node.previous:
+                self.step(node.host, ["nix-env", "-p", PROFILE, "--rollback"], check=False,
+                          note=f"back to {node.previous}")
+                self.step(node.host, ["systemctl", "daemon-reload"], check=False)
+            else:
+                self.out(f"{node.host}: no previous generation to roll back to; stopping {node.rank}")
+        if any(n.previous for n in nodes):
+            self.restart(nodes)
+        else:
+            for node in nodes:
+                self.step(node.host, ["systemctl", "stop", f"dsv41@{node.rank}.service"], check=False)
+        self.out("deploy FAILED: the gate did not pass; the previous build is back" if any(n.previous for n in nodes)
+                 else "deploy FAILED: the gate did not pass; the ranks are stopped")
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    p = argparse.ArgumentParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
+    p.add_argument("--head", required=True, help="ssh destination of the head (rank 0), e.g. root@spark-a")
+    p.add_argument("--worker", required=True, help="ssh destination of the worker (rank 1), e.g. root@spark-b")
+    p.add_argument("--config", type=Path, help="env file installed as /etc/dsv41/dsv41.env on both nodes")
+    p.add_argument("--dry-run", action="store_true", help="print every step, run nothing")
+    p.add_argument("--flake", default=".", help="flake to deploy (the app passes its own source)")
+    p.add_argument("--build-on", choices=("head", "local"), default="head",
+                   help="build on the head (default) or on this machine (needs aarch64 or a remote builder)")
+    p.add_argument("--system", default="aarch64-linux", help="the nodes' Nix system (default aarch64-linux)")
+    p.add_argument("--driver-libdir", default="/usr/lib/aarch64-linux-gnu",
+                   help="where the nodes' NVIDIA driver libraries live")
+    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
+                   help="seconds to wait for /health before the canary (default 900)")
+    p.add_argument("--canary-level", choices=("full", "structural"), default="full")
+    p.add_argument("--restart", action="store_true", help="restart even when nothing changed")
+    args = p.parse_args(argv)
+    if args.head == args.worker:
+        p.error("--head and --worker must be different hosts")
+    return Options(head=args.head, worker=args.worker, flake=args.flake, config=args.config, dry_run=args.dry_run,
+                   build_on=args.build_on, system=args.system, driver_libdir=args.driver_libdir,
+                   ready_timeout=args.ready_timeout, canary_level=args.canary_level, force_restart=args.restart)
+
+
+def main(argv: list[str] | None = None, run: Executor = executor_mod.run) -> int:
+    opts = parse_args(argv)
+    try:
+        return Deploy(opts, run).execute()
+    except DSV41Error as exc:
+        print(f"deploy: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
