@@ -97,7 +97,7 @@ class ServerContext:
         self.status = "draining"
         self.engine.begin_drain()
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while self.active and time.monotonic() < deadline:
+        while (self.active or self.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for gen in list(self.active):
             gen.abort_for_drain()
