@@ -216,3 +216,12 @@ def test_metrics_and_request_log(server, client):
     records = [json.loads(line) for line in server.request_log.read_text().splitlines()]
     last = [r for r in records if r["endpoint"] == "completions"][-1]
     assert last["completion_tokens"] == 3 and last["status"] == 200 and last["finish_reason"] in ("length", "stop")
+
+
+def test_unknown_fields_are_ignored_and_any_model_name_is_served(server, client):
+    resp = client.chat.completions.create(model="some-other-name", messages=MESSAGES, max_tokens=2,
+                                          extra_body={"frobnicate": {"x": 1}, "priority": 3, "user_tag": "t"})
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.model == SERVED_NAME  # an unknown model name is answered by the served model
+    alias = client.completions.create(model=ALIAS, prompt="x", max_tokens=1)
+    assert alias.model == ALIAS

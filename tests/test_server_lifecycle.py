@@ -16,6 +16,13 @@ GRACE_S = 6.0
 
 
 def _read_stream(url: str, key: str, body: dict, out: dict) -> None:
+    try:
+        _read_events(url, key, body, out)
+    except httpx.HTTPError as exc:  # the server was killed under it: the test looks at `out`
+        out["transport_error"] = exc
+
+
+def _read_events(url: str, key: str, body: dict, out: dict) -> None:
     events = []
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
                       headers={"Authorization": f"Bearer {key}"}, timeout=120) as resp:
@@ -85,3 +92,26 @@ def test_startup_refuses_bad_arguments_in_one_line(tmp_path):
     empty_key.write_text("\n")
     bad_key = _serve("--model", str(tmp_path), "--api-key-file", str(empty_key), "--port", "0")
     assert bad_key.returncode == 2 and "is empty" in bad_key.stderr and "Traceback" not in bad_key.stderr
+
+
+def test_full_queue_answers_429_with_retry_after(tmp_path):
+    server = ServerProcess(tmp_path, "--max-waiting", "1")
+    try:
+        running, waiting = {}, {}
+        body = {"prompt": "busy", "max_tokens": 8000, "ignore_eos": True}
+        threads = [threading.Thread(target=_read_stream, args=(server.url, server.api_key, body, out), daemon=True)
+                   for out in (running, waiting)]
+        threads[0].start()
+        while "first_event_at" not in running:
+            time.sleep(0.01)
+        threads[1].start()
+        deadline = time.monotonic() + 30
+        while server.health().json()["engine"]["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        resp = httpx.post(f"{server.url}/v1/completions", json={"prompt": "one more", "max_tokens": 2},
+                          headers={"Authorization": f"Bearer {server.api_key}"}, timeout=30)
+        assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
+        assert resp.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        server.kill()
