@@ -154,7 +154,8 @@ def sweep_configs(copies: list[Exl3Tensor], log) -> tuple[MatmulConfig, list]:
     k_blocks = copies[0].k // 128
     split_options = sorted({max(1, base.splits // 2), base.splits, min(k_blocks, base.splits * 2)})
     tried = []
-    variants = [(bk, warps, 1) for bk in (32, 64) for warps in (4, 8)] + [(32, 4, 2), (32, 8, 2)]
+    # num_stages=2 was tried in the second run: 8-10x slower (the pipeliner stages gathered words in shared memory).
+    variants = [(bk, warps, 1) for bk in (32, 64) for warps in (4, 8)]
     for bk, warps, stages in variants:
         for splits in split_options:
             cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps, num_stages=stages)
@@ -347,7 +348,14 @@ def main() -> None:
         del copies
         torch.cuda.empty_cache()
         out_path.write_text(json.dumps(results, indent=1))
-    results["moe"] = moe_bench(log)
+    moe_rows = []
+    for moe_cfg in (MoeConfig(), MoeConfig(splits_gate_up=4, splits_down=2, block_k=64, num_warps=8)):
+        log(f"MoE config {moe_cfg}")
+        for row in moe_bench(log, cfg=moe_cfg):
+            row["config"] = moe_cfg.__dict__
+            moe_rows.append(row)
+    results["moe_all_configs"] = moe_rows
+    results["moe"] = [min((r for r in moe_rows if r["rows"] == rows), key=lambda r: r["ours_us"]) for rows in (1, 4, 6)]
     out_path.write_text(json.dumps(results, indent=1))
     if not args.skip_crossover:
         results["crossover"] = crossover(log)
