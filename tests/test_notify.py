@@ -219,20 +219,27 @@ def test_serve_notifies_systemd(notify_socket, tmp_path):
         pytest.skip(reason)
     sock, path = notify_socket
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}
+    log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([PY, "-c", "import sys; from dsv41.cli import main; main(sys.argv[1:])", "serve", "--host", "127.0.0.1", "--port", "0"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            stdout=log, stderr=subprocess.STDOUT)
+    missing = []
     try:
         before_ready = receive_all(sock, until="READY=1", timeout=600)
-        assert before_ready and "READY=1" in before_ready[-1], before_ready
+        assert before_ready and "READY=1" in before_ready[-1], f"no READY=1; got {before_ready}"
         loading = before_ready[:-1]
-        assert any("EXTEND_TIMEOUT_USEC=" in m for m in loading), loading
-        assert any("STATUS=" in m and "%" in m for m in loading), loading
-        pings = receive_all(sock, until="WATCHDOG=1", timeout=10)
-        assert any("WATCHDOG=1" in m for m in pings), pings
+        if not any("EXTEND_TIMEOUT_USEC=" in m for m in loading):
+            missing.append("EXTEND_TIMEOUT_USEC during load")
+        if not any("STATUS=" in m and "%" in m for m in loading):
+            missing.append("STATUS= with a percentage during load")
+        pings = receive_all(sock, until="WATCHDOG=1", timeout=5)
+        if not any("WATCHDOG=1" in m for m in pings):
+            missing.append("WATCHDOG=1 pings after READY (WATCHDOG_USEC=2 s)")
         proc.send_signal(signal.SIGTERM)
         after = receive_all(sock, until="STOPPING=1", timeout=60)
-        assert any("STOPPING=1" in m for m in after), after
+        if not any("STOPPING=1" in m for m in after):
+            missing.append("STOPPING=1 on SIGTERM")
         assert proc.wait(timeout=120) == 0
+        assert not missing, f"dsv41 serve did not send: {'; '.join(missing)} (loading messages: {loading})"
     finally:
         if proc.poll() is None:
             proc.kill()
