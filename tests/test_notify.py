@@ -220,8 +220,9 @@ def test_serve_notifies_systemd(notify_socket, tmp_path):
     sock, path = notify_socket
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}
     log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([PY, "-c", "import sys; from dsv41.cli import main; main(sys.argv[1:])", "serve", "--host", "127.0.0.1", "--port", "0"], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+    cli = "import sys; from dsv41.cli import main; main(sys.argv[1:])"
+    proc = subprocess.Popen([PY, "-c", cli, "serve", "--host", "127.0.0.1", "--port", "0"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
     missing = []
     try:
         before_ready = receive_all(sock, until="READY=1", timeout=600)
