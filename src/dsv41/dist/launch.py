@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+import torch
+
 from ..errors import DSV41Error
 from .failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
 from .lockstep import LeaderModel, follow
@@ -112,6 +114,28 @@ def _follower_signals(rank: int, failfast: FailFast) -> None:
         pass
 
 
+def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector) -> bool:
+    """Run the follower loop in a thread and keep the main thread free: it sits in a store call for as long as
+    the server is idle, and Python runs signal handlers (SIGTERM) only in the main thread. True on a stop plan."""
+    done, outcome = threading.Event(), {}
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def run():
+        try:
+            follow(model, channel, failfast, injector=injector, log=lambda m: print(m, file=sys.stderr, flush=True),
+                   device=device)
+            outcome["stopped"] = True
+        except BaseException:  # noqa: BLE001 - follow() already aborted the group with the reason
+            outcome["stopped"] = False
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="dsv41-tp-follow", daemon=True).start()
+    while not done.wait(0.5):
+        pass
+    return outcome["stopped"]
+
+
 def _die_with_group(failfast: FailFast) -> int:
     """After an abort the monitor ends the process (status 70); park this thread until it does."""
     failfast.aborted.wait()
@@ -165,10 +189,7 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         _follower_signals(rank, failfast)
         if on_ready is not None:
             on_ready()
-        try:
-            follow(model, channel, failfast, injector=injector,
-                   log=lambda m: print(m, file=sys.stderr, flush=True))
-        except TPAborted:
+        if not _follow_in_thread(model, channel, failfast, injector):
             return _die_with_group(failfast)
         failfast.stop()
         group.store.set(f"tp/bye/{rank}", "1")

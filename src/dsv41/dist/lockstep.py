@@ -15,6 +15,7 @@ otherwise disagree on what comes next.
 
 from __future__ import annotations
 
+import queue
 import threading
 import traceback
 import weakref
@@ -52,33 +53,45 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _run_abortable(fn, failfast, poll_s: float = 0.02):
-    """Run `fn()` in a worker thread; return its result, re-raise its exception, or raise TPAborted as soon as
-    `aborted` is set (the worker may be stuck in a collective with a dead peer)."""
-    done = threading.Event()
-    box = {}
-    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+def _current_cuda_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
-    def work():
-        try:
-            if device is not None:
-                torch.cuda.set_device(device)
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box["error"] = exc
-            box["trace"] = traceback.format_exc()
-        finally:
-            done.set()
 
-    threading.Thread(target=work, name="dsv41-tp-round", daemon=True).start()
-    while not done.wait(poll_s):
-        if failfast.aborted.is_set():
-            raise TPAborted(f"tensor-parallel group aborted during a round: {failfast.reason}")
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+class _RoundWorker:
+    """One long-lived thread that runs rank 0's rounds, so that the calling (engine) thread can stop waiting
+    when the group aborts: a worker stuck in a collective with a dead peer cannot be interrupted."""
+
+    def __init__(self):
+        # the rank's GPU was chosen by init_tp in the main thread; the current device is per thread
+        self._device = _current_cuda_device()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="dsv41-tp-round", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        while True:
+            fn, box, done, grad, inference = self._jobs.get()
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    box["result"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+    def run(self, fn, failfast, poll_s: float = 0.02):
+        """`fn()`'s result or exception, or TPAborted as soon as the group is aborted."""
+        done, box = threading.Event(), {}
+        # grad mode is per thread: carry the caller's over
+        self._jobs.put((fn, box, done, torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        while not done.wait(poll_s):
+            if failfast.aborted.is_set():
+                raise TPAborted(f"tensor-parallel group aborted during a round: {failfast.reason}")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
 
 
 class LeaderModel:
@@ -89,6 +102,7 @@ class LeaderModel:
         self._mirrored = frozenset(mirrored)
         self._injector = injector or FailureInjector(rank=0)
         self._lock = threading.Lock()
+        self._worker = _RoundWorker()
         self._round = 0
         self._next_slot = 0
         self._pending: list[Call] = []
@@ -189,8 +203,15 @@ class LeaderModel:
                 self._injector.at_round(round_no)
                 return local(*local_args, **local_kwargs)
 
+            def trim_then_work():
+                try:
+                    self._channel.trim(round_no)
+                except Exception:  # noqa: BLE001 - a stale key costs memory only; the monitor watches the store
+                    pass
+                return work()
+
             try:
-                return _run_abortable(work, self._failfast)
+                return self._worker.run(trim_then_work, self._failfast)
             except TPAborted:
                 raise
             except BaseException as exc:
@@ -198,11 +219,13 @@ class LeaderModel:
                 raise TPAborted(f"round {round_no} ({name}) failed on rank 0: {_describe(exc)}") from exc
 
 
-def follow(model, channel: PlanChannel, failfast, injector=None, log=None) -> int:
+def follow(model, channel: PlanChannel, failfast, injector=None, log=None, device: int | None = None) -> int:
     """A follower's main loop: replay rank 0's plans until the stop plan. Returns the number of rounds run.
 
     Any failure aborts the group (the monitor then ends this process with status 70)."""
     injector = injector or FailureInjector(rank=channel.rank)
+    if device is not None:
+        torch.cuda.set_device(device)
     states: dict[int, object] = {}
 
     def local(value):

@@ -156,32 +156,40 @@ def decode_plan(data: bytes) -> RoundPlan:
 # ---- channel ---------------------------------------------------------------------------------------------------
 
 class PlanChannel:
-    """Rank 0 `send`s plan n; every other rank `receive`s plan n (blocking, abortable)."""
+    """Rank 0 `send`s plan n; every other rank `receive`s plan n (blocking)."""
 
-    def __init__(self, store, rank: int, aborted=None, poll_s: float = 1.0):
+    def __init__(self, store, rank: int, aborted=None, poll_s: float = 600.0):
+        # A follower blocks in one store `get` per round. Long slices: waking up does not help an abort (the
+        # monitor thread ends the process), and every expired slice makes torch log a socket-timeout warning.
         self.store, self.rank, self.aborted, self.poll_s = store, rank, aborted, poll_s
         self.bytes_sent = 0
+        self._timeout_set = False
 
     def send(self, plan: RoundPlan) -> None:
         data = encode_plan(plan)
         self.store.set(f"tp/plan/{plan.number}", data)
         self.bytes_sent += len(data)
-        if plan.number >= KEEP_ROUNDS:
-            self.store.delete_key(f"tp/plan/{plan.number - KEEP_ROUNDS}")
+
+    def trim(self, number: int) -> None:
+        """Delete an old plan key (rank 0, off the critical path: after the round's work has started)."""
+        if number >= KEEP_ROUNDS:
+            self.store.delete_key(f"tp/plan/{number - KEEP_ROUNDS}")
 
     def receive(self, number: int) -> RoundPlan:
         key = f"tp/plan/{number}"
-        self.store.set_timeout(datetime.timedelta(seconds=self.poll_s))
+        if not self._timeout_set:
+            self.store.set_timeout(datetime.timedelta(seconds=self.poll_s))
+            self._timeout_set = True
         while True:
             if self.aborted is not None and self.aborted.is_set():
                 raise TPAborted("tensor-parallel group aborted while waiting for a round plan")
             try:
-                self.store.wait([key])
+                data = self.store.get(key)  # blocks until rank 0 sets the key (one round trip when it is there)
                 break
-            except Exception as exc:  # noqa: BLE001 - a wait slice ran out (or the store is gone: the monitor decides)
+            except Exception as exc:  # noqa: BLE001 - a slice ran out (or the store is gone: the monitor decides)
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                    time.sleep(self.poll_s)
-        plan = decode_plan(self.store.get(key))
+                    time.sleep(1.0)
+        plan = decode_plan(data)
         if plan.number != number:
             raise ValueError(f"round plan {key} carries round {plan.number}")
         return plan
