@@ -28,6 +28,13 @@ from .comm import Comm
 NEG_INF = float("-inf")
 
 
+def _gather(comm: Comm, t: torch.Tensor) -> torch.Tensor:
+    """Rank-order concatenation along dim 0 through the comm's device (NCCL needs GPU tensors), back on CPU.
+    The arithmetic stays on the CPU, like the engine's sampler, so that the choice is bit-for-bit the same."""
+    device = getattr(comm, "device", None)
+    return comm.gather_cat(t.to(device) if device is not None else t, dim=0).cpu()
+
+
 def _best(values: torch.Tensor, offset: int, comm: Comm) -> int:
     """Global argmax (lowest id on ties) of a row split over ranks; `values` is this rank's slice."""
     if values.numel():
@@ -35,7 +42,7 @@ def _best(values: torch.Tensor, offset: int, comm: Comm) -> int:
         proposal = torch.tensor([[float(values[local]), float(int(local) + offset)]], dtype=torch.float64)
     else:
         proposal = torch.tensor([[NEG_INF, -1.0]], dtype=torch.float64)
-    proposals = comm.gather_cat(proposal.to(values.device), dim=0).cpu()
+    proposals = _gather(comm, proposal)
     # slices are in rank order, so the first rank holding the maximum holds its lowest id
     winner = int(torch.argmax(proposals[:, 0]))
     return int(proposals[winner, 1])
@@ -43,11 +50,11 @@ def _best(values: torch.Tensor, offset: int, comm: Comm) -> int:
 
 def _global_max(values: torch.Tensor, comm: Comm) -> float:
     local = values.max() if values.numel() else torch.tensor(NEG_INF, dtype=torch.float64)
-    return float(comm.gather_cat(local.reshape(1).to(torch.float64), dim=0).max())
+    return float(_gather(comm, local.reshape(1).to(torch.float64)).max())
 
 
 def _global_sum(partial: torch.Tensor, comm: Comm) -> torch.Tensor:
-    parts = comm.gather_cat(partial.reshape(1).to(torch.float64), dim=0).cpu()
+    parts = _gather(comm, partial.reshape(1).to(torch.float64))
     total = parts[0].clone()
     for part in parts[1:]:
         total += part
@@ -56,7 +63,7 @@ def _global_sum(partial: torch.Tensor, comm: Comm) -> torch.Tensor:
 
 def _kth_largest(values: torch.Tensor, k: int, comm: Comm) -> float:
     local = torch.topk(values, min(k, values.numel())).values if values.numel() else values
-    merged = comm.gather_cat(local.to(torch.float64), dim=0)
+    merged = _gather(comm, local.to(torch.float64))
     return float(torch.topk(merged, k).values[-1])
 
 
@@ -79,9 +86,9 @@ def _nucleus(scaled: torch.Tensor, offset: int, top_p: float, comm: Comm, candid
         done = take >= scaled.numel() or last_value == NEG_INF  # nothing finite left unsent
         exhausted = torch.tensor([1.0 if done else 0.0], dtype=torch.float64)
         last = torch.tensor([last_value], dtype=torch.float64)
-        all_values = comm.gather_cat(values.to(torch.float64), dim=0).cpu()
-        all_ids = comm.gather_cat(ids.to(torch.float64), dim=0).cpu()
-        flags = comm.gather_cat(torch.cat([exhausted, last]).reshape(1, 2), dim=0).cpu()
+        all_values = _gather(comm, values.to(torch.float64))
+        all_ids = _gather(comm, ids.to(torch.float64))
+        flags = _gather(comm, torch.cat([exhausted, last]).reshape(1, 2))
         ids_sorted = torch.argsort(all_ids)
         all_values, all_ids = all_values[ids_sorted], all_ids[ids_sorted]
         all_values, order = torch.sort(all_values, descending=True, stable=True)
@@ -102,6 +109,7 @@ def sample_token_sharded(local_logits: torch.Tensor, vocab_offset: int, params: 
                          step: int, comm: Comm, candidates: int = 64) -> int:
     """The token `sample_token(full_row, params, seed, step)` would pick, from this rank's slice of the row
     (`local_logits` [V_r], covering ids `vocab_offset .. vocab_offset + V_r - 1`). All ranks must call it together."""
+    local_logits = local_logits.cpu()
     if params.greedy:
         return _best(local_logits, vocab_offset, comm)
     scaled = local_logits.to(torch.float64) / max(params.temperature, GREEDY_BELOW)
