@@ -7,6 +7,7 @@ The model folder is the built-in tiny model (`dsv41.tiny.default_model_dir()`); 
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import signal
@@ -111,11 +112,17 @@ class ServerProcess:
             self.proc.wait(10)
 
 
+_shared: ServerProcess | None = None
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    proc = ServerProcess(tmp_path_factory.mktemp("server"))
-    yield proc
-    proc.terminate()
+    """One server for every module that imports this fixture (each import would otherwise start its own)."""
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = ServerProcess(tmp_path_factory.mktemp("server"))
+        atexit.register(_shared.terminate)
+    return _shared
 
 
 @pytest.fixture(scope="session")

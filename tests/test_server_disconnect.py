@@ -15,14 +15,14 @@ MAX_TOKENS = 400
 
 
 def _one_stream(server, rng: random.Random) -> int:
-    """Start a stream, read a random number of events (0-6), then drop the connection. Returns events read."""
+    """Start a stream, read a random number of events (0-4), then drop the connection. Returns events read."""
     if rng.random() < 0.7:
         path, body = "/v1/completions", {"prompt": rng.choice(["The", "A lighthouse", "Ships"]),
                                          "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
     else:
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                               "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
-    wanted = rng.randint(0, 6)
+    wanted = rng.randint(0, 4)
     read = 0
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.api_key}"},
                       timeout=60) as http:

@@ -13,6 +13,7 @@ import asyncio
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -31,8 +32,12 @@ from .sampling import derive_seed, sample_token, token_logprobs
 
 
 class SerialEngine(Engine):
-    def __init__(self, model, *, max_model_len: int, max_waiting: int = 64, prefill_chunk: int = 512):
+    def __init__(self, model, *, max_model_len: int, max_waiting: int = 64, prefill_chunk: int = 512,
+                 encode_text: Callable[[str], list[int]] | None = None):
+        """`encode_text` (the tokenizer's encode) enables jump-forward: text a grammar forces is tokenized and
+        run through the model in one forward instead of being sampled token by token."""
         self.model = model
+        self.encode_text = encode_text
         config = getattr(model, "config", None) or model.cfg
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = int(max_model_len)
@@ -163,18 +168,35 @@ class SerialEngine(Engine):
         self._prompt_tokens_total += prompt_len
         row = logits[-1]
         produced = 0
+
+        def report(token: int, dist: torch.Tensor) -> None:
+            if req.logprobs is not None:
+                chosen, top = token_logprobs(dist, token, req.logprobs)
+                emit(TokenEvent(token, chosen, tuple(top)))
+            else:
+                emit(TokenEvent(token))
+
         while True:
             if stop_flag.is_set():
                 return "cancelled", produced
+            forced = grammar.forced_tokens(self.encode_text, limit - produced) \
+                if grammar is not None and self.encode_text is not None else []
+            if forced:
+                # text the grammar allows in exactly one way: one forward for all of it
+                out = self.model.forward(state, torch.tensor(forced, dtype=torch.long))
+                for k, token in enumerate(forced):
+                    report(token, row if k == 0 else out[k - 1])
+                produced += len(forced)
+                self._generation_tokens_total += len(forced)
+                row = out[-1]
+                if produced >= limit:
+                    return "length", produced
+                continue
             masked = grammar.mask(row) if grammar is not None else row
             token = sample_token(masked, req.sampling, seed, produced)
             produced += 1
             self._generation_tokens_total += 1
-            if req.logprobs is not None:
-                chosen, top = token_logprobs(row, token, req.logprobs)
-                emit(TokenEvent(token, chosen, tuple(top)))
-            else:
-                emit(TokenEvent(token))
+            report(token, row)
             if grammar is not None and grammar.accept(token):
                 return "stop", produced
             if token in req.stop_token_ids and not req.ignore_eos:
@@ -203,6 +225,20 @@ class _GrammarMask:
         if not torch.isfinite(masked).any():
             raise EngineFailure("the grammar allows no token at this point")
         return masked[0]
+
+    def forced_tokens(self, encode: Callable[[str], list[int]], budget: int) -> list[int]:
+        """Token ids of the text the grammar forces next (accepted into the matcher), or [] to sample."""
+        text = self.matcher.find_jump_forward_string()
+        if not text or budget <= 0:
+            return []
+        ids = encode(text)[:budget]
+        for accepted, token in enumerate(ids):
+            if not self.matcher.accept_token(token):
+                # the tokenizer split the forced text in a way the grammar does not follow: sample instead
+                if accepted:
+                    self.matcher.rollback(accepted)
+                return []
+        return ids
 
     def accept(self, token: int) -> bool:
         """Advance; True once the grammar has ended (its stop token accepted)."""

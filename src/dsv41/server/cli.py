@@ -96,7 +96,8 @@ def build_server(args):
     tokenizer = Tokenizer.from_dir(folder)
     limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
     max_model_len = args.max_model_len or min(int(limit), DEFAULT_MAX_MODEL_LEN)
-    engine = SerialEngine(model, max_model_len=max_model_len, max_waiting=args.max_waiting)
+    engine = SerialEngine(model, max_model_len=max_model_len, max_waiting=args.max_waiting,
+                          encode_text=tokenizer.encode)
     grammars = Grammars(folder / "tokenizer.json", vocab_size=engine.vocab_size, stop_token_ids=[tokenizer.eos_id])
     config = ServerConfig(
         served_name=args.served_name or folder.name, aliases=tuple(args.alias), max_model_len=max_model_len,
