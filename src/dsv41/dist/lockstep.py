@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from .failfast import FailureInjector, TPAborted
-from .plan import Call, PlanChannel, RoundPlan, StateRef
+from .plan import Call, PlanChannel, RoundPlan, StateRef, encode_plan
 
 DEFAULT_MIRRORED = ("new_state", "forward")
 STATE_FACTORIES = ("new_state",)
@@ -107,7 +107,8 @@ class LeaderModel:
         self._next_slot = 0
         self._pending: list[Call] = []
         self._freed: list[int] = []
-        self._freed_lock = threading.Lock()
+        # re-entrant: a state handle's finaliser may run from a garbage collection inside this lock
+        self._freed_lock = threading.RLock()
         self._released = 0
 
     @property
@@ -188,13 +189,19 @@ class LeaderModel:
                 weakref.finalize(handle, self._release, slot)
                 return handle
             with self._freed_lock:
-                freed, self._freed = self._freed, []
+                freed = list(self._freed)
             plan = RoundPlan(number=self._round, calls=self._pending + [call], freed=freed)
+            try:
+                data = encode_plan(plan)
+            except (TypeError, ValueError) as exc:  # nothing was sent: the group is still in step
+                raise TypeError(f"cannot run {name} under tensor parallelism: {exc}") from exc
+            with self._freed_lock:
+                del self._freed[:len(freed)]
             self._pending = []
             round_no = self._round
             self._round += 1
             try:
-                self._channel.send(plan)
+                self._channel.send_encoded(round_no, data)
             except Exception as exc:  # noqa: BLE001 - the store is ours: failing to write it is fatal
                 self._failfast.abort(f"cannot send round plan {round_no}: {_describe(exc)}")
                 raise TPAborted(f"cannot send round plan {round_no}: {_describe(exc)}") from exc

@@ -166,8 +166,10 @@ class PlanChannel:
         self._timeout_set = False
 
     def send(self, plan: RoundPlan) -> None:
-        data = encode_plan(plan)
-        self.store.set(f"tp/plan/{plan.number}", data)
+        self.send_encoded(plan.number, encode_plan(plan))
+
+    def send_encoded(self, number: int, data: bytes) -> None:
+        self.store.set(f"tp/plan/{number}", data)
         self.bytes_sent += len(data)
 
     def trim(self, number: int) -> None:
