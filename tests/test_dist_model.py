@@ -62,41 +62,45 @@ def jobs(model_dir: str, with_oracle: bool):
     return out
 
 
-def worker(rank: int, world: int, master: str, model_dir: str, with_oracle: bool, out: str) -> None:
+def worker(rank: int, world: int, master: str, model_dir: str, with_oracle: bool, out: str,
+           device: str = "cpu", backend: str = "gloo") -> None:
     torch.set_num_threads(1)
     from dsv41.dist.rendezvous import init_tp
     from dsv41.model.loader import load_model
 
-    group = init_tp(rank, world, master, deadline_s=120)
+    group = init_tp(rank, world, master, deadline_s=120, backend=backend)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}" if backend == "nccl" else "cuda:0"
     results = {}
     for name, path, fake_quant, ids, chunks in jobs(model_dir, with_oracle):
-        model = load_model(path, torch.float32, "cpu", fake_quant=fake_quant, rank=rank, world=world,
+        model = load_model(path, torch.float32, device, fake_quant=fake_quant, rank=rank, world=world,
                            comm=group.comm)
         for key, value in run_schedule(model, ids, chunks).items():
-            results[f"{name}.{key}"] = value
+            results[f"{name}.{key}"] = value.cpu()
     results["calls"] = dict(group.comm.calls)
     torch.save(results, out)
     group.close()
 
 
-def run_ranks(world: int, model_dir: Path, with_oracle: bool, tmp_path: Path) -> list[dict]:
+def run_ranks(world: int, model_dir: Path, with_oracle: bool, tmp_path: Path, device: str = "cpu",
+              backend: str = "gloo") -> list[dict]:
     master = f"127.0.0.1:{free_port()}"
     outs = [tmp_path / f"w{world}-rank{r}.pt" for r in range(world)]
     procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), master, str(model_dir),
-                               "1" if with_oracle else "0", str(outs[r])]) for r in range(world)]
+                               "1" if with_oracle else "0", str(outs[r]), device, backend]) for r in range(world)]
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0] * world, f"rank exit codes {codes}"
     return [torch.load(o) for o in outs]
 
 
-def single_process(model_dir: Path, with_oracle: bool) -> dict[str, torch.Tensor]:
+def single_process(model_dir: Path, with_oracle: bool, device: str = "cpu") -> dict[str, torch.Tensor]:
     from dsv41.model.loader import load_model
 
     results = {}
     for name, path, fake_quant, ids, chunks in jobs(str(model_dir), with_oracle):
-        model = load_model(path, torch.float32, "cpu", fake_quant=fake_quant)
+        model = load_model(path, torch.float32, device, fake_quant=fake_quant)
         for key, value in run_schedule(model, ids, chunks).items():
-            results[f"{name}.{key}"] = value
+            results[f"{name}.{key}"] = value.cpu()
     return results
 
 
@@ -163,6 +167,20 @@ def test_tp4_matches_tp1(tiny_four_groups, tmp_path):
     print("\n".join(check_against_tp1(ranks, ref, 4)))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_tp2_on_cuda_matches_tp1(backend, tiny_dir, tmp_path):
+    """The split model on GPUs: gloo (both ranks may share one GPU) and NCCL (one GPU per rank)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: run on a GPU machine (`pytest -m gpu`)")
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip(f"NCCL needs one GPU per rank; {torch.cuda.device_count()} visible")
+    ranks = run_ranks(2, tiny_dir, False, tmp_path, device="cuda", backend=backend)
+    ref = single_process(tiny_dir, False, device="cuda:0")
+    print("\n".join(check_against_tp1(ranks, ref, 2)))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1", sys.argv[6])
+    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1", sys.argv[6],
+           *sys.argv[7:9])
