@@ -114,7 +114,7 @@ def _follower_signals(rank: int, failfast: FailFast) -> None:
         pass
 
 
-def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector) -> bool:
+def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector, watchdog=None) -> bool:
     """Run the follower loop in a thread and keep the main thread free: it sits in a store call for as long as
     the server is idle, and Python runs signal handlers (SIGTERM) only in the main thread. True on a stop plan."""
     done, outcome = threading.Event(), {}
@@ -131,8 +131,9 @@ def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector)
             done.set()
 
     threading.Thread(target=run, name="dsv41-tp-follow", daemon=True).start()
-    while not done.wait(0.5):
-        pass
+    while not done.wait(1.0):
+        if watchdog is not None and not failfast.aborted.is_set():
+            watchdog()
     return outcome["stopped"]
 
 
@@ -144,14 +145,15 @@ def _die_with_group(failfast: FailFast) -> int:
 
 
 def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: list[str] | None = None,
-             grace_s: float = 1.0, on_ready=None) -> int:
+             grace_s: float = 1.0, on_ready=None, watchdog=None) -> int:
     """Run this process as one rank of `dsv41 serve --tp N`; returns the exit status.
 
     `load(rank, world, comm)` builds this rank's model (e.g. `load_model(path, ..., rank=rank, world=world,
     comm=comm)`); `serve(model)` serves HTTP with it on rank 0 and returns at shutdown. In local mode (no
     `--rank`) `argv` (default `sys.argv[1:]`) is handed to the children, run as `child_cmd` (default: the dsv41
     CLI with this Python). `on_ready()` runs on ranks other than 0 once every rank has loaded (e.g. systemd
-    READY=1; rank 0's `serve` notifies for itself when it accepts connections).
+    READY=1; rank 0's `serve` notifies for itself when it accepts connections); `watchdog()` runs there about
+    once a second while the follower is healthy (systemd WATCHDOG=1).
     """
     world = args.tp
     if world < 1:
@@ -189,7 +191,7 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         _follower_signals(rank, failfast)
         if on_ready is not None:
             on_ready()
-        if not _follow_in_thread(model, channel, failfast, injector):
+        if not _follow_in_thread(model, channel, failfast, injector, watchdog):
             return _die_with_group(failfast)
         failfast.stop()
         group.store.set(f"tp/bye/{rank}", "1")
