@@ -60,7 +60,10 @@ def worker(argv: list[str]) -> int:
             return
         asyncio.run(generate(model, args))
 
-    return run_rank(args, load=load, serve=serve, argv=argv, child_cmd=[sys.executable, __file__])
+    marker = Path(args.out).with_name("follower-ready")
+    return run_rank(args, load=load, serve=serve, argv=argv, child_cmd=[sys.executable, __file__],
+                    on_ready=lambda: marker.write_text("ready"),
+                    watchdog=lambda: marker.write_text(marker.read_text() + "."))
 
 
 async def generate(model, args) -> None:
@@ -172,6 +175,7 @@ def test_explicit_ranks_generation_equals_tp1(tiny_dir, tmp_path):
     codes, _ = wait_all([rank0, rank1], timeout=300)
     assert codes == [0, 0], rank0.communicate()[1][-2000:] + rank1.communicate()[1][-2000:]
     assert json.loads(out.read_text())["tokens"] == tp1_greedy(tiny_dir)
+    assert (tmp_path / "follower-ready").read_text().startswith("ready")  # rank 1 reported ready
 
 
 @pytest.mark.parametrize("kind", ["raise", "oom"])
@@ -243,6 +247,8 @@ def test_kill_9_of_rank1_mid_generation_fails_the_request_and_rank0_exits_70(tin
 
 def test_kill_9_of_idle_rank1_is_noticed_by_heartbeat(tiny_dir, tmp_path):
     rank0, rank1 = start_pair(tiny_dir, tmp_path, ["--idle-s", "60"])
+    time.sleep(2.0)
+    assert (tmp_path / "follower-ready").read_text().startswith("ready.")  # an idle follower pings its watchdog
     t_kill = time.time()
     rank1.send_signal(signal.SIGKILL)
     codes, times = wait_all([rank0], timeout=30)
