@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# The tiny models are latency-bound: on a 2-core machine shared by test processes (servers, TP ranks), torch's
+# intra-op thread pools oversubscribe the cores and small ops take milliseconds instead of microseconds.
+# One thread per process, inherited by every subprocess the tests start.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+try:
+    import torch
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+except ImportError:  # pragma: no cover - torch is a hard dependency; keep collection errors readable
+    pass
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
