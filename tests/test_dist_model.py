@@ -143,6 +143,7 @@ def check_against_tp1(ranks: list[dict], ref: dict, world: int) -> list[str]:
     return report
 
 
+@pytest.mark.slow
 def test_tp2_matches_tp1_and_the_oracle(tiny_dir, tmp_path):
     ranks = run_ranks(2, tiny_dir, True, tmp_path)
     ref = single_process(tiny_dir, True)
@@ -161,6 +162,7 @@ def test_tp2_matches_tp1_and_the_oracle(tiny_dir, tmp_path):
     print("\n".join(report))
 
 
+@pytest.mark.slow
 def test_tp4_matches_tp1(tiny_four_groups, tmp_path):
     ranks = run_ranks(4, tiny_four_groups, False, tmp_path)
     ref = single_process(tiny_four_groups, False)

@@ -38,6 +38,7 @@ def worker(rank: int, world: int, master: str, deadline: float) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_rank1_started_10s_before_rank0_still_joins():
     master = f"127.0.0.1:{free_port()}"
     rank1 = spawn(1, 2, master)
@@ -68,6 +69,7 @@ def test_unresolvable_master_host_names_the_host():
     assert "no-such-host.invalid" in str(info.value)
 
 
+@pytest.mark.slow
 def test_mismatched_world_sizes_are_reported_on_both_sides():
     master = f"127.0.0.1:{free_port()}"
     rank0 = spawn(0, 2, master, deadline=6.0)
