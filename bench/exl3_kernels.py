@@ -154,8 +154,9 @@ def sweep_configs(copies: list[Exl3Tensor], log) -> tuple[MatmulConfig, list]:
     k_blocks = copies[0].k // 128
     split_options = sorted({max(1, base.splits // 2), base.splits, min(k_blocks, base.splits * 2)})
     tried = []
-    # num_stages=2 was tried in the second run: 8-10x slower (the pipeliner stages gathered words in shared memory).
-    variants = [(bk, warps, 1) for bk in (32, 64) for warps in (4, 8)]
+    # num_stages=2 was tried in the second run: 8-10x slower (the pipeliner stages gathered words in shared memory);
+    # (32, 8) and (64, 4) lost 2x there too. All kept variants hold 32 decoded weights per thread.
+    variants = [(32, 4, 1), (64, 8, 1), (128, 16, 1)]
     for bk, warps, stages in variants:
         for splits in split_options:
             cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps, num_stages=stages)

@@ -60,17 +60,16 @@ def hadamard_signs(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 
 
 @triton.jit
-def tile_word_offsets(tiles_n, TR: tl.constexpr, K: tl.constexpr):
+def tile_word_offsets(rows, cols, tiles_n, K: tl.constexpr):
     """Word offsets (int32) of the two stream words holding each element's window, and the shift.
 
-    Index space [TR tile rows, 8 tiles, 16 r, 16 c] of a [16*TR, 128] block: the innermost axes walk one tile,
-    so a warp's gathered loads hit one tile (one or two cache lines) instead of eight tiles. Offsets are
-    relative to the block's first tile; `tiles_n` is n/16 (tiles per tile row).
+    rows: [R, 1] input index inside the decoded block (R a multiple of 16); cols: [1, C] output index inside it.
+    Offsets are relative to the block's first tile; `tiles_n` is n/16 (tiles per tile row).
     """
-    tr = tl.arange(0, TR)[:, None, None, None]
-    tn = tl.arange(0, 8)[None, :, None, None]
-    r = tl.arange(0, 16)[None, None, :, None]
-    c = tl.arange(0, 16)[None, None, None, :]
+    tr = rows // 16
+    r = rows % 16
+    tn = cols // 16
+    c = cols % 16
     lane = 4 * (c % 8) + (r % 8) // 2
     j = (r % 2) + 2 * (r // 8) + 4 * (c // 8)
     p = 8 * lane + j
@@ -81,13 +80,6 @@ def tile_word_offsets(tiles_n, TR: tl.constexpr, K: tl.constexpr):
     tile = tr * tiles_n * (8 * K) + tn * (8 * K)
     shift = 48 - (start % 32)
     return tile + i0, tile + i1, shift.to(tl.uint64)
-
-
-@triton.jit
-def decode_block(base, off0, off1, shift, TR: tl.constexpr, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Decode the [16*TR, 128] W_q block whose first tile starts at `base` (row-major k x n)."""
-    w = decode_words(tl.load(base + off0), tl.load(base + off1), shift, CODEBOOK, USE_ASM)
-    return tl.reshape(tl.permute(w, (0, 2, 1, 3)), (TR * 16, 128))
 
 
 @triton.jit
@@ -189,7 +181,7 @@ def accumulate_kslice(
     """
     cols = tl.arange(0, 128)
     sub_rows = tl.arange(0, BK)
-    off0, off1, shift = tile_word_offsets(tiles_n, BK // 16, K)
+    off0, off1, shift = tile_word_offsets(sub_rows[:, None], cols[None, :], tiles_n, K)
     tile_row_words = tiles_n.to(tl.int64) * (8 * K)
     for kb in range(kb_lo, kb_hi):
         xk = kb * 128 + cols
@@ -201,6 +193,8 @@ def accumulate_kslice(
             h = tl.load(had_f16_ptr + cols[:, None] * 128 + (sub * BK + sub_rows)[None, :])
             xh = (tl.dot(xs, h) * INV_SQRT128).to(tl.float16)
             base = trellis_ptr + (kb * 8 + sub * (BK // 16)) * tile_row_words
-            w = decode_block(base, off0, off1, shift, BK // 16, CODEBOOK, USE_ASM)
+            w0 = tl.load(base + off0)
+            w1 = tl.load(base + off1)
+            w = decode_words(w0, w1, shift, CODEBOOK, USE_ASM)
             acc = tl.dot(xh, w, acc)
     return acc

@@ -42,12 +42,14 @@ class MatmulConfig:
 
 
 def default_config(weight: Exl3Tensor, sm_count: int = 132) -> MatmulConfig:
-    """Enough (column block, k slice) programs for about two waves, slices of at least two 128-blocks."""
+    """Launch shape from the H200 sweep (docs/perf/exl3.md): about one wave of 8-warp programs for narrow
+    matrices (split-K makes up the count), 4-warp programs two k-slices deep for wide ones (wq_b, head)."""
     col_blocks = weight.n // 128
     k_blocks = weight.k // 128
-    target = 2 * sm_count
-    splits = max(1, min(k_blocks // 2, -(-target // col_blocks)))
-    return MatmulConfig(splits=splits)
+    if col_blocks >= sm_count:
+        return MatmulConfig(splits=min(2, k_blocks), block_k=32, num_warps=4)
+    splits = max(1, min(k_blocks // 2, round(sm_count / col_blocks)))
+    return MatmulConfig(splits=splits, block_k=64, num_warps=8)
 
 
 @triton.jit

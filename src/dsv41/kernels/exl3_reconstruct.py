@@ -14,7 +14,7 @@ import triton.language as tl
 
 from dsv41.kernels.exl3_common import (
     CODEBOOK_IDS,
-    decode_block,
+    decode_words,
     hadamard_signs,
     tile_word_offsets,
     use_inline_asm,
@@ -39,9 +39,9 @@ def _reconstruct_kernel(
     nb = tl.program_id(1)
     tiles_n = n // 16
     idx = tl.arange(0, 128)
-    off0, off1, shift = tile_word_offsets(tiles_n, 8, K)
+    off0, off1, shift = tile_word_offsets(idx[:, None], idx[None, :], tiles_n, K)
     base = trellis_ptr + ((kb * 8).to(tl.int64) * tiles_n + nb * 8) * (8 * K)
-    w = decode_block(base, off0, off1, shift, 8, CODEBOOK, USE_ASM)
+    w = decode_words(tl.load(base + off0), tl.load(base + off1), shift, CODEBOOK, USE_ASM)
     out_offsets = (kb * 128 + idx)[:, None].to(tl.int64) * n + (nb * 128 + idx)[None, :]
     if ROTATE:
         h = tl.load(had_f16_ptr + idx[:, None] * 128 + idx[None, :])
