@@ -7,7 +7,10 @@ on timing or topology).
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing dsv41.dist (e.g. for the CLI options) must not load torch
+    import torch
 
 
 class Comm:

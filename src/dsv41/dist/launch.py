@@ -24,6 +24,7 @@ import time
 import torch
 
 from ..errors import DSV41Error
+from .args import register_tp_args  # noqa: F401 - re-exported: the CLI may import it from here too
 from .failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
 from .lockstep import LeaderModel, follow
 from .plan import PlanChannel
@@ -31,25 +32,6 @@ from .rendezvous import init_tp
 
 CLI_MAIN = "import sys; from dsv41.cli import main; sys.exit(main(sys.argv[1:]))"
 LOCAL_CHILD_ENV = "DSV41_TP_LOCAL_CHILD"
-
-
-def register_tp_args(parser) -> None:
-    """Add the tensor-parallel options to `dsv41 serve`'s parser."""
-    group = parser.add_argument_group("tensor parallelism")
-    group.add_argument("--tp", type=int, default=1, metavar="N", help="number of ranks (default 1: no TP)")
-    group.add_argument("--rank", type=int, default=None, metavar="R",
-                       help="this process's rank; without it, `--tp N` starts ranks 1..N-1 on this host")
-    group.add_argument("--master", default=None, metavar="HOST:PORT",
-                       help="rank 0's rendezvous address (rank 0 listens on PORT; default with local ranks: "
-                            "127.0.0.1 and a free port)")
-    group.add_argument("--tp-backend", choices=("gloo", "nccl"), default=None,
-                       help="collective backend (default: nccl when CUDA is available, else gloo)")
-    group.add_argument("--tp-deadline", type=float, default=300.0, metavar="S",
-                       help="seconds to wait for all ranks to join and to finish loading (default 300)")
-    group.add_argument("--tp-peer-timeout", type=float, default=3.0, metavar="S",
-                       help="a rank without heartbeat for this long is lost: the group exits 70 (default 3)")
-    group.add_argument("--tp-collective-timeout", type=float, default=300.0, metavar="S",
-                       help="upper bound on any single collective (default 300)")
 
 
 class _LocalRanks:
