@@ -2,6 +2,7 @@
 nothing behind — /health inflight back to 0, no engine sequence alive — and the cancelled requests must really
 stop generating."""
 
+import json
 import random
 import threading
 
@@ -75,6 +76,8 @@ def test_random_disconnects_free_everything(server, client):
     metrics = httpx.get(f"{server.url}/metrics").text
     disconnects = [line for line in metrics.splitlines() if line.startswith("dsv41_client_disconnects_total")]
     assert float(disconnects[0].split()[-1]) >= STREAMS
+    records = [json.loads(line) for line in server.request_log.read_text().splitlines()]
+    assert sum(r["disconnected"] and r["finish_reason"] == "abort" for r in records) >= STREAMS
     # and the server still serves
     resp = client.completions.create(model="any", prompt="still alive", max_tokens=3)
     assert resp.usage.completion_tokens == 3
