@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -242,6 +243,55 @@ def test_serve_notifies_systemd(notify_socket, tmp_path):
         assert proc.wait(timeout=120) == 0
         assert not missing, f"dsv41 serve did not send: {'; '.join(missing)} (loading messages: {loading})"
     finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_launch_execs_serve_as_the_same_pid(tmp_path):
+    """`dsv41 launch rank0` (the unit's ExecStart) must exec the server in place: READY=1 has to come from the PID
+    systemd started, or NotifyAccess=main drops it. The sender's PID is read from SCM_CREDENTIALS."""
+    reason = serve_available()
+    if reason:
+        print(reason)
+        pytest.skip(reason)
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.bind(str(path))
+    sock.settimeout(0.5)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "stopped-rank0.json").write_text("{}")
+    env_file = tmp_path / "dsv41.env"
+    env_file.write_text("DSV41_HOST=127.0.0.1\nDSV41_PORT=0\nDSV41_TP=1\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "NOTIFY_SOCKET": str(path),
+           "STATE_DIRECTORY": str(state)}
+    log = (tmp_path / "launch.log").open("w")
+    proc = subprocess.Popen([PY, "-m", "dsv41.ops.cli", "launch", "rank0", "--env-file", str(env_file)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        senders = set()
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, f"launch exited {proc.returncode}: {(tmp_path / 'launch.log').read_text()}"
+            assert time.monotonic() < deadline, "no READY=1 within 600 s"
+            try:
+                data, ancdata, _, _ = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+            except socket.timeout:
+                continue
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    senders.add(struct.unpack("3i", payload[:12])[0])
+            if b"READY=1" in data:
+                break
+        assert senders == {proc.pid}, (senders, proc.pid)
+        assert not (state / "stopped-rank0.json").exists()  # a start clears the deliberate-stop marker
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        sock.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

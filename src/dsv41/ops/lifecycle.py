@@ -54,11 +54,17 @@ def launch_command(instance: str, env: Mapping[str, str]) -> list[str]:
 
 
 def launch(instance: str, env: Mapping[str, str]) -> None:
-    """Clear this rank's stop marker and exec the server in place (it stays systemd's main PID for sd_notify)."""
+    """Clear this rank's stop marker and exec the server in place (it stays systemd's main PID for sd_notify).
+
+    The Nix wrapper of `dsv41` extends sys.path inside the process rather than through the environment, so the
+    exec'd interpreter gets this process's sys.path as PYTHONPATH to find the same packages.
+    """
     argv = launch_command(instance, env)
     marker_path(state_dir(env), instance).unlink(missing_ok=True)
-    log.info("exec %s", " ".join(argv[3:]))
-    os.execv(argv[0], argv)
+    child_env = dict(os.environ)
+    child_env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    log.info("exec dsv41 %s", " ".join(argv[3:]))
+    os.execve(argv[0], argv, child_env)
 
 
 def record_stop(instance: str, env: Mapping[str, str], run: Executor, now: float | None = None) -> bool:
