@@ -8,6 +8,7 @@ the visible answer only, never reasoning or tool-call text.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,9 @@ async def create_chat_completion(ctx: "ServerContext", req: ChatCompletionReques
     thinking = prompt.thinking_mode == "thinking"
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = completion_budget(ctx, len(ids), req.completion_limit, "messages", limit_param)
-    grammar = _tool_grammar(ctx, req, prompt) or structured_grammar(ctx, req, thinking=thinking)
+    # compiling a grammar can take a while for a big schema: keep it off the event loop
+    grammar = await asyncio.to_thread(
+        lambda: _tool_grammar(ctx, req, prompt) or structured_grammar(ctx, req, thinking=thinking))
     top = req.top_logprobs or 0
     engine_request = GenerationRequest(
         prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ async def create_completion(ctx: "ServerContext", req: CompletionRequest) -> tup
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", param="echo")
     budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
-    grammar = structured_grammar(ctx, req, thinking=False)
+    grammar = await asyncio.to_thread(structured_grammar, ctx, req, thinking=False)
     eos = ctx.tokenizer.eos_id
     engine_request = GenerationRequest(
         prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req), stop_token_ids=frozenset({eos}),
