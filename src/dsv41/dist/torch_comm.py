@@ -17,6 +17,9 @@ import torch.distributed as dist
 
 from .comm import Comm
 
+# torch >= 2.13 renamed all_gather_into_tensor (older builds, e.g. the CUDA 2.11 wheels, have only the old name)
+_GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # Low-precision partials are added in fp32 and rounded once: with two ranks this equals a plain bf16 add; with more
 # ranks it avoids one rounding per addition. Either way the order is fixed, so every rank gets the same bits.
 _WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
@@ -32,6 +35,7 @@ class TorchComm(Comm):
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        self._into_tensor = True
         self.calls = {"sum_partials": 0, "gather_cat": 0}
         self.bytes_sent = 0
         # (collective, dtype, row width) -> (calls, rows): what crosses the link, for docs and benchmarks
@@ -44,9 +48,20 @@ class TorchComm(Comm):
 
     def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = x.contiguous()
+        self.bytes_sent += x.numel() * x.element_size()
+        if self._into_tensor:
+            # one output buffer: NCCL writes it directly, no per-rank copies afterwards
+            flat = x.reshape(-1)
+            out = flat.new_empty(self.world * flat.numel())  # the ranks' slices back to back, in rank order
+            try:
+                _GATHER_INTO_TENSOR(out, flat, group=self.group)
+                return list(out.view(self.world, *x.shape).unbind(0))
+            except (RuntimeError, NotImplementedError) as exc:
+                if "not supported" not in str(exc).lower() and "not implemented" not in str(exc).lower():
+                    raise
+                self._into_tensor = False  # an old backend without it: use the list form from now on
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x, group=self.group)
-        self.bytes_sent += x.numel() * x.element_size()
         return parts
 
     def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
