@@ -349,6 +349,10 @@ def test_canary_server_down():
 
 
 def tiny_server_available() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed here (the ops-only Nix check): the tiny-model server cannot run"
     try:
         import dsv41.server.cli  # noqa: F401
     except ImportError as exc:
