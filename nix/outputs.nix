@@ -53,9 +53,10 @@ in
       default = pkgs.mkShell {
         inputsFrom = [ pkgs.dsv41 ];
         packages = [
-          (pkgs.python3.withPackages (ps: pkgs.dsv41.dependencies ++ (with ps; [
+          (pkgs.python3.withPackages (ps: with ps; [
+            torch numpy safetensors tokenizers starlette hypercorn pydantic prometheus-client xgrammar sdnotify
             pytest pytest-timeout openai httpx jsonschema psutil
-          ])))
+          ]))
           pkgs.systemd # systemd-analyze for the unit tests
           pkgs.cudaPackages.cuda_nvcc
         ];
