@@ -12,7 +12,12 @@ in
 
   pythonPackagesExtensions = prev.pythonPackagesExtensions ++ [
     (pyfinal: pyprev:
-      let wheel = pyfinal.callPackage ./wheel.nix { }; in
+      let
+        wheel = import ./wheel.nix {
+          inherit (final) lib stdenv fetchurl autoPatchelfHook autoAddDriverRunpath;
+          inherit (pyfinal) buildPythonPackage python;
+        };
+      in
       {
         triton = wheel {
           pname = "triton";
