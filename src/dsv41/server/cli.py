@@ -1,5 +1,8 @@
 """`dsv41 serve`: load the model, then serve the OpenAI-compatible API with hypercorn.
 
+With `--tp N` (options from `dsv41.dist.args`) the process runs one rank of a tensor-parallel group through
+`dsv41.dist.launch.run_rank`; rank 0 serves HTTP with the group's leader model, the others follow it.
+
 Order (PLATFORM.md §4.3): load model, tokenizer and grammar compiler first (extending systemd's start timeout),
 bind the socket, start hypercorn, run one warm-up token, then report READY=1 and /health 200. SIGTERM/SIGINT
 start a drain: STOPPING=1, /health 503, new requests 503, in-flight requests get --drain-timeout seconds, the
@@ -22,7 +25,8 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+    # conflict_handler="resolve": a caller that adds the TP options again (older launch shims) does not break
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API", conflict_handler="resolve",
                               description="Serve the model over an OpenAI-compatible HTTP API (hypercorn).")
     p.add_argument("--model", metavar="DIR", help="model folder (default: the built-in tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -40,6 +44,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued before new ones get 429 (default 64)")
     p.add_argument("--cpu-threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    from ..dist.args import register_tp_args  # argparse only: no torch import here
+
+    register_tp_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -70,28 +77,40 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build_server(args):
-    """Load everything the server needs (before any socket is bound). Returns (ServerContext, config)."""
-    import torch
+def _model_folder(args) -> Path:
+    if args.model:
+        folder = Path(args.model)
+        if not folder.is_dir():
+            raise DSV41Error(f"--model {folder}: no such folder")
+        return folder
+    from ..tiny import default_model_dir
 
+    return default_model_dir()
+
+
+def _set_threads(args) -> None:
+    if args.cpu_threads:
+        import torch
+
+        torch.set_num_threads(args.cpu_threads)
+
+
+def build_server(args, model=None):
+    """Load everything the server needs (before any socket is bound) and return the ServerContext.
+
+    `model`: an already-loaded model (the TP leader on rank 0); by default the folder's model is loaded here.
+    """
     from ..engine.grammar import Grammars
     from ..engine.serial import SerialEngine
     from ..model.loader import load_model
     from ..tokenizer import Tokenizer
     from .app import ServerConfig, ServerContext
 
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
-    if args.model:
-        folder = Path(args.model)
-        if not folder.is_dir():
-            raise DSV41Error(f"--model {folder}: no such folder")
-    else:
-        from ..tiny import default_model_dir
-
-        folder = default_model_dir()
+    _set_threads(args)
+    folder = _model_folder(args)
     api_key = _api_key(args.api_key_file)
-    model = load_model(folder)
+    if model is None:
+        model = load_model(folder)
     model_config = getattr(model, "config", None) or model.cfg
     tokenizer = Tokenizer.from_dir(folder)
     limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -107,6 +126,30 @@ def build_server(args):
 
 
 def run_serve(args) -> int:
+    """`dsv41 serve`: TP=1 in this process, or one rank of a tensor-parallel group (rank 0 serves HTTP)."""
+    if (getattr(args, "tp", 1) or 1) > 1 or getattr(args, "rank", None) is not None:
+        import torch.distributed
+
+        if torch.distributed.is_initialized():
+            # called from inside a rank that already joined its group (a launcher's serve callback)
+            return serve_model(args)
+        from ..dist.launch import run_rank
+
+        _api_key(args.api_key_file)  # refuse a bad key file before any rank starts
+        folder = _model_folder(args)
+
+        def load(rank: int, world: int, comm):
+            from ..model.loader import load_model
+
+            _set_threads(args)
+            return load_model(folder, rank=rank, world=world, comm=comm)
+
+        return run_rank(args, load=load, serve=lambda leader: serve_model(args, leader))
+    return serve_model(args)
+
+
+def serve_model(args, model=None) -> int:
+    """Serve HTTP until SIGTERM/SIGINT (with `model` already loaded, or loading the folder's)."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
@@ -116,7 +159,7 @@ def run_serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     notifier = Notifier()
     notifier.extend_timeout(600, status="loading model")
-    ctx = build_server(args)
+    ctx = build_server(args, model)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
 
