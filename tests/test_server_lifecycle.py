@@ -12,7 +12,7 @@ import httpx
 
 from server_harness import REPO, ServerProcess
 
-GRACE_S = 6.0
+GRACE_S = 8.0
 
 
 def _read_stream(url: str, key: str, body: dict, out: dict) -> None:
@@ -39,7 +39,7 @@ def test_sigterm_drains_then_ends_streams_with_an_error(tmp_path):
     try:
         short, long = {}, {}
         t_short = threading.Thread(target=_read_stream, args=(server.url, server.api_key, {
-            "prompt": "short", "max_tokens": 120, "ignore_eos": True}, short))
+            "prompt": "short", "max_tokens": 60, "ignore_eos": True}, short))
         t_long = threading.Thread(target=_read_stream, args=(server.url, server.api_key, {
             "prompt": "long", "max_tokens": 8000, "ignore_eos": True}, long))
         t_short.start()
