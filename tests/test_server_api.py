@@ -225,3 +225,19 @@ def test_unknown_fields_are_ignored_and_any_model_name_is_served(server, client)
     assert resp.model == SERVED_NAME  # an unknown model name is answered by the served model
     alias = client.completions.create(model=ALIAS, prompt="x", max_tokens=1)
     assert alias.model == ALIAS
+
+
+def test_history_reasoning_accepted_under_both_names(server):
+    """`reasoning_content` and `reasoning` on an assistant turn render the same prompt (tools keep it)."""
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+
+    def rendered(field):
+        history = [{"role": "user", "content": "q1"},
+                   {"role": "assistant", "content": "a1", field: "I pondered the lamp"},
+                   {"role": "user", "content": "q2"}]
+        with server.http() as http:
+            tokens = http.post("/tokenize", json={"messages": history, "tools": tools}).json()["tokens"]
+            return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+    assert rendered("reasoning") == rendered("reasoning_content")
+    assert "<think>I pondered the lamp</think>a1" in rendered("reasoning")
