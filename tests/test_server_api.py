@@ -214,8 +214,12 @@ def test_metrics_and_request_log(server, client):
                  "vllm:time_to_first_token_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):
         assert name in text, name
     records = [json.loads(line) for line in server.request_log.read_text().splitlines()]
-    last = [r for r in records if r["endpoint"] == "completions"][-1]
-    assert last["completion_tokens"] == 3 and last["status"] == 200 and last["finish_reason"] in ("length", "stop")
+    last = [r for r in records if r["endpoint"] == "completions" and r["status"] == 200][-1]
+    assert last["completion_tokens"] == 3 and last["finish_reason"] in ("length", "stop")
+    with server.http() as http:
+        assert http.post("/v1/completions", json={"prompt": "x", "n": 3}).status_code == 400
+    refused = json.loads(server.request_log.read_text().splitlines()[-1])
+    assert refused["status"] == 400 and "n must be 1" in refused["error"]
 
 
 def test_unknown_fields_are_ignored_and_any_model_name_is_served(server, client):

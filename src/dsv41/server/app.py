@@ -205,6 +205,9 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
             return response
         except APIError as exc:
             status = exc.status
+            if guarded and not exc.logged:
+                ctx.request_log.write(id=None, endpoint=name, status=exc.status, error=exc.message,
+                                      latency_s=round(time.monotonic() - started, 4))
             return exc.response()
         except ClientGone:
             status = 499  # nginx's "client closed request": nobody reads this response
@@ -238,13 +241,13 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
     except EngineFailure as exc:
         error = engine_failed(f"engine failure: {exc}")
         gen.fail(error)
-        raise error from None
     except ServerDraining as exc:
         error = unavailable(str(exc))
         gen.fail(error)
-        raise error from None
     finally:
-        gen.close()
+        gen.close()  # after gen.fail: the log line carries the error status
+    error.logged = True
+    raise error
 
 
 # ---------------------------------------------------------------------------- handlers

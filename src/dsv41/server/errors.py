@@ -33,6 +33,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = dict(headers or {})
+        self.logged = False  # already in the request log (a generation that failed logs itself)
 
     @property
     def type(self) -> str:

@@ -8,6 +8,7 @@ JSONL log.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -94,10 +95,8 @@ def structured_grammar(ctx: "ServerContext", fields: "SamplingFields", *, thinki
         json_schema = so.get("json") if "json" in chosen else fields.guided_json
         if json_schema is not None:
             if isinstance(json_schema, str):
-                import json as _json
-
                 try:
-                    json_schema = _json.loads(json_schema)
+                    json_schema = json.loads(json_schema)
                 except ValueError:
                     raise bad_request("the JSON schema is not valid JSON", param="guided_json") from None
             grammars.check_schema(json_schema, "structured_outputs.json")
