@@ -184,9 +184,25 @@ def _worker_moe(results: dict) -> None:
     }
 
 
+def _worker_dispatch(results: dict) -> None:
+    from dsv41.kernels.exl3_linear import FUSED_MAX_ROWS, exl3_linear
+    from dsv41.kernels.exl3_matmul import fused_matmul
+    from dsv41.kernels.exl3_reconstruct import prefill_matmul
+    from dsv41.kernels.layout import Exl3Tensor
+
+    gen = torch.Generator().manual_seed(9)
+    w = Exl3Tensor.from_group(*_random_group(gen, 128, 128, 4), "mul1")
+    small = torch.randn(2, 8, 128, generator=gen).half()  # 16 rows in a batched shape
+    large = torch.randn(FUSED_MAX_ROWS + 1, 128, generator=gen).half()
+    results["dispatch"] = {
+        "small_is_fused": bool(torch.equal(exl3_linear(small, w).reshape(16, 128), fused_matmul(small.reshape(16, 128), w))),
+        "large_is_prefill": bool(torch.equal(exl3_linear(large, w), prefill_matmul(large, w))),
+    }
+
+
 def _interp_worker(out_path: str) -> None:
     results: dict = {}
-    for part in (_worker_fixtures, _worker_random, _worker_row_invariance, _worker_moe):
+    for part in (_worker_fixtures, _worker_random, _worker_row_invariance, _worker_moe, _worker_dispatch):
         try:
             part(results)
         except Exception as exc:  # report, so every test shows the worker's error instead of a bare failure
@@ -268,6 +284,10 @@ def test_interpreted_moe(interp):
     assert r["rel_fp64"] <= 2e-3, r
     assert r["max_elem_fp64"] <= 1e-2, r
     assert r["row2_alone_equal"], "a row's MoE output changed when it ran alone"
+
+
+def test_interpreted_linear_dispatch(interp):
+    assert interp["dispatch"] == {"small_is_fused": True, "large_is_prefill": True}
 
 
 def test_bad_groups_raise_checkpoint_error_naming_the_tensor():
