@@ -82,47 +82,6 @@ def tile_word_offsets(rows, cols, tiles_n, K: tl.constexpr):
     return tile + i0, tile + i1, shift.to(tl.uint64)
 
 
-# Compact per-element code: word offset in bits 0..22, window bit offset in 23..27, ring wrap of the second word
-# in bit 28. One register per decoded weight instead of four (two int32 offsets + a uint64 shift).
-CODE_OFFSET_BITS = 23
-
-
-@triton.jit
-def tile_word_codes(rows, cols, tiles_n, K: tl.constexpr):
-    """Same information as tile_word_offsets, packed into one int32 per element (see CODE_OFFSET_BITS)."""
-    tr = rows // 16
-    r = rows % 16
-    tn = cols // 16
-    c = cols % 16
-    lane = 4 * (c % 8) + (r % 8) // 2
-    j = (r % 2) + 2 * (r // 8) + 4 * (c // 8)
-    p = 8 * lane + j
-    start = ((p + 1) * K + (256 * K - 16)) % (256 * K)
-    i0 = start // 32
-    wrap = (i0 == 8 * K - 1).to(tl.int32)
-    tile = tr * tiles_n * (8 * K) + tn * (8 * K)
-    return (tile + i0) | ((start % 32) << 23) | (wrap << 28)
-
-
-@triton.jit
-def decode_codes(base, code, K: tl.constexpr, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Values of the weights whose packed codes are `code`, stream words read relative to `base`."""
-    off0 = code & 0x7FFFFF
-    shift = ((code >> 23) & 31).to(tl.uint32)
-    off1 = off0 + 1 - (code >> 28) * (8 * K)
-    w0 = tl.load(base + off0).to(tl.uint32, bitcast=True)
-    w1 = tl.load(base + off1).to(tl.uint32, bitcast=True)
-    if USE_ASM:
-        # Funnel shift: upper 32 bits of (w0:w1) << shift, i.e. the stream from the window's first bit on.
-        top = tl.inline_asm_elementwise(
-            "shf.l.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [w1, w0, shift], dtype=tl.uint32, is_pure=True, pack=1
-        )
-    else:
-        # Both shifts stay in 0..31 (a shift by 32 is undefined in LLVM).
-        top = (w0 << shift) | ((w1 >> 1) >> (31 - shift))
-    return codebook_value(top >> 16, CODEBOOK, USE_ASM)
-
-
 @triton.jit
 def codebook_value(state, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
     """fp16 codebook value of 16-bit states (uint32 tensor), bit-exact with §2.1."""
@@ -212,7 +171,6 @@ def accumulate_kslice(
     CODEBOOK: tl.constexpr,
     BK: tl.constexpr,
     USE_ASM: tl.constexpr,
-    COMPACT: tl.constexpr,
 ):
     """acc[BM, 128] += rot(x ⊙ suh)[:, k-slice] @ W_q[k-slice, 128-column block], k-slice = 128-blocks [lo, hi).
 
@@ -223,10 +181,7 @@ def accumulate_kslice(
     """
     cols = tl.arange(0, 128)
     sub_rows = tl.arange(0, BK)
-    if COMPACT:
-        code = tile_word_codes(sub_rows[:, None], cols[None, :], tiles_n, K)
-    else:
-        off0, off1, shift = tile_word_offsets(sub_rows[:, None], cols[None, :], tiles_n, K)
+    off0, off1, shift = tile_word_offsets(sub_rows[:, None], cols[None, :], tiles_n, K)
     tile_row_words = tiles_n.to(tl.int64) * (8 * K)
     for kb in range(kb_lo, kb_hi):
         xk = kb * 128 + cols
@@ -238,9 +193,8 @@ def accumulate_kslice(
             h = tl.load(had_f16_ptr + cols[:, None] * 128 + (sub * BK + sub_rows)[None, :])
             xh = (tl.dot(xs, h) * INV_SQRT128).to(tl.float16)
             base = trellis_ptr + (kb * 8 + sub * (BK // 16)) * tile_row_words
-            if COMPACT:
-                w = decode_codes(base, code, K, CODEBOOK, USE_ASM)
-            else:
-                w = decode_words(tl.load(base + off0), tl.load(base + off1), shift, CODEBOOK, USE_ASM)
+            w0 = tl.load(base + off0)
+            w1 = tl.load(base + off1)
+            w = decode_words(w0, w1, shift, CODEBOOK, USE_ASM)
             acc = tl.dot(xh, w, acc)
     return acc

@@ -39,8 +39,6 @@ class MatmulConfig:
     num_warps: int = 4
     # Software pipelining would stage the gathered trellis words in shared memory (~100 KB per stage).
     num_stages: int = 1
-    # One packed int32 of loop invariants per decoded weight instead of four registers (docs/perf/exl3.md).
-    compact: bool = False
 
 
 def default_config(weight: Exl3Tensor, sm_count: int = 132) -> MatmulConfig:
@@ -74,7 +72,6 @@ def _exl3_matmul_kernel(
     CODEBOOK: tl.constexpr,
     BK: tl.constexpr,
     USE_ASM: tl.constexpr,
-    COMPACT: tl.constexpr,
 ):
     # SPLITS is a runtime value (one compiled kernel serves every split count); a split count of 1 skips the
     # workspace round trip.
@@ -107,7 +104,6 @@ def _exl3_matmul_kernel(
         CODEBOOK,
         BK,
         USE_ASM,
-        COMPACT,
     )
     y_offsets = row_ids[:, None].to(tl.int64) * stride_ym + (nb * 128 + cols)[None, :]
     sv = tl.load(svh_ptr + nb * 128 + cols).to(tl.float32)
@@ -167,8 +163,6 @@ def fused_matmul(
     cfg = config or default_config(weight)
     if (weight.k // 128) < cfg.splits or 128 % cfg.block_k or cfg.block_k % 16:
         raise ValueError(f"bad config {cfg} for k={weight.k}")
-    # The packed code keeps word offsets in 23 bits: the deepest sub-block row of tiles must fit.
-    compact = cfg.compact and (cfg.block_k // 16) * (weight.n // 16) * 8 * weight.K < 2**23
     if out is None:
         out = torch.empty((m, weight.n), dtype=out_dtype, device=x.device)
     if m == 0:
@@ -195,7 +189,6 @@ def fused_matmul(
         CODEBOOK=CODEBOOK_IDS[weight.codebook],
         BK=cfg.block_k,
         USE_ASM=use_inline_asm(x.device, weight.codebook),
-        COMPACT=compact,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

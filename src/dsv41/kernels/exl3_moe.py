@@ -122,12 +122,12 @@ def _moe_gate_up_kernel(
         acc_g = tl.zeros((16, 128), dtype=tl.float32)
         acc_g = accumulate_kslice(
             acc_g, x_ptr, x_rows, row_valid, suh1_ptr + expert * k1, w1_ptr + expert_words + col_block_words,
-            tiles_n, had_ptr, kb_lo, kb_hi, K, CODEBOOK, BK, USE_ASM, False,
+            tiles_n, had_ptr, kb_lo, kb_hi, K, CODEBOOK, BK, USE_ASM,
         )
         acc_u = tl.zeros((16, 128), dtype=tl.float32)
         acc_u = accumulate_kslice(
             acc_u, x_ptr, x_rows, row_valid, suh3_ptr + expert * k1, w3_ptr + expert_words + col_block_words,
-            tiles_n, had_ptr, kb_lo, kb_hi, K, CODEBOOK, BK, USE_ASM, False,
+            tiles_n, had_ptr, kb_lo, kb_hi, K, CODEBOOK, BK, USE_ASM,
         )
         rows = tl.arange(0, 16)
         cols = nb * 128 + tl.arange(0, 128)
@@ -222,7 +222,7 @@ def _moe_down_kernel(
         acc = tl.zeros((16, 128), dtype=tl.float32)
         acc = accumulate_kslice(
             acc, h_ptr, slot_j.to(tl.int64) * k2, row_valid, suh2_ptr + expert * k2,
-            w2_ptr + expert_words + nb * 8 * (8 * K), tiles_n, had_ptr, kb_lo, kb_hi, K, CODEBOOK, BK, USE_ASM, False,
+            w2_ptr + expert_words + nb * 8 * (8 * K), tiles_n, had_ptr, kb_lo, kb_hi, K, CODEBOOK, BK, USE_ASM,
         )
         rows = tl.arange(0, 16)
         cols = nb * 128 + tl.arange(0, 128)
