@@ -77,7 +77,7 @@ def test_random_disconnects_free_everything(server, client):
     disconnects = [line for line in metrics.splitlines() if line.startswith("dsv41_client_disconnects_total")]
     assert float(disconnects[0].split()[-1]) >= STREAMS
     records = [json.loads(line) for line in server.request_log.read_text().splitlines()]
-    assert sum(r["disconnected"] and r["finish_reason"] == "abort" for r in records) >= STREAMS
+    assert sum(bool(r.get("disconnected")) and r["finish_reason"] == "abort" for r in records) >= STREAMS
     # and the server still serves
     resp = client.completions.create(model="any", prompt="still alive", max_tokens=3)
     assert resp.usage.completion_tokens == 3
