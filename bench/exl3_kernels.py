@@ -155,24 +155,25 @@ def sweep_configs(copies: list[Exl3Tensor], log) -> tuple[MatmulConfig, list]:
     split_options = sorted({max(1, base.splits // 2), base.splits, min(k_blocks, base.splits * 2)})
     tried = []
     # num_stages=2 was tried in the second run: 8-10x slower (the pipeliner stages gathered words in shared memory);
-    # (32, 8) and (64, 4) lost 2x there too. All kept variants hold 32 decoded weights per thread.
-    variants = [(32, 4, 1), (64, 8, 1), (128, 16, 1)]
-    for bk, warps, stages in variants:
+    # (32, 8) and (64, 4) lost 2x there too. The pre-rotated variants compile to 128 / 116 registers for sm_90
+    # (against 255) and are the open question of docs/perf/exl3.md.
+    variants = [(32, 4, False), (64, 8, False), (32, 8, True), (64, 16, True)]
+    for bk, warps, prerotate in variants:
         for splits in split_options:
-            cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps, num_stages=stages)
+            cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps, prerotate=prerotate)
             try:
                 t1 = time_ours(copies, 1, cfg)
                 t16 = time_ours(copies, 16, cfg)
             except Exception as exc:  # a config that fails to compile or launch is recorded, not fatal
                 log(f"    config {cfg} failed: {type(exc).__name__}: {exc}")
                 continue
-            tried.append({"splits": splits, "block_k": bk, "num_warps": warps, "num_stages": stages,
+            tried.append({"splits": splits, "block_k": bk, "num_warps": warps, "prerotate": prerotate,
                           "m1_us": t1, "m16_us": t16})
             log(f"    {cfg}: m=1 {t1:.1f} us, m=16 {t16:.1f} us")
     if not tried:
         return base, tried
     best = min(tried, key=lambda r: r["m1_us"] + 0.5 * r["m16_us"])
-    return MatmulConfig(best["splits"], best["block_k"], best["num_warps"], best["num_stages"]), tried
+    return MatmulConfig(best["splits"], best["block_k"], best["num_warps"], prerotate=best["prerotate"]), tried
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ def main(out_dir: str) -> None:
     trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int32, device="cuda")
     w = Exl3Tensor.from_group(trellis.to(torch.int16), torch.ones(k).half().cuda(), torch.ones(n).half().cuda(), "mul1")
     x = torch.randn(1, k, device="cuda").half()
-    for cfg in (MatmulConfig(7, 64, 8), MatmulConfig(15, 32, 4)):
+    for cfg in (MatmulConfig(7, 64, 8), MatmulConfig(15, 32, 4), MatmulConfig(7, 32, 8, prerotate=True)):
         fused_matmul(x, w, config=cfg)
     kernel = exl3_matmul._exl3_matmul_kernel
     for key, compiled in list(kernel.device_caches[0][0].items()):

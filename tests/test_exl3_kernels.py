@@ -123,6 +123,13 @@ def _worker_row_invariance(results: dict) -> None:
         other[4] = x[4]
         if not torch.equal(fused_matmul(other, w, config=cfg)[4].view(torch.int32), full[4].view(torch.int32)):
             mismatches.append("row 4 among other rows")
+        # The pre-rotated variant (input rotation in its own launch) must give the very same bits.
+        pre = fused_matmul(x, w, config=MatmulConfig(splits=2, prerotate=True))
+        if not torch.equal(pre.view(torch.int32), full.view(torch.int32)):
+            mismatches.append("prerotate differs from the fused rotation")
+        pre_rows = fused_matmul(x[[19, 3]], w, config=MatmulConfig(splits=2, prerotate=True))
+        if not torch.equal(pre_rows.view(torch.int32), full[[19, 3]].view(torch.int32)):
+            mismatches.append("prerotate rows [19, 3]")
         results[f"row_invariance/{cb}/K{K}"] = {"mismatches": [str(m) for m in mismatches]}
 
 
@@ -354,10 +361,11 @@ def test_gpu_decode_bit_exact_all_codebooks(cb, asm_mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("prerotate", [False, True])
 @pytest.mark.parametrize("k,n,K", PACK_SHAPES)
-def test_gpu_pack_shapes_matmul_decode_and_row_invariance(k, n, K, asm_mode):
+def test_gpu_pack_shapes_matmul_decode_and_row_invariance(k, n, K, asm_mode, prerotate):
     _need_cuda()
-    from dsv41.kernels.exl3_matmul import fused_matmul
+    from dsv41.kernels.exl3_matmul import MatmulConfig, default_config, fused_matmul
     from dsv41.kernels.exl3_reconstruct import prefill_matmul, reconstruct
     from dsv41.kernels.layout import Exl3Tensor
     from dsv41.weights import exl3
@@ -370,18 +378,20 @@ def test_gpu_pack_shapes_matmul_decode_and_row_invariance(k, n, K, asm_mode):
     )
     w64 = exl3.effective_weight(trellis, suh, svh, "mul1", torch.float64)
     x = torch.randn(16, k, generator=gen).half().cuda()
-    y = fused_matmul(x, w)
+    base = default_config(w)
+    cfg = MatmulConfig(base.splits, 32, 8, prerotate=True) if prerotate else base
+    y = fused_matmul(x, w, config=cfg)
     y64 = x.double() @ w64
     # Up to 16 x 32768 outputs: the largest fp16-rounding outlier grows with the count (seen 3.7e-3 at 524k).
     assert _rel(y, y64) <= 1e-3 and _max_elem(y, y64) <= 6e-3
     yp = prefill_matmul(torch.randn(200, k, device="cuda").half(), w)
     assert torch.isfinite(yp).all()
     # Row invariance, bitwise: every m in 1..16, rows in another order, and a deterministic repeat.
-    assert torch.equal(fused_matmul(x, w).view(torch.int32), y.view(torch.int32)), "repeat differs: race?"
+    assert torch.equal(fused_matmul(x, w, config=cfg).view(torch.int32), y.view(torch.int32)), "repeat differs: race?"
     perm = torch.randperm(16, generator=gen)
     for m in range(1, 17):
         rows = perm[:m].cuda()
-        part = fused_matmul(x[rows], w)
+        part = fused_matmul(x[rows], w, config=cfg)
         assert torch.equal(part.view(torch.int32), y[rows].view(torch.int32)), f"m={m}"
 
 

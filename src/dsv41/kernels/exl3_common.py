@@ -198,3 +198,53 @@ def accumulate_kslice(
             w = decode_words(w0, w1, shift, CODEBOOK, USE_ASM)
             acc = tl.dot(xh, w, acc)
     return acc
+
+
+@triton.jit
+def rotate_input_kernel(x_ptr, suh_ptr, had_f16_ptr, xh_ptr, M, stride_xm, stride_hm):
+    """xh = fp16(fp16(x ⊙ suh) · H/sqrt(128)) for a block of 16 rows and one 128-wide input block (§2.5 step 1)."""
+    mb = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = mb * 16 + tl.arange(0, 16)
+    cols = tl.arange(0, 128)
+    row_mask = rows < M
+    xk = kb * 128 + cols
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + xk[None, :], mask=row_mask[:, None], other=0.0)
+    su = tl.load(suh_ptr + xk).to(tl.float32)
+    xs = (x.to(tl.float16).to(tl.float32) * su[None, :]).to(tl.float16)
+    h = tl.load(had_f16_ptr + cols[:, None] * 128 + cols[None, :])
+    xh = (tl.dot(xs, h) * INV_SQRT128).to(tl.float16)
+    tl.store(xh_ptr + rows[:, None].to(tl.int64) * stride_hm + xk[None, :], xh, mask=row_mask[:, None])
+
+
+@triton.jit
+def accumulate_kslice_prerotated(
+    acc,
+    xh_ptr,
+    x_row_offsets,
+    row_mask,
+    trellis_ptr,
+    tiles_n,
+    kb_lo,
+    kb_hi,
+    K: tl.constexpr,
+    CODEBOOK: tl.constexpr,
+    BK: tl.constexpr,
+    USE_ASM: tl.constexpr,
+):
+    """accumulate_kslice for an input already rotated (rotate_input_kernel): one dynamic loop over BK-deep slices.
+
+    Nothing but the decode offsets is loop-invariant here, and no sub-block loop is unrolled, so the compiler
+    cannot hoist a 128x128 Hadamard tile or several sub-blocks' loads into registers (sm_90 compile: 122
+    registers at BK=32 / 8 warps against 255 for accumulate_kslice).
+    """
+    cols = tl.arange(0, 128)
+    sub_rows = tl.arange(0, BK)
+    off0, off1, shift = tile_word_offsets(sub_rows[:, None], cols[None, :], tiles_n, K)
+    slice_words = tiles_n.to(tl.int64) * (8 * K) * (BK // 16)
+    for kk in range(kb_lo * (128 // BK), kb_hi * (128 // BK)):
+        xh = tl.load(xh_ptr + x_row_offsets[:, None] + (kk * BK + sub_rows)[None, :], mask=row_mask[:, None], other=0.0)
+        base = trellis_ptr + kk * slice_words
+        w = decode_words(tl.load(base + off0), tl.load(base + off1), shift, CODEBOOK, USE_ASM)
+        acc = tl.dot(xh, w, acc)
+    return acc

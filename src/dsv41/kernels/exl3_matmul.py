@@ -21,7 +21,9 @@ import triton.language as tl
 from dsv41.kernels.exl3_common import (
     CODEBOOK_IDS,
     accumulate_kslice,
+    accumulate_kslice_prerotated,
     hadamard_signs,
+    rotate_input_kernel,
     rotate_rows_fp32,
     use_inline_asm,
 )
@@ -39,6 +41,9 @@ class MatmulConfig:
     num_warps: int = 4
     # Software pipelining would stage the gathered trellis words in shared memory (~100 KB per stage).
     num_stages: int = 1
+    # Rotate the input in its own small launch and run the k loop on the rotated input (fewer registers; see
+    # docs/perf/exl3.md "next steps" — not yet measured on a GPU, so off by default).
+    prerotate: bool = False
 
 
 def default_config(weight: Exl3Tensor, sm_count: int = 132) -> MatmulConfig:
@@ -72,6 +77,7 @@ def _exl3_matmul_kernel(
     CODEBOOK: tl.constexpr,
     BK: tl.constexpr,
     USE_ASM: tl.constexpr,
+    PREROTATED: tl.constexpr,
 ):
     # SPLITS is a runtime value (one compiled kernel serves every split count); a split count of 1 skips the
     # workspace round trip.
@@ -89,22 +95,39 @@ def _exl3_matmul_kernel(
     row_ids = mb * 16 + rows
     row_mask = row_ids < M
     acc = tl.zeros((16, 128), dtype=tl.float32)
-    acc = accumulate_kslice(
-        acc,
-        x_ptr,
-        row_ids.to(tl.int64) * stride_xm,
-        row_mask,
-        suh_ptr,
-        trellis_ptr + nb * 8 * (8 * K),
-        tiles_n,
-        had_f16_ptr,
-        kb_lo,
-        kb_hi,
-        K,
-        CODEBOOK,
-        BK,
-        USE_ASM,
-    )
+    if PREROTATED:
+        # x_ptr holds the rotated fp16 input (rotate_input_kernel); suh is already applied.
+        acc = accumulate_kslice_prerotated(
+            acc,
+            x_ptr,
+            row_ids.to(tl.int64) * stride_xm,
+            row_mask,
+            trellis_ptr + nb * 8 * (8 * K),
+            tiles_n,
+            kb_lo,
+            kb_hi,
+            K,
+            CODEBOOK,
+            BK,
+            USE_ASM,
+        )
+    else:
+        acc = accumulate_kslice(
+            acc,
+            x_ptr,
+            row_ids.to(tl.int64) * stride_xm,
+            row_mask,
+            suh_ptr,
+            trellis_ptr + nb * 8 * (8 * K),
+            tiles_n,
+            had_f16_ptr,
+            kb_lo,
+            kb_hi,
+            K,
+            CODEBOOK,
+            BK,
+            USE_ASM,
+        )
     y_offsets = row_ids[:, None].to(tl.int64) * stride_ym + (nb * 128 + cols)[None, :]
     sv = tl.load(svh_ptr + nb * 128 + cols).to(tl.float32)
     if SPLITS == 1:
@@ -169,13 +192,18 @@ def fused_matmul(
         return out
     row_blocks = triton.cdiv(m, BLOCK_M)
     part, count = _WORKSPACE.get(x.device, cfg.splits, row_blocks, weight.n)
+    had = hadamard_signs(x.device, torch.float16)
+    if cfg.prerotate:
+        xh = torch.empty((m, weight.k), dtype=torch.float16, device=x.device)
+        rotate_input_kernel[(row_blocks, weight.k // 128)](x, weight.suh, had, xh, m, x.stride(0), xh.stride(0))
+        x = xh
     grid = (weight.n // 128, cfg.splits, row_blocks)
     _exl3_matmul_kernel[grid](
         x,
         weight.suh,
         weight.svh,
         weight.words,
-        hadamard_signs(x.device, torch.float16),
+        had,
         out,
         part,
         count,
@@ -189,6 +217,7 @@ def fused_matmul(
         CODEBOOK=CODEBOOK_IDS[weight.codebook],
         BK=cfg.block_k,
         USE_ASM=use_inline_asm(x.device, weight.codebook),
+        PREROTATED=cfg.prerotate,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
