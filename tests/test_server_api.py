@@ -245,3 +245,15 @@ def test_history_reasoning_accepted_under_both_names(server):
 
     assert rendered("reasoning") == rendered("reasoning_content")
     assert "<think>I pondered the lamp</think>a1" in rendered("reasoning")
+
+
+def test_continue_final_message_replies_as_content(server, client):
+    messages = MESSAGES + [{"role": "assistant", "content": "The colour is"}]
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=messages, max_tokens=6, seed=2,
+                                          extra_body={"continue_final_message": True})
+    message = resp.choices[0].message
+    assert extra(message, "reasoning_content") is None and message.content
+    with server.http() as http:
+        tokens = http.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()["tokens"]
+        text = http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert text.endswith("The colour is")  # the prefill is continued, not closed with EOS

@@ -16,7 +16,6 @@ from ..chat import (
     ContentDelta,
     Finished,
     ReasoningDelta,
-    StreamParser,
     ToolCallArgumentsDelta,
     ToolCallEnd,
     ToolCallStart,
@@ -51,27 +50,27 @@ def render_chat(ctx: "ServerContext", body: dict):
     return prompt, ctx.tokenizer.encode(prompt.prompt)
 
 
-def _tool_grammar(ctx: "ServerContext", req: ChatCompletionRequest, prompt):
+def _tool_grammar(ctx: "ServerContext", req: ChatCompletionRequest, prompt, thinking: bool):
     choice = prompt.tool_choice
     if choice in ("none", "auto") or not prompt.tools:
         return None
     if isinstance(choice, dict) and (req.response_format or req.structured_outputs or req.guided_json):
         raise bad_request("a named tool_choice cannot be combined with structured outputs", param="tool_choice")
     try:
-        return ctx.grammars.tool_calls(prompt.tools, choice, parallel=req.parallel_tool_calls,
-                                       thinking=prompt.thinking_mode == "thinking")
+        return ctx.grammars.tool_calls(prompt.tools, choice, parallel=req.parallel_tool_calls, thinking=thinking)
     except GrammarError as exc:
         raise bad_request(str(exc), param="tools") from None
 
 
 async def create_chat_completion(ctx: "ServerContext", req: ChatCompletionRequest, body: dict):
     prompt, ids = render_chat(ctx, body)
-    thinking = prompt.thinking_mode == "thinking"
+    # the reply starts in reasoning only when the prompt ends in <think> (a continued answer is past </think>)
+    thinking = prompt.thinking_mode == "thinking" and not prompt.continue_final_message
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = completion_budget(ctx, len(ids), req.completion_limit, "messages", limit_param)
     # compiling a grammar can take a while for a big schema: keep it off the event loop
     grammar = await asyncio.to_thread(
-        lambda: _tool_grammar(ctx, req, prompt) or structured_grammar(ctx, req, thinking=thinking))
+        lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
     top = req.top_logprobs or 0
     engine_request = GenerationRequest(
         prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req),
@@ -89,8 +88,7 @@ class _ChatReply:
         self.model = ctx.response_model_name(req.model)
         # the parser needs every marker, EOS included, so nothing is skipped or hidden here
         self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=frozenset())
-        tools = prompt.tools if prompt.tools else []
-        self.parser = StreamParser(prompt.thinking_mode, tools, parallel_tool_calls=req.parallel_tool_calls)
+        self.parser = prompt.new_parser()
         self.stop = StopMatcher(req.stop_strings)
         self.calls_seen = 0
 
