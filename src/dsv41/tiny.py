@@ -109,15 +109,17 @@ def default_model_dir() -> Path:
     return folder
 
 
-def make_tiny(out_dir: str | Path, fmt: str = DEFAULT_FORMAT, seed: int = 0) -> Path:
-    """Write the tiny checkpoint to `out_dir` (atomically: built beside it, then renamed into place)."""
+def make_tiny(out_dir: str | Path, fmt: str = DEFAULT_FORMAT, seed: int = 0, overrides: dict | None = None) -> Path:
+    """Write the tiny checkpoint to `out_dir` (atomically: built beside it, then renamed into place).
+
+    `overrides` replaces fields of the text config, None removes one (tests build other layouts with it)."""
     if fmt not in FORMATS:
         raise DSV41Error(f"make-tiny: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write(tmp, fmt, seed)
+        _write(tmp, fmt, seed, overrides or {})
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be read by other users (services)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -148,7 +150,7 @@ class _Init:
         return torch.Generator().manual_seed((self.seed * 1_000_003 + sum(name.encode()) * 7919) % 2**62)
 
 
-def _write(folder: Path, fmt: str, seed: int) -> None:
+def _write(folder: Path, fmt: str, seed: int, overrides: dict) -> None:
     from .model.engram import EngramConstants, build_compressed_token_map, quantize_rows_fp8
     from .tiny_tokenizer import PLACEHOLDER, build_tiny_tokenizer
     from .tokenizer import Tokenizer
@@ -157,11 +159,11 @@ def _write(folder: Path, fmt: str, seed: int) -> None:
     build_tiny_tokenizer(folder)
     tok = Tokenizer.from_dir(folder)
     _, compressed = build_compressed_token_map(tok)
-    text = dict(TINY_TEXT_CONFIG)
+    text = {k: v for k, v in {**TINY_TEXT_CONFIG, **overrides}.items() if v is not None}  # None: leave out
     text["engram_compressed_vocab_size"] = compressed
     text["dspark_noise_token_id"] = tok.token_to_id(PLACEHOLDER.format(0))
     text["image_token_id"] = tok.token_to_id("<｜deepseek_image｜>")
-    text["engram_num_embeddings"] = _engram_rows(text)
+    text["engram_num_embeddings"] = _engram_rows(text) if text.get("engram_layer_ids") else []
     config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41",
               "image_token_id": text["image_token_id"], "tie_word_embeddings": False,
               "torch_dtype": "bfloat16", "text_config": text}
@@ -173,7 +175,8 @@ def _write(folder: Path, fmt: str, seed: int) -> None:
     cfg = ModelConfig.from_file(folder)
     init = _Init(seed)
     with ShardedWriter(folder, max_shard_bytes=8 * 1024**2) as w:
-        _write_weights(w, cfg, fmt, init, EngramConstants.from_config(cfg), quantize_rows_fp8)
+        constants = EngramConstants.from_config(cfg) if cfg.engram_layer_ids else None
+        _write_weights(w, cfg, fmt, init, constants, quantize_rows_fp8)
 
 
 def _engram_rows(text: dict) -> list[int]:
@@ -279,7 +282,7 @@ def _write_layer(w, cfg, role, prefix, lin, nat, init: _Init, fmt: str, mtp: boo
     expert_role = "mtp" if mtp else ("expert_mid" if middle else "expert")
     for e in range(E):
         _write_expert(lin, f"{f}experts.{e}.", init, d, inter, expert_role)
-    _write_expert(lin, f"{f}shared_experts.", init, d, inter, "mtp" if mtp else "shared")
+    _write_expert(lin, f"{f}shared_experts.", init, d, inter * cfg.n_shared_experts, "mtp" if mtp else "shared")
 
 
 def _write_expert(lin, p: str, init: _Init, d: int, inter: int, role: str) -> None:
