@@ -51,7 +51,8 @@ def worker(argv: list[str]) -> int:
             torch.set_num_threads(args.cpu_threads)
         from dsv41.tiny import default_model_dir
 
-        return real_load(args.model or default_model_dir(), rank=rank, world=world, comm=comm)
+        return real_load(args.model or default_model_dir(), rank=rank, world=world, comm=comm,
+                         fake_quant=not args.no_fake_quant)
 
     def serve(leader):
         loader.load_model = lambda *a, **k: leader
@@ -110,7 +111,9 @@ class Server:
 
 
 def server_cmd(path: str, *extra: str) -> list[str]:
-    base = ["serve", "--port", "0", "--served-name", "tiny", "--cpu-threads", "1", *extra]
+    # Without fake quantisation the model is a continuous function, so TP's different (rank-ordered) summation
+    # cannot flip an FP4/FP8 code and greedy text is comparable across TP degrees (docs/MODEL_NOTES.md).
+    base = ["serve", "--port", "0", "--served-name", "tiny", "--cpu-threads", "1", "--no-fake-quant", *extra]
     if path == "cli":
         return [sys.executable, "-m", "dsv41.server", *base]
     return [sys.executable, __file__, *base]

@@ -51,7 +51,8 @@ def worker(argv: list[str]) -> int:
     def load(rank, world, comm):
         from dsv41.model.loader import load_model
 
-        return load_model(args.model, torch.float32, "cpu", rank=rank, world=world, comm=comm)
+        # no fake quantisation: TP's summation order must not flip an FP4/FP8 code (docs/MODEL_NOTES.md)
+        return load_model(args.model, torch.float32, "cpu", rank=rank, world=world, comm=comm, fake_quant=False)
 
     def serve(model):
         if args.idle_s:
@@ -109,7 +110,7 @@ def tiny_dir():
 def tp1_greedy(model_dir) -> list[list[int]]:
     from dsv41.model.loader import load_model
 
-    model = load_model(model_dir, torch.float32, "cpu")
+    model = load_model(model_dir, torch.float32, "cpu", fake_quant=False)
     result = []
     for prompt in PROMPTS:
         state = model.new_state()

@@ -134,3 +134,7 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def healthy(self) -> bool:
+        """Whether the engine loop is alive and making progress (systemd's WATCHDOG=1 is sent only then)."""

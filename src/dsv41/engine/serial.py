@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -33,7 +34,7 @@ from .sampling import derive_seed, sample_token, token_logprobs
 
 class SerialEngine(Engine):
     def __init__(self, model, *, max_model_len: int, max_waiting: int = 64, prefill_chunk: int = 512,
-                 encode_text: Callable[[str], list[int]] | None = None):
+                 encode_text: Callable[[str], list[int]] | None = None, stall_s: float = 60.0):
         """`encode_text` (the tokenizer's encode) enables jump-forward: text a grammar forces is tokenized and
         run through the model in one forward instead of being sampled token by token."""
         self.model = model
@@ -55,6 +56,9 @@ class SerialEngine(Engine):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        # a forward that has not returned after `stall_s` means a wedged engine (hung collective, stuck device)
+        self.stall_s = stall_s
+        self._forward_since: float | None = None
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -88,6 +92,19 @@ class SerialEngine(Engine):
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
         )
+
+    def healthy(self) -> bool:
+        if self._task is None or self._task.done() or self._state == "stopped":
+            return False
+        since = self._forward_since
+        return since is None or time.monotonic() - since < self.stall_s
+
+    def _forward(self, state, ids: torch.Tensor) -> torch.Tensor:
+        self._forward_since = time.monotonic()
+        try:
+            return self.model.forward(state, ids)
+        finally:
+            self._forward_since = None
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestStream:
@@ -164,7 +181,7 @@ class SerialEngine(Engine):
         for start in range(0, prompt_len, self.prefill_chunk):
             if stop_flag.is_set():
                 return "cancelled", 0
-            logits = self.model.forward(state, ids[start : start + self.prefill_chunk])
+            logits = self._forward(state, ids[start : start + self.prefill_chunk])
         self._prompt_tokens_total += prompt_len
         row = logits[-1]
         produced = 0
@@ -183,7 +200,7 @@ class SerialEngine(Engine):
                 if grammar is not None and self.encode_text is not None else []
             if forced:
                 # text the grammar allows in exactly one way: one forward for all of it
-                out = self.model.forward(state, torch.tensor(forced, dtype=torch.long))
+                out = self._forward(state, torch.tensor(forced, dtype=torch.long))
                 for k, token in enumerate(forced):
                     report(token, row if k == 0 else out[k - 1])
                 produced += len(forced)
@@ -203,7 +220,7 @@ class SerialEngine(Engine):
                 return "stop", produced
             if produced >= limit:
                 return "length", produced
-            row = self.model.forward(state, torch.tensor([token], dtype=torch.long))[-1]
+            row = self._forward(state, torch.tensor([token], dtype=torch.long))[-1]
 
 
 class _GrammarMask:

@@ -9,6 +9,7 @@ drafter is off) are allowed; any other tensor the model does not consume is repo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -66,7 +67,9 @@ class WeightReader:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                fake_quant: bool = True, rank: int = 0, world: int = 1, comm: Comm | None = None,
-               dspark: bool = True) -> Model:
+               dspark: bool = True, progress: Callable[[int, int, str], None] | None = None) -> Model:
+    """Load the checkpoint folder for this rank. `progress(done, total, "layers")` is called as layers load (the
+    server turns it into systemd STATUS / EXTEND_TIMEOUT_USEC lines)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     device = torch.device(device)
@@ -80,8 +83,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         tokenizer = Tokenizer.from_dir(path)
 
     tables = rope_tables(cfg)
-    blocks = [load_block(reader, cfg, cfg.role(L), tables, rank, world, fake_quant)
-              for L in range(cfg.num_hidden_layers)]
+    total = cfg.num_hidden_layers + (cfg.n_dspark if dspark else 0) + 1
+    report = progress or (lambda done, total, what: None)
+    blocks = []
+    for L in range(cfg.num_hidden_layers):
+        blocks.append(load_block(reader, cfg, cfg.role(L), tables, rank, world, fake_quant))
+        report(L + 1, total, "layers")
 
     d, V = cfg.hidden_size, cfg.vocab_size
     vblock = 128 if _is_exl3(reader, "head") else 1  # EXL3 heads split in whole Hadamard blocks
@@ -100,12 +107,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         from .dspark import load_dspark
         if dspark:
             model.dspark = load_dspark(reader, cfg, tables, rank, world, fake_quant)
+            report(total - 1, total, "layers")
         else:
             reader.used.update(n for n in reader.ckpt.names() if n.startswith("mtp."))
 
     extra = reader.unexpected()
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} not used by the model)")
+    report(total, total, "layers")
     return model
 
 

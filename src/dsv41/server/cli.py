@@ -44,6 +44,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued before new ones get 429 (default 64)")
     p.add_argument("--cpu-threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-fake-quant", action="store_true",
+                   help="skip the FP8/FP4 KV and index fake quantisation (diagnosis; results then differ from the "
+                        "release's forward)")
     from ..dist.args import register_tp_args  # argparse only: no torch import here
 
     register_tp_args(p)
@@ -95,7 +98,7 @@ def _set_threads(args) -> None:
         torch.set_num_threads(args.cpu_threads)
 
 
-def build_server(args, model=None):
+def build_server(args, model=None, progress=None):
     """Load everything the server needs (before any socket is bound) and return the ServerContext.
 
     `model`: an already-loaded model (the TP leader on rank 0); by default the folder's model is loaded here.
@@ -110,7 +113,7 @@ def build_server(args, model=None):
     folder = _model_folder(args)
     api_key = _api_key(args.api_key_file)
     if model is None:
-        model = load_model(folder)
+        model = load_model(folder, fake_quant=not getattr(args, "no_fake_quant", False), progress=progress)
     model_config = getattr(model, "config", None) or model.cfg
     tokenizer = Tokenizer.from_dir(folder)
     limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -127,7 +130,10 @@ def build_server(args, model=None):
 
 def run_serve(args) -> int:
     """`dsv41 serve`: TP=1 in this process, or one rank of a tensor-parallel group (rank 0 serves HTTP)."""
-    if (getattr(args, "tp", 1) or 1) > 1 or getattr(args, "rank", None) is not None:
+    tp, rank = getattr(args, "tp", 1) or 1, getattr(args, "rank", None)
+    if tp == 1 and rank not in (None, 0):
+        raise DSV41Error(f"--rank {rank} is outside --tp 1 (ranks are 0..tp-1)")
+    if tp > 1:  # TP=1 with --rank 0 (what a single-node unit passes) is the plain server
         import torch.distributed
 
         if torch.distributed.is_initialized():
@@ -142,9 +148,14 @@ def run_serve(args) -> int:
             from ..model.loader import load_model
 
             _set_threads(args)
-            return load_model(folder, rank=rank, world=world, comm=comm)
+            return load_model(folder, rank=rank, world=world, comm=comm, fake_quant=not args.no_fake_quant,
+                              progress=LoadProgress(notifier).update)
 
-        return run_rank(args, load=load, serve=lambda leader: serve_model(args, leader))
+        from ..ops.notify import LoadProgress, Notifier
+        notifier = Notifier()
+        notifier.extend_timeout(600, status="joining the tensor-parallel group")
+        return run_rank(args, load=load, serve=lambda leader: serve_model(args, leader), on_ready=notifier.ready,
+                        watchdog=notifier.watchdog)
     return serve_model(args)
 
 
@@ -153,13 +164,16 @@ def serve_model(args, model=None) -> int:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from ..ops.notify import Notifier
+    from ..ops.journal import setup_logging
+    from ..ops.notify import LoadProgress, Notifier, WatchdogPinger
     from .app import build_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     notifier = Notifier()
     notifier.extend_timeout(600, status="loading model")
-    ctx = build_server(args, model)
+    ctx = build_server(args, model, progress=LoadProgress(notifier).update)
+    # WATCHDOG=1 only while the engine loop makes progress, not merely while this process is alive
+    pinger = WatchdogPinger(notifier, ctx.engine.healthy)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
 
@@ -176,6 +190,7 @@ def serve_model(args, model=None) -> int:
         draining: list[asyncio.Task] = []
 
         async def drain_then_stop() -> None:
+            pinger.stop()
             notifier.stopping()
             print("dsv41: draining", file=sys.stderr, flush=True)
             await ctx.drain()
@@ -194,6 +209,7 @@ def serve_model(args, model=None) -> int:
             while ctx.status == "loading":
                 await asyncio.sleep(0.02)
             notifier.ready(f"serving {ctx.config.served_name} on {host}:{port}")
+            pinger.start()
             print(f"dsv41: serving {ctx.config.served_name} on http://{host}:{port}", flush=True)
 
         ready_task = loop.create_task(announce_ready())
@@ -201,6 +217,7 @@ def serve_model(args, model=None) -> int:
             await serve(app, hc, shutdown_trigger=stop.wait)
         finally:
             ready_task.cancel()
+            pinger.stop()
 
     asyncio.run(main())
     sock.detach()  # hypercorn closed the descriptor it was handed
