@@ -103,6 +103,7 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
     """Pick the next token id from one row of logits [V] (disallowed ids already at -inf)."""
+    logits = logits.detach().cpu()  # the keyed noise is computed on the CPU; one row is cheap to move
     if params.greedy:
         return int(torch.argmax(logits))
     scaled = filter_logits(logits, params)
