@@ -143,6 +143,32 @@ def test_completions_text_and_token_ids(client, tokenizer):
     assert "".join(c.choices[0].text for c in streamed) == a.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
+    """Prompt token i is scored with the distribution after tokens < i: for the last prompt token that is the
+    distribution a plain completion of the shorter prompt reports for its first token."""
+    prefix = [tokenizer.bos_id] + tokenizer.encode("The lighthouse keeper")
+    first = client.completions.create(model=SERVED_NAME, prompt=prefix, max_tokens=1, temperature=0, logprobs=3)
+    after_prefix = first.choices[0].logprobs.top_logprobs[0]
+    ids = prefix + tokenizer.encode(" walked")
+    scored = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=2, temperature=0, logprobs=3,
+                                       echo=True)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(tokenizer.decode(ids))
+    assert len(lp.tokens) == len(ids) + scored.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # (top_logprobs are keyed by token text: two ids that decode alike share one key)
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    at_prefix = lp.top_logprobs[len(prefix)]
+    assert at_prefix.keys() == after_prefix.keys()
+    assert all(at_prefix[k] == pytest.approx(after_prefix[k], abs=1e-4) for k in at_prefix)
+    assert lp.text_offset == sorted(lp.text_offset)
+    streamed = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=2, temperature=0, logprobs=3,
+                                         echo=True, stream=True)
+    tokens = [t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
 def test_ignore_eos_and_max_tokens(client):
     resp = client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=20, extra_body={"ignore_eos": True})
     assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"

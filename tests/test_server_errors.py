@@ -97,7 +97,6 @@ CASES = [
     ("prompt-empty", COMP, comp(prompt=""), 400, None, None),
     ("prompt-too-long", COMP, comp(prompt=[5] * 9000, max_tokens=1), 400, "prompt", "context_length_exceeded"),
     ("completions-logprobs-21", COMP, comp(logprobs=21), 400, "logprobs", None),
-    ("echo-with-logprobs", COMP, comp(echo=True, logprobs=1), 400, "echo", None),
     ("detokenize-out-of-range", "/detokenize", {"tokens": [1, 10**7]}, 400, "tokens", None),
     ("tokenize-both-inputs", "/tokenize", {"prompt": "a", "messages": MSG}, 400, None, None),
     ("tokenize-no-input", "/tokenize", {}, 400, None, None),

@@ -8,6 +8,7 @@ from .interface import (
     EngineStats,
     FinishEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     RequestStream,
     TokenEvent,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "EngineStats",
     "FinishEvent",
     "GenerationRequest",
+    "PromptLogprobsEvent",
     "RequestStream",
     "SamplingParams",
     "TokenEvent",

@@ -38,6 +38,7 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False  # keep going past stop tokens (run to max_tokens)
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: plus the k most likely
+    prompt_logprobs: int | None = None  # same, for every prompt token (one PromptLogprobsEvent before any token)
     grammar: Any = None  # an xgrammar CompiledGrammar; the engine masks every step with a matcher over it
     request_id: str = ""
 
@@ -47,6 +48,14 @@ class TokenEvent:
     token_id: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprobsEvent:
+    """Per prompt token: (its logprob given the tokens before it, the top (id, logprob) there); the first
+    token has no context, so (None, ())."""
+
+    entries: tuple[tuple[float | None, tuple[tuple[int, float], ...]], ...]
 
 
 @dataclass(frozen=True)

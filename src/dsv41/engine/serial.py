@@ -26,6 +26,7 @@ from .interface import (
     EngineStats,
     FinishEvent,
     GenerationRequest,
+    PromptLogprobsEvent,
     RequestStream,
     TokenEvent,
 )
@@ -178,10 +179,21 @@ class SerialEngine(Engine):
         grammar = _GrammarMask(req.grammar, self.vocab_size) if req.grammar is not None else None
         ids = torch.tensor(req.prompt_ids, dtype=torch.long)
         logits = None
+        scored: list = [(None, ())]  # prompt token 0 has no context
         for start in range(0, prompt_len, self.prefill_chunk):
             if stop_flag.is_set():
                 return "cancelled", 0
+            previous = logits[-1:] if logits is not None else logits
             logits = self._forward(state, ids[start : start + self.prefill_chunk])
+            if req.prompt_logprobs is not None:
+                # row j predicts token j+1: score this chunk's tokens with the rows before them
+                rows = logits[:-1] if previous is None else torch.cat((previous, logits[:-1]))
+                first = start + (1 if previous is None else 0)
+                for row, token in zip(rows, req.prompt_ids[first:start + logits.shape[0]]):
+                    chosen, top = token_logprobs(row, token, req.prompt_logprobs)
+                    scored.append((chosen, tuple(top)))
+        if req.prompt_logprobs is not None:
+            emit(PromptLogprobsEvent(tuple(scored)))
         self._prompt_tokens_total += prompt_len
         row = logits[-1]
         produced = 0

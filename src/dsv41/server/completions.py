@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from ..engine import GenerationRequest, TokenEvent
+from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
 from .errors import bad_request
 from .generation import (
     Generation,
@@ -40,14 +40,13 @@ def prompt_ids(ctx: "ServerContext", prompt, add_special_tokens: bool) -> list[i
 
 async def create_completion(ctx: "ServerContext", req: CompletionRequest) -> tuple[Generation, object]:
     ids = prompt_ids(ctx, req.prompt, req.add_special_tokens)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported", param="echo")
     budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
     grammar = await asyncio.to_thread(structured_grammar, ctx, req, thinking=False)
     eos = ctx.tokenizer.eos_id
     engine_request = GenerationRequest(
         prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req), stop_token_ids=frozenset({eos}),
-        ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"))
+        ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"),
+        prompt_logprobs=req.logprobs if req.echo else None)
     gen = Generation(ctx, "completions", engine_request, stream=req.stream)
     reply = _Reply(ctx, gen, req)
     return gen, (reply.chunks() if req.stream else reply)
@@ -70,9 +69,14 @@ class _Reply:
 
     async def pieces(self):
         """(visible text, logprobs dict or None) per token; the last item is (tail text, None, finish_reason)."""
-        if self.echo:
+        echo_with_logprobs = bool(self.echo) and self.req.logprobs is not None
+        if self.echo and not echo_with_logprobs:
             yield self.echo, None, None
         async for event in self.gen.events():
+            if isinstance(event, PromptLogprobsEvent):  # comes first, only when echo + logprobs were asked
+                yield self.echo, self._prompt_logprobs(event), None
+                self.offset = len(self.echo)
+                continue
             if not isinstance(event, TokenEvent):
                 tail = self.stop.feed(self.text.flush())
                 tail += self.stop.flush()
@@ -83,6 +87,21 @@ class _Reply:
             if self.stop.stopped:
                 yield "", None, "stop"
                 return
+
+    def _prompt_logprobs(self, event: PromptLogprobsEvent) -> dict:
+        """OpenAI's echo + logprobs: every prompt token, the first one without a logprob."""
+        tokens = [self.text.token_string(t) for t in self.gen.request.prompt_ids]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for lp, _ in event.entries],
+            "top_logprobs": [None if lp is None else {self.text.token_string(t): v for t, v in top}
+                             for lp, top in event.entries],
+            "text_offset": offsets,
+        }
 
     def _logprobs(self, event: TokenEvent, visible: str) -> dict | None:
         if self.req.logprobs is None:

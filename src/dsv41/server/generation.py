@@ -157,7 +157,7 @@ class Generation:
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 self.completion_tokens += 1
-            else:
+            elif isinstance(event, FinishEvent):
                 self.finish = event
             yield event
 
