@@ -142,3 +142,16 @@ def test_bad_quant_method_and_bad_json(tmp_path):
 def test_text_config_file_roundtrip(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(RELEASE))
     assert ModelConfig.from_file(tmp_path) == ModelConfig.from_dict(RELEASE)
+
+
+def test_hf_test_suite_style_config_derives_what_it_omits():
+    """HF's tiny config leaves the source lists out and spells the pad id `engram_pad_id` (MODEL.md §14)."""
+    raw = copy.deepcopy(RELEASE_TEXT)
+    for k in ("kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id", "engram_pad_token_id"):
+        raw.pop(k)
+    raw["engram_pad_id"] = 2
+    raw["num_nextn_predict_layers"] = 0  # the release's 43 ratios stay; the 3 draft entries are then unused
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.engram_pad_token_id == 2 and cfg.n_dspark == 0 and len(cfg.roles) == 40
+    assert cfg.candidate_source_layer_id == 20  # the first ratio-1 KV source
+    assert cfg.role(24).mode == "reuse"  # without an explicit index list only KV sources score

@@ -111,3 +111,21 @@ def test_bad_score_input(model_dir, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dsv41.cli", "score", "--model", str(model_dir), "--input", str(spec),
                         "--out", str(tmp_path / "o.safetensors")], capture_output=True, text=True, timeout=120)
     assert_one_line(r, "chunks")
+
+
+def test_checkpoint_without_draft_blocks_loads_without_the_drafter(model_dir):
+    """HF exports drop `mtp.*`: the backbone still loads; asking for the drafter names what is missing."""
+    index_path = model_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    mtp = [n for n in index["weight_map"] if n.startswith("mtp.")]
+    assert mtp
+    for shard in {index["weight_map"][n] for n in mtp}:
+        tensors = load_file(model_dir / shard)
+        save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")}, model_dir / shard)
+    for n in mtp:
+        del index["weight_map"][n]
+    index_path.write_text(json.dumps(index))
+    model = load_model(model_dir)
+    assert model.dspark is None and model.cfg.n_dspark == 3
+    with pytest.raises(CheckpointError, match="mtp.0"):
+        load_model(model_dir, dspark=True)

@@ -235,11 +235,12 @@ class ModelConfig:
         n_layers = _get(t, "num_hidden_layers", int)
         n_mtp = _get(t, "num_nextn_predict_layers", int, default=0)
         ratios = _int_list(t, "compress_ratios")
-        if len(ratios) not in (n_layers, n_layers + n_mtp):
+        if len(ratios) < n_layers:
             raise ConfigError(
-                f"config.json: field text_config.compress_ratios has {len(ratios)} entries, expected "
-                f"num_hidden_layers ({n_layers}) or num_hidden_layers + num_nextn_predict_layers ({n_layers + n_mtp})")
-        ratios = ratios + [0] * (n_layers + n_mtp - len(ratios))
+                f"config.json: field text_config.compress_ratios has {len(ratios)} entries, expected at least "
+                f"num_hidden_layers ({n_layers})")
+        # entries past the backbone describe draft blocks (the release lists 40 + 3); absent ones are ratio 0
+        ratios = (ratios + [0] * n_mtp)[:n_layers + n_mtp]
         for i, r in enumerate(ratios):
             if r < 0:
                 raise ConfigError(f"config.json: field text_config.compress_ratios[{i}] = {r} is not a ratio")
@@ -253,6 +254,9 @@ class ModelConfig:
         if index_sources is None:
             index_sources = list(kv_sources)
         cand = _get(t, "candidate_source_layer_id", int, default=None)
+        if cand is None and _get(t, "candidate_topk_blocks", int, default=0) > 0:
+            # HF's rule without an explicit id: the first ratio-1 KV source publishes the candidate blocks
+            cand = next((s for s in kv_sources if ratios[s] == 1), None)
 
         engram_ids = _int_list(t, "engram_layer_ids", default=[])
         has_engram = bool(engram_ids)
@@ -412,11 +416,18 @@ class ModelConfig:
         return low, high
 
 
+# names that mean the same field in different exports; the first spelling is the one used here
+_ALIASES = {"engram_pad_id": "engram_pad_token_id"}
+
+
 def _unflatten(t: dict) -> dict:
-    """Map flat inference/config.json names onto the HF names (HF names win when both exist)."""
-    if "dim" not in t and "n_layers" not in t:
-        return t
+    """Map flat inference/config.json names and known aliases onto the HF names (HF names win when both exist)."""
     out = dict(t)
+    for alias, name in _ALIASES.items():
+        if alias in t and name not in t:
+            out[name] = t[alias]
+    if "dim" not in t and "n_layers" not in t:
+        return out
     for flat, hf in _FLAT_NAMES.items():
         if flat in t and hf not in t:
             out[hf] = t[flat]
@@ -430,8 +441,6 @@ def _unflatten(t: dict) -> dict:
         }
     if "max_position_embeddings" not in out and "original_seq_len" in t and "rope_factor" in t:
         out["max_position_embeddings"] = int(t["original_seq_len"] * t["rope_factor"])
-    if "head_dim" not in out and "head_dim" in t:
-        out["head_dim"] = t["head_dim"]
     return out
 
 

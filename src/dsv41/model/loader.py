@@ -67,14 +67,17 @@ class WeightReader:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                fake_quant: bool = True, rank: int = 0, world: int = 1, comm: Comm | None = None,
-               dspark: bool = True, progress: Callable[[int, int, str], None] | None = None) -> Model:
+               dspark: bool | None = None, progress: Callable[[int, int, str], None] | None = None) -> Model:
     """Load the checkpoint folder for this rank. `progress(done, total, "layers")` is called as layers load (the
-    server turns it into systemd STATUS / EXTEND_TIMEOUT_USEC lines)."""
+    server turns it into systemd STATUS / EXTEND_TIMEOUT_USEC lines). `dspark`: load the drafter (True), skip it
+    (False), or load it when the checkpoint has `mtp.*` tensors (None; HF exports drop them)."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     device = torch.device(device)
     comm = comm or LocalComm()
     reader = WeightReader(Checkpoint(path), dtype, device)
+    if dspark is None:
+        dspark = any(n.startswith("mtp.") for n in reader.ckpt.names())
     _check_tp(cfg, world)
 
     tokenizer = None
