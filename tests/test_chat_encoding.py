@@ -22,7 +22,7 @@ def replay(case):
 
 
 def test_fixture_file_has_all_cases():
-    assert len(ENCODE_CASES) == 53
+    assert len(ENCODE_CASES) >= 53  # more cases may be added beside the shipped ones
 
 
 @pytest.mark.parametrize("case", [c for c in ENCODE_CASES if c["prompt"] is not None], ids=lambda c: c["name"])

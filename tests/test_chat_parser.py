@@ -16,7 +16,7 @@ def mode(case):
 
 
 def test_fixture_file_has_all_cases():
-    assert len(PARSE_CASES) == 23
+    assert len(PARSE_CASES) >= 23  # more cases may be added beside the shipped ones
 
 
 @pytest.mark.parametrize("case", [c for c in PARSE_CASES if c["parsed"] is not None], ids=lambda c: c["name"])

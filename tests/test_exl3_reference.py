@@ -28,7 +28,7 @@ def load_fixture(path: Path) -> tuple[dict, dict, dict]:
 
 
 def test_fixture_set_is_complete():
-    assert len(FIXTURE_FILES) == 28, f"expected 28 EXL3 fixtures in {FIXTURES}, found {len(FIXTURE_FILES)}"
+    assert len(FIXTURE_FILES) >= 28, f"expected at least the 28 EXL3 fixtures in {FIXTURES}, found {len(FIXTURE_FILES)}"
 
 
 # ---- codebooks ------------------------------------------------------------------------------------------------
