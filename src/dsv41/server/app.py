@@ -119,7 +119,13 @@ def _check_auth(ctx: ServerContext, request: Request) -> None:
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-async def _read_json(ctx: ServerContext, request: Request) -> dict:
+async def _read_body(ctx: ServerContext, request: Request) -> bytes:
+    """The whole body (at most max_body_bytes), read once and kept on the request.
+
+    It must be read before the disconnect watcher starts listening: both would take messages from the same
+    receive channel, and a body arriving in several pieces would lose some of them to the watcher."""
+    if hasattr(request.state, "body"):
+        return request.state.body
     limit = ctx.config.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -131,8 +137,13 @@ async def _read_json(ctx: ServerContext, request: Request) -> dict:
         if size > limit:
             raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
         chunks.append(chunk)
+    request.state.body = b"".join(chunks)
+    return request.state.body
+
+
+async def _read_json(ctx: ServerContext, request: Request) -> dict:
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(await _read_body(ctx, request))
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -148,7 +159,8 @@ def _parse(model, body: dict):
 
 
 async def _until_disconnect(request: Request, work: Awaitable):
-    """Run `work`; if the client disconnects first, cancel it (the body has already been read)."""
+    """Run `work`; if the client disconnects first, cancel it. The caller has read the body already (see
+    `_read_body`): from here on the receive channel carries nothing but the disconnect."""
     task = asyncio.ensure_future(work)
 
     async def watch():
@@ -197,6 +209,8 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
                     raise unavailable("the model is loading")
                 if ctx.status == "draining":
                     raise unavailable("the server is shutting down")
+            if request.method == "POST":
+                await _read_body(ctx, request)
             response = await _until_disconnect(request, handler(ctx, request))
             status = response.status_code
             if isinstance(response, GenerationStream):
