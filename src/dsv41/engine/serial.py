@@ -249,7 +249,7 @@ class _GrammarMask:
     def mask(self, row: torch.Tensor) -> torch.Tensor:
         if not self.matcher.fill_next_token_bitmask(self.bitmask, 0):
             return row
-        masked = row.to(torch.float32).clone().unsqueeze(0)
+        masked = row.to(device="cpu", dtype=torch.float32).clone().unsqueeze(0)  # the bitmask lives on the CPU
         self._xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab_size)
         if not torch.isfinite(masked).any():
             raise EngineFailure("the grammar allows no token at this point")

@@ -52,6 +52,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
     ServeKnob("DSV41_REQUEST_LOG", "--request-log", "JSONL request log file"),
     ServeKnob("DSV41_MAX_WAITING", "--max-waiting", "queued requests before new ones get 429"),
     ServeKnob("DSV41_CPU_THREADS", "--cpu-threads", "torch CPU threads"),
+    ServeKnob("DSV41_DEVICE", "--device", "torch device: auto, cpu, cuda"),
+    ServeKnob("DSV41_DTYPE", "--dtype", "compute dtype: auto (bf16 on CUDA), float32, bfloat16"),
     ServeKnob("DSV41_TP", "--tp", "tensor-parallel world size (2 = the two Sparks)"),
     ServeKnob("DSV41_MASTER", "--master", "HEAD_LINK_IP:PORT of rank 0's rendezvous on the direct link"),
     ServeKnob("DSV41_TP_BACKEND", "--tp-backend", "collective backend: nccl or gloo"),

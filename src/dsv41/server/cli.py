@@ -44,6 +44,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued before new ones get 429 (default 64)")
     p.add_argument("--cpu-threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device", default="auto",
+                   help="torch device: auto (cuda when available, else cpu), cpu, cuda, cuda:N (default auto)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="compute dtype: auto = bfloat16 on CUDA, float32 on the CPU (default auto)")
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and index fake quantisation (diagnosis; results then differ from the "
                         "release's forward)")
@@ -98,6 +102,20 @@ def _set_threads(args) -> None:
         torch.set_num_threads(args.cpu_threads)
 
 
+def model_placement(args):
+    """(device, dtype) from --device / --dtype. Under TP the rendezvous has already bound the rank to its GPU, so
+    plain `cuda` is this rank's device."""
+    import torch
+
+    device = getattr(args, "device", "auto")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(args, "dtype", "auto")
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
 def build_server(args, model=None, progress=None):
     """Load everything the server needs (before any socket is bound) and return the ServerContext.
 
@@ -113,7 +131,10 @@ def build_server(args, model=None, progress=None):
     folder = _model_folder(args)
     api_key = _api_key(args.api_key_file)
     if model is None:
-        model = load_model(folder, fake_quant=not getattr(args, "no_fake_quant", False), progress=progress)
+        device, dtype = model_placement(args)
+        # the drafter stays unloaded until the scheduler drafts (it would only cost memory and time per token)
+        model = load_model(folder, dtype=dtype, device=device, fake_quant=not getattr(args, "no_fake_quant", False),
+                           dspark=False, progress=progress)
     model_config = getattr(model, "config", None) or model.cfg
     tokenizer = Tokenizer.from_dir(folder)
     limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -148,7 +169,9 @@ def run_serve(args) -> int:
             from ..model.loader import load_model
 
             _set_threads(args)
-            return load_model(folder, rank=rank, world=world, comm=comm, fake_quant=not args.no_fake_quant,
+            device, dtype = model_placement(args)
+            return load_model(folder, dtype=dtype, device=device, rank=rank, world=world, comm=comm,
+                              fake_quant=not args.no_fake_quant, dspark=False,
                               progress=LoadProgress(notifier).update)
 
         from ..ops.notify import LoadProgress, Notifier
