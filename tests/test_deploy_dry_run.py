@@ -310,18 +310,14 @@ def test_serve_parser_accepts_the_flags():
     """The real `dsv41 serve` argument parser takes every flag the env file can produce."""
     import argparse
 
-    try:
-        from dsv41.dist.launch import register_tp_args
-        from dsv41.server.cli import register
-    except ImportError as exc:
-        print(f"dsv41 serve's parser is not importable yet: {exc}")
-        pytest.skip(f"dsv41 serve's parser is not importable yet: {exc}")
+    from dsv41.server.cli import register
+
     parser = argparse.ArgumentParser()
-    serve = register(parser.add_subparsers(dest="command"))
-    if not any(a.dest == "tp" for a in serve._actions):
-        register_tp_args(serve)
+    register(parser.add_subparsers(dest="command"))
     env = {knob.env: "2" for knob in SERVE_KNOBS}
     env.update(DSV41_MODEL="/m", DSV41_HOST="127.0.0.1", DSV41_SERVED_NAME="x", DSV41_ALIASES="a b",
-               DSV41_API_KEY_FILE="/k", DSV41_REQUEST_LOG="/l", DSV41_MASTER="h:1", DSV41_TP_BACKEND="nccl")
+               DSV41_API_KEY_FILE="/k", DSV41_REQUEST_LOG="/l", DSV41_MASTER="h:1", DSV41_TP_BACKEND="nccl",
+               DSV41_DEVICE="cuda", DSV41_DTYPE="bfloat16")
     args = parser.parse_args(["serve", *serve_argv(env, 1)])
     assert args.rank == 1 and args.tp == 2 and args.alias == ["a", "b"] and args.master == "h:1"
+    assert args.device == "cuda" and args.dtype == "bfloat16"

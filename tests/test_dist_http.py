@@ -120,9 +120,7 @@ def server_cmd(path: str, *extra: str) -> list[str]:
 
 
 def launch_path(path: str) -> str:
-    if path == "cli" and not cli_supports_tp():
-        pytest.skip("`dsv41 serve` does not accept --tp yet (the CLI wiring of run_rank is the lead's); "
-                    "the same run goes through this file's entry point in the 'shim' case")
+    assert cli_supports_tp(), "`dsv41 serve` lost its --tp option"
     return path
 
 
