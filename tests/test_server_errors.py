@@ -36,6 +36,9 @@ CASES = [
     ("user-content-null", CHAT, {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content", None),
     ("content-number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
     ("n-2", CHAT, chat(n=2), 400, None, None),
+    ("image-part", CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,x"}}]}]},
+     400, "messages[0].content[1]", None),
     ("temperature-string", CHAT, chat(temperature="hot"), 400, "temperature", None),
     ("temperature-negative", CHAT, chat(temperature=-1), 400, "temperature", None),
     ("temperature-bool", CHAT, chat(temperature=True), 400, "temperature", None),

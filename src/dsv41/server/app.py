@@ -258,6 +258,10 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
     except ServerDraining as exc:
         error = unavailable(str(exc))
         gen.fail(error)
+    except Exception as exc:  # a bug while building the reply: counted as a 500, not as a client disconnect
+        log.exception("unhandled error while generating")
+        error = engine_failed(f"internal error: {type(exc).__name__}: {exc}")
+        gen.fail(error)
     finally:
         gen.close()  # after gen.fail: the log line carries the error status
     error.logged = True

@@ -41,8 +41,27 @@ if TYPE_CHECKING:
     from .app import ServerContext
 
 
+def _refuse_images(body: dict) -> None:
+    """The encoder can place image placeholders, but this server runs the text model only: a reply about an
+    image the model never saw would be invented, so such requests are refused."""
+    from ..chat.encoding import IMAGE_PART_TYPES
+
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                raise bad_request("image inputs are not supported: this server runs the text model only",
+                                  param=f"messages[{i}].content[{j}]")
+
+
 def render_chat(ctx: "ServerContext", body: dict):
     """(ChatPrompt, prompt ids) exactly as a chat request renders them (also used by /tokenize)."""
+    _refuse_images(body)
     try:
         prompt = build_chat_prompt(body)
     except RequestError as exc:

@@ -7,6 +7,7 @@ request and settles the bookkeeping, also when the body never started.
 
 from __future__ import annotations
 
+import logging
 from typing import AsyncIterator, Callable
 
 from starlette.responses import StreamingResponse
@@ -15,6 +16,8 @@ from ..engine import EngineFailure
 from . import sse
 from .errors import engine_failed, unavailable
 from .generation import Generation, ServerDraining
+
+log = logging.getLogger(__name__)
 
 
 async def sse_body(gen: Generation, payloads: AsyncIterator[dict]) -> AsyncIterator[bytes]:
@@ -28,6 +31,11 @@ async def sse_body(gen: Generation, payloads: AsyncIterator[dict]) -> AsyncItera
         yield sse.error_event(error.body())
     except ServerDraining as exc:
         error = unavailable(str(exc))
+        gen.fail(error)
+        yield sse.error_event(error.body())
+    except Exception as exc:  # a bug past the headers: still an error event and [DONE], not a dropped stream
+        log.exception("unhandled error while streaming")
+        error = engine_failed(f"internal error: {type(exc).__name__}: {exc}")
         gen.fail(error)
         yield sse.error_event(error.body())
     yield sse.DONE
