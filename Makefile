@@ -1,7 +1,8 @@
 # Two commands for a fresh machine:
 #   make run    -- generate text with the built-in tiny model
 #   make test   -- run the test suite
-# Both create .venv and install what they need (torch pinned to the CPU wheel first).
+# Both create .venv and install what they need, torch first and pinned: on these machines pip's configuration
+# serves torch==2.13.0 as the CPU wheel from local disk (an unpinned torch would pull a multi-GB CUDA build).
 PY      ?= python3
 VENV    ?= .venv
 BIN      = $(VENV)/bin

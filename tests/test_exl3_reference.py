@@ -216,4 +216,4 @@ def test_expert_sized_decode_is_fast():
     elapsed = time.perf_counter() - start
     print(f"5120x2304 K=3 decode: {elapsed:.3f} s")
     assert w_q.shape == (5120, 2304)
-    assert elapsed < 2.0  # ~0.2 s on an idle core; generous for a shared CI machine
+    assert elapsed < 10.0  # ~0.2 s on an idle core: this only catches a return to a per-element Python loop

@@ -129,9 +129,9 @@ def test_watchdog_pings_only_while_engine_healthy(notify_socket):
     messages = receive_all(sock)
     assert messages and set(messages) == {"WATCHDOG=1"}
     assert len(messages) == pings
-    # ~15 ticks at half of WATCHDOG_USEC; ~5 of them fall in the unhealthy half second.
-    assert 7 <= pings <= 12, (pings, skipped)
-    assert 3 <= skipped <= 6, (pings, skipped)
+    # ~15 ticks at half of WATCHDOG_USEC, ~5 of them in the unhealthy half second; a loaded CI machine delays
+    # ticks, so only the shape is checked: pings while healthy, none while not
+    assert 4 <= pings <= 12 and 1 <= skipped <= 6, (pings, skipped)
 
 
 def test_watchdog_not_armed_for_another_pid(monkeypatch):

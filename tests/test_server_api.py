@@ -162,6 +162,11 @@ def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
     assert at_prefix.keys() == after_prefix.keys()
     assert all(at_prefix[k] == pytest.approx(after_prefix[k], abs=1e-4) for k in at_prefix)
     assert lp.text_offset == sorted(lp.text_offset)
+    text_prompt = "The lighthouse keeper walked"  # the BOS the server adds is neither echoed nor scored
+    echoed = client.completions.create(model=SERVED_NAME, prompt=text_prompt, max_tokens=1, logprobs=1, echo=True)
+    text_lp = echoed.choices[0].logprobs
+    n_prompt = len(tokenizer.encode(text_prompt))
+    assert "".join(text_lp.tokens[:n_prompt]) == text_prompt and text_lp.token_logprobs[0] is not None
     streamed = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=2, temperature=0, logprobs=3,
                                          echo=True, stream=True)
     tokens = [t for chunk in streamed if chunk.choices and chunk.choices[0].logprobs

@@ -104,3 +104,14 @@ def test_cancel_frees_the_sequence(parts):
     events, stats = _run(engine, request, cancel_after=3)
     assert len(events) == 3 and stats.live_sequences == 0 and stats.running == 0
     assert stats.generation_tokens_total < 10  # it stopped right after the cancel
+
+
+def test_engine_refuses_requests_it_cannot_serve(parts):
+    from dsv41.engine.serial import SerialEngine
+
+    model, tokenizer, _ = parts
+    engine = SerialEngine(model, max_model_len=256)
+    with pytest.raises(ValueError, match="prompt token"):
+        engine.submit(GenerationRequest(prompt_ids=[], max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.submit(GenerationRequest(prompt_ids=[tokenizer.bos_id], max_tokens=0))

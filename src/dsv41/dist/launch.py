@@ -44,7 +44,11 @@ class _LocalRanks:
     def start(self, master: str) -> None:
         for rank in range(1, self.world):
             cmd = [*self.child_cmd, *self.argv, "--rank", str(rank), "--master", master]
-            self.procs.append(subprocess.Popen(cmd, env=dict(os.environ, **{LOCAL_CHILD_ENV: "1"})))
+            env = dict(os.environ, **{LOCAL_CHILD_ENV: "1"})
+            # only the main process may talk to systemd (NotifyAccess=main); children would be refused noisily
+            for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+                env.pop(key, None)
+            self.procs.append(subprocess.Popen(cmd, env=env))
 
     def watch(self, failfast: FailFast) -> None:
         def run():

@@ -131,7 +131,8 @@ class Engine(ABC):
 
     @abstractmethod
     def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queue a request; raises EngineOverloaded (queue full) or EngineClosed (draining)."""
+        """Queue a request; raises ValueError (no prompt token, max_tokens < 1), EngineOverloaded (queue full) or
+        EngineClosed (draining)."""
 
     @abstractmethod
     def begin_drain(self) -> None:

@@ -109,6 +109,10 @@ class SerialEngine(Engine):
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestStream:
+        if not request.prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
         if self._state != "ready":
             raise EngineClosed(f"engine is {self._state}")
         if len(self._waiting) >= self.max_waiting:

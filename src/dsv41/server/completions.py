@@ -49,6 +49,8 @@ async def create_completion(ctx: "ServerContext", req: CompletionRequest) -> tup
         prompt_logprobs=req.logprobs if req.echo else None)
     gen = Generation(ctx, "completions", engine_request, stream=req.stream)
     reply = _Reply(ctx, gen, req)
+    # a BOS the server put in front of a text prompt is not part of the echoed text, so it is not scored either
+    reply.hidden_prefix = 1 if isinstance(req.prompt, str) and ids[:1] != ctx.tokenizer.encode(req.prompt)[:1] else 0
     return gen, (reply.chunks() if req.stream else reply)
 
 
@@ -61,6 +63,7 @@ class _Reply:
                               hidden_ids=frozenset() if req.ignore_eos else gen.request.stop_token_ids)
         self.stop = StopMatcher(req.stop_strings)
         self.offset = 0
+        self.hidden_prefix = 0  # leading prompt tokens the server added (not echoed, not scored)
         if req.echo:
             prompt = req.prompt if isinstance(req.prompt, str) else ctx.tokenizer.decode(req.prompt)
             self.echo = prompt
@@ -90,16 +93,18 @@ class _Reply:
 
     def _prompt_logprobs(self, event: PromptLogprobsEvent) -> dict:
         """OpenAI's echo + logprobs: every prompt token, the first one without a logprob."""
-        tokens = [self.text.token_string(t) for t in self.gen.request.prompt_ids]
+        skip = self.hidden_prefix
+        tokens = [self.text.token_string(t) for t in self.gen.request.prompt_ids[skip:]]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
+        entries = event.entries[skip:]
         return {
             "tokens": tokens,
-            "token_logprobs": [lp for lp, _ in event.entries],
+            "token_logprobs": [lp for lp, _ in entries],
             "top_logprobs": [None if lp is None else {self.text.token_string(t): v for t, v in top}
-                             for lp, top in event.entries],
+                             for lp, top in entries],
             "text_offset": offsets,
         }
 
