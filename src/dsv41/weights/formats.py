@@ -148,7 +148,7 @@ def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tenso
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale_byte
 
 
-def _nearest_e2m1_code(x: torch.Tensor) -> torch.Tensor:
+def nearest_e2m1_code(x: torch.Tensor) -> torch.Tensor:
     """Round |x| <= 6 to the nearest e2m1 magnitude, ties to the even code (as a float cast would); sign in bit 3."""
     a = x.abs()
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=a.dtype, device=a.device)
@@ -168,6 +168,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.view(rows, cols // BLOCK, BLOCK)
     scale_byte = power_of_two_scale_byte(blocks.abs().amax(dim=-1), FP4_MAX)
     scaled = blocks / e8m0_to_float(scale_byte).unsqueeze(-1)
-    codes = _nearest_e2m1_code(scaled.reshape(rows, cols))
+    codes = nearest_e2m1_code(scaled.reshape(rows, cols))
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     return packed.view(torch.int8), scale_byte
