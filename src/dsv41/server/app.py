@@ -371,7 +371,8 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Starlette:
         await ctx.engine.start()
         if warmup:
             await _warm_up(ctx)
-        ctx.status = "ready"
+        if ctx.status == "loading":  # a SIGTERM during the warm-up already moved it on to draining
+            ctx.status = "ready"
         try:
             yield
         finally:

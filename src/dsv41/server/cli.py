@@ -222,6 +222,9 @@ def serve_model(args, model=None) -> int:
         def on_signal() -> None:
             if not draining:
                 draining.append(loop.create_task(drain_then_stop()))
+            else:  # a second signal: stop now, in-flight streams are cut
+                print("dsv41: second signal, stopping without waiting for the drain", file=sys.stderr, flush=True)
+                stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
@@ -231,6 +234,8 @@ def serve_model(args, model=None) -> int:
         async def announce_ready() -> None:
             while ctx.status == "loading":
                 await asyncio.sleep(0.02)
+            if ctx.status != "ready":  # stopped before it ever served: no READY=1 after STOPPING=1
+                return
             notifier.ready(f"serving {ctx.config.served_name} on {host}:{port}")
             pinger.start()
             print(f"dsv41: serving {ctx.config.served_name} on http://{host}:{port}", flush=True)
