@@ -17,7 +17,6 @@ rows (row-parallel), and the partial `kv` vectors are summed over ranks before t
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -31,6 +30,7 @@ import torch
 
 from dsv41.errors import CheckpointError, ConfigError, TokenizerError
 from dsv41.weights.formats import FP8_MAX, e4m3_to_float, e8m0_to_float, power_of_two_scale_byte
+from dsv41.weights.safetensors_io import Checkpoint, TensorInfo, read_header
 
 # A look-back slot that no n-gram may reach across: before the sequence start, or an image-span token.
 DEAD = -1
@@ -388,34 +388,33 @@ class EngramTable:
 
     # --- constructors -----------------------------------------------------------------------------------------
     @classmethod
-    def from_checkpoint(cls, folder: str | Path, layer_id: int, config, rank: int = 0, world: int = 1,
+    def from_checkpoint(cls, source, layer_id: int, config, rank: int = 0, world: int = 1,
                         constants: EngramConstants | None = None) -> "EngramTable":
-        """From `layers.{L}.engram.embed.weight` (+ `.scale` when FP8) of a safetensors checkpoint folder
-        (`model.safetensors.index.json` + shards, or a single `model.safetensors`), or a .safetensors file."""
+        """From `layers.{L}.engram.embed.weight` (+ `.scale` when FP8) of a checkpoint: a `Checkpoint`, a folder
+        (`model.safetensors.index.json` + shards, or a single `model.safetensors`), or one .safetensors file.
+        Headers are parsed and validated by `weights.safetensors_io`; the rows stay memory-mapped."""
         constants = constants or EngramConstants.from_config(config)
+        lookup = _tensor_lookup(source)
         name = f"layers.{layer_id}.engram.embed.weight"
-        weight_file = _safetensors_file_of(Path(folder), name)
-        weight_info, data_start, mm = _safetensors_tensor(weight_file, name)
+        weight_info = lookup(name)
         rows = constants.num_rows[constants.layer_index(layer_id)]
-        if weight_info["dtype"] not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(f"{weight_file}: tensor {name} has dtype {weight_info['dtype']}, expected one of "
-                                  f"{sorted(_SAFETENSORS_DTYPES)}")
-        np_dtype, itemsize, kind = _SAFETENSORS_DTYPES[weight_info["dtype"]]
-        _check_shape(weight_file, name, weight_info, [rows, constants.head_dim])
-        values = _mapped_array(mm, data_start, weight_info, np_dtype, itemsize, weight_file, name)
+        if weight_info.dtype not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{weight_info.file}: tensor {name} has dtype {weight_info.dtype}, expected one "
+                                  f"of {sorted(_SAFETENSORS_DTYPES)}")
+        np_dtype, _, kind = _SAFETENSORS_DTYPES[weight_info.dtype]
+        _check_shape(weight_info, [rows, constants.head_dim])
+        values, mm = _map_rows(weight_info, np_dtype)
         scales = None
         if kind == "fp8":
-            scale_name = f"layers.{layer_id}.engram.embed.scale"
-            scale_file = _safetensors_file_of(Path(folder), scale_name)
-            scale_info, scale_start, scale_mm = _safetensors_tensor(scale_file, scale_name)
-            if scale_info["dtype"] not in ("F8_E8M0", "U8"):
-                raise CheckpointError(f"{scale_file}: tensor {scale_name} has dtype {scale_info['dtype']}, "
+            scale_info = lookup(f"layers.{layer_id}.engram.embed.scale")
+            if scale_info.dtype not in ("F8_E8M0", "U8"):
+                raise CheckpointError(f"{scale_info.file}: tensor {scale_info.name} has dtype {scale_info.dtype}, "
                                       "expected F8_E8M0")
-            _check_shape(scale_file, scale_name, scale_info, [rows, -(-constants.head_dim // ROW_SCALE_BLOCK)])
-            scales = _mapped_array(scale_mm, scale_start, scale_info, np.uint8, 1, scale_file, scale_name)
+            _check_shape(scale_info, [rows, -(-constants.head_dim // ROW_SCALE_BLOCK)])
+            scales, scale_mm = _map_rows(scale_info, np.uint8)
             mm = (mm, scale_mm)
         source = _RowSource(values, scales, kind, base=0, keepalive=mm)
-        return cls(layer_id, constants, source, rank, world, where=f"{weight_file}: {name}")
+        return cls(layer_id, constants, source, rank, world, where=f"{weight_info.file}: {name}")
 
     @classmethod
     def from_shard_file(cls, path: str | Path, layer_id: int, config, rank: int = 0, world: int = 1,
@@ -487,61 +486,34 @@ class EngramTable:
         return self._source.read(flat).reshape(*row_ids.shape, self.head_dim)
 
 
-def _safetensors_file_of(folder: Path, name: str) -> Path:
-    if folder.is_file():
-        return folder
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"{index}: unreadable ({exc})") from None
-        if name not in weight_map:
-            raise CheckpointError(f"{index}: tensor {name} is missing")
-        return folder / weight_map[name]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return single
-    raise CheckpointError(f"{folder}: neither model.safetensors.index.json nor model.safetensors found")
+def _tensor_lookup(source) -> Callable[[str], "TensorInfo"]:
+    """name -> validated TensorInfo, for a Checkpoint, a checkpoint folder or a single .safetensors file."""
+    if isinstance(source, (str, Path)) and Path(source).is_file():
+        infos, _ = read_header(Path(source))
+
+        def lookup(name: str) -> TensorInfo:
+            if name not in infos:
+                raise CheckpointError(f"{source}: tensor {name} is missing")
+            return infos[name]
+
+        return lookup
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    return ckpt.info
 
 
-def _safetensors_tensor(path: Path, name: str) -> tuple[dict, int, mmap.mmap]:
-    """(header entry of `name`, byte offset of the data section, read-only mmap of the file)."""
+def _check_shape(info: "TensorInfo", want: list[int]) -> None:
+    if list(info.shape) != want:
+        raise CheckpointError(f"{info.file}: tensor {info.name} has shape {list(info.shape)}, expected {want}")
+
+
+def _map_rows(info: "TensorInfo", np_dtype) -> tuple[np.ndarray, mmap.mmap]:
+    """A read-only [rows, cols] view of the tensor's bytes; pages are read only when rows are gathered."""
     try:
-        with open(path, "rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) != 8:
-                raise CheckpointError(f"{path}: truncated safetensors file (no header length)")
-            (header_len,) = struct.unpack("<Q", prefix)
-            header_bytes = handle.read(header_len)
-            if len(header_bytes) != header_len:
-                raise CheckpointError(f"{path}: truncated safetensors header")
+        with open(info.file, "rb") as handle:
             mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
     except OSError as exc:
-        raise CheckpointError(f"{path}: cannot open ({exc.strerror})") from None
-    try:
-        header = json.loads(header_bytes)
-    except ValueError:
-        raise CheckpointError(f"{path}: safetensors header is not valid JSON") from None
-    if name not in header:
-        raise CheckpointError(f"{path}: tensor {name} is missing")
-    return header[name], 8 + header_len, mm
-
-
-def _check_shape(path: Path, name: str, info: dict, want: list[int]) -> None:
-    if list(info.get("shape", [])) != want:
-        raise CheckpointError(f"{path}: tensor {name} has shape {info.get('shape')}, expected {want}")
-
-
-def _mapped_array(mm: mmap.mmap, data_start: int, info: dict, np_dtype, itemsize: int, path: Path, name: str
-                  ) -> np.ndarray:
-    begin, end = info["data_offsets"]
-    rows, cols = info["shape"]
-    if end - begin != rows * cols * itemsize:
-        raise CheckpointError(f"{path}: tensor {name} spans {end - begin} bytes, expected {rows * cols * itemsize}")
-    if data_start + end > len(mm):
-        raise CheckpointError(f"{path}: truncated, tensor {name} ends at byte {data_start + end} of {len(mm)}")
-    return np.ndarray((rows, cols), dtype=np_dtype, buffer=mm, offset=data_start + begin)
+        raise CheckpointError(f"{info.file}: cannot open ({exc.strerror})") from None
+    return np.ndarray(info.shape, dtype=np_dtype, buffer=mm, offset=info.offset), mm
 
 
 def read_shard_header(path: str | Path) -> dict:
