@@ -259,7 +259,7 @@ def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, 
         if shard.is_file():
             table = EngramTable.from_shard_file(shard, L, cfg, rank, world, constants=constants)
         elif reader.ckpt.has(name):
-            table = EngramTable.from_checkpoint(path, L, cfg, rank, world, constants=constants)
+            table = EngramTable.from_checkpoint(reader.ckpt, L, cfg, rank, world, constants=constants)
         else:
             raise CheckpointError(f"{path}: Engram table of layer {L} missing: neither tensor {name!r} nor "
                                   f"shard file {shard.name}")
