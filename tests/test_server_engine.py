@@ -33,9 +33,9 @@ class CountingModel:
     def new_state(self):
         return self.model.new_state()
 
-    def forward(self, state, ids):
+    def forward(self, state, ids, **kw):
         self.calls.append(len(ids))
-        return self.model.forward(state, ids)
+        return self.model.forward(state, ids, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -100,10 +100,10 @@ class SerialEngine(Engine):
         since = self._forward_since
         return since is None or time.monotonic() - since < self.stall_s
 
-    def _forward(self, state, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, state, ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         self._forward_since = time.monotonic()
         try:
-            return self.model.forward(state, ids)
+            return self.model.forward(state, ids, last_only=last_only)
         finally:
             self._forward_since = None
 
@@ -188,7 +188,8 @@ class SerialEngine(Engine):
             if stop_flag.is_set():
                 return "cancelled", 0
             previous = logits[-1:] if logits is not None else logits
-            logits = self._forward(state, ids[start : start + self.prefill_chunk])
+            logits = self._forward(state, ids[start : start + self.prefill_chunk],
+                                   last_only=req.prompt_logprobs is None)
             if req.prompt_logprobs is not None:
                 # row j predicts token j+1: score this chunk's tokens with the rows before them
                 rows = logits[:-1] if previous is None else torch.cat((previous, logits[:-1]))

@@ -141,11 +141,14 @@ class Model:
             state.last_taps = tap[-1]
         return out, tap
 
-    def forward(self, state: SequenceState, ids: torch.Tensor, trace: dict | None = None) -> torch.Tensor:
-        """Absorb `ids` [T] into `state` and return fp32 logits [T, vocab] (complete on every rank)."""
+    def forward(self, state: SequenceState, ids: torch.Tensor, trace: dict | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        """Absorb `ids` [T] into `state` and return fp32 logits [T, vocab] (complete on every rank); with
+        `last_only` just the last row's [1, vocab] (a prefill chunk needs no more: the head is the largest matmul
+        and, under TP, the largest gather)."""
         out, taps = self.hidden(state, ids, trace)
         if self.dspark is not None and taps is not None:
             self.dspark.absorb(self, state, taps, ids)
-        return self.logits(out)
+        return self.logits(out[-1:] if last_only else out)
 
     __call__ = forward
