@@ -91,6 +91,9 @@ def structured_grammar(ctx: "ServerContext", fields: "SamplingFields", *, thinki
             raise bad_request("structured_outputs takes only one of json, regex, choice, grammar",
                               param="structured_outputs")
         if so.get("json_object"):
+            if chosen:
+                raise bad_request(f"structured_outputs.json_object cannot be combined with {chosen[0]}",
+                                  param="structured_outputs")
             return grammars.json(None, thinking=thinking)
         json_schema = so.get("json") if "json" in chosen else fields.guided_json
         if json_schema is not None:
@@ -123,6 +126,9 @@ def _grammar_param(fields) -> str:
         return "response_format"
     if fields.structured_outputs is not None:
         return "structured_outputs"
+    for name in ("guided_json", "guided_regex", "guided_choice"):
+        if getattr(fields, name, None) is not None:
+            return name
     return "guided_json"
 
 
