@@ -97,3 +97,12 @@ def test_make_tiny_cli(tmp_path):
                         "--seed", "7"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert ModelConfig.from_file(tmp_path / "m").num_hidden_layers > 0
+
+
+def test_bench_cli_reports_speeds():
+    import json as _json
+    r = subprocess.run([sys.executable, "-m", "dsv41.cli", "bench", "--prompt-tokens", "20", "--chunk", "8",
+                        "--tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    result = _json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0 and result["decode_tokens"] == 4

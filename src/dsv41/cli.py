@@ -118,6 +118,33 @@ def _read_score_input(path: Path) -> dict:
     return {"ids": ids, "chunks": chunks}
 
 
+# ------------------------------------------------------------------------------------------------------- bench
+def cmd_bench(args) -> int:
+    """Prefill and decode speed of the engine's forward on this machine, as one JSON line."""
+    import torch
+
+    model = _load(args)
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (args.prompt_tokens,), generator=gen)
+    with torch.no_grad():
+        model.forward(model.new_state(), prompt[:8], last_only=True)  # first use: weights dequantised
+        state = model.new_state()
+        start = time.perf_counter()
+        for i in range(0, len(prompt), args.chunk):
+            logits = model.forward(state, prompt[i:i + args.chunk], last_only=True)
+        prefill_s = time.perf_counter() - start
+        token = int(logits[-1].argmax())
+        start = time.perf_counter()
+        for _ in range(args.tokens):
+            token = int(model.forward(state, torch.tensor([token]))[-1].argmax())
+        decode_s = time.perf_counter() - start
+    print(json.dumps({"model": str(_model_dir(args.model)), "device": args.device, "dtype": args.dtype,
+                      "prompt_tokens": args.prompt_tokens, "prefill_tok_s": round(args.prompt_tokens / prefill_s, 2),
+                      "decode_tokens": args.tokens, "decode_tok_s": round(args.tokens / decode_s, 2)}))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------- make-tiny
 def cmd_make_tiny(args) -> int:
     from .tiny import make_tiny
@@ -148,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, metavar="IN.json", help='{"ids": [...], "chunks": [...]}')
     p.add_argument("--out", required=True, metavar="OUT.safetensors", help="float32 logits [len(ids), vocab]")
     p.set_defaults(func=cmd_score)
+
+    p = sub.add_parser("bench", help="prefill and decode tokens/s of the forward (JSON line)")
+    _model_args(p)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--chunk", type=int, default=128, help="prefill chunk length (default 128)")
+    p.add_argument("--tokens", type=int, default=32, help="tokens decoded one at a time (default 32)")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("make-tiny", help="write the small test model in the real checkpoint formats")
     p.add_argument("dir", metavar="DIR")
