@@ -166,9 +166,7 @@ class Attention:
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: SequenceState, shared: Shared,
                 trace: dict | None = None) -> torch.Tensor:
         """x: normed attention input [T, d]. Returns this rank's partial output [T, d] (wo_b row-parallel)."""
-        cfg, p, role = self.cfg, self.p, self.role
-        T, hd = x.shape[0], cfg.head_dim
-
+        cfg, role = self.cfg, self.role
         qr, q = self._query(x, positions)
         kv = self.window_kv(x, positions)
         win = append_window(state.window(role.index), kv, cfg.sliding_window)
