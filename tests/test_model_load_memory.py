@@ -12,18 +12,18 @@ import pytest
 from dsv41.tiny import make_tiny
 
 CHILD = r"""
-import json, resource, sys
+import json, sys
 from dsv41.dist.comm import LocalComm
 from dsv41.model.loader import load_model
 
-def rss_mb():
+def status_mb(field):
+    # VmHWM, not ru_maxrss: the latter carries the forking parent's peak across exec
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
 
-base = rss_mb()
+base = status_mb("VmRSS")
 model = load_model(sys.argv[1], rank=int(sys.argv[3]), world=int(sys.argv[2]), comm=LocalComm())
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-print(json.dumps({"base": base, "peak": peak, "after": rss_mb()}))
+print(json.dumps({"base": base, "peak": status_mb("VmHWM"), "after": status_mb("VmRSS")}))
 """
 
 

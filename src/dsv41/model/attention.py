@@ -25,6 +25,7 @@ from .norm import rms_norm
 from .quant import fp4_block_e4m3, fp4_block_ue8m0, fp8_block_ue8m0
 from .rope import RopeTable
 from .state import SequenceState, SourceCache, WindowCache
+from .rowwise import f64, row_blocks
 from .topk import topk_lowest_index_ties
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -74,10 +75,25 @@ def append_window(cache: WindowCache, kv: torch.Tensor, window: int) -> torch.Te
     return full
 
 
-def window_mask(key_pos: torch.Tensor, q_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """[T, S]: key position k is visible to query position p when p - window < k <= p."""
-    d = q_pos[:, None] - key_pos[None, :]
-    return (d >= 0) & (d < window)
+def window_slots(win: torch.Tensor, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query's window keys [T, window, hd]: slot j holds position p - window + 1 + j (live when >= 0).
+    `win` holds the consecutive positions ending at the chunk's last one."""
+    first = int(positions[-1]) + 1 - win.shape[0]
+    key_pos = positions[:, None] + torch.arange(1 - window, 1, device=win.device)[None, :]
+    ok = key_pos >= 0
+    return win[(key_pos - first).clamp(min=0)], ok
+
+
+def compressed_slots(src: SourceCache, ids: torch.Tensor | None, width: int, T: int, head_dim: int):
+    """Selected compressed entries [T, width, hd]: the top-k list (-1 first) left-padded with dead slots to
+    the full index top-k, so that a row's layout does not depend on how many entries exist yet."""
+    if ids is None:
+        ids = torch.empty(T, 0, dtype=torch.long)
+    pad = width - ids.shape[1]
+    ids = torch.cat((torch.full((T, pad), -1, dtype=ids.dtype, device=ids.device), ids), dim=1)
+    if src.kv is None:
+        return torch.zeros(T, width, head_dim), torch.zeros(T, width, dtype=torch.bool)
+    return src.kv[ids.clamp(min=0)], ids >= 0
 
 
 class Attention:
@@ -133,8 +149,11 @@ class Attention:
         q = ix.wq_b(qr).view(T, cfg.index_n_heads, cfg.index_head_dim)
         q = fp4_block_ue8m0(self._rope(q, positions), 32, self.fake_quant)
         w = ix.weights_proj(x).float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
-        per_head = torch.relu(torch.einsum("thd,cd->thc", q.float(), src.index_k.float()))
-        scores = torch.einsum("th,thc->tc", w, per_head)
+        keys = src.index_k.float()
+        scores = torch.empty(T, keys.shape[0], device=x.device)
+        for rows in row_blocks(T):  # products summed over fixed-length vectors: each row's bits stand alone
+            per_head = torch.relu((q[rows].float()[:, :, None, :] * keys[None, None]).sum(dim=-1))
+            scores[rows] = (w[rows][:, :, None] * per_head).sum(dim=1)
         return scores.masked_fill(~visible, float("-inf"))
 
     def _candidate_mask(self, scores: torch.Tensor, n_visible: torch.Tensor) -> torch.Tensor:
@@ -170,20 +189,15 @@ class Attention:
         qr, q = self._query(x, positions)
         kv = self.window_kv(x, positions)
         win = append_window(state.window(role.index), kv, cfg.sliding_window)
-        win_pos = torch.arange(int(positions[-1]) + 1 - win.shape[0], int(positions[-1]) + 1, device=x.device)
-        win_ok = window_mask(win_pos, positions, cfg.sliding_window)
-
-        comp, comp_ok = None, None
+        keys, ok = window_slots(win, positions, cfg.sliding_window)
         if not role.swa_only:
             src = state.source(role.kv_source)
             if role.compresses:
                 self._compress(x, positions, src)
             ids = self._topk_for(x, qr, positions, src, shared, trace)
-            if ids is not None and ids.shape[1] > 0:
-                comp = src.kv[ids.clamp(min=0)]  # [T, k, hd]
-                comp_ok = ids >= 0
-
-        return self._output(self._core(q, win, win_ok, comp, comp_ok), positions, x.dtype)
+            comp, comp_ok = compressed_slots(src, ids, cfg.index_topk, x.shape[0], cfg.head_dim)
+            keys, ok = torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
+        return self._output(self._core(q, keys, ok), positions, x.dtype)
 
     def forward_block(self, x: torch.Tensor, positions: torch.Tensor, ring: torch.Tensor | None) -> torch.Tensor:
         """DSpark draft block: every row attends to all `ring` rows and to all rows of the block (no causal
@@ -191,8 +205,9 @@ class Attention:
         _, q = self._query(x, positions)
         kv = self.window_kv(x, positions)
         keys = kv if ring is None else torch.cat((ring, kv))
-        visible = torch.ones(x.shape[0], keys.shape[0], dtype=torch.bool, device=x.device)
-        return self._output(self._core(q, keys, visible, None, None), positions, x.dtype)
+        keys = keys[None].expand(x.shape[0], -1, -1)
+        visible = torch.ones(keys.shape[:2], dtype=torch.bool, device=x.device)
+        return self._output(self._core(q, keys, visible), positions, x.dtype)
 
     def window_kv(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The single K = V latent of rows x: RMSNorm(x wkv), RoPE at their positions, FP8 fake-quant."""
@@ -234,21 +249,17 @@ class Attention:
             trace["index_topk_ids"] = ids
         return ids
 
-    def _core(self, q, win, win_ok, comp, comp_ok) -> torch.Tensor:
-        """One softmax over window ∪ selected entries (K = V), with the per-head sink in the denominator."""
+    def _core(self, q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        """One softmax per query over its own key slots [T, S, hd] (K = V; `ok` marks the live ones), with the
+        per-head sink in the denominator. Every row's slots have the same layout however the rows are chunked."""
         scale = self.cfg.head_dim ** -0.5
-        qf = q.float()
-        s_win = torch.einsum("thd,sd->ths", qf, win.float()) * scale
-        s_win = s_win.masked_fill(~win_ok[:, None, :], float("-inf"))
-        parts = [s_win]
-        if comp is not None:
-            s_comp = torch.einsum("thd,tkd->thk", qf, comp.float()) * scale
-            parts.append(s_comp.masked_fill(~comp_ok[:, None, :], float("-inf")))
-        s = torch.cat(parts, dim=-1)
-        sink = self.p.sink.float()[None, :, None].expand(s.shape[0], -1, 1)
-        lse = torch.logsumexp(torch.cat((s, sink), dim=-1), dim=-1, keepdim=True)
-        prob = torch.exp(s - lse)
-        o = torch.einsum("ths,sd->thd", prob[..., :win.shape[0]], win.float())
-        if comp is not None:
-            o = o + torch.einsum("thk,tkd->thd", prob[..., win.shape[0]:], comp.float())
-        return o
+        sink = self.p.sink.float()
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for rows in row_blocks(q.shape[0]):
+            k = keys[rows].float()
+            s = (q[rows].float()[:, :, None, :] * k[:, None, :, :]).sum(dim=-1) * scale  # [t, H, S]
+            s = s.masked_fill(~ok[rows][:, None, :], float("-inf"))
+            lse = f64(lambda z: torch.logsumexp(z, dim=-1, keepdim=True),
+                      torch.cat((s, sink[None, :, None].expand(s.shape[0], -1, 1)), dim=-1))
+            out[rows] = (f64(torch.exp, s - lse)[..., None] * k[:, None, :, :]).sum(dim=2)
+        return out

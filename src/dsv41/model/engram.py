@@ -32,6 +32,8 @@ from dsv41.errors import CheckpointError, ConfigError, TokenizerError
 from dsv41.weights.formats import FP8_MAX, e4m3_to_float, e8m0_to_float, power_of_two_scale_byte
 from dsv41.weights.safetensors_io import Checkpoint, TensorInfo, read_header
 
+from .rowwise import f64
+
 # A look-back slot that no n-gram may reach across: before the sequence start, or an image-span token.
 DEAD = -1
 # Lower bound on |score| before the square root in the gate (the release's clamp value).
@@ -623,10 +625,10 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, q_weight: torch.Tensor
     key = key.float()
     d = x.shape[-1]
     weight = q_weight.float() * k_weight.float()  # only their product is ever used
-    rstd = torch.rsqrt(x.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    rstd = f64(torch.rsqrt, x.square().mean(-1) + eps) * f64(torch.rsqrt, key.square().mean(-1) + eps)
     score = (x * weight * key).sum(-1) * rstd / math.sqrt(d)
     # copysign, not sign(): a score of exactly 0 still gets the floor (sigmoid(±1e-3), not sigmoid(0)).
-    return torch.sigmoid(torch.copysign(score.abs().clamp_min(GATE_SQRT_FLOOR).sqrt(), score))
+    return f64(lambda z: torch.sigmoid(torch.copysign(z.abs().clamp_min(GATE_SQRT_FLOOR).sqrt(), z)), score)
 
 
 def engram_mix(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

@@ -22,6 +22,7 @@ from . import mhc
 from .attention import Attention, AttentionParams, CompressorParams, IndexerParams
 from .moe import MoE, Expert
 from .rope import rope_tables
+from .rowwise import RowInvariant
 from .transformer import Block, Model, VocabShard
 
 # prefixes of tensors that exist in release checkpoints but are not part of the text forward
@@ -52,13 +53,13 @@ class WeightReader:
         return self.tensor(name, shape, **kw) if self.ckpt.has(name) else None
 
     def linear(self, prefix: str, out_features: int, in_features: int, *, split: str | None = None, rank: int = 0,
-               world: int = 1, block: int | None = None) -> Linear:
+               world: int = 1, block: int | None = None) -> RowInvariant:
         """The linear stored under `prefix`; `split` keeps this rank's outputs (`col`) or inputs (`row`)."""
         lin = Linear.from_checkpoint(self.ckpt, prefix, expected_shape=(out_features, in_features),
                                      split=split if world > 1 else None, rank=rank, world=world, block=block,
                                      device=self.device)
         self.used.update(f"{prefix}.{part}" for part in _LINEAR_PARTS if self.ckpt.has(f"{prefix}.{part}"))
-        return lin
+        return RowInvariant(lin)
 
     def unexpected(self) -> list[str]:
         return [n for n in self.ckpt.names()

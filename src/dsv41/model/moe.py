@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from .rowwise import f64, per_row
 from .topk import topk_lowest_index_ties
 
 LinearFn = Callable[[torch.Tensor], torch.Tensor]
@@ -37,8 +38,9 @@ def swiglu_clamped(x: torch.Tensor, e: Expert, limit: float, row_weight: torch.T
 def route(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
           renorm: bool, temp: float = 1.0):
     """Returns (ids [T, k], weights [T, k] fp32, logits [T, E] fp32). Bias picks experts, never weighs them."""
-    logits = (x.float() @ gate_weight.float().t()) / temp
-    scores = torch.sqrt(F.softplus(logits))
+    gate_t = gate_weight.float().t()
+    logits = per_row(lambda r: r @ gate_t, x.float()) / temp
+    scores = f64(lambda z: torch.sqrt(F.softplus(z)), logits)
     select = scores + bias.float() if bias is not None else scores
     ids = topk_lowest_index_ties(select, k)
     w = scores.gather(1, ids)

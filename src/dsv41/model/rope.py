@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .rowwise import f64
 
 def inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
@@ -32,7 +33,7 @@ class RopeTable:
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
-        return torch.cos(angles), torch.sin(angles)
+        return f64(torch.cos, angles), f64(torch.sin, angles)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, rope_dim: int, inverse: bool = False) -> torch.Tensor:
         """Rotate the last `rope_dim` dims of x [T, ..., D] by each row's position (conjugate when inverse)."""
