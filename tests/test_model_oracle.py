@@ -94,7 +94,7 @@ def test_decode_one_token_at_a_time_matches_oneshot(oracle_run):
     state = model.new_state()
     rows = [model.forward(state, torch.tensor([t])) for t in IDS]
     got = torch.cat(rows)
-    assert rel_l2(got, oneshot) < 1e-5 and torch.equal(got.argmax(-1), oneshot.argmax(-1))
+    assert torch.equal(got, oneshot)  # row-invariant reference: decode is one-shot, bit for bit
 
 
 def test_bf16_compute_tracks_fp32_until_decisions_diverge(oracle_run):

@@ -26,12 +26,11 @@ VARIANTS = {
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_variant_loads_and_chunks_like_oneshot(tmp_path, name):
     folder = make_tiny(tmp_path / name, "bf16", seed=5, overrides=VARIANTS[name])  # None: field left out
-    model = load_model(folder, fake_quant=False)
+    model = load_model(folder)
     ids = torch.tensor(model.tokenizer.encode("<｜begin▁of▁sentence｜>" + "variant layouts must work too. " * 2))
     oneshot = model.forward(model.new_state(), ids)
     state = model.new_state()
     rows = [model.forward(state, ids[:5]), model.forward(state, ids[5:11])]
     rows += [model.forward(state, ids[i:i + 1]) for i in range(11, len(ids))]
     chunked = torch.cat(rows)
-    assert float((chunked - oneshot).norm() / oneshot.norm()) < 1e-5
-    assert torch.equal(chunked.argmax(-1), oneshot.argmax(-1))
+    assert torch.equal(chunked, oneshot)
