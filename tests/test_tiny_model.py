@@ -106,3 +106,14 @@ def test_bench_cli_reports_speeds():
     assert r.returncode == 0, r.stderr
     result = _json.loads(r.stdout.strip().splitlines()[-1])
     assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0 and result["decode_tokens"] == 4
+
+
+def test_generate_cli_prints_text_and_speed():
+    r = subprocess.run([sys.executable, "-m", "dsv41.cli", "generate", "--prompt", "The quick brown fox",
+                        "--max-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()  # the continuation
+    assert "8 generated" in r.stderr and "tok/s" in r.stderr
+    again = subprocess.run([sys.executable, "-m", "dsv41.cli", "generate", "--prompt", "The quick brown fox",
+                            "--max-tokens", "8", "--ignore-eos"], capture_output=True, text=True, timeout=300)
+    assert again.stdout == r.stdout  # greedy by default: the same continuation
