@@ -33,34 +33,31 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
     return e2m1_to_float(nearest_e2m1_code(v.clamp(-FP4_MAX, FP4_MAX)))
 
 
-def fp8_block_ue8m0(x: torch.Tensor, block: int = 32, enabled: bool = True) -> torch.Tensor:
-    """FP8 e4m3 with one power-of-two scale per `block` values (window KV)."""
+def _fake_quant(x: torch.Tensor, block: int, enabled: bool, scale_of, quantise) -> torch.Tensor:
+    """Per block of `block` values: scale = scale_of(amax), values = quantise(x / scale) * scale."""
     b = _blocks(x, block) if enabled else None
     if b is None:
         return x
-    amax = b.abs().amax(dim=-1, keepdim=True)
-    scale = _pow2_ceil(amax.clamp(min=1e-4), FP8_MAX)
-    q = (b / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    scale = scale_of(b.abs().amax(dim=-1, keepdim=True))
+    return (quantise(b / scale) * scale).reshape(x.shape).to(x.dtype)
+
+
+def _round_e4m3(v: torch.Tensor) -> torch.Tensor:
+    return v.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def fp8_block_ue8m0(x: torch.Tensor, block: int = 32, enabled: bool = True) -> torch.Tensor:
+    """FP8 e4m3 with one power-of-two scale per `block` values (window KV); amax floor 1e-4."""
+    return _fake_quant(x, block, enabled, lambda amax: _pow2_ceil(amax.clamp(min=1e-4), FP8_MAX), _round_e4m3)
 
 
 def fp4_block_e4m3(x: torch.Tensor, block: int = 16, enabled: bool = True) -> torch.Tensor:
-    """FP4 e2m1 with one e4m3 scale per `block` values (compressed KV)."""
-    b = _blocks(x, block) if enabled else None
-    if b is None:
-        return x
-    amax = b.abs().amax(dim=-1, keepdim=True)
-    scale = (amax.clamp(min=FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn).float()
-    q = round_e2m1(b / scale)
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    """FP4 e2m1 with one e4m3 scale per `block` values (compressed KV); amax floor 6·2^-9."""
+    return _fake_quant(x, block, enabled,
+                       lambda amax: _round_e4m3(amax.clamp(min=FP4_MAX * 2.0**-9) / FP4_MAX), round_e2m1)
 
 
 def fp4_block_ue8m0(x: torch.Tensor, block: int = 32, enabled: bool = True) -> torch.Tensor:
-    """FP4 e2m1 with one power-of-two scale per `block` values (MXFP4 style; index q and k)."""
-    b = _blocks(x, block) if enabled else None
-    if b is None:
-        return x
-    amax = b.abs().amax(dim=-1, keepdim=True)
-    scale = _pow2_ceil(amax.clamp(min=FP4_MAX * 2.0**-126), FP4_MAX)
-    q = round_e2m1(b / scale)
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    """FP4 e2m1 with one power-of-two scale per `block` values (MXFP4 style; index q and k); floor 6·2^-126."""
+    return _fake_quant(x, block, enabled, lambda amax: _pow2_ceil(amax.clamp(min=FP4_MAX * 2.0**-126), FP4_MAX),
+                       round_e2m1)
