@@ -1,7 +1,7 @@
-"""`python -m dsv41.server serve ...`: the same command as `dsv41 serve`."""
+"""`python -m dsv41.server serve ...`: the same command as `dsv41 serve` (one entry point, one error format)."""
 
 import sys
 
-from .cli import main
+from ..cli import main
 
 sys.exit(main())

@@ -250,15 +250,3 @@ def serve_model(args, model=None) -> int:
     asyncio.run(main())
     sock.detach()  # hypercorn closed the descriptor it was handed
     return 0
-
-
-def main(argv=None) -> int:
-    """`python -m dsv41.server serve ...` (the same command as `dsv41 serve`)."""
-    parser = argparse.ArgumentParser(prog="dsv41")
-    register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except DSV41Error as exc:
-        print(f"dsv41: {exc}", file=sys.stderr)
-        return exc.exit_code
