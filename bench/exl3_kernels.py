@@ -26,6 +26,13 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from dsv41.kernels.exl3_cuda import (  # noqa: E402
+    MoeCudaConfig,
+    default_moe_config,
+    default_splits,
+    fused_matmul_cuda,
+    moe_forward_cuda,
+)
 from dsv41.kernels.exl3_matmul import MatmulConfig, default_config, fused_matmul  # noqa: E402
 from dsv41.kernels.exl3_moe import MoeConfig, moe_forward  # noqa: E402
 from dsv41.kernels.exl3_reconstruct import prefill_matmul  # noqa: E402
@@ -128,7 +135,16 @@ def make_copies(k: int, n: int, K: int, min_bytes: int) -> list[Exl3Tensor]:
     return out
 
 
-def time_ours(copies: list[Exl3Tensor], m: int, cfg: MatmulConfig) -> float:
+def time_ours(copies: list[Exl3Tensor], m: int, splits: int | None = None) -> float:
+    """The CUDA kernel (what the engine runs on NVIDIA GPUs); splits=None is the library default."""
+    x = torch.randn(m, copies[0].k, device="cuda").half()
+    outs = [torch.empty(m, c.n, device="cuda", dtype=torch.float16) for c in copies]
+    launches = [lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o) for c, o in zip(copies, outs)]
+    reps = max(1, 24 // len(launches))
+    return graph_time_us(launches * reps)
+
+
+def time_triton(copies: list[Exl3Tensor], m: int, cfg: MatmulConfig) -> float:
     x = torch.randn(m, copies[0].k, device="cuda").half()
     outs = [torch.empty(m, c.n, device="cuda", dtype=torch.float16) for c in copies]
     launches = [lambda c=c, o=o: fused_matmul(x, c, config=cfg, out=o) for c, o in zip(copies, outs)]
@@ -148,32 +164,17 @@ def time_dense(k: int, n: int, m: int) -> float:
     return t
 
 
-def sweep_configs(copies: list[Exl3Tensor], log) -> tuple[MatmulConfig, list]:
-    """Try split counts / tile depth / warps at m=1 and m=16; the config must not depend on m (row invariance)."""
-    base = default_config(copies[0])
-    k_blocks = copies[0].k // 128
-    split_options = sorted({max(1, base.splits // 2), base.splits, min(k_blocks, base.splits * 2)})
+def sweep_splits(copies: list[Exl3Tensor], log) -> list[dict]:
+    """CUDA kernel at m=1 and m=16 for several split-K counts (the count must not depend on m: row invariance)."""
+    k, n = copies[0].k, copies[0].n
+    options = sorted({default_splits(k, n, 132, b) for b in (0.5, 1, 2, 3, 4, 6, 8)})
     tried = []
-    # num_stages=2 was tried in the second run: 8-10x slower (the pipeliner stages gathered words in shared memory);
-    # (32, 8) and (64, 4) lost 2x there too. The pre-rotated variants compile to 128 / 116 registers for sm_90
-    # (against 255) and are the open question of docs/perf/exl3.md.
-    variants = [(32, 4, False), (64, 8, False), (32, 8, True), (64, 16, True)]
-    for bk, warps, prerotate in variants:
-        for splits in split_options:
-            cfg = MatmulConfig(splits=splits, block_k=bk, num_warps=warps, prerotate=prerotate)
-            try:
-                t1 = time_ours(copies, 1, cfg)
-                t16 = time_ours(copies, 16, cfg)
-            except Exception as exc:  # a config that fails to compile or launch is recorded, not fatal
-                log(f"    config {cfg} failed: {type(exc).__name__}: {exc}")
-                continue
-            tried.append({"splits": splits, "block_k": bk, "num_warps": warps, "prerotate": prerotate,
-                          "m1_us": t1, "m16_us": t16})
-            log(f"    {cfg}: m=1 {t1:.1f} us, m=16 {t16:.1f} us")
-    if not tried:
-        return base, tried
-    best = min(tried, key=lambda r: r["m1_us"] + 0.5 * r["m16_us"])
-    return MatmulConfig(best["splits"], best["block_k"], best["num_warps"], prerotate=best["prerotate"]), tried
+    for splits in options:
+        t1 = time_ours(copies, 1, splits)
+        t16 = time_ours(copies, 16, splits)
+        tried.append({"splits": splits, "m1_us": t1, "m16_us": t16})
+        log(f"    splits={splits}: m=1 {t1:.1f} us, m=16 {t16:.1f} us")
+    return tried
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,7 +182,7 @@ def sweep_configs(copies: list[Exl3Tensor], log) -> tuple[MatmulConfig, list]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def moe_bench(log, experts: int = 384, K: int = 3, cfg: MoeConfig | None = None) -> list[dict]:
+def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = False) -> list[dict]:
     def stack(k, n):
         trellis = torch.randint(-32768, 32768, (experts, k // 16, n // 16, 16 * K), dtype=torch.int32, device="cuda")
         suh = (torch.randn(experts, k, device="cuda") * 0.02).half()
@@ -191,13 +192,17 @@ def moe_bench(log, experts: int = 384, K: int = 3, cfg: MoeConfig | None = None)
     w1, w3, w2 = stack(5120, 2304), stack(5120, 2304), stack(2304, 5120)
     rows_out = []
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 4, 6):
+    for rows in ((1,) if triton else (1, 4, 6)):
         sets = []
         for _ in range(16):
             ids = torch.randperm(experts, generator=gen)[: rows * 6].view(rows, 6).cuda()
             sets.append((ids, torch.rand(rows, 6, generator=gen).cuda()))
         x = torch.randn(rows, 5120, device="cuda").half()
-        launches = [lambda ids=ids, wts=wts: moe_forward(x, ids, wts, w1, w3, w2, config=cfg) for ids, wts in sets]
+        if triton:
+            launches = [lambda ids=ids, wts=wts: moe_forward(x, ids, wts, w1, w3, w2, config=cfg) for ids, wts in sets]
+        else:
+            launches = [lambda ids=ids, wts=wts: moe_forward_cuda(x, ids, wts, w1, w3, w2, config=cfg)
+                        for ids, wts in sets]
         t = graph_time_us(launches)
         read_floor_bytes = rows * 6 * (w1.expert_nbytes + w3.expert_nbytes + w2.expert_nbytes)
         rows_out.append(
@@ -224,9 +229,8 @@ def crossover(log) -> list[dict]:
     out = []
     for k, n, K in ((5120, 2304, 3), (8192, 5120, 5)):
         copies = make_copies(k, n, K, 2 * L2_BYTES)
-        cfg = default_config(copies[0])
         for m in (16, 32, 64, 128, 256, 512):
-            t_fused = time_ours(copies, m, cfg)
+            t_fused = time_ours(copies, m)
             x = torch.randn(m, k, device="cuda").half()
             launches = [lambda c=c: prefill_matmul(x, c, out_dtype=torch.float16) for c in copies]
             t_prefill = graph_time_us(launches * max(1, 8 // len(launches)))
@@ -256,9 +260,9 @@ def plot(results: dict, path: Path) -> None:
         ms = [r["m"] for r in rows]
         ours = [(r["m"], r["ours_gbps"]) for r in rows if r["ours_us"]]
         if ours:
-            ax.plot(*zip(*ours), "o-", label="dsv41 Triton, dp4a PTX")
-        ax.plot(ms, [r["weight_bytes"] / r["ours_portable_us"] / 1e3 for r in rows], "x-",
-                label="dsv41 Triton, portable")
+            ax.plot(*zip(*ours), "o-", label="dsv41 CUDA (fragment decode)")
+        ax.plot(ms, [r["weight_bytes"] / r["triton_us"] / 1e3 for r in rows], "x-",
+                label="dsv41 Triton (portable path)")
         ax.plot(ms, [r["weight_bytes"] / r["dense_us"] / 1e3 for r in rows], "s--",
                 label="dense bf16 cuBLAS (same matrix)")
         q = [(r["m"], r["weight_bytes"] / r["exllamav3_quoted_us"] / 1e3) for r in rows if r.get("exllamav3_quoted_us")]
@@ -311,63 +315,59 @@ def main() -> None:
         copies = make_copies(k, n, K, 4 * L2_BYTES)
         shape = f"{k}x{n}"
         log(f"{name} {shape} K={K}: {len(copies)} copies of {copies[0].nbytes / 1e6:.1f} MB")
-        cfg = default_config(copies[0])
+        splits = default_splits(k, n, torch.cuda.get_device_properties(0).multi_processor_count)
+        results["configs"][f"{shape}/K{K}"] = {"splits": splits}
         if args.sweep:
-            cfg, tried = sweep_configs(copies, log)
-            results["configs"][f"{shape}/K{K}"] = {"chosen": cfg.__dict__, "tried": tried}
-        else:
-            results["configs"][f"{shape}/K{K}"] = {"chosen": cfg.__dict__}
+            results["configs"][f"{shape}/K{K}"]["tried"] = sweep_splits(copies, log)
+        triton_cfg = default_config(copies[0])
         for m in ROWS:
-            os.environ["DSV41_EXL3_NO_ASM"] = "1"
-            portable = time_ours(copies, m, cfg)
-            del os.environ["DSV41_EXL3_NO_ASM"]
-            try:
-                ours = time_ours(copies, m, cfg)
-            except Exception as exc:  # keep the portable numbers if the PTX variant fails
-                log(f"  PTX variant failed: {type(exc).__name__}: {exc}")
-                ours = None
+            ours = time_ours(copies, m)
+            tri = time_triton(copies, m, triton_cfg)
             dense = time_dense(k, n, m)
             nbytes = copies[0].nbytes
-            best = ours or portable
             row = {
                 "name": name,
                 "shape": shape,
                 "K": K,
                 "m": m,
                 "ours_us": ours,
-                "ours_portable_us": portable,
+                "triton_us": tri,
                 "exllamav3_us": None,
                 "exllamav3_quoted_us": EXL3_QUOTED.get((shape, K), {}).get(m),
                 "dense_us": dense,
                 "weight_bytes": nbytes,
-                "ours_gbps": nbytes / best / 1e3,
-                "ours_pct_read_ceiling": 100 * nbytes / best / 1e3 / ceiling["read_gbps"],
-                "ours_tweights_per_s": k * n / best / 1e6,
+                "ours_gbps": nbytes / ours / 1e3,
+                "ours_pct_read_ceiling": 100 * nbytes / ours / 1e3 / ceiling["read_gbps"],
+                "ours_tweights_per_s": k * n / ours / 1e6,
             }
             results["rows"].append(row)
-            log(f"  m={m}: ours {best:.1f} us ({row['ours_gbps']:.0f} GB/s, {row['ours_pct_read_ceiling']:.0f}%), "
-                f"portable {portable:.1f} us, dense bf16 {dense:.1f} us")
+            log(f"  m={m}: ours {ours:.1f} us ({row['ours_gbps']:.0f} GB/s, {row['ours_pct_read_ceiling']:.0f}%, "
+                f"{row['ours_tweights_per_s']:.2f} T w/s), triton {tri:.1f} us, dense bf16 {dense:.1f} us")
         del copies
         torch.cuda.empty_cache()
         out_path.write_text(json.dumps(results, indent=1))
     moe_rows = []
-    for moe_cfg in (MoeConfig(), MoeConfig(splits_gate_up=4, splits_down=2, block_k=64, num_warps=8)):
-        log(f"MoE config {moe_cfg}")
+    configs = [None] + ([MoeCudaConfig(2, 1), MoeCudaConfig(4, 2), MoeCudaConfig(8, 3)] if args.sweep else [])
+    for moe_cfg in configs:
+        log(f"MoE CUDA config {moe_cfg or 'default'}")
         for row in moe_bench(log, cfg=moe_cfg):
-            row["config"] = moe_cfg.__dict__
+            row["config"] = (moe_cfg or default_moe_config(5120, 2304)).__dict__
+            row["default"] = moe_cfg is None
             moe_rows.append(row)
     results["moe_all_configs"] = moe_rows
-    results["moe"] = [min((r for r in moe_rows if r["rows"] == rows), key=lambda r: r["ours_us"]) for rows in (1, 4, 6)]
+    results["moe"] = [r for r in moe_rows if r["default"]]
+    tri_moe = moe_bench(log, cfg=MoeConfig(), triton=True)
+    results["moe_triton"] = tri_moe
     out_path.write_text(json.dumps(results, indent=1))
     if not args.skip_crossover:
         results["crossover"] = crossover(log)
         out_path.write_text(json.dumps(results, indent=1))
     plot(results, out_path.with_suffix(".png"))
     log(f"wrote {out_path} and {out_path.with_suffix('.png')}")
-    print("\nshape        K  m   ours_us  portable  dense_us  exl3(quoted)  %ceiling")
+    print("\nshape        K  m   ours_us    triton  dense_us  exl3(quoted)  %ceiling")
     for r in results["rows"]:
         q = r["exllamav3_quoted_us"]
-        print(f"{r['shape']:<12} {r['K']} {r['m']:>2} {r['ours_us'] or float('nan'):9.1f} {r['ours_portable_us']:9.1f} "
+        print(f"{r['shape']:<12} {r['K']} {r['m']:>2} {r['ours_us']:9.1f} {r['triton_us']:9.1f} "
               f"{r['dense_us']:9.1f} {q if q else '-':>12} {r['ours_pct_read_ceiling']:8.1f}")
     for r in results["moe"]:
         print(f"MoE rows={r['rows']} experts={r['experts']}: {r['ours_us']:.1f} us (ExLlamaV3 quoted "

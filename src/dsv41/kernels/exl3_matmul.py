@@ -25,8 +25,10 @@ from dsv41.kernels.exl3_common import (
     hadamard_signs,
     rotate_input_kernel,
     rotate_rows_fp32,
+    use_cuda_backend,
     use_inline_asm,
 )
+from dsv41.kernels.exl3_cuda import fused_matmul_cuda
 from dsv41.kernels.layout import Exl3Tensor
 
 BLOCK_M = 16
@@ -177,7 +179,13 @@ def fused_matmul(
     config: MatmulConfig | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`y = x @ W_eff` for x `[m, k]` (fp16; bf16/fp32 are rounded to fp16 first, as ExLlamaV3 requires)."""
+    """`y = x @ W_eff` for x `[m, k]` (fp16; bf16/fp32 are rounded to fp16 first, as ExLlamaV3 requires).
+
+    Runs the CUDA kernel (exl3_cuda) on NVIDIA GPUs unless a Triton `config` is given or
+    DSV41_EXL3_BACKEND=triton; the Triton kernel elsewhere (and in the CPU interpreter).
+    """
+    if config is None and use_cuda_backend(x.device):
+        return fused_matmul_cuda(x, weight, out_dtype=out_dtype, out=out)
     if x.dim() != 2 or x.shape[1] != weight.k:
         raise ValueError(f"x must be [m, {weight.k}], got {list(x.shape)}")
     if x.stride(1) != 1:

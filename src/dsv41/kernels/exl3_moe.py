@@ -26,8 +26,10 @@ from dsv41.kernels.exl3_common import (
     accumulate_kslice,
     hadamard_signs,
     rotate_rows_fp32,
+    use_cuda_backend,
     use_inline_asm,
 )
+from dsv41.kernels.exl3_cuda import moe_forward_cuda
 from dsv41.kernels.layout import Exl3ExpertStack
 
 MAX_ROWS = 16
@@ -288,6 +290,8 @@ def moe_forward(
     x `[T, hidden]` (rounded to fp16 at the input rotation), topk_ids `[T, topk]` int, topk_weights `[T, topk]`.
     Windows of more than 16 rows run as consecutive 16-row windows (same bits per row).
     """
+    if config is None and use_cuda_backend(x.device):
+        return moe_forward_cuda(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit, out_dtype)
     cfg = config or MoeConfig()
     T, hidden = x.shape
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:

@@ -1,0 +1,611 @@
+// dsv41 EXL3 kernels for decode/verify windows (m <= 16 rows): fused matmul and routed-expert MoE.
+//
+// Format: ../../../../../shared/spec/EXL3-ENGRAM.md §1-2 (a 16x16 tile is 8K uint32 words, MSB-first stream,
+// 16-bit tail-biting windows, tensor-core permutation). Stream positions 8l..8l+7 of a tile belong to lane l and
+// are exactly that lane's share of one 16x16 mma operand, so every lane decodes its 8 weights from 2-4 words and
+// feeds them to the tensor core without any shared-memory shuffle:
+//   the weight tile goes in as the A operand of mma.m16n8k16 (A = W^T: 16 output columns x 16 inputs), and
+//   up to 8 input rows go in as the B operand (16 inputs x 8 rows); a second mma covers rows 8..15.
+//
+// Compiled once per (K, codebook) with -DEXL3_K=<1..8> -DEXL3_CB=<0 3inst | 1 mcg | 2 mul1>; no headers, so NVRTC
+// and nvcc both take it as is. Only sm_80 instructions (mma.sync, cp.async, dp4a, f16x2 arithmetic): the same
+// source runs on Hopper (sm_90) and GB10 (sm_121).
+//
+// Row invariance: a row's result comes from its own B column of each mma (the tensor core computes every output
+// element from its own row and column), the k order of accumulation is fixed by the matrix shape, and split-K
+// partials are summed in split order by whichever block arrives last. So a row's bits depend neither on the other
+// rows nor on m, and repeated launches are bitwise identical (no float atomics).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#ifndef EXL3_K
+#error "compile with -DEXL3_K=<bits per weight>"
+#endif
+#ifndef EXL3_CB
+#error "compile with -DEXL3_CB=<0|1|2>"
+#endif
+
+#define K EXL3_K
+#define CB EXL3_CB
+#define TW (8 * K)                          // words per 16x16 tile
+#define WARPS 8                             // warp w owns tile column w of a 128-column block
+#define NTHREADS (WARPS * 32)
+#define KR 4                                // tile rows per pipeline stage
+#define STAGES 4
+#define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
+#define STAGE_WORDS (KR * ROW_WORDS)
+#define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
+#define NW_SPAN ((31 + 7 * K + 16 + 31) / 32)
+#define NW (NW_SPAN > NA + 1 ? NW_SPAN : NA + 1)  // words a lane reads per tile (its bits start at any offset)
+#define YS_STRIDE 132                        // fp32 row stride of the epilogue tile (128 + 4 against bank conflicts)
+#define INV_SQRT128 0.08838834764831845f
+#define SMEM_INTS 128
+
+// ------------------------------------------------------------------------------------------------------------
+// small PTX helpers (no cuda_fp16.h: the same text compiles under NVRTC without include paths)
+// ------------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ u32 shf_l(u32 lo, u32 hi, u32 s) {
+    // upper 32 bits of (hi:lo) << s
+    u32 d;
+    asm("shf.l.wrap.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(s));
+    return d;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+}
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+    float f;
+    asm("{.reg .b16 t; mov.b16 t, %1; cvt.f32.f16 %0, t;}" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 float_to_half(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{.reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t;}" : "=r"(a) : "l"(p));
+    return a;
+}
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait_stages() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2)); }
+
+__device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// decode: a lane's 8 consecutive stream positions -> the 4 f16x2 registers of its A fragment
+// ------------------------------------------------------------------------------------------------------------
+
+// Two codebook values packed as f16x2 (first state in the low half).
+__device__ __forceinline__ u32 codebook_pair(u32 s0, u32 s1) {
+#if CB == 2
+    // MUL1: dp4a sums the 4 bytes of s*0x83DCD12D into the mantissa of fp16 1024 (0x6400); one f16x2 FMA then
+    // applies *fp16(0x1EEE) + fp16(0xC931) with a single rounding, as the reference kernel does (§2.1).
+    u32 h0, h1, v;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(h0) : "r"(s0 * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(h1) : "r"(s1 * 0x83DCD12Du), "r"(0x01010101u), "r"(0x6400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(v) : "r"(prmt(h0, h1, 0x5410u)), "r"(0x1EEE1EEEu), "r"(0xC931C931u));
+    return v;
+#else
+#if CB == 0
+    u32 x0 = s0 * 89226354u + 64248484u, x1 = s1 * 89226354u + 64248484u;   // 3INST
+#else
+    u32 x0 = s0 * 0xCBAC1FEDu, x1 = s1 * 0xCBAC1FEDu;                         // MCG
+#endif
+    x0 = (x0 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    x1 = (x1 & 0x8FFF8FFFu) ^ 0x3B603B60u;
+    // value = fp16(low half) + fp16(high half), one fp16 addition per state: add the lows to the highs pairwise.
+    u32 v;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(v) : "r"(prmt(x0, x1, 0x5410u)), "r"(prmt(x0, x1, 0x7632u)));
+    return v;
+#endif
+}
+
+// State j of the lane = bits [jK, jK + 16) of its re-aligned stream a[] (MSB first); offsets are compile-time.
+template <int J>
+__device__ __forceinline__ u32 state_at(const u32* a) {
+    constexpr int o = J * K, q = o >> 5, r = o & 31;
+    if constexpr (r + 16 <= 32) return (a[q] >> (16 - r)) & 0xFFFFu;
+    else return shf_l(a[q + 1], a[q], r) >> 16;
+}
+
+// tile: the tile's first word in shared memory; off[]: this lane's word indices; sh: its bit offset.
+__device__ __forceinline__ void decode_tile(const u32* tile, const int* off, u32 sh, u32* frag) {
+    u32 w[NW];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = tile[off[i]];
+    u32 a[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) a[i] = shf_l(w[i + 1], w[i], sh);
+    // Stream position j of lane (g, t) is element (k = 2t + (j&1) + 8((j>>1)&1), n = g + 8(j>>2)) of the tile;
+    // A fragment registers hold (n=g, k=2t..+1), (n=g+8, k=2t..+1), (n=g, k=2t+8..+9), (n=g+8, k=2t+8..+9).
+    frag[0] = codebook_pair(state_at<0>(a), state_at<1>(a));
+    frag[1] = codebook_pair(state_at<4>(a), state_at<5>(a));
+    frag[2] = codebook_pair(state_at<2>(a), state_at<3>(a));
+    frag[3] = codebook_pair(state_at<6>(a), state_at<7>(a));
+}
+
+__device__ __forceinline__ void lane_offsets(int lane, int* off, u32* sh) {
+    // The lane's windows end at bits (8l+1)K .. (8l+8)K; the first one starts 16 bits before (tail-biting ring).
+    const int start = (8 * lane * K + K - 16 + 256 * K) % (256 * K);
+    const int i0 = start >> 5;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) off[i] = (i0 + i) % TW;
+    *sh = (u32)(start & 31);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// 128-point Hadamard across a warp: lane holds elements 4*lane .. 4*lane+3 of one row, fp32
+// ------------------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void hadamard128(float* v, int lane) {
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+        const bool upper = (lane & s) != 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float o = __shfl_xor_sync(0xffffffffu, v[e], s);
+            v[e] = upper ? o - v[e] : v[e] + o;
+        }
+    }
+}
+
+__device__ __forceinline__ float load_as_half(const void* p, long long i, int dtype) {
+    // the input rounded to fp16 first, as ExLlamaV3 takes fp16 activations (dtype 0 fp16, 1 bf16, 2 fp32)
+    if (dtype == 0) return half_to_float(((const u16*)p)[i]);
+    const float f = dtype == 1 ? __uint_as_float(((u32)((const u16*)p)[i]) << 16) : ((const float*)p)[i];
+    return half_to_float(float_to_half(f));
+}
+
+__device__ __forceinline__ void store_value(void* p, long long i, int dtype, float v) {
+    if (dtype == 2) ((float*)p)[i] = v;
+    else if (dtype == 0) ((u16*)p)[i] = float_to_half(v);
+    else ((u16*)p)[i] = float_to_bf16(v);
+}
+
+// xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for the block's rows.
+// src[row] < 0 marks a padding row (zeros). One warp per (row, 128-block).
+template <int ROWS>
+__device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, const void* x, int ldx, int x_dtype,
+                                             const int* src, const u16* suh, int k0, int nkb, int warp, int lane) {
+    for (int unit = warp; unit < ROWS * nkb; unit += WARPS) {
+        const int row = unit / nkb, kb = unit - row * nkb;
+        const int col = kb * 128 + 4 * lane;
+        u32 packed[2] = {0u, 0u};
+        if (src[row] >= 0) {
+            float v[4];
+            const long long base = (long long)src[row] * ldx + k0 + col;
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
+                v[e] = half_to_float(float_to_half(load_as_half(x, base + e, x_dtype) * half_to_float(suh[k0 + col + e])));
+            }
+            hadamard128(v, lane);
+            packed[0] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
+            packed[1] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
+        }
+        u32* dst = (u32*)(xs + row * xs_stride + col);
+        dst[0] = packed[0];
+        dst[1] = packed[1];
+    }
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// the main loop: one block = 128 output columns x a k slice x up to ROWS input rows
+// ------------------------------------------------------------------------------------------------------------
+
+struct Smem {
+    u32* stages;   // [STAGES][KR][8 tiles][TW]
+    u16* xs;       // [ROWS][xs_stride] rotated input, fp16
+    float* ys;     // [ROWS][YS_STRIDE] fp32 block result (epilogue)
+    int* ints;     // [SMEM_INTS]: 0..15 source row per block row, 16..31 MoE slot per block row, 32 flag,
+                   // 64..71 per-warp counts
+};
+
+template <int ROWS>
+__device__ __forceinline__ Smem carve(void* base, int xs_stride) {
+    Smem s;
+    s.stages = (u32*)base;
+    s.ys = (float*)(s.stages + STAGES * STAGE_WORDS);
+    s.xs = (u16*)(s.ys + ROWS * YS_STRIDE);
+    s.ints = (int*)(s.xs + ROWS * xs_stride);
+    return s;
+}
+
+__host__ __device__ constexpr int smem_bytes_for(int rows, int xs_stride) {
+    return (STAGES * STAGE_WORDS + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4;
+}
+
+// Loads tile rows [r0, r0 + KR) of the column block into a stage buffer (16-byte cp.async, all threads).
+__device__ __forceinline__ void load_stage(u32* stage, const u32* col_block, long long row_stride_words, int r0,
+                                           int rows_total) {
+    constexpr int CHUNKS_PER_ROW = ROW_WORDS / 4;
+    const u32 base = smem_addr(stage);
+    for (int c = threadIdx.x; c < KR * CHUNKS_PER_ROW; c += NTHREADS) {
+        const int r = c / CHUNKS_PER_ROW, w = (c - r * CHUNKS_PER_ROW) * 4;
+        if (r0 + r < rows_total) cp_async16(base + (r * ROW_WORDS + w) * 4, col_block + (r0 + r) * row_stride_words + w);
+    }
+}
+
+// acc += xh[rows, kslice] @ W_q[kslice, column block] for this warp's tile column.
+// acc[0..3]: rows 2t, 2t+1 at columns g and g+8 of the tile (mma C layout); acc[4..7] the same for rows 8+.
+template <int ROWS>
+__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, const u32* col_block,
+                                          long long row_stride_words, int tile_rows, int warp, int lane) {
+    int off[NW];
+    u32 sh;
+    lane_offsets(lane, off, &sh);
+    const int g = lane >> 2, t = lane & 3;
+    const int n_stages = (tile_rows + KR - 1) / KR;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_stages) load_stage(sm.stages + s * STAGE_WORDS, col_block, row_stride_words, s * KR, tile_rows);
+        cp_async_commit();
+    }
+    for (int it = 0; it < n_stages; ++it) {
+        cp_async_wait_stages();
+        __syncthreads();  // stage `it` visible to all; stage it-1 no longer read by anyone
+        const int next = it + STAGES - 1;
+        if (next < n_stages)
+            load_stage(sm.stages + (next % STAGES) * STAGE_WORDS, col_block, row_stride_words, next * KR, tile_rows);
+        cp_async_commit();
+        const u32* stage = sm.stages + (it % STAGES) * STAGE_WORDS;
+#pragma unroll
+        for (int r = 0; r < KR; ++r) {
+            const int tr = it * KR + r;
+            if (tr < tile_rows) {
+                u32 frag[4];
+                decode_tile(stage + (r * 8 + warp) * TW, off, sh, frag);
+                const u16* xk = sm.xs + tr * 16 + 2 * t;
+                const u32 b0 = *(const u32*)(xk + g * xs_stride), b1 = *(const u32*)(xk + g * xs_stride + 8);
+                mma_16816(acc, frag, b0, b1);
+                if (ROWS == 16) {
+                    const u32 c0 = *(const u32*)(xk + (g + 8) * xs_stride), c1 = *(const u32*)(xk + (g + 8) * xs_stride + 8);
+                    mma_16816(acc + 4, frag, c0, c1);
+                }
+            }
+        }
+    }
+    asm volatile("cp.async.wait_all;");
+    __syncthreads();
+}
+
+// The warp's accumulators into ys[row][col] (block-local columns).
+template <int ROWS>
+__device__ __forceinline__ void stash_acc(const float* acc, float* ys, int warp, int lane) {
+    const int g = lane >> 2, t = lane & 3, c = warp * 16 + g;
+#pragma unroll
+    for (int h = 0; h < ROWS / 8; ++h) {
+        const int r = h * 8 + 2 * t;
+        ys[r * YS_STRIDE + c] = acc[4 * h + 0];
+        ys[(r + 1) * YS_STRIDE + c] = acc[4 * h + 1];
+        ys[r * YS_STRIDE + c + 8] = acc[4 * h + 2];
+        ys[(r + 1) * YS_STRIDE + c + 8] = acc[4 * h + 3];
+    }
+}
+
+// k slice of split sp out of `splits` (whole 128-blocks, as even as possible; depends only on the shape).
+__device__ __forceinline__ void kslice(int k, int sp, int splits, int* kb_lo, int* nkb) {
+    const int kbs = k / 128;
+    *kb_lo = sp * kbs / splits;
+    *nkb = (sp + 1) * kbs / splits - *kb_lo;
+}
+
+// Sum of split partials (in split order) for one row's 4 columns at `col`, read past L1 (other SMs wrote them).
+__device__ __forceinline__ void sum_partials(const float* part, long long split_stride, long long i, int splits,
+                                             float* v) {
+    v[0] = v[1] = v[2] = v[3] = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        float a, b, c, d;
+        asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+                     : "=f"(a), "=f"(b), "=f"(c), "=f"(d)
+                     : "l"(part + s * split_stride + i));
+        v[0] += a; v[1] += b; v[2] += c; v[3] += d;
+    }
+}
+
+// Arrival ticket: true in the one block that finishes last for this counter (then the counter is reset).
+__device__ __forceinline__ bool last_to_arrive(int* counter, int expected, int* shared_flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int ticket = atomicAdd(counter, 1);
+        const bool last = ticket == expected - 1;
+        if (last) *counter = 0;  // ready for the next launch (graph replays included)
+        *shared_flag = last;
+    }
+    __syncthreads();
+    if (*shared_flag) __threadfence();
+    return *shared_flag != 0;
+}
+
+// One block's share: rows sm.ints[0..ROWS) (source row per block row, -1 = padding) of x through the k slice
+// [kb_lo, kb_lo + nkb) of a 128-column block; leaves the fp32 block result (before the output rotation) in sm.ys.
+template <int ROWS>
+__device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, const void* x, int ldx, int x_dtype,
+                                              const u32* trellis, const u16* suh, int n, int cb, int kb_lo, int nkb) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    rotate_input<ROWS>(sm.xs, xs_stride, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    // (the main loop's first barrier orders these stores before any B-fragment read)
+    const long long row_stride_words = (long long)(n / 16) * TW;
+    const u32* col_block = trellis + (long long)kb_lo * 8 * row_stride_words + (long long)cb * ROW_WORDS;
+    float acc[ROWS / 2];
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
+    main_loop<ROWS>(acc, sm, xs_stride, col_block, row_stride_words, nkb * 8, warp, lane);
+    stash_acc<ROWS>(acc, sm.ys, warp, lane);
+    __syncthreads();
+}
+
+// Block rows [0, rows) of sm.ys -> dst[r * ld + col0 .. + 128) (fp32 partials).
+__device__ __forceinline__ void store_partial(const float* ys, float* dst, long long ld, int rows) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < rows; r += WARPS) {
+        const float* src = ys + r * YS_STRIDE + 4 * lane;
+        *(float4*)(dst + r * ld + 4 * lane) = make_float4(src[0], src[1], src[2], src[3]);
+    }
+}
+
+// Output rotation and svh for 4 columns of one row (v in, y out).
+__device__ __forceinline__ void rotate_output(float* v, const u16* svh_block, int lane) {
+    hadamard128(v, lane);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] *= INV_SQRT128 * half_to_float(svh_block[4 * lane + e]);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// fused linear: y[m, n] = x[m, k] @ W_eff
+// grid (n/128, splits); partials [splits][ROWS][n] fp32; counters [n/128]
+// ------------------------------------------------------------------------------------------------------------
+
+template <int ROWS>
+__device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
+                                            const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
+                                            float* part, int* counters, int k, int n, int splits, int xs_stride) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm = carve<ROWS>(smem_raw, xs_stride);
+    const int cb = blockIdx.x, sp = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int kb_lo, nkb;
+    kslice(k, sp, splits, &kb_lo, &nkb);
+    if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = (int)threadIdx.x < m ? (int)threadIdx.x : -1;
+    __syncthreads();
+    block_product<ROWS>(sm, xs_stride, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
+
+    const long long split_stride = (long long)ROWS * n;
+    if (splits > 1) {
+        store_partial(sm.ys, part + sp * split_stride + cb * 128, n, m);
+        if (!last_to_arrive(counters + cb, splits, sm.ints + 32)) return;
+    }
+    for (int r = warp; r < m; r += WARPS) {
+        float v[4];
+        if (splits > 1) {
+            sum_partials(part, split_stride, (long long)r * n + cb * 128 + 4 * lane, splits, v);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = sm.ys[r * YS_STRIDE + 4 * lane + e];
+        }
+        rotate_output(v, svh + cb * 128, lane);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
+    }
+}
+
+#define LINEAR_ARGS                                                                                          \
+    const void *x, int ldx, int x_dtype, int m, const u32 *trellis, const u16 *suh, const u16 *svh, void *y, \
+        int ldy, int y_dtype, float *part, int *counters, int k, int n, int splits, int xs_stride
+#define LINEAR_PASS x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
+
+// ------------------------------------------------------------------------------------------------------------
+// routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i
+//
+// Every launch has one block row per slot; a slot's block works only if the slot is the first one (in slot order)
+// that picked its expert (the expert's "leader"), and then handles all slots that picked it, in slot order.
+// Nothing is read back to the host: the launch shapes depend on T and topk only (graph-capturable).
+// ------------------------------------------------------------------------------------------------------------
+
+// Sets sm.ints[0..ROWS) to the slots that picked the same expert as `leader` (padding -1) and returns their
+// count, or -1 if an earlier slot picked that expert (this block has nothing to do). Needs n_slots <= NTHREADS.
+template <int ROWS>
+__device__ __forceinline__ int expert_slots(const int* ids, int n_slots, int leader, int* ints, int* expert) {
+    const int j = threadIdx.x, warp = j >> 5, lane = j & 31;
+    const int e = ids[leader];
+    const int mine = j < n_slots ? ids[j] : -1;
+    if (__syncthreads_or(j < leader && mine == e)) return -1;
+    const u32 ballot = __ballot_sync(0xffffffffu, mine == e);
+    if (lane == 0) ints[64 + warp] = __popc(ballot);
+    if (j < ROWS) ints[16 + j] = -1;
+    __syncthreads();
+    if (mine == e) {
+        int pos = __popc(ballot & ((1u << lane) - 1u));
+        for (int w = 0; w < warp; ++w) pos += ints[64 + w];
+        if (pos < ROWS) ints[16 + pos] = j;
+    }
+    int count = 0;
+    for (int w = 0; w < WARPS; ++w) count += ints[64 + w];
+    __syncthreads();
+    *expert = e;
+    return count < ROWS ? count : ROWS;
+}
+
+// Launch 1: gate and up. grid (n_slots, 2 * n1/128, splits): blockIdx.y = 2 * column block + (0 gate | 1 up).
+// Partials [n_slots][splits][2][ROWS][n1]; the last of the 2*splits blocks of (leader, column block) applies the
+// rotations, svh, the clamped SwiGLU and the routing weight and writes h[slot][n1] in fp16.
+template <int ROWS>
+__device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_dtype, int topk, const int* ids,
+                                                 const float* route, int n_slots, const u32* w1, const u16* suh1,
+                                                 const u16* svh1, const u32* w3, const u16* suh3, const u16* svh3,
+                                                 long long expert_words, u16* h, float* part, int* counters, int k1,
+                                                 int n1, int splits, int xs_stride, float limit) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm = carve<ROWS>(smem_raw, xs_stride);
+    const int leader = blockIdx.x, cb = blockIdx.y >> 1, up = blockIdx.y & 1, sp = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int e;
+    const int rows = expert_slots<ROWS>(ids, n_slots, leader, sm.ints, &e);
+    if (rows < 0) return;
+    // block rows read x at their slot's token
+    if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = sm.ints[16 + threadIdx.x] >= 0 ? sm.ints[16 + threadIdx.x] / topk : -1;
+    __syncthreads();
+    int kb_lo, nkb;
+    kslice(k1, sp, splits, &kb_lo, &nkb);
+    const u32* w = (up ? w3 : w1) + e * expert_words;
+    const u16* suh = (up ? suh3 : suh1) + (long long)e * k1;
+    block_product<ROWS>(sm, xs_stride, x, ldx, x_dtype, w, suh, n1, cb, kb_lo, nkb);
+
+    const long long split_stride = 2LL * ROWS * n1;
+    float* base = part + (long long)leader * splits * split_stride;
+    store_partial(sm.ys, base + sp * split_stride + up * (long long)ROWS * n1 + cb * 128, n1, rows);
+    if (!last_to_arrive(counters + leader * (n1 / 128) + cb, 2 * splits, sm.ints + 32)) return;
+    for (int r = warp; r < rows; r += WARPS) {
+        float g[4], u[4];
+        sum_partials(base, split_stride, (long long)r * n1 + cb * 128 + 4 * lane, splits, g);
+        sum_partials(base + (long long)ROWS * n1, split_stride, (long long)r * n1 + cb * 128 + 4 * lane, splits, u);
+        rotate_output(g, svh1 + (long long)e * n1 + cb * 128, lane);
+        rotate_output(u, svh3 + (long long)e * n1 + cb * 128, lane);
+        const int slot = sm.ints[16 + r];
+        const float weight = route[slot];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float gi = fminf(g[i], limit), ui = fminf(fmaxf(u[i], -limit), limit);
+            const float act = gi / (1.0f + expf(-gi)) * ui * weight;
+            h[(long long)slot * n1 + cb * 128 + 4 * lane + i] = float_to_half(act);
+        }
+    }
+}
+
+// Launch 2: down. grid (n_slots, n2/128, splits). The leader's last split block writes each of its slots'
+// rows to y[slot][n2] (fp32); the block that completes the column block for all n_slots slots sums every token's
+// topk rows in slot order into out.
+template <int ROWS>
+__device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int n_slots, int T, int topk,
+                                              const u32* w2, const u16* suh2, const u16* svh2, long long expert_words,
+                                              float* yslots, void* out, int ldo, int out_dtype, float* part,
+                                              int* counters, int* counters_out, int k2, int n2, int splits,
+                                              int xs_stride) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm = carve<ROWS>(smem_raw, xs_stride);
+    const int leader = blockIdx.x, cb = blockIdx.y, sp = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int e;
+    const int rows = expert_slots<ROWS>(ids, n_slots, leader, sm.ints, &e);
+    if (rows < 0) return;
+    // h rows are indexed by slot
+    if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = sm.ints[16 + threadIdx.x];
+    __syncthreads();
+    int kb_lo, nkb;
+    kslice(k2, sp, splits, &kb_lo, &nkb);
+    block_product<ROWS>(sm, xs_stride, h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2, cb, kb_lo, nkb);
+
+    const long long split_stride = (long long)ROWS * n2;
+    float* base = part + (long long)leader * splits * split_stride;
+    store_partial(sm.ys, base + sp * split_stride + cb * 128, n2, rows);
+    if (!last_to_arrive(counters + leader * (n2 / 128) + cb, splits, sm.ints + 32)) return;
+    for (int r = warp; r < rows; r += WARPS) {
+        float v[4];
+        sum_partials(base, split_stride, (long long)r * n2 + cb * 128 + 4 * lane, splits, v);
+        rotate_output(v, svh2 + (long long)e * n2 + cb * 128, lane);
+        *(float4*)(yslots + (long long)sm.ints[16 + r] * n2 + cb * 128 + 4 * lane) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    // count this expert's slots in; the block that brings the count to n_slots sums the column block
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int before = atomicAdd(counters_out + cb, rows);
+        const bool last = before + rows == n_slots;
+        if (last) counters_out[cb] = 0;
+        sm.ints[32] = last;
+    }
+    __syncthreads();
+    if (!sm.ints[32]) return;
+    __threadfence();
+    for (int t = warp; t < T; t += WARPS) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < topk; ++i) {
+            float a, b, c, d;
+            asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+                         : "=f"(a), "=f"(b), "=f"(c), "=f"(d)
+                         : "l"(yslots + (long long)(t * topk + i) * n2 + cb * 128 + 4 * lane));
+            v[0] += a; v[1] += b; v[2] += c; v[3] += d;
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) store_value(out, (long long)t * ldo + cb * 128 + 4 * lane + q, out_dtype, v[q]);
+    }
+}
+
+#define GATE_UP_ARGS                                                                                            \
+    const void *x, int ldx, int x_dtype, int topk, const int *ids, const float *route, int n_slots,             \
+        const u32 *w1, const u16 *suh1, const u16 *svh1, const u32 *w3, const u16 *suh3, const u16 *svh3,       \
+        long long expert_words, u16 *h, float *part, int *counters, int k1, int n1, int splits, int xs_stride, \
+        float limit
+#define GATE_UP_PASS                                                                                        \
+    x, ldx, x_dtype, topk, ids, route, n_slots, w1, suh1, svh1, w3, suh3, svh3, expert_words, h, part, counters, \
+        k1, n1, splits, xs_stride, limit
+#define DOWN_ARGS                                                                                               \
+    const u16 *h, const int *ids, int n_slots, int T, int topk, const u32 *w2, const u16 *suh2, const u16 *svh2, \
+        long long expert_words, float *yslots, void *out, int ldo, int out_dtype, float *part, int *counters,    \
+        int *counters_out, int k2, int n2, int splits, int xs_stride
+#define DOWN_PASS                                                                                              \
+    h, ids, n_slots, T, topk, w2, suh2, svh2, expert_words, yslots, out, ldo, out_dtype, part, counters,       \
+        counters_out, k2, n2, splits, xs_stride
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_gate_up_r8(GATE_UP_ARGS) { moe_gate_up_body<8>(GATE_UP_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_gate_up_r16(GATE_UP_ARGS) { moe_gate_up_body<16>(GATE_UP_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_down_r8(DOWN_ARGS) { moe_down_body<8>(DOWN_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_down_r16(DOWN_ARGS) { moe_down_body<16>(DOWN_PASS); }
+
+// ------------------------------------------------------------------------------------------------------------
+// decode only (tests and tools): W_q[k, n] fp16 from the trellis through the same fragment decode, one warp per tile
+// ------------------------------------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_decode(const u32* trellis, u16* out, int k, int n) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int tiles_n = n / 16;
+    const long long tile = (long long)blockIdx.x * WARPS + warp;
+    if (tile >= (long long)(k / 16) * tiles_n) return;
+    const int tk = (int)(tile / tiles_n), tn = (int)(tile - (long long)tk * tiles_n);
+    int off[NW];
+    u32 sh;
+    lane_offsets(lane, off, &sh);
+    u32 frag[4];
+    decode_tile(trellis + tile * TW, off, sh, frag);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        // A fragment register q holds (n = g + 8(q&1), k = 2t + 8(q>>1)) and k + 1
+        const long long col = 16LL * tn + g + 8 * (q & 1);
+        const long long row = 16LL * tk + 2 * t + 8 * (q >> 1);
+        out[row * n + col] = (u16)(frag[q] & 0xFFFFu);
+        out[(row + 1) * n + col] = (u16)(frag[q] >> 16);
+    }
+}

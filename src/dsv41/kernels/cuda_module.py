@@ -1,0 +1,143 @@
+"""Build, cache and launch dsv41's CUDA kernels (no torch C++ extension: plain cubins through the driver API).
+
+A kernel file is compiled once per set of `-D` defines and GPU architecture: with `nvcc -cubin` when a CUDA
+toolkit is found (`$DSV41_NVCC`, `nvcc` on PATH, `/usr/local/cuda/bin/nvcc`), else with NVRTC to PTX (torch's
+bundled NVRTC) that the driver finishes. Results are cached under `$DSV41_HOME/cuda` (default
+`~/.cache/dsv41/cuda`) keyed by the source, the defines, the architecture and the compiler, so a prepared
+folder or a Nix closure can ship them and a restart compiles nothing. Launches go through `cuLaunchKernel` on
+torch's current stream, so they are captured by CUDA graphs like any torch kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class CudaBuildError(RuntimeError):
+    """A kernel could not be compiled or loaded (the message carries the compiler's output)."""
+
+
+def cache_dir() -> Path:
+    home = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
+    return home / "cuda"
+
+
+def find_nvcc() -> str | None:
+    for candidate in (os.environ.get("DSV41_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
+    if code != 0:
+        msg = ctypes.c_char_p()
+        lib.cuGetErrorString(code, ctypes.byref(msg))
+        raise CudaBuildError(f"{what}: CUDA driver error {code} ({(msg.value or b'?').decode()})")
+
+
+def compile_image(source: Path, defines: dict[str, int], arch: str) -> bytes:
+    """cubin (nvcc) or PTX (NVRTC) bytes for `source` with `defines`, from the cache when present."""
+    text = source.read_text()
+    nvcc = find_nvcc()
+    flags = [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    tool = f"nvcc:{nvcc}" if nvcc else f"nvrtc:{torch.version.cuda}"
+    key = hashlib.sha256("\0".join([text, *flags, arch, tool]).encode()).hexdigest()[:24]
+    path = cache_dir() / f"{source.stem}-{arch}-{key}.{'cubin' if nvcc else 'ptx'}"
+    if path.is_file():
+        return path.read_bytes()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if nvcc:
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", *flags, "-o", str(tmp), str(source)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CudaBuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+        image = tmp.read_bytes()
+        tmp.replace(path)
+        return image
+    from torch.cuda._utils import _nvrtc_compile  # torch's NVRTC binding (no toolkit needed)
+
+    ptx, _ = _nvrtc_compile(text, "exl3_linear_r8", arch.removeprefix("sm_"), nvcc_options=["-std=c++17", *flags])
+    path.write_bytes(ptx)
+    return ptx
+
+
+@dataclass
+class CudaKernel:
+    name: str
+    function: ctypes.c_void_p
+    shared_limit: int = 48 * 1024
+
+    def launch(self, grid: tuple[int, int, int], block: int, shared: int, args: list) -> None:
+        lib = _DRIVER[0]
+        if shared > self.shared_limit:
+            _check(lib, lib.cuFuncSetAttribute(self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                               ctypes.c_int(shared)), f"{self.name}: shared memory {shared} B")
+            self.shared_limit = shared
+        values = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                values.append(ctypes.c_void_p(a.data_ptr()))
+            elif isinstance(a, ctypes._SimpleCData):
+                values.append(a)
+            elif isinstance(a, float):
+                values.append(ctypes.c_float(a))
+            else:
+                values.append(ctypes.c_int(int(a)))
+        pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        _check(
+            lib,
+            lib.cuLaunchKernel(self.function, *grid, block, 1, 1, shared, stream, pointers, None),
+            f"launch {self.name}",
+        )
+
+
+_DRIVER: list = []
+_MODULES: dict[tuple, dict[str, CudaKernel]] = {}
+_LOCK = threading.Lock()
+
+
+def load_kernels(source_name: str, defines: dict[str, int], names: list[str], device: torch.device) -> dict:
+    """The named `extern "C"` kernels of `cuda/<source_name>` built with `defines`, loaded on `device`."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (source_name, tuple(sorted(defines.items())), index)
+    with _LOCK:
+        if key in _MODULES:
+            return _MODULES[key]
+        if not _DRIVER:
+            _DRIVER.append(_driver())
+        lib = _DRIVER[0]
+        major, minor = torch.cuda.get_device_capability(index)
+        image = compile_image(SOURCE_DIR / source_name, defines, f"sm_{major}{minor}")
+        torch.cuda.init()
+        with torch.cuda.device(index):  # makes the device's primary context current in this thread
+            module = ctypes.c_void_p()
+            data = ctypes.create_string_buffer(image, len(image) + 1)
+            _check(lib, lib.cuModuleLoadData(ctypes.byref(module), data), f"load {source_name} {defines}")
+            kernels = {}
+            for name in names:
+                fn = ctypes.c_void_p()
+                _check(lib, lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"find {name}")
+                kernels[name] = CudaKernel(name, fn)
+        _MODULES[key] = kernels
+        return kernels

@@ -1,0 +1,238 @@
+"""CUDA path of the EXL3 kernels (cuda/exl3_fused.cu): fused matmul and routed-expert MoE for <= 16-row windows.
+
+Each lane decodes its 8 trellis positions straight into its `mma.m16n8k16` operand registers (the tile
+permutation of spec §1.4 was made for that), tiles stream through a 4-stage cp.async ring, the input rotation runs
+in each block and the output rotation in the epilogue; split-K partials are summed in split order by the block
+that arrives last. Compiled per (K, codebook) on first use and cached (`dsv41.kernels.cuda_module`).
+
+Launch shapes depend on the matrix only (never on m), so a row's bits do not depend on the other rows or on m.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.kernels.cuda_module import load_kernels
+from dsv41.kernels.exl3_common import CODEBOOK_IDS
+from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor
+
+SOURCE = "exl3_fused.cu"
+KERNELS = [
+    "exl3_linear_r8", "exl3_linear_r16",
+    "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
+    "exl3_moe_down_r8", "exl3_moe_down_r16",
+    "exl3_decode",
+]
+# must match exl3_fused.cu
+THREADS = 256
+KR, STAGES, YS_STRIDE, SMEM_INTS = 4, 4, 132, 128
+MAX_ROWS = 16
+# A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
+MAX_SLICE_BLOCKS = 10
+DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def cuda_path_available(device: torch.device) -> bool:
+    """NVIDIA GPU of sm_80 or newer (mma.sync m16n8k16, cp.async)."""
+    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _kernels(device: torch.device, K: int, codebook: str) -> dict:
+    return load_kernels(SOURCE, {"EXL3_K": K, "EXL3_CB": CODEBOOK_IDS[codebook]}, KERNELS, device)
+
+
+def _shared_bytes(K: int, rows: int, xs_stride: int) -> int:
+    stage_words = KR * 8 * 8 * K
+    return (STAGES * stage_words + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4
+
+
+def _xs_stride(k: int, splits: int) -> int:
+    return math.ceil((k // 128) / splits) * 128 + 8
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 2.0) -> int:
+    """Split-K count for a `[k, n]` matrix: about `blocks_per_sm` blocks per SM, k slices of at most 10 blocks."""
+    k_blocks, col_blocks = k // 128, n // 128
+    fewest = math.ceil(k_blocks / MAX_SLICE_BLOCKS)
+    wanted = round(blocks_per_sm * sm_count / col_blocks)
+    return max(fewest, min(k_blocks, max(1, wanted)))
+
+
+class _Workspace:
+    """Split-K partials and arrival counters per (device, shape); counters reset themselves after each launch."""
+
+    def __init__(self):
+        self._cache: dict[tuple, object] = {}
+
+    def get(self, key: tuple, make):
+        ws = self._cache.get(key)
+        if ws is None:
+            ws = self._cache[key] = make()
+        return ws
+
+
+_WORKSPACE = _Workspace()
+
+
+def _rows_variant(m: int) -> int:
+    return 8 if m <= 8 else 16
+
+
+def fused_matmul_cuda(
+    x: torch.Tensor,
+    weight: Exl3Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`y = x @ W_eff` for x `[m, k]` (fp16/bf16/fp32, rounded to fp16 as ExLlamaV3 takes it); 16-row launches."""
+    if x.dim() != 2 or x.shape[1] != weight.k:
+        raise ValueError(f"x must be [m, {weight.k}], got {list(x.shape)}")
+    if x.dtype not in DTYPE_CODES or out_dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported dtypes x={x.dtype} out={out_dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, weight.n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out
+    k, n, K = weight.k, weight.n, weight.K
+    splits = splits or default_splits(k, n, _sm_count(x.device))
+    if not 1 <= splits <= k // 128 or math.ceil((k // 128) / splits) > MAX_SLICE_BLOCKS:
+        raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128}, slices of at most {MAX_SLICE_BLOCKS} blocks)")
+    kernels = _kernels(x.device, K, weight.codebook)
+    xs_stride = _xs_stride(k, splits)
+    for start in range(0, m, MAX_ROWS):
+        rows = min(MAX_ROWS, m - start)
+        variant = _rows_variant(rows)
+        part, counters = _WORKSPACE.get(
+            ("linear", str(x.device), splits, n, variant),
+            lambda: (
+                torch.empty((splits, variant, n), dtype=torch.float32, device=x.device),
+                torch.zeros((n // 128,), dtype=torch.int32, device=x.device),
+            ),
+        )
+        xc, yc = x[start:start + rows], out[start:start + rows]
+        kernels[f"exl3_linear_r{variant}"].launch(
+            (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, xs_stride),
+            [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
+             yc, out.stride(0), DTYPE_CODES[out_dtype], part, counters, k, n, splits, xs_stride],
+        )
+    return out
+
+
+def decode_cuda(weight: Exl3Tensor) -> torch.Tensor:
+    """W_q `[k, n]` fp16 (rotated domain) through the kernels' own fragment decode (tests and tools)."""
+    out = torch.empty((weight.k, weight.n), dtype=torch.float16, device=weight.device)
+    tiles = (weight.k // 16) * (weight.n // 16)
+    _kernels(weight.device, weight.K, weight.codebook)["exl3_decode"].launch(
+        (math.ceil(tiles / 8), 1, 1), THREADS, 0, [weight.words, out, weight.k, weight.n]
+    )
+    return out
+
+
+@dataclass(frozen=True)
+class MoeCudaConfig:
+    """Split-K counts of the two MoE launches (fixed per expert shape, never per window: row invariance)."""
+
+    splits_gate_up: int
+    splits_down: int
+
+
+def default_moe_config(k_gate_up: int, k_down: int) -> MoeCudaConfig:
+    """Split counts from the input widths of the gate/up (hidden) and down (intermediate) projections."""
+    return MoeCudaConfig(
+        splits_gate_up=max(math.ceil((k_gate_up // 128) / MAX_SLICE_BLOCKS), min(4, k_gate_up // 128)),
+        splits_down=max(math.ceil((k_down // 128) / MAX_SLICE_BLOCKS), min(2, k_down // 128)),
+    )
+
+
+def moe_forward_cuda(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: Exl3ExpertStack,
+    w3: Exl3ExpertStack,
+    w2: Exl3ExpertStack,
+    swiglu_limit: float = 10.0,
+    out_dtype: torch.dtype = torch.float32,
+    config: MoeCudaConfig | None = None,
+) -> torch.Tensor:
+    """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row (e = topk_ids[row, i]), slots summed in order i.
+
+    Two launches per window of at most 16 rows; every expert's trellis is read once per window.
+    """
+    T, hidden = x.shape
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} vs x {list(x.shape)}")
+    if w1.k != hidden or w3.k != hidden or w2.n != hidden or w1.n != w3.n or w2.k != w1.n:
+        raise ValueError("expert stacks do not chain: need w1/w3 [hidden, inter] and w2 [inter, hidden]")
+    if w1.K != w3.K or w1.codebook != w3.codebook:
+        raise ValueError("gate and up stacks must share K and codebook")
+    if x.dtype not in DTYPE_CODES or out_dtype not in DTYPE_CODES:
+        raise ValueError(f"unsupported dtypes x={x.dtype} out={out_dtype}")
+    topk = topk_ids.shape[1]
+    if MAX_ROWS * topk > THREADS:
+        raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
+    cfg = config or default_moe_config(w1.k, w2.k)
+    out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    for start in range(0, T, MAX_ROWS):
+        stop = min(T, start + MAX_ROWS)
+        _moe_window(x[start:stop], topk_ids[start:stop], topk_weights[start:stop], w1, w3, w2,
+                    float(swiglu_limit), out[start:stop], cfg)
+    return out
+
+
+def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaConfig) -> None:
+    T, topk = topk_ids.shape
+    n_slots = T * topk
+    variant = _rows_variant(T)
+    dev = x.device
+    ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+    route = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    sa, sb = cfg.splits_gate_up, cfg.splits_down
+    n1, n2 = w1.n, w2.n
+
+    def make():
+        f32 = dict(dtype=torch.float32, device=dev)
+        i32 = dict(dtype=torch.int32, device=dev)
+        return {
+            "h": torch.empty((n_slots, n1), dtype=torch.float16, device=dev),
+            "y": torch.empty((n_slots, n2), **f32),
+            "part_a": torch.empty((n_slots, sa, 2, variant, n1), **f32),
+            "part_b": torch.empty((n_slots, sb, variant, n2), **f32),
+            "count_a": torch.zeros((n_slots * (n1 // 128),), **i32),
+            "count_b": torch.zeros((n_slots * (n2 // 128),), **i32),
+            "count_out": torch.zeros((n2 // 128,), **i32),
+        }
+
+    ws = _WORKSPACE.get(("moe", str(dev), n_slots, n1, n2, sa, sb, variant), make)
+    ka = _kernels(dev, w1.K, w1.codebook)
+    xs_a = _xs_stride(w1.k, sa)
+    expert_words_1 = ctypes.c_longlong(w1.words[0].numel())
+    ka[f"exl3_moe_gate_up_r{variant}"].launch(
+        (n_slots, 2 * (n1 // 128), sa), THREADS, _shared_bytes(w1.K, variant, xs_a),
+        [x, x.stride(0), DTYPE_CODES[x.dtype], topk, ids, route, n_slots,
+         w1.words, w1.suh, w1.svh, w3.words, w3.suh, w3.svh, expert_words_1,
+         ws["h"], ws["part_a"], ws["count_a"], w1.k, n1, sa, xs_a, limit],
+    )
+    kb = _kernels(dev, w2.K, w2.codebook)
+    xs_b = _xs_stride(w2.k, sb)
+    kb[f"exl3_moe_down_r{variant}"].launch(
+        (n_slots, n2 // 128, sb), THREADS, _shared_bytes(w2.K, variant, xs_b),
+        [ws["h"], ids, n_slots, T, topk, w2.words, w2.suh, w2.svh, ctypes.c_longlong(w2.words[0].numel()),
+         ws["y"], out, out.stride(0), DTYPE_CODES[out.dtype], ws["part_b"], ws["count_b"], ws["count_out"],
+         w2.k, n2, sb, xs_b],
+    )

@@ -1,0 +1,174 @@
+"""CUDA path of the EXL3 kernels (dsv41.kernels.exl3_cuda) against the pure-torch reference and the golden layers.
+
+CPU part (CI): the CUDA source compiles for Hopper and GB10 with every K and codebook, when a CUDA toolkit is
+present (the kernels themselves need a GPU to run; on CPU the same math is checked through the Triton kernels in
+the interpreter, tests/test_exl3_kernels.py). GPU part (`-m gpu`, run on the H200): decode bit-exact, matmul
+against fp64 on the pack's shapes, rows bitwise independent of the batch and of m, MoE against fp64 and row by row.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_exl3_kernels import (
+    CODEBOOKS,
+    FIXTURE_NAMES,
+    FIXTURES,
+    PACK_SHAPES,
+    _max_elem,
+    _moe_case,
+    _moe_reference,
+    _random_group,
+    _rel,
+)
+
+SOURCE = Path(__file__).resolve().parents[1] / "src" / "dsv41" / "kernels" / "cuda" / "exl3_fused.cu"
+
+
+def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path):
+    from dsv41.kernels.cuda_module import find_nvcc
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine: the source is compiled on the GPU machine instead")
+    # every K and codebook for Hopper, the pack's K=3 for GB10 (sm_121): two compilers at a time
+    jobs = [("sm_90", K, cb) for K in range(1, 9) for cb in range(3)] + [("sm_121", 3, cb) for cb in range(3)]
+
+    def build(job):
+        arch, K, cb = job
+        out = tmp_path / f"{arch}-{K}-{cb}.cubin"
+        proc = subprocess.run(
+            [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", f"-DEXL3_K={K}", f"-DEXL3_CB={cb}",
+             "-o", str(out), str(SOURCE)],
+            capture_output=True, text=True,
+        )
+        return job, proc, out
+
+    with ThreadPoolExecutor(2) as pool:
+        for job, proc, out in pool.map(build, jobs):
+            assert proc.returncode == 0, (job, proc.stderr[-3000:])
+            assert "warning" not in proc.stderr.lower(), (job, proc.stderr[-3000:])
+            assert out.stat().st_size > 0
+
+
+def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():
+    from dsv41.kernels.exl3_cuda import MAX_SLICE_BLOCKS, default_splits
+
+    for k, n, _ in PACK_SHAPES + [(5120, 129280, 6), (256, 256, 3)]:
+        s = default_splits(k, n, 132)
+        assert 1 <= s <= k // 128
+        assert -(-(k // 128) // s) <= MAX_SLICE_BLOCKS
+
+
+def _need_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cb", CODEBOOKS)
+def test_gpu_cuda_decode_bit_exact(cb):
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import decode_cuda
+    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.weights import exl3
+
+    gen = torch.Generator().manual_seed(21)
+    for K in range(1, 9):
+        trellis, suh, svh = _random_group(gen, 512, 384, K, "cuda")
+        wq = decode_cuda(Exl3Tensor.from_group(trellis, suh, svh, cb))
+        assert torch.equal(wq.view(torch.int16), exl3.decode_rotated(trellis, cb).view(torch.int16)), (cb, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_gpu_cuda_golden_layers(name):
+    _need_cuda()
+    from safetensors.torch import load_file
+
+    from dsv41.kernels.exl3_cuda import decode_cuda, fused_matmul_cuda
+    from dsv41.kernels.layout import Exl3Tensor
+
+    t = {k: v.cuda() for k, v in load_file(str(FIXTURES / f"{name}.safetensors")).items()}
+    w = Exl3Tensor.from_group(t["layer.trellis"], t["layer.suh"], t["layer.svh"], name.split("_")[0])
+    assert torch.equal(decode_cuda(w).view(torch.int16), t["ref.w_q"].view(torch.int16))
+    x = t["ref.x"][:16]
+    y64 = x.double() @ t["ref.w_eff"].double()
+    for splits in range(1, w.k // 128 + 1):
+        y = fused_matmul_cuda(x, w, splits=splits)
+        assert _rel(y, y64) <= 1e-3, (splits, _rel(y, y64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,K", PACK_SHAPES)
+@pytest.mark.parametrize("cb", ["mul1", "3inst"])
+def test_gpu_cuda_pack_shapes_and_row_invariance(k, n, K, cb):
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
+    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.weights import exl3
+
+    gen = torch.Generator().manual_seed(k + n + K)
+    trellis, suh, svh = _random_group(gen, k, n, K, "cuda")
+    w = Exl3Tensor.from_group(trellis, suh, svh, cb)
+    w64 = exl3.effective_weight(trellis, suh, svh, cb, torch.float64)
+    x = torch.randn(16, k, generator=gen).half().cuda()
+    y = fused_matmul_cuda(x, w)
+    y64 = x.double() @ w64
+    assert _rel(y, y64) <= 1e-3 and _max_elem(y, y64) <= 6e-3, (_rel(y, y64), _max_elem(y, y64))
+    assert torch.equal(fused_matmul_cuda(x, w).view(torch.int32), y.view(torch.int32)), "repeat differs: race?"
+    perm = torch.randperm(16, generator=gen)
+    for m in range(1, 17):
+        rows = perm[:m].cuda()
+        assert torch.equal(fused_matmul_cuda(x[rows], w).view(torch.int32), y[rows].view(torch.int32)), f"m={m}"
+    # 40 rows run as 16 + 16 + 8: each row keeps its bits
+    x40 = torch.cat([x, x, x[:8]])
+    assert torch.equal(fused_matmul_cuda(x40, w)[16:32].view(torch.int32), y.view(torch.int32))
+    # bf16 / fp32 inputs are rounded to fp16 first; fp16 / bf16 outputs are the fp32 result rounded once
+    assert torch.equal(fused_matmul_cuda(x.float(), w).view(torch.int32), y.view(torch.int32))
+    assert torch.equal(fused_matmul_cuda(x, w, out_dtype=torch.bfloat16), y.bfloat16())
+    assert torch.equal(fused_matmul_cuda(x, w, out_dtype=torch.float16), y.half())
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_is_the_default_path_and_triton_stays_selectable(monkeypatch):
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
+    from dsv41.kernels.exl3_linear import exl3_linear
+    from dsv41.kernels.layout import Exl3Tensor
+
+    gen = torch.Generator().manual_seed(5)
+    trellis, suh, svh = _random_group(gen, 1024, 512, 3, "cuda")
+    w = Exl3Tensor.from_group(trellis, suh, svh, "mul1")
+    x = torch.randn(3, 1024, generator=gen).half().cuda()
+    assert torch.equal(exl3_linear(x, w), fused_matmul_cuda(x, w))
+    monkeypatch.setenv("DSV41_EXL3_BACKEND", "triton")
+    yt = exl3_linear(x, w)
+    assert _rel(yt, fused_matmul_cuda(x, w)) <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4, 9, 16])
+@pytest.mark.parametrize("cb", ["mul1", "mcg"])
+def test_gpu_cuda_moe(T, cb):
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import moe_forward_cuda
+
+    gen = torch.Generator().manual_seed(31 + T)
+    experts, topk = 24, 6
+    groups, (w1, w3, w2) = _moe_case(gen, experts, 5120, 2304, 3, cb, "cuda")
+    x = torch.randn(T, 5120, generator=gen).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(T)]).cuda()
+    weights = torch.rand(T, topk, generator=gen).cuda()
+    y = moe_forward_cuda(x, ids, weights, w1, w3, w2)
+    ref = _moe_reference(x.half(), ids, weights, groups, cb, 10.0)
+    assert _rel(y, ref) <= 2e-3 and _max_elem(y, ref) <= 1e-2, (_rel(y, ref), _max_elem(y, ref))
+    assert torch.equal(moe_forward_cuda(x, ids, weights, w1, w3, w2).view(torch.int32), y.view(torch.int32))
+    for t in range(T):
+        alone = moe_forward_cuda(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w1, w3, w2)
+        assert torch.equal(alone[0].view(torch.int32), y[t].view(torch.int32)), f"row {t}"
