@@ -27,9 +27,10 @@ KERNELS = [
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
 ]
-# must match exl3_fused.cu
+# must match exl3_fused.cu (KR and STAGES are passed to the compiler, so they are set here)
 THREADS = 256
-KR, STAGES, YS_STRIDE, SMEM_INTS = 4, 4, 132, 128
+YS_STRIDE, SMEM_INTS = 132, 128
+TUNING = {"EXL3_KR": 4, "EXL3_STAGES": 4}
 MAX_ROWS = 16
 # A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
 MAX_SLICE_BLOCKS = 10
@@ -43,13 +44,15 @@ def cuda_path_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _kernels(device: torch.device, K: int, codebook: str) -> dict:
-    return load_kernels(SOURCE, {"EXL3_K": K, "EXL3_CB": CODEBOOK_IDS[codebook]}, KERNELS, device)
+def _kernels(device: torch.device, K: int, codebook: str, tuning: dict | None = None) -> dict:
+    defines = {"EXL3_K": K, "EXL3_CB": CODEBOOK_IDS[codebook], **(tuning or TUNING)}
+    return load_kernels(SOURCE, defines, KERNELS, device)
 
 
-def _shared_bytes(K: int, rows: int, xs_stride: int) -> int:
-    stage_words = KR * 8 * 8 * K
-    return (STAGES * stage_words + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4
+def _shared_bytes(K: int, rows: int, xs_stride: int, tuning: dict | None = None) -> int:
+    t = tuning or TUNING
+    stage_words = t["EXL3_KR"] * 8 * 8 * K
+    return (t["EXL3_STAGES"] * stage_words + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4
 
 
 def _xs_stride(k: int, splits: int) -> int:
@@ -94,8 +97,12 @@ def fused_matmul_cuda(
     out_dtype: torch.dtype = torch.float32,
     splits: int | None = None,
     out: torch.Tensor | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
-    """`y = x @ W_eff` for x `[m, k]` (fp16/bf16/fp32, rounded to fp16 as ExLlamaV3 takes it); 16-row launches."""
+    """`y = x @ W_eff` for x `[m, k]` (fp16/bf16/fp32, rounded to fp16 as ExLlamaV3 takes it); 16-row launches.
+
+    `tuning` overrides the compile-time pipeline shape (TUNING) for benchmarks.
+    """
     if x.dim() != 2 or x.shape[1] != weight.k:
         raise ValueError(f"x must be [m, {weight.k}], got {list(x.shape)}")
     if x.dtype not in DTYPE_CODES or out_dtype not in DTYPE_CODES:
@@ -111,7 +118,7 @@ def fused_matmul_cuda(
     splits = splits or default_splits(k, n, _sm_count(x.device))
     if not 1 <= splits <= k // 128 or math.ceil((k // 128) / splits) > MAX_SLICE_BLOCKS:
         raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128}, slices of at most {MAX_SLICE_BLOCKS} blocks)")
-    kernels = _kernels(x.device, K, weight.codebook)
+    kernels = _kernels(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
@@ -125,7 +132,7 @@ def fused_matmul_cuda(
         )
         xc, yc = x[start:start + rows], out[start:start + rows]
         kernels[f"exl3_linear_r{variant}"].launch(
-            (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, xs_stride),
+            (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, xs_stride, tuning),
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
              yc, out.stride(0), DTYPE_CODES[out_dtype], part, counters, k, n, splits, xs_stride],
         )

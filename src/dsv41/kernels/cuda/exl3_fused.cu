@@ -31,8 +31,19 @@ typedef unsigned short u16;
 #define TW (8 * K)                          // words per 16x16 tile
 #define WARPS 8                             // warp w owns tile column w of a 128-column block
 #define NTHREADS (WARPS * 32)
-#define KR 4                                // tile rows per pipeline stage
-#define STAGES 4
+#ifndef EXL3_KR
+#define EXL3_KR 4
+#endif
+#ifndef EXL3_STAGES
+#define EXL3_STAGES 4
+#endif
+#define KR EXL3_KR                          // tile rows per pipeline stage
+#define STAGES EXL3_STAGES                  // stages in the cp.async ring
+// EXL3_ABLATE=1 skips the decode arithmetic (raw words as operands), 2 skips the main loop, 3 skips the split-K
+// reduction (each block writes its own partial as the result): wrong results, only for bench/exl3_ablation.py.
+#ifndef EXL3_ABLATE
+#define EXL3_ABLATE 0
+#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -139,6 +150,10 @@ __device__ __forceinline__ void decode_tile(const u32* tile, const int* off, u32
     u32 w[NW];
 #pragma unroll
     for (int i = 0; i < NW; ++i) w[i] = tile[off[i]];
+#if EXL3_ABLATE == 1
+    frag[0] = w[0]; frag[1] = w[1]; frag[2] = w[0] ^ sh; frag[3] = w[1] ^ sh;
+    return;
+#endif
     u32 a[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) a[i] = shf_l(w[i + 1], w[i], sh);
@@ -191,29 +206,35 @@ __device__ __forceinline__ void store_value(void* p, long long i, int dtype, flo
 }
 
 // xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for the block's rows.
-// src[row] < 0 marks a padding row (zeros). One warp per (row, 128-block).
+// src[row] < 0 marks a padding row (zeros). Two phases so that no warp waits on global loads one after another:
+// all threads load and scale (independent loads), then one warp per (row, 128-block) rotates from shared memory.
 template <int ROWS>
 __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, const void* x, int ldx, int x_dtype,
                                              const int* src, const u16* suh, int k0, int nkb, int warp, int lane) {
+    const int width = nkb * 128;
+    for (int i = threadIdx.x; i < ROWS * width / 2; i += NTHREADS) {
+        const int row = (2 * i) / width, col = 2 * i - row * width;
+        u32 packed = 0u;
+        if (src[row] >= 0) {
+            const long long at = (long long)src[row] * ldx + k0 + col;
+            // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
+            const u16 lo = float_to_half(load_as_half(x, at, x_dtype) * half_to_float(suh[k0 + col]));
+            const u16 hi = float_to_half(load_as_half(x, at + 1, x_dtype) * half_to_float(suh[k0 + col + 1]));
+            packed = (u32)lo | ((u32)hi << 16);
+        }
+        *(u32*)(xs + row * xs_stride + col) = packed;
+    }
+    __syncthreads();
     for (int unit = warp; unit < ROWS * nkb; unit += WARPS) {
         const int row = unit / nkb, kb = unit - row * nkb;
-        const int col = kb * 128 + 4 * lane;
-        u32 packed[2] = {0u, 0u};
-        if (src[row] >= 0) {
-            float v[4];
-            const long long base = (long long)src[row] * ldx + k0 + col;
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
-                v[e] = half_to_float(float_to_half(load_as_half(x, base + e, x_dtype) * half_to_float(suh[k0 + col + e])));
-            }
-            hadamard128(v, lane);
-            packed[0] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
-            packed[1] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
-        }
-        u32* dst = (u32*)(xs + row * xs_stride + col);
-        dst[0] = packed[0];
-        dst[1] = packed[1];
+        if (src[row] < 0) continue;  // already zeros
+        u32* at = (u32*)(xs + row * xs_stride + kb * 128 + 4 * lane);
+        const u32 p0 = at[0], p1 = at[1];
+        float v[4] = {half_to_float((u16)(p0 & 0xFFFFu)), half_to_float((u16)(p0 >> 16)),
+                      half_to_float((u16)(p1 & 0xFFFFu)), half_to_float((u16)(p1 >> 16))};
+        hadamard128(v, lane);
+        at[0] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
+        at[1] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
     }
 }
 
@@ -318,16 +339,22 @@ __device__ __forceinline__ void kslice(int k, int sp, int splits, int* kb_lo, in
     *nkb = (sp + 1) * kbs / splits - *kb_lo;
 }
 
-// Sum of split partials (in split order) for one row's 4 columns at `col`, read past L1 (other SMs wrote them).
+// Sum of split partials (in split order) for one row's 4 columns at `i`. Read past L1 (other SMs wrote them);
+// the loads are independent, four in flight at a time, and the additions keep split order.
 __device__ __forceinline__ void sum_partials(const float* part, long long split_stride, long long i, int splits,
                                              float* v) {
     v[0] = v[1] = v[2] = v[3] = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        float a, b, c, d;
-        asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
-                     : "=f"(a), "=f"(b), "=f"(c), "=f"(d)
-                     : "l"(part + s * split_stride + i));
-        v[0] += a; v[1] += b; v[2] += c; v[3] += d;
+    int s = 0;
+    for (; s + 4 <= splits; s += 4) {
+        float4 q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) q[u] = __ldcg((const float4*)(part + (s + u) * split_stride + i));
+#pragma unroll
+        for (int u = 0; u < 4; ++u) { v[0] += q[u].x; v[1] += q[u].y; v[2] += q[u].z; v[3] += q[u].w; }
+    }
+    for (; s < splits; ++s) {
+        const float4 q = __ldcg((const float4*)(part + s * split_stride + i));
+        v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }
 }
 
@@ -359,7 +386,9 @@ __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, con
     float acc[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
+#if EXL3_ABLATE != 2
     main_loop<ROWS>(acc, sm, xs_stride, col_block, row_stride_words, nkb * 8, warp, lane);
+#endif
     stash_acc<ROWS>(acc, sm.ys, warp, lane);
     __syncthreads();
 }
@@ -400,13 +429,13 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
     block_product<ROWS>(sm, xs_stride, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
 
     const long long split_stride = (long long)ROWS * n;
-    if (splits > 1) {
+    if (EXL3_ABLATE != 3 && splits > 1) {
         store_partial(sm.ys, part + sp * split_stride + cb * 128, n, m);
         if (!last_to_arrive(counters + cb, splits, sm.ints + 32)) return;
     }
     for (int r = warp; r < m; r += WARPS) {
         float v[4];
-        if (splits > 1) {
+        if (EXL3_ABLATE != 3 && splits > 1) {
             sum_partials(part, split_stride, (long long)r * n + cb * 128 + 4 * lane, splits, v);
         } else {
 #pragma unroll
@@ -550,14 +579,9 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     if (!sm.ints[32]) return;
     __threadfence();
     for (int t = warp; t < T; t += WARPS) {
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int i = 0; i < topk; ++i) {
-            float a, b, c, d;
-            asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
-                         : "=f"(a), "=f"(b), "=f"(c), "=f"(d)
-                         : "l"(yslots + (long long)(t * topk + i) * n2 + cb * 128 + 4 * lane));
-            v[0] += a; v[1] += b; v[2] += c; v[3] += d;
-        }
+        float v[4];
+        // slots in order 0..topk-1 (the same partial-sum routine, the slot stride as its "split" stride)
+        sum_partials(yslots + (long long)t * topk * n2, n2, cb * 128 + 4 * lane, topk, v);
 #pragma unroll
         for (int q = 0; q < 4; ++q) store_value(out, (long long)t * ldo + cb * 128 + 4 * lane + q, out_dtype, v[q]);
     }

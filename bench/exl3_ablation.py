@@ -1,0 +1,139 @@
+"""Where the CUDA EXL3 matmul spends its time, and a stress run of its launches (H200, one call).
+
+--stress: eager launches of the pack's expert shapes for many (m, splits, dtype) combinations, each repeated and
+compared bitwise with its first result, then the benchmark's own graph-timed sequence; prints the first failure.
+--ablate: times compile-time variants on the same weights (median of graph replays, weights out of L2):
+the full kernel, the decode arithmetic removed (EXL3_ABLATE=1), the main loop removed (2), the split-K reduction
+removed (3), other pipeline shapes (EXL3_KR / EXL3_STAGES) and split counts, plus an empty-launch baseline.
+Writes JSON to --out. Variants 1-3 compute wrong results on purpose; they only time the parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from exl3_kernels import L2_BYTES, graph_time_us, make_copies, time_dense, time_triton  # noqa: E402
+
+from dsv41.kernels.exl3_cuda import TUNING, decode_cuda, default_splits, fused_matmul_cuda  # noqa: E402
+from dsv41.kernels.exl3_matmul import default_config  # noqa: E402
+
+
+def stress(log) -> dict:
+    report = {"eager": [], "sequence": []}
+    for K in (2, 3):
+        copies = make_copies(5120, 2304, K, 0)
+        w = copies[0]
+        for splits in (7, 15, 22, 40):
+            for m in (1, 2, 3, 4, 5, 8, 9, 16):
+                for dtype in (torch.float16, torch.float32):
+                    step = f"K={K} splits={splits} m={m} out={dtype}"
+                    try:
+                        x = torch.randn(m, 5120, device="cuda").half()
+                        out = torch.empty(m, 2304, device="cuda", dtype=dtype)
+                        first = fused_matmul_cuda(x, w, out_dtype=dtype, splits=splits, out=out).clone()
+                        torch.cuda.synchronize()
+                        for _ in range(5):
+                            again = fused_matmul_cuda(x, w, out_dtype=dtype, splits=splits, out=out)
+                            torch.cuda.synchronize()
+                            if not torch.equal(again, first):
+                                raise AssertionError("repeat differs")
+                        report["eager"].append({"step": step, "ok": True})
+                    except Exception as exc:
+                        log(f"FAIL {step}: {type(exc).__name__}: {exc}")
+                        report["eager"].append({"step": step, "ok": False, "error": repr(exc)[:500]})
+                        report["fatal"] = step
+                        return report
+        log(f"eager K={K}: all passed")
+    # the benchmark's sequence that failed once: per m, ours (graph) then triton (graph) then dense
+    for K in (3, 2):
+        copies = make_copies(5120, 2304, K, 4 * L2_BYTES)
+        for m in (1, 2, 4, 8, 16):
+            for what in ("ours", "triton", "dense"):
+                try:
+                    if what == "ours":
+                        x = torch.randn(m, 5120, device="cuda").half()
+                        outs = [torch.empty(m, 2304, device="cuda", dtype=torch.float16) for _ in copies]
+                        t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o) for c, o in zip(copies, outs)])
+                    elif what == "triton":
+                        t = time_triton(copies, m, default_config(copies[0]))
+                    else:
+                        t = time_dense(5120, 2304, m)
+                    torch.cuda.synchronize()
+                    report["sequence"].append({"K": K, "m": m, "what": what, "us": t})
+                except Exception as exc:
+                    log(f"FAIL sequence K={K} m={m} {what}: {type(exc).__name__}: {exc}")
+                    report["sequence"].append({"K": K, "m": m, "what": what, "error": traceback.format_exc()[-1500:]})
+                    report["fatal"] = f"sequence K={K} m={m} {what}"
+                    return report
+        log(f"sequence K={K}: passed")
+    return report
+
+
+def ablate(log) -> list[dict]:
+    rows = []
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    # empty-launch baseline: the smallest kernel launch of this module (one 16x16 tile decode) in a graph
+    tiny = make_copies(128, 128, 3, 0)[0]
+    t = graph_time_us([lambda: decode_cuda(tiny)] * 24)
+    rows.append({"variant": "tiny launch (decode of one 128x128 matrix)", "us": t})
+    log(f"tiny launch: {t:.2f} us")
+    for k, n, K in ((5120, 2304, 3), (8192, 5120, 5), (5120, 129280, 6)):
+        copies = make_copies(k, n, K, 4 * L2_BYTES)
+        base_splits = default_splits(k, n, sm)
+        variants = [("full", {}, base_splits)]
+        variants += [(f"ablate={a}", {"EXL3_ABLATE": a}, base_splits) for a in (1, 2, 3)]
+        variants += [(f"KR={kr} STAGES={st}", {"EXL3_KR": kr, "EXL3_STAGES": st}, base_splits)
+                     for kr, st in ((2, 8), (4, 6), (8, 3), (8, 4))]
+        variants += [(f"splits={s}", {}, s) for s in sorted({default_splits(k, n, sm, b) for b in (1, 4, 8)})]
+        for name, extra, splits in variants:
+            tuning = {**TUNING, **extra}
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda").half()
+                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+                try:
+                    t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o, tuning=tuning)
+                                       for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+                except Exception as exc:
+                    log(f"  {k}x{n} K={K} {name} m={m}: FAILED {type(exc).__name__}: {exc}")
+                    continue
+                rows.append({"shape": f"{k}x{n}", "K": K, "variant": name, "splits": splits, "m": m, "us": t,
+                             "tweights_per_s": k * n / t / 1e6})
+                log(f"  {k}x{n} K={K} {name:<18} splits={splits:<3} m={m:<2}: {t:8.1f} us "
+                    f"({k * n / t / 1e6:.2f} T weights/s)")
+        del copies
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stress", action="store_true")
+    parser.add_argument("--ablate", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    result = {"gpu": torch.cuda.get_device_name()}
+    if args.stress:
+        result["stress"] = stress(log)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.ablate:
+        result["ablate"] = ablate(log)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
