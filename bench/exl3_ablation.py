@@ -115,10 +115,41 @@ def ablate(log) -> list[dict]:
     return rows
 
 
+def repro(log) -> None:
+    """The ablation's failing step in small: one shape, graph-timed at m=1 then m=16 (run under compute-sanitizer)."""
+    for k, n, K in ((8192, 5120, 5), (5120, 2304, 3)):
+        copies = make_copies(k, n, K, L2_BYTES)
+        for m in (1, 16, 1, 16):
+            x = torch.randn(m, k, device="cuda").half()
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o) for c, o in zip(copies, outs)],
+                              replays=2)
+            torch.cuda.synchronize()
+            log(f"repro {k}x{n} K={K} m={m}: {t:.1f} us")
+
+
+def head(log) -> list[dict]:
+    rows = []
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    k, n, K = 5120, 129280, 6
+    copies = make_copies(k, n, K, L2_BYTES)
+    for splits in sorted({default_splits(k, n, sm, b) for b in (1, 2)} | {5, 8}):
+        for m in (1, 8):
+            x = torch.randn(m, k, device="cuda").half()
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o)
+                               for c, o in zip(copies, outs)] * 4)
+            rows.append({"shape": f"{k}x{n}", "K": K, "splits": splits, "m": m, "us": t})
+            log(f"head splits={splits} m={m}: {t:.1f} us ({k * n / t / 1e6:.2f} T weights/s)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stress", action="store_true")
     parser.add_argument("--ablate", action="store_true")
+    parser.add_argument("--repro", action="store_true")
+    parser.add_argument("--head", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     t0 = time.time()
@@ -127,6 +158,10 @@ def main() -> None:
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
 
     result = {"gpu": torch.cuda.get_device_name()}
+    if args.repro:
+        repro(log)
+    if args.head:
+        result["head"] = head(log)
     if args.stress:
         result["stress"] = stress(log)
         Path(args.out).write_text(json.dumps(result, indent=1))
