@@ -93,7 +93,7 @@ def ablate(log) -> list[dict]:
         variants = [("full", {}, base_splits)]
         variants += [(f"ablate={a}", {"EXL3_ABLATE": a}, base_splits) for a in (1, 2, 3)]
         variants += [(f"KR={kr} STAGES={st}", {"EXL3_KR": kr, "EXL3_STAGES": st}, base_splits)
-                     for kr, st in ((2, 8), (4, 6), (8, 3), (8, 4))]
+                     for kr, st in ((2, 8), (8, 3), (8, 4))]
         variants += [(f"splits={s}", {}, s) for s in sorted({default_splits(k, n, sm, b) for b in (1, 4, 8)})]
         for name, extra, splits in variants:
             tuning = {**TUNING, **extra}
@@ -144,12 +144,31 @@ def head(log) -> list[dict]:
     return rows
 
 
+def headline(log) -> list[dict]:
+    """The numbers the issue's goals name, for an A/B of launch options (e.g. DSV41_CUDA_PDL=0 vs 1)."""
+    rows = []
+    for k, n, K, ms in ((5120, 2304, 3, (1, 8)), (2304, 5120, 3, (1, 8)), (8192, 5120, 5, (1, 8)),
+                        (5120, 129280, 6, (1,))):
+        copies = make_copies(k, n, K, 4 * L2_BYTES)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").half()
+            outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o) for c, o in zip(copies, outs)]
+                              * max(1, 24 // len(copies)))
+            rows.append({"shape": f"{k}x{n}", "K": K, "m": m, "us": t})
+            log(f"headline {k}x{n} K={K} m={m}: {t:.1f} us")
+        del copies
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stress", action="store_true")
     parser.add_argument("--ablate", action="store_true")
     parser.add_argument("--repro", action="store_true")
     parser.add_argument("--head", action="store_true")
+    parser.add_argument("--headline", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     t0 = time.time()
@@ -162,6 +181,8 @@ def main() -> None:
         repro(log)
     if args.head:
         result["head"] = head(log)
+    if args.headline:
+        result["headline"] = headline(log)
     if args.stress:
         result["stress"] = stress(log)
         Path(args.out).write_text(json.dumps(result, indent=1))

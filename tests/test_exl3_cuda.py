@@ -133,6 +133,52 @@ def test_gpu_cuda_pack_shapes_and_row_invariance(k, n, K, cb):
     assert torch.equal(fused_matmul_cuda(x.float(), w).view(torch.int32), y.view(torch.int32))
     assert torch.equal(fused_matmul_cuda(x, w, out_dtype=torch.bfloat16), y.bfloat16())
     assert torch.equal(fused_matmul_cuda(x, w, out_dtype=torch.float16), y.half())
+    # a preallocated output decides the dtype (the bench writes fp16 into its own buffers)
+    o = torch.full((16, n), float("nan"), dtype=torch.float16, device="cuda")
+    assert fused_matmul_cuda(x, w, out=o) is o and torch.equal(o, y.half())
+    with pytest.raises(ValueError, match="out must be"):
+        fused_matmul_cuda(x, w, out=torch.empty(15, n, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_chained_launches_in_a_graph_equal_eager():
+    """Each launch reads the previous one's output: with programmatic dependent launch the weights are prefetched
+    early but the input must still be waited for. A captured chain must give the eager bits."""
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import fused_matmul_cuda, moe_forward_cuda
+    from dsv41.kernels.layout import Exl3Tensor
+
+    gen = torch.Generator().manual_seed(77)
+    layers = [Exl3Tensor.from_group(*_random_group(gen, 2304, 2304, K, "cuda"), "mul1") for K in (2, 3, 4, 5)]
+    _, (w1, w3, w2) = _moe_case(gen, 16, 2304, 1024, 3, "mul1", "cuda")
+    x = torch.randn(4, 2304, generator=gen).half().cuda()
+    ids = torch.stack([torch.randperm(16, generator=gen)[:6] for _ in range(4)]).cuda()
+    wts = torch.rand(4, 6, generator=gen).cuda()
+    bufs = [torch.empty(4, 2304, dtype=torch.float16, device="cuda") for _ in range(9)]
+
+    def chain():
+        h = x
+        for i in range(8):
+            h = fused_matmul_cuda(h, layers[i % 4], out=bufs[i])
+            if i == 3:
+                h = moe_forward_cuda(h, ids, wts, w1, w3, w2, out_dtype=torch.float16)
+        return h
+
+    eager = chain().clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        out = chain()
+    for _ in range(3):
+        bufs[0].fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
 
 
 @pytest.mark.gpu

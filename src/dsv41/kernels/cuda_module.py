@@ -23,6 +23,32 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttribute(ctypes.Structure):
+    # CUlaunchAttribute: enum id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [
+        ("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+        ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint),
+    ]
+
+
+def pdl_enabled(device_index: int) -> bool:
+    """Programmatic dependent launch (kernels start while the previous one drains): sm_90+ and DSV41_CUDA_PDL != 0.
+
+    The kernels prefetch only weights before `griddepcontrol.wait`; weights are never written by a kernel.
+    """
+    if os.environ.get("DSV41_CUDA_PDL", "1") in ("0", ""):
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 class CudaBuildError(RuntimeError):
@@ -85,6 +111,7 @@ def compile_image(source: Path, defines: dict[str, int], arch: str) -> bytes:
 class CudaKernel:
     name: str
     function: ctypes.c_void_p
+    pdl: bool = False
     shared_limit: int = 48 * 1024
 
     def launch(self, grid: tuple[int, int, int], block: int, shared: int, args: list) -> None:
@@ -105,11 +132,17 @@ class CudaKernel:
                 values.append(ctypes.c_int(int(a)))
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        _check(
-            lib,
-            lib.cuLaunchKernel(self.function, *grid, block, 1, 1, shared, stream, pointers, None),
-            f"launch {self.name}",
-        )
+        if not self.pdl:
+            _check(
+                lib,
+                lib.cuLaunchKernel(self.function, *grid, block, 1, 1, shared, stream, pointers, None),
+                f"launch {self.name}",
+            )
+            return
+        attr = _LaunchAttribute(_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"",
+                                (1).to_bytes(4, "little") + bytes(60))
+        config = _LaunchConfig(*grid, block, 1, 1, shared, stream, ctypes.pointer(attr), 1)
+        _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None), f"launch {self.name}")
 
 
 _DRIVER: list = []
@@ -138,6 +171,6 @@ def load_kernels(source_name: str, defines: dict[str, int], names: list[str], de
             for name in names:
                 fn = ctypes.c_void_p()
                 _check(lib, lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()), f"find {name}")
-                kernels[name] = CudaKernel(name, fn)
+                kernels[name] = CudaKernel(name, fn, pdl=pdl_enabled(index))
         _MODULES[key] = kernels
         return kernels

@@ -112,6 +112,9 @@ def fused_matmul_cuda(
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, weight.n), dtype=out_dtype, device=x.device)
+    elif out.shape != (m, weight.n) or out.dtype not in DTYPE_CODES or out.stride(1) != 1:
+        raise ValueError(f"out must be [{m}, {weight.n}] fp16/bf16/fp32 with unit column stride, got "
+                         f"{list(out.shape)} {out.dtype}")
     if m == 0:
         return out
     k, n, K = weight.k, weight.n, weight.K
@@ -134,7 +137,7 @@ def fused_matmul_cuda(
         kernels[f"exl3_linear_r{variant}"].launch(
             (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, xs_stride, tuning),
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
-             yc, out.stride(0), DTYPE_CODES[out_dtype], part, counters, k, n, splits, xs_stride],
+             yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride],
         )
     return out
 

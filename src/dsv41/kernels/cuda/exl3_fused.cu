@@ -108,6 +108,20 @@ __device__ __forceinline__ void mma_16816(float* d, const u32* a, u32 b0, u32 b1
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90+, also GB10): a kernel may start while the previous one in the stream
+// drains; it must wait before reading anything that kernel wrote (activations, routing, workspaces). Weights are
+// never written by kernels, so their prefetch goes before the wait. Both are no-ops without the launch attribute.
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_next_kernel_start() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // decode: a lane's 8 consecutive stream positions -> the 4 f16x2 registers of its A fragment
 // ------------------------------------------------------------------------------------------------------------
@@ -275,21 +289,33 @@ __device__ __forceinline__ void load_stage(u32* stage, const u32* col_block, lon
     }
 }
 
-// acc += xh[rows, kslice] @ W_q[kslice, column block] for this warp's tile column.
-// acc[0..3]: rows 2t, 2t+1 at columns g and g+8 of the tile (mma C layout); acc[4..7] the same for rows 8+.
-template <int ROWS>
-__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, const u32* col_block,
-                                          long long row_stride_words, int tile_rows, int warp, int lane) {
-    int off[NW];
-    u32 sh;
-    lane_offsets(lane, off, &sh);
-    const int g = lane >> 2, t = lane & 3;
-    const int n_stages = (tile_rows + KR - 1) / KR;
+// The first STAGES-1 stages of a block's tiles (weights only: may run before wait_for_previous_kernel).
+__device__ __forceinline__ void pipeline_prologue(const Smem& sm, const u32* col_block, long long row_stride_words,
+                                                  int tile_rows) {
+    const int n_stages = tile_rows / KR;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
         if (s < n_stages) load_stage(sm.stages + s * STAGE_WORDS, col_block, row_stride_words, s * KR, tile_rows);
         cp_async_commit();
     }
+}
+
+// acc += xh[rows, kslice] @ W_q[kslice, column block] for this warp's tile column (after pipeline_prologue).
+// acc[0..3]: rows 2t, 2t+1 at columns g and g+8 of the tile (mma C layout); acc[4..7] the same for rows 8+.
+// Even and odd tile rows accumulate separately (two independent mma chains), added once at the end: a fixed
+// order that depends on the shape only.
+template <int ROWS>
+__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, const u32* col_block,
+                                          long long row_stride_words, int tile_rows, int warp, int lane) {
+    static_assert(8 % KR == 0 && KR % 2 == 0, "a stage is 2, 4 or 8 tile rows (a k slice is whole 128-blocks)");
+    int off[NW];
+    u32 sh;
+    lane_offsets(lane, off, &sh);
+    const int g = lane >> 2, t = lane & 3;
+    const int n_stages = tile_rows / KR;
+    float odd[ROWS / 2];
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i) odd[i] = 0.f;
     for (int it = 0; it < n_stages; ++it) {
         cp_async_wait_stages();
         __syncthreads();  // stage `it` visible to all; stage it-1 no longer read by anyone
@@ -300,22 +326,20 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
         const u32* stage = sm.stages + (it % STAGES) * STAGE_WORDS;
 #pragma unroll
         for (int r = 0; r < KR; ++r) {
-            const int tr = it * KR + r;
-            if (tr < tile_rows) {
-                u32 frag[4];
-                decode_tile(stage + (r * 8 + warp) * TW, off, sh, frag);
-                const u16* xk = sm.xs + tr * 16 + 2 * t;
-                const u32 b0 = *(const u32*)(xk + g * xs_stride), b1 = *(const u32*)(xk + g * xs_stride + 8);
-                mma_16816(acc, frag, b0, b1);
-                if (ROWS == 16) {
-                    const u32 c0 = *(const u32*)(xk + (g + 8) * xs_stride), c1 = *(const u32*)(xk + (g + 8) * xs_stride + 8);
-                    mma_16816(acc + 4, frag, c0, c1);
-                }
-            }
+            float* a = (r & 1) ? odd : acc;
+            u32 frag[4];
+            decode_tile(stage + (r * 8 + warp) * TW, off, sh, frag);
+            const u16* xk = sm.xs + (it * KR + r) * 16 + 2 * t;
+            mma_16816(a, frag, *(const u32*)(xk + g * xs_stride), *(const u32*)(xk + g * xs_stride + 8));
+            if (ROWS == 16)
+                mma_16816(a + 4, frag, *(const u32*)(xk + (g + 8) * xs_stride),
+                          *(const u32*)(xk + (g + 8) * xs_stride + 8));
         }
     }
     asm volatile("cp.async.wait_all;");
     __syncthreads();
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i) acc[i] += odd[i];
 }
 
 // The warp's accumulators into ys[row][col] (block-local columns).
@@ -379,16 +403,22 @@ template <int ROWS>
 __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, const void* x, int ldx, int x_dtype,
                                               const u32* trellis, const u16* suh, int n, int cb, int kb_lo, int nkb) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    rotate_input<ROWS>(sm.xs, xs_stride, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
-    // (the main loop's first barrier orders these stores before any B-fragment read)
     const long long row_stride_words = (long long)(n / 16) * TW;
     const u32* col_block = trellis + (long long)kb_lo * 8 * row_stride_words + (long long)cb * ROW_WORDS;
+#if EXL3_ABLATE != 2
+    pipeline_prologue(sm, col_block, row_stride_words, nkb * 8);
+#endif
+    wait_for_previous_kernel();
+    rotate_input<ROWS>(sm.xs, xs_stride, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    // (the main loop's first barrier orders these stores before any B-fragment read)
     float acc[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
 #if EXL3_ABLATE != 2
     main_loop<ROWS>(acc, sm, xs_stride, col_block, row_stride_words, nkb * 8, warp, lane);
 #endif
+    // the next kernel may now launch and prefetch its weights while this one reduces and writes
+    let_next_kernel_start();
     stash_acc<ROWS>(acc, sm.ys, warp, lane);
     __syncthreads();
 }
@@ -501,6 +531,7 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
     const int leader = blockIdx.x, cb = blockIdx.y >> 1, up = blockIdx.y & 1, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
+    wait_for_previous_kernel();  // the routing table comes from the previous kernel
     const int rows = expert_slots<ROWS>(ids, n_slots, leader, sm.ints, &e);
     if (rows < 0) return;
     // block rows read x at their slot's token
@@ -547,6 +578,7 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     const int leader = blockIdx.x, cb = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
+    wait_for_previous_kernel();  // h and the routing table come from the previous kernels
     const int rows = expert_slots<ROWS>(ids, n_slots, leader, sm.ints, &e);
     if (rows < 0) return;
     // h rows are indexed by slot
