@@ -63,7 +63,7 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 2.0) -> int:
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 3.0) -> int:
     """Split-K count for a `[k, n]` matrix: about `blocks_per_sm` blocks per SM, k slices of at most 10 blocks."""
     k_blocks, col_blocks = k // 128, n // 128
     fewest = math.ceil(k_blocks / MAX_SLICE_BLOCKS)
@@ -87,6 +87,16 @@ class _Workspace:
 _WORKSPACE = _Workspace()
 
 
+def _vector_ready(x: torch.Tensor) -> torch.Tensor:
+    """x with unit column stride, a row stride of whole 16-byte groups and a 16-byte aligned start (the kernel
+    reads 4 elements at a time); copied only when it is not so already."""
+    if x.stride(-1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0:
+        return x
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y.copy_(x)
+    return y
+
+
 def _rows_variant(m: int) -> int:
     return 8 if m <= 8 else 16
 
@@ -107,8 +117,7 @@ def fused_matmul_cuda(
         raise ValueError(f"x must be [m, {weight.k}], got {list(x.shape)}")
     if x.dtype not in DTYPE_CODES or out_dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported dtypes x={x.dtype} out={out_dtype}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = _vector_ready(x)
     m = x.shape[0]
     if out is None:
         out = torch.empty((m, weight.n), dtype=out_dtype, device=x.device)
@@ -197,7 +206,7 @@ def moe_forward_cuda(
         raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
     cfg = config or default_moe_config(w1.k, w2.k)
     out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
-    x = x if x.stride(-1) == 1 else x.contiguous()
+    x = _vector_ready(x)
     for start in range(0, T, MAX_ROWS):
         stop = min(T, start + MAX_ROWS)
         _moe_window(x[start:stop], topk_ids[start:stop], topk_weights[start:stop], w1, w3, w2,

@@ -206,11 +206,22 @@ __device__ __forceinline__ void hadamard128(float* v, int lane) {
     }
 }
 
-__device__ __forceinline__ float load_as_half(const void* p, long long i, int dtype) {
-    // the input rounded to fp16 first, as ExLlamaV3 takes fp16 activations (dtype 0 fp16, 1 bf16, 2 fp32)
-    if (dtype == 0) return half_to_float(((const u16*)p)[i]);
-    const float f = dtype == 1 ? __uint_as_float(((u32)((const u16*)p)[i]) << 16) : ((const float*)p)[i];
-    return half_to_float(float_to_half(f));
+// Elements i..i+3 (i a multiple of 4, the row 16-byte aligned: checked on the host) rounded to fp16 first, as
+// ExLlamaV3 takes fp16 activations (dtype 0 fp16, 1 bf16, 2 fp32).
+__device__ __forceinline__ void load4_as_half(const void* p, long long i, int dtype, float* v) {
+    if (dtype == 2) {
+        const float4 f = *(const float4*)((const float*)p + i);
+        v[0] = half_to_float(float_to_half(f.x)); v[1] = half_to_float(float_to_half(f.y));
+        v[2] = half_to_float(float_to_half(f.z)); v[3] = half_to_float(float_to_half(f.w));
+        return;
+    }
+    const uint2 h = *(const uint2*)((const u16*)p + i);
+    const u32 w[2] = {h.x, h.y};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const u16 bits = (u16)(e & 1 ? w[e >> 1] >> 16 : w[e >> 1] & 0xFFFFu);
+        v[e] = dtype == 0 ? half_to_float(bits) : half_to_float(float_to_half(__uint_as_float((u32)bits << 16)));
+    }
 }
 
 __device__ __forceinline__ void store_value(void* p, long long i, int dtype, float v) {
@@ -226,17 +237,23 @@ template <int ROWS>
 __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, const void* x, int ldx, int x_dtype,
                                              const int* src, const u16* suh, int k0, int nkb, int warp, int lane) {
     const int width = nkb * 128;
-    for (int i = threadIdx.x; i < ROWS * width / 2; i += NTHREADS) {
-        const int row = (2 * i) / width, col = 2 * i - row * width;
-        u32 packed = 0u;
-        if (src[row] >= 0) {
-            const long long at = (long long)src[row] * ldx + k0 + col;
-            // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
-            const u16 lo = float_to_half(load_as_half(x, at, x_dtype) * half_to_float(suh[k0 + col]));
-            const u16 hi = float_to_half(load_as_half(x, at + 1, x_dtype) * half_to_float(suh[k0 + col + 1]));
-            packed = (u32)lo | ((u32)hi << 16);
+    for (int cg = threadIdx.x; cg < width / 4; cg += NTHREADS) {
+        const int col = 4 * cg;
+        const uint2 su2 = *(const uint2*)(suh + k0 + col);  // 4 fp16 scales, read once for all rows
+        const float su[4] = {half_to_float((u16)(su2.x & 0xFFFFu)), half_to_float((u16)(su2.x >> 16)),
+                             half_to_float((u16)(su2.y & 0xFFFFu)), half_to_float((u16)(su2.y >> 16))};
+#pragma unroll
+        for (int row = 0; row < ROWS; ++row) {
+            uint2 packed = make_uint2(0u, 0u);
+            if (src[row] >= 0) {
+                float v[4];
+                load4_as_half(x, (long long)src[row] * ldx + k0 + col, x_dtype, v);
+                // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
+                packed.x = (u32)float_to_half(v[0] * su[0]) | ((u32)float_to_half(v[1] * su[1]) << 16);
+                packed.y = (u32)float_to_half(v[2] * su[2]) | ((u32)float_to_half(v[3] * su[3]) << 16);
+            }
+            *(uint2*)(xs + row * xs_stride + col) = packed;
         }
-        *(u32*)(xs + row * xs_stride + col) = packed;
     }
     __syncthreads();
     for (int unit = warp; unit < ROWS * nkb; unit += WARPS) {
@@ -278,34 +295,43 @@ __host__ __device__ constexpr int smem_bytes_for(int rows, int xs_stride) {
     return (STAGES * STAGE_WORDS + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4;
 }
 
-// Loads tile rows [r0, r0 + KR) of the column block into a stage buffer (16-byte cp.async, all threads).
-__device__ __forceinline__ void load_stage(u32* stage, const u32* col_block, long long row_stride_words, int r0,
-                                           int rows_total) {
-    constexpr int CHUNKS_PER_ROW = ROW_WORDS / 4;
-    const u32 base = smem_addr(stage);
-    for (int c = threadIdx.x; c < KR * CHUNKS_PER_ROW; c += NTHREADS) {
-        const int r = c / CHUNKS_PER_ROW, w = (c - r * CHUNKS_PER_ROW) * 4;
-        if (r0 + r < rows_total) cp_async16(base + (r * ROW_WORDS + w) * 4, col_block + (r0 + r) * row_stride_words + w);
+// Each warp streams its own tile column through its own STAGES-deep ring (no block-wide barrier in the k loop):
+// ring[STAGES][KR][TW] words at stages + warp * STAGES * KR * TW.
+#define RING_WORDS (STAGES * KR * TW)
+
+// Loads tile rows [r0, r0 + KR) of this warp's tile column into ring slot `slot` (16-byte cp.async, one warp).
+__device__ __forceinline__ void load_stage(u32* ring, int slot, const u32* tile_col, long long row_stride_words,
+                                           int r0, int lane) {
+    constexpr int CHUNKS_PER_TILE = TW / 4;
+    const u32 base = smem_addr(ring + slot * KR * TW);
+#pragma unroll
+    for (int c0 = 0; c0 < KR * CHUNKS_PER_TILE; c0 += 32) {
+        const int c = c0 + lane;
+        if (c < KR * CHUNKS_PER_TILE) {
+            const int r = c / CHUNKS_PER_TILE, w = (c - r * CHUNKS_PER_TILE) * 4;
+            cp_async16(base + (r * TW + w) * 4, tile_col + (r0 + r) * row_stride_words + w);
+        }
     }
 }
 
-// The first STAGES-1 stages of a block's tiles (weights only: may run before wait_for_previous_kernel).
-__device__ __forceinline__ void pipeline_prologue(const Smem& sm, const u32* col_block, long long row_stride_words,
-                                                  int tile_rows) {
+// The first STAGES-1 stages of the warp's tiles (weights only: may run before wait_for_previous_kernel).
+__device__ __forceinline__ void pipeline_prologue(const Smem& sm, const u32* tile_col, long long row_stride_words,
+                                                  int tile_rows, int warp, int lane) {
+    u32* ring = sm.stages + warp * RING_WORDS;
     const int n_stages = tile_rows / KR;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_stages) load_stage(sm.stages + s * STAGE_WORDS, col_block, row_stride_words, s * KR, tile_rows);
+        if (s < n_stages) load_stage(ring, s, tile_col, row_stride_words, s * KR, lane);
         cp_async_commit();
     }
 }
 
-// acc += xh[rows, kslice] @ W_q[kslice, column block] for this warp's tile column (after pipeline_prologue).
-// acc[0..3]: rows 2t, 2t+1 at columns g and g+8 of the tile (mma C layout); acc[4..7] the same for rows 8+.
-// Even and odd tile rows accumulate separately (two independent mma chains), added once at the end: a fixed
-// order that depends on the shape only.
+// acc += xh[rows, kslice] @ W_q[kslice, tile column] for this warp (after pipeline_prologue and a block barrier
+// that publishes the rotated input). acc[0..3]: rows 2t, 2t+1 at columns g and g+8 of the tile (mma C layout);
+// acc[4..7] the same for rows 8+. Even and odd tile rows accumulate separately (two independent mma chains),
+// added once at the end: a fixed order that depends on the shape only.
 template <int ROWS>
-__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, const u32* col_block,
+__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, const u32* tile_col,
                                           long long row_stride_words, int tile_rows, int warp, int lane) {
     static_assert(8 % KR == 0 && KR % 2 == 0, "a stage is 2, 4 or 8 tile rows (a k slice is whole 128-blocks)");
     int off[NW];
@@ -313,22 +339,22 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
     lane_offsets(lane, off, &sh);
     const int g = lane >> 2, t = lane & 3;
     const int n_stages = tile_rows / KR;
+    u32* ring = sm.stages + warp * RING_WORDS;
     float odd[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) odd[i] = 0.f;
     for (int it = 0; it < n_stages; ++it) {
         cp_async_wait_stages();
-        __syncthreads();  // stage `it` visible to all; stage it-1 no longer read by anyone
+        __syncwarp();  // stage `it` visible to the whole warp; slot of stage it-1 no longer read
         const int next = it + STAGES - 1;
-        if (next < n_stages)
-            load_stage(sm.stages + (next % STAGES) * STAGE_WORDS, col_block, row_stride_words, next * KR, tile_rows);
+        if (next < n_stages) load_stage(ring, next % STAGES, tile_col, row_stride_words, next * KR, lane);
         cp_async_commit();
-        const u32* stage = sm.stages + (it % STAGES) * STAGE_WORDS;
+        const u32* stage = ring + (it % STAGES) * KR * TW;
 #pragma unroll
         for (int r = 0; r < KR; ++r) {
             float* a = (r & 1) ? odd : acc;
             u32 frag[4];
-            decode_tile(stage + (r * 8 + warp) * TW, off, sh, frag);
+            decode_tile(stage + r * TW, off, sh, frag);
             const u16* xk = sm.xs + (it * KR + r) * 16 + 2 * t;
             mma_16816(a, frag, *(const u32*)(xk + g * xs_stride), *(const u32*)(xk + g * xs_stride + 8));
             if (ROWS == 16)
@@ -337,7 +363,6 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
         }
     }
     asm volatile("cp.async.wait_all;");
-    __syncthreads();
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] += odd[i];
 }
@@ -404,18 +429,18 @@ __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, con
                                               const u32* trellis, const u16* suh, int n, int cb, int kb_lo, int nkb) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long row_stride_words = (long long)(n / 16) * TW;
-    const u32* col_block = trellis + (long long)kb_lo * 8 * row_stride_words + (long long)cb * ROW_WORDS;
+    const u32* tile_col = trellis + (long long)kb_lo * 8 * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;
 #if EXL3_ABLATE != 2
-    pipeline_prologue(sm, col_block, row_stride_words, nkb * 8);
+    pipeline_prologue(sm, tile_col, row_stride_words, nkb * 8, warp, lane);
 #endif
     wait_for_previous_kernel();
     rotate_input<ROWS>(sm.xs, xs_stride, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
-    // (the main loop's first barrier orders these stores before any B-fragment read)
+    __syncthreads();  // the rotated input is read by every warp
     float acc[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
 #if EXL3_ABLATE != 2
-    main_loop<ROWS>(acc, sm, xs_stride, col_block, row_stride_words, nkb * 8, warp, lane);
+    main_loop<ROWS>(acc, sm, xs_stride, tile_col, row_stride_words, nkb * 8, warp, lane);
 #endif
     // the next kernel may now launch and prefetch its weights while this one reduces and writes
     let_next_kernel_start();
