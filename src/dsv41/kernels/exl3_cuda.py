@@ -30,7 +30,9 @@ KERNELS = [
 # must match exl3_fused.cu (KR and STAGES are passed to the compiler, so they are set here)
 THREADS = 256
 YS_STRIDE, SMEM_INTS = 132, 128
-TUNING = {"EXL3_KR": 4, "EXL3_STAGES": 4}
+# 8 tile rows (one 128-deep block) per stage, 3 stages: fastest at m = 1..8 on every pack shape measured
+# (docs/perf/exl3.md, ablation run 5)
+TUNING = {"EXL3_KR": 8, "EXL3_STAGES": 3}
 MAX_ROWS = 16
 # A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
 MAX_SLICE_BLOCKS = 10
@@ -63,12 +65,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 3.0) -> int:
-    """Split-K count for a `[k, n]` matrix: about `blocks_per_sm` blocks per SM, k slices of at most 10 blocks."""
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 3.0, slice_blocks: int = 5) -> int:
+    """Split-K count for a `[k, n]` matrix (never depends on m: row invariance).
+
+    Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows;
+    narrower ones about `blocks_per_sm` blocks per SM and k slices of about `slice_blocks` 128-blocks
+    (measured on the H200: expert 5120x2304 best at 22 splits, wo_b 8192x5120 at 13).
+    """
     k_blocks, col_blocks = k // 128, n // 128
     fewest = math.ceil(k_blocks / MAX_SLICE_BLOCKS)
-    wanted = round(blocks_per_sm * sm_count / col_blocks)
-    return max(fewest, min(k_blocks, max(1, wanted)))
+    if col_blocks >= sm_count:
+        return fewest
+    wanted = max(round(blocks_per_sm * sm_count / col_blocks), math.ceil(k_blocks / slice_blocks))
+    return max(fewest, min(k_blocks, wanted))
 
 
 class _Workspace:
