@@ -32,10 +32,10 @@ typedef unsigned short u16;
 #define WARPS 8                             // warp w owns tile column w of a 128-column block
 #define NTHREADS (WARPS * 32)
 #ifndef EXL3_KR
-#define EXL3_KR 4
+#define EXL3_KR 8
 #endif
 #ifndef EXL3_STAGES
-#define EXL3_STAGES 4
+#define EXL3_STAGES 3
 #endif
 #define KR EXL3_KR                          // tile rows per pipeline stage
 #define STAGES EXL3_STAGES                  // stages in the cp.async ring
