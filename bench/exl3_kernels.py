@@ -27,6 +27,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from dsv41.kernels.exl3_cuda import (  # noqa: E402
+    TUNING,
     MoeCudaConfig,
     default_moe_config,
     default_splits,
@@ -307,6 +308,7 @@ def main() -> None:
         "copy_rw_gbps": ceiling["copy_rw_gbps"],
         "exllamav3_note": "exllamav3_us not measured: building ExLlamaV3 1.6.5's JIT extension does not fit this "
         "session's device time; exllamav3_quoted_us are the issue's own H200 measurements",
+        "cuda_tuning": dict(TUNING),
         "rows": [],
         "configs": {},
         "moe": [],

@@ -11,7 +11,9 @@ Launch shapes depend on the matrix only (never on m), so a row's bits do not dep
 from __future__ import annotations
 
 import ctypes
+import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +34,9 @@ THREADS = 256
 YS_STRIDE, SMEM_INTS = 132, 128
 # 8 tile rows (one 128-deep block) per stage, 3 stages: fastest at m = 1..8 on every pack shape measured
 # (docs/perf/exl3.md, ablation run 5)
-TUNING = {"EXL3_KR": 8, "EXL3_STAGES": 3}
+TUNING = {"EXL3_KR": 8, "EXL3_STAGES": 3, "EXL3_PRELOAD": 0}
+if os.environ.get("DSV41_EXL3_TUNING"):  # benchmarks: compile-time variants, e.g. '{"EXL3_PRELOAD": 1}'
+    TUNING = {**TUNING, **json.loads(os.environ["DSV41_EXL3_TUNING"])}
 MAX_ROWS = 16
 # A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
 MAX_SLICE_BLOCKS = 10

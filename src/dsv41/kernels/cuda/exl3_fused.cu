@@ -44,6 +44,11 @@ typedef unsigned short u16;
 #ifndef EXL3_ABLATE
 #define EXL3_ABLATE 0
 #endif
+// EXL3_PRELOAD=1: a warp reads all words and input fragments of a stage before decoding any tile (more loads in
+// flight, more registers); 0: tile by tile.
+#ifndef EXL3_PRELOAD
+#define EXL3_PRELOAD 0
+#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -159,11 +164,8 @@ __device__ __forceinline__ u32 state_at(const u32* a) {
     else return shf_l(a[q + 1], a[q], r) >> 16;
 }
 
-// tile: the tile's first word in shared memory; off[]: this lane's word indices; sh: its bit offset.
-__device__ __forceinline__ void decode_tile(const u32* tile, const int* off, u32 sh, u32* frag) {
-    u32 w[NW];
-#pragma unroll
-    for (int i = 0; i < NW; ++i) w[i] = tile[off[i]];
+// w[]: this lane's NW words of the tile (tile[off[i]]); sh: its bit offset.
+__device__ __forceinline__ void decode_words(const u32* w, u32 sh, u32* frag) {
 #if EXL3_ABLATE == 1
     frag[0] = w[0]; frag[1] = w[1]; frag[2] = w[0] ^ sh; frag[3] = w[1] ^ sh;
     return;
@@ -177,6 +179,14 @@ __device__ __forceinline__ void decode_tile(const u32* tile, const int* off, u32
     frag[1] = codebook_pair(state_at<4>(a), state_at<5>(a));
     frag[2] = codebook_pair(state_at<2>(a), state_at<3>(a));
     frag[3] = codebook_pair(state_at<6>(a), state_at<7>(a));
+}
+
+// tile: the tile's first word in shared memory; off[]: this lane's word indices; sh: its bit offset.
+__device__ __forceinline__ void decode_tile(const u32* tile, const int* off, u32 sh, u32* frag) {
+    u32 w[NW];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = tile[off[i]];
+    decode_words(w, sh, frag);
 }
 
 __device__ __forceinline__ void lane_offsets(int lane, int* off, u32* sh) {
@@ -350,6 +360,28 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
         if (next < n_stages) load_stage(ring, next % STAGES, tile_col, row_stride_words, next * KR, lane);
         cp_async_commit();
         const u32* stage = ring + (it % STAGES) * KR * TW;
+#if EXL3_PRELOAD
+        u32 words[KR][NW], bx[KR][ROWS / 4];
+#pragma unroll
+        for (int r = 0; r < KR; ++r) {
+#pragma unroll
+            for (int i = 0; i < NW; ++i) words[r][i] = stage[r * TW + off[i]];
+            const u16* xk = sm.xs + (it * KR + r) * 16 + 2 * t;
+#pragma unroll
+            for (int h = 0; h < ROWS / 8; ++h) {
+                bx[r][2 * h] = *(const u32*)(xk + (g + 8 * h) * xs_stride);
+                bx[r][2 * h + 1] = *(const u32*)(xk + (g + 8 * h) * xs_stride + 8);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < KR; ++r) {
+            float* a = (r & 1) ? odd : acc;
+            u32 frag[4];
+            decode_words(words[r], sh, frag);
+            mma_16816(a, frag, bx[r][0], bx[r][1]);
+            if (ROWS == 16) mma_16816(a + 4, frag, bx[r][2], bx[r][3]);
+        }
+#else
 #pragma unroll
         for (int r = 0; r < KR; ++r) {
             float* a = (r & 1) ? odd : acc;
@@ -361,6 +393,7 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
                 mma_16816(a + 4, frag, *(const u32*)(xk + (g + 8) * xs_stride),
                           *(const u32*)(xk + (g + 8) * xs_stride + 8));
         }
+#endif
     }
     asm volatile("cp.async.wait_all;");
 #pragma unroll
