@@ -218,3 +218,23 @@ def test_gpu_cuda_moe(T, cb):
     for t in range(T):
         alone = moe_forward_cuda(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w1, w3, w2)
         assert torch.equal(alone[0].view(torch.int32), y[t].view(torch.int32)), f"row {t}"
+
+
+def test_warmup_builds_nothing_without_a_gpu_and_says_so(caplog, monkeypatch):
+    from dsv41.kernels import warmup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("INFO"):
+        assert warmup.warm(None) == 0
+    assert "skipped" in caplog.text
+
+
+@pytest.mark.gpu
+def test_gpu_warmup_fills_the_cubin_cache(tmp_path, monkeypatch):
+    _need_cuda()
+    from dsv41.kernels import cuda_module, warmup
+
+    monkeypatch.setenv("DSV41_HOME", str(tmp_path))
+    monkeypatch.setattr(cuda_module, "_MODULES", {})
+    assert warmup.warm(None, ks=(3,)) == 3
+    assert len(list((tmp_path / "cuda").iterdir())) == 3

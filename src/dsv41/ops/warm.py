@@ -1,12 +1,13 @@
-"""`dsv41 warm rankN` (dsv41-warm@.service): check a rank's files and fill the Triton cache before the rank starts.
+"""`dsv41 warm rankN` (dsv41-warm@.service): check a rank's files and build the kernel caches before the rank starts.
 
 - Prepared folder: every `rank<R>/manifest.json` under DSV41_PREPARED_DIR lists chunks
   `{"file", "offset", "size", "sha256"}`; a sample (every 16th chunk and the last) is hashed. Pages are dropped
   behind each read (posix_fadvise DONTNEED): on GB10 the page cache is GPU memory, so warming must never leave the
   weights cached.
 - Engram shards: headers and sizes (same check as preflight).
-- Triton: if the kernels package provides `dsv41.kernels.warmup.warm(cache_dir)`, it compiles the kernels into
-  TRITON_CACHE_DIR (needs the GPU, hence here and not in the Nix build); otherwise this step is skipped and logged.
+- Kernels: `dsv41.kernels.warmup.warm(cache_dir)` builds the CUDA EXL3 kernels for this GPU into the cubin
+  cache ($DSV41_HOME/cuda; Triton compiles into TRITON_CACHE_DIR on first launch). It needs the GPU, hence here
+  and not in the Nix build.
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def warm(instance: str, env: Mapping[str, str]) -> int:
     try:
         warmup = importlib.import_module("dsv41.kernels.warmup")
     except ImportError:
-        log.info("Triton cache: skipped (no dsv41.kernels.warmup module in this build)")
+        log.info("kernel cache: skipped (no dsv41.kernels.warmup module in this build)")
     else:
         cache = env.get("TRITON_CACHE_DIR", "")
-        log.info("Triton cache: compiling into %s", cache or "Triton's default cache")
+        log.info("kernel cache: building (Triton cache %s)", cache or "Triton's default")
         warmup.warm(cache or None)
     return 1 if failed else 0

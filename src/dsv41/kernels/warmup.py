@@ -1,0 +1,34 @@
+"""Compile the EXL3 kernels ahead of the first request (`dsv41 warm rankN`, dsv41-warm@.service).
+
+CUDA: every (K, codebook) variant of cuda/exl3_fused.cu is built for this machine's GPU into the cubin cache
+(`$DSV41_HOME/cuda`), so a restart loads them instead of compiling. Triton's kernels compile on their first
+launch into TRITON_CACHE_DIR; the CUDA path is the one the engine runs on NVIDIA GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+CODEBOOKS = ("3inst", "mcg", "mul1")
+
+
+def warm(cache_dir: str | None = None, ks: tuple[int, ...] = tuple(range(1, 9))) -> int:
+    """Builds and loads the CUDA kernels for every K in `ks` and codebook; returns how many variants are ready."""
+    if cache_dir:
+        os.environ.setdefault("TRITON_CACHE_DIR", cache_dir)
+    from dsv41.kernels.exl3_cuda import _kernels, cuda_path_available
+
+    if not torch.cuda.is_available() or not cuda_path_available(torch.device("cuda")):
+        log.info("CUDA kernels: skipped (no NVIDIA GPU of sm_80 or newer here)")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    for K in ks:
+        for codebook in CODEBOOKS:
+            _kernels(device, K, codebook)
+    ready = len(ks) * len(CODEBOOKS)
+    log.info("CUDA kernels: %d variants ready for %s", ready, torch.cuda.get_device_name(device))
+    return ready
