@@ -1,5 +1,8 @@
 """Benchmark of dsv41's EXL3 kernels on the pack's shapes (one run on the H200).
 
+`ours` is the CUDA path (what the engine runs on NVIDIA GPUs, library defaults); `triton` the portable Triton
+kernel; `dense` a bf16 cuBLAS matmul on a dense matrix of the same shape.
+
 Writes bench/results/exl3_kernels.json (or --out) and a PNG plot beside it. Method (METHOD.md): every number is
 the median over graph replays; each replay launches the kernel on several copies of the weights in turn so that
 they are read from HBM, not L2; the read ceiling is measured in the same run by a plain streaming-read kernel.
