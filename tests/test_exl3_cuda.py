@@ -193,6 +193,12 @@ def test_gpu_cuda_is_the_default_path_and_triton_stays_selectable(monkeypatch):
     w = Exl3Tensor.from_group(trellis, suh, svh, "mul1")
     x = torch.randn(3, 1024, generator=gen).half().cuda()
     assert torch.equal(exl3_linear(x, w), fused_matmul_cuda(x, w))
+    # up to 32 rows stay on the fused CUDA path (crossover), with each row's bits as alone
+    x24 = torch.randn(24, 1024, generator=gen).half().cuda()
+    y24 = exl3_linear(x24, w)
+    assert torch.equal(y24[20:21], fused_matmul_cuda(x24[20:21], w))
+    x40 = torch.randn(40, 1024, generator=gen).half().cuda()
+    assert _rel(exl3_linear(x40, w), fused_matmul_cuda(x40, w)) <= 1e-3  # reconstruct + GEMM above 32
     monkeypatch.setenv("DSV41_EXL3_BACKEND", "triton")
     yt = exl3_linear(x, w)
     assert _rel(yt, fused_matmul_cuda(x, w)) <= 1e-3
