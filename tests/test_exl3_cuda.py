@@ -244,3 +244,27 @@ def test_gpu_warmup_fills_the_cubin_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(cuda_module, "_MODULES", {})
     assert warmup.warm(None, ks=(3,)) == 3
     assert len(list((tmp_path / "cuda").iterdir())) == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,K", [(5120, 2304, 3), (8192, 5120, 5)])
+def test_gpu_cuda_cluster_reduction(k, n, K, monkeypatch):
+    """DSV41_EXL3_CLUSTER=1: split-K partials summed through a thread block cluster's shared memory."""
+    _need_cuda()
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("thread block clusters need sm_90+")
+    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
+    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.weights import exl3
+
+    monkeypatch.setenv("DSV41_EXL3_CLUSTER", "1")
+    gen = torch.Generator().manual_seed(k + K)
+    trellis, suh, svh = _random_group(gen, k, n, K, "cuda")
+    w = Exl3Tensor.from_group(trellis, suh, svh, "mul1")
+    x = torch.randn(16, k, generator=gen).half().cuda()
+    y = fused_matmul_cuda(x, w)
+    y64 = x.double() @ exl3.effective_weight(trellis, suh, svh, "mul1", torch.float64)
+    assert _rel(y, y64) <= 1e-3 and _max_elem(y, y64) <= 6e-3
+    assert torch.equal(fused_matmul_cuda(x, w), y)
+    for m in (1, 3, 8, 9, 16):
+        assert torch.equal(fused_matmul_cuda(x[:m], w), y[:m]), f"m={m}"

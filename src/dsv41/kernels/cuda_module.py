@@ -23,12 +23,14 @@ import torch
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttribute(ctypes.Structure):
     # CUlaunchAttribute: enum id, padding to 8 bytes, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    # (the union as 16 uints: a c_char array would stop copying at the first zero byte)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_uint), ("value", ctypes.c_uint * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -114,7 +116,8 @@ class CudaKernel:
     pdl: bool = False
     shared_limit: int = 48 * 1024
 
-    def launch(self, grid: tuple[int, int, int], block: int, shared: int, args: list) -> None:
+    def launch(self, grid: tuple[int, int, int], block: int, shared: int, args: list,
+               cluster: tuple[int, int, int] | None = None) -> None:
         lib = _DRIVER[0]
         if shared > self.shared_limit:
             _check(lib, lib.cuFuncSetAttribute(self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -132,16 +135,22 @@ class CudaKernel:
                 values.append(ctypes.c_int(int(a)))
         pointers = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
         stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        if not self.pdl:
+        if not self.pdl and cluster is None:
             _check(
                 lib,
                 lib.cuLaunchKernel(self.function, *grid, block, 1, 1, shared, stream, pointers, None),
                 f"launch {self.name}",
             )
             return
-        attr = _LaunchAttribute(_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, b"",
-                                (1).to_bytes(4, "little") + bytes(60))
-        config = _LaunchConfig(*grid, block, 1, 1, shared, stream, ctypes.pointer(attr), 1)
+        attrs = []
+        if self.pdl:
+            attrs.append((_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))
+        if cluster is not None:
+            attrs.append((_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, tuple(cluster)))
+        array = (_LaunchAttribute * len(attrs))(
+            *[_LaunchAttribute(i, 0, (ctypes.c_uint * 16)(*v)) for i, v in attrs]
+        )
+        config = _LaunchConfig(*grid, block, 1, 1, shared, stream, array, len(attrs))
         _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), self.function, pointers, None), f"launch {self.name}")
 
 

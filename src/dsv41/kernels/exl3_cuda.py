@@ -65,6 +65,17 @@ def _xs_stride(k: int, splits: int) -> int:
     return math.ceil((k // 128) / splits) * 128 + 8
 
 
+MAX_CLUSTER = 8  # portable thread block cluster size
+
+
+def use_clusters(device: torch.device) -> bool:
+    """Split-K reduction through a cluster's shared memory (sm_90+); opt-in with DSV41_EXL3_CLUSTER=1 until the
+    full benchmark has measured it (docs/perf/exl3.md)."""
+    if os.environ.get("DSV41_EXL3_CLUSTER", "0") in ("0", ""):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -140,9 +151,14 @@ def fused_matmul_cuda(
     if m == 0:
         return out
     k, n, K = weight.k, weight.n, weight.K
-    splits = splits or default_splits(k, n, _sm_count(x.device))
+    clustered = use_clusters(x.device)
+    if splits is None:
+        splits = default_splits(k, n, _sm_count(x.device))
+        if clustered:
+            splits = max(math.ceil((k // 128) / MAX_SLICE_BLOCKS), min(splits, MAX_CLUSTER))
     if not 1 <= splits <= k // 128 or math.ceil((k // 128) / splits) > MAX_SLICE_BLOCKS:
         raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128}, slices of at most {MAX_SLICE_BLOCKS} blocks)")
+    clustered = clustered and 1 < splits <= MAX_CLUSTER
     kernels = _kernels(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
     for start in range(0, m, MAX_ROWS):
@@ -159,7 +175,8 @@ def fused_matmul_cuda(
         kernels[f"exl3_linear_r{variant}"].launch(
             (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, xs_stride, tuning),
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
-             yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride],
+             yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride, int(clustered)],
+            cluster=(1, splits, 1) if clustered else None,
         )
     return out
 

@@ -127,6 +127,27 @@ __device__ __forceinline__ void let_next_kernel_start() {
 #endif
 }
 
+// Thread block clusters (sm_90+, also GB10): the k splits of one column block can form a cluster and sum their
+// partials through distributed shared memory instead of global memory and an arrival counter.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// 4 floats at `local` (a shared-memory address of this block) in the cluster block of rank `rank`.
+__device__ __forceinline__ float4 load_cluster4(const float* local, u32 rank) {
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if __CUDA_ARCH__ >= 900
+    u32 remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0,%1,%2,%3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote));
+#endif
+    return v;
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // decode: a lane's 8 consecutive stream positions -> the 4 f16x2 registers of its A fragment
 // ------------------------------------------------------------------------------------------------------------
@@ -505,7 +526,8 @@ __device__ __forceinline__ void rotate_output(float* v, const u16* svh_block, in
 template <int ROWS>
 __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
                                             const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
-                                            float* part, int* counters, int k, int n, int splits, int xs_stride) {
+                                            float* part, int* counters, int k, int n, int splits, int xs_stride,
+                                            int cluster) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm = carve<ROWS>(smem_raw, xs_stride);
     const int cb = blockIdx.x, sp = blockIdx.y;
@@ -517,6 +539,24 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
     block_product<ROWS>(sm, xs_stride, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
 
     const long long split_stride = (long long)ROWS * n;
+    if (cluster && splits > 1) {
+        // launched as clusters of the `splits` blocks of this column block (rank = split): row r is finished by
+        // the block of rank r % splits, summing the blocks' partials in split order straight from their
+        // shared memory; the second barrier keeps every block alive until its partial has been read.
+        cluster_sync();
+        for (int r = sp + warp * splits; r < m; r += WARPS * splits) {
+            float v[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int q = 0; q < splits; ++q) {
+                const float4 p = load_cluster4(sm.ys + r * YS_STRIDE + 4 * lane, (u32)q);
+                v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+            }
+            rotate_output(v, svh + cb * 128, lane);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
+        }
+        cluster_sync();
+        return;
+    }
     if (EXL3_ABLATE != 3 && splits > 1) {
         store_partial(sm.ys, part + sp * split_stride + cb * 128, n, m);
         if (!last_to_arrive(counters + cb, splits, sm.ints + 32)) return;
@@ -537,8 +577,9 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 
 #define LINEAR_ARGS                                                                                          \
     const void *x, int ldx, int x_dtype, int m, const u32 *trellis, const u16 *suh, const u16 *svh, void *y, \
-        int ldy, int y_dtype, float *part, int *counters, int k, int n, int splits, int xs_stride
-#define LINEAR_PASS x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride
+        int ldy, int y_dtype, float *part, int *counters, int k, int n, int splits, int xs_stride, int cluster
+#define LINEAR_PASS \
+    x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, cluster
 
 extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
