@@ -1,18 +1,15 @@
-# dsv41-kernels: the kernel sources and their ahead-of-time objects, built reproducibly into the closure.
-# Triton kernels are JIT-compiled on the node (dsv41-warm@ fills TRITON_CACHE_DIR, which needs the GPU), so for them
-# the closure carries the exact sources. CUDA sources under kernels/ (*.cu) are compiled here with nvcc for the
-# configured cudaCapabilities (12.1 on the Sparks) into one shared object each.
-{ lib, cudaPackages }:
+# dsv41-kernels: the kernel sources and their ahead-of-time cubins, built reproducibly into the closure.
+# The CUDA EXL3 kernels (src/dsv41/kernels/cuda/*.cu) are compiled here with nvcc for the configured
+# cudaCapabilities (12.1 on the Sparks), every variant the engine can ask for, by the same torch-free script the
+# runtime uses to name them (src/dsv41/kernels/cuda_build.py); the units set DSV41_CUBIN_DIR to
+# $out/share/dsv41/cuda, so a node compiles nothing at start. The Triton kernels (the portable path) are
+# JIT-compiled on the node, so for them the closure carries the exact sources.
+{ lib, cudaPackages, python3 }:
 let
   root = ../.;
-  kernelsDir = root + "/kernels";
-  tritonDir = root + "/src/dsv41/kernels";
-  hasKernelsDir = builtins.pathExists kernelsDir;
-  kernelFiles = lib.optionals hasKernelsDir (lib.filesystem.listFilesRecursive kernelsDir);
-  cuSources = map (f: lib.removePrefix (toString kernelsDir + "/") (toString f))
-    (builtins.filter (f: lib.hasSuffix ".cu" (toString f)) kernelFiles);
-  archs = map (lib.replaceStrings [ "." ] [ "" ]) cudaPackages.flags.cudaCapabilities;
-  gencode = lib.concatMapStringsSep " " (a: "-gencode=arch=compute_${a},code=sm_${a}") archs;
+  kernelsSrc = root + "/src/dsv41/kernels";
+  archs = map (c: "sm_" + lib.replaceStrings [ "." ] [ "" ] c) cudaPackages.flags.cudaCapabilities;
+  archFlags = lib.concatMapStringsSep " " (a: "--arch ${a}") archs;
 in
 assert lib.assertMsg (archs != [ ]) "dsv41-kernels: config.cudaCapabilities is empty";
 cudaPackages.backendStdenv.mkDerivation {
@@ -20,28 +17,24 @@ cudaPackages.backendStdenv.mkDerivation {
   version = "0.1.0";
   src = lib.fileset.toSource {
     inherit root;
-    fileset = lib.fileset.unions ([ tritonDir ] ++ lib.optional hasKernelsDir kernelsDir);
+    fileset = kernelsSrc;
   };
   __structuredAttrs = true;
   strictDeps = true;
-  nativeBuildInputs = lib.optionals (cuSources != [ ]) [ cudaPackages.cuda_nvcc ];
-  buildInputs = lib.optionals (cuSources != [ ]) [ cudaPackages.cuda_cudart ];
+  nativeBuildInputs = [ cudaPackages.cuda_nvcc python3 ];
   buildPhase = ''
     runHook preBuild
-  '' + lib.concatMapStrings (rel: ''
-    mkdir -p "build/$(dirname ${rel})"
-    nvcc -O3 -std=c++17 -Xcompiler -fPIC -shared ${gencode} -o "build/${lib.removeSuffix ".cu" rel}.so" "kernels/${rel}"
-  '') cuSources + ''
+    DSV41_NVCC="$(command -v nvcc)" python3 src/dsv41/kernels/cuda_build.py ${archFlags} \
+      --out build/cuda --jobs "$NIX_BUILD_CORES"
     runHook postBuild
   '';
   installPhase = ''
     runHook preInstall
-    mkdir -p "$out/share/dsv41/kernels/triton"
-    cp -r src/dsv41/kernels/. "$out/share/dsv41/kernels/triton/"
-    if [ -d kernels ]; then mkdir -p "$out/share/dsv41/kernels/src"; cp -r kernels/. "$out/share/dsv41/kernels/src/"; fi
-    if [ -d build ]; then mkdir -p "$out/lib/dsv41-kernels"; cp -r build/. "$out/lib/dsv41-kernels/"; fi
+    mkdir -p "$out/share/dsv41/cuda" "$out/share/dsv41/kernels/src"
+    cp build/cuda/*.cubin "$out/share/dsv41/cuda/"
+    cp -r src/dsv41/kernels/. "$out/share/dsv41/kernels/src/"
     runHook postInstall
   '';
-  passthru = { inherit cuSources archs; };
+  passthru = { inherit archs; };
   meta.platforms = [ "aarch64-linux" "x86_64-linux" ];
 }

@@ -9,7 +9,6 @@ against fp64 on the pack's shapes, rows bitwise independent of the batch and of 
 from __future__ import annotations
 
 import subprocess
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -30,30 +29,30 @@ from test_exl3_kernels import (
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "dsv41" / "kernels" / "cuda" / "exl3_fused.cu"
 
 
-def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path):
-    from dsv41.kernels.cuda_module import find_nvcc
+def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path, monkeypatch):
+    """Every variant for sm_90 through the ahead-of-time builder the Nix closure uses, the pack's K=3 for GB10
+    (sm_121) without a single warning, and the runtime finds the prebuilt cubins without compiling anything."""
+    from dsv41.kernels import cuda_build, cuda_module
 
-    nvcc = find_nvcc()
+    nvcc = cuda_build.find_nvcc()
     if nvcc is None:
         pytest.skip("no CUDA toolkit (nvcc) on this machine: the source is compiled on the GPU machine instead")
-    # every K and codebook for Hopper, the pack's K=3 for GB10 (sm_121): two compilers at a time
-    jobs = [("sm_90", K, cb) for K in range(1, 9) for cb in range(3)] + [("sm_121", 3, cb) for cb in range(3)]
-
-    def build(job):
-        arch, K, cb = job
-        out = tmp_path / f"{arch}-{K}-{cb}.cubin"
+    built = cuda_build.build_all(["sm_90"], tmp_path / "prebuilt", jobs=2)
+    assert len(built) == 24 and all(p.stat().st_size > 0 for p in built)
+    for cb in range(3):
         proc = subprocess.run(
-            [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", f"-DEXL3_K={K}", f"-DEXL3_CB={cb}",
-             "-o", str(out), str(SOURCE)],
+            [nvcc, "-cubin", "-arch=sm_121", "-O3", "-std=c++17", "-DEXL3_K=3", f"-DEXL3_CB={cb}",
+             *cuda_build.flags_of(cuda_build.DEFAULT_TUNING), "-o", str(tmp_path / f"gb10-{cb}.cubin"), str(SOURCE)],
             capture_output=True, text=True,
         )
-        return job, proc, out
-
-    with ThreadPoolExecutor(2) as pool:
-        for job, proc, out in pool.map(build, jobs):
-            assert proc.returncode == 0, (job, proc.stderr[-3000:])
-            assert "warning" not in proc.stderr.lower(), (job, proc.stderr[-3000:])
-            assert out.stat().st_size > 0
+        assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
+    # a prebuilt cubin is used as is: no compiler may run
+    monkeypatch.setenv("DSV41_CUBIN_DIR", str(tmp_path / "prebuilt"))
+    monkeypatch.setenv("DSV41_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cuda_module, "find_nvcc", lambda: pytest.fail("compiled although a prebuilt cubin exists"))
+    defines = cuda_build.exl3_defines(3, "mul1", cuda_build.DEFAULT_TUNING)
+    image = cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90")
+    assert image == (tmp_path / "prebuilt" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")).read_bytes()
 
 
 def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():

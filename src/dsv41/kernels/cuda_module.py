@@ -1,27 +1,24 @@
 """Build, cache and launch dsv41's CUDA kernels (no torch C++ extension: plain cubins through the driver API).
 
-A kernel file is compiled once per set of `-D` defines and GPU architecture: with `nvcc -cubin` when a CUDA
-toolkit is found (`$DSV41_NVCC`, `nvcc` on PATH, `/usr/local/cuda/bin/nvcc`), else with NVRTC to PTX (torch's
-bundled NVRTC) that the driver finishes. Results are cached under `$DSV41_HOME/cuda` (default
-`~/.cache/dsv41/cuda`) keyed by the source, the defines, the architecture and the compiler, so a prepared
-folder or a Nix closure can ship them and a restart compiles nothing. Launches go through `cuLaunchKernel` on
-torch's current stream, so they are captured by CUDA graphs like any torch kernel.
+A kernel file is built once per set of `-D` defines and GPU architecture. Lookup order: a prebuilt cubin in
+`$DSV41_CUBIN_DIR` (the Nix closure ships every variant for the appliance's GPUs, `dsv41.kernels.cuda_build`), the
+cache `$DSV41_HOME/cuda` (default `~/.cache/dsv41/cuda`), else a fresh build: `nvcc -cubin` when a CUDA toolkit is
+found (`$DSV41_NVCC`, `nvcc` on PATH, `/usr/local/cuda/bin/nvcc`), else NVRTC to PTX (torch's bundled NVRTC) that
+the driver finishes. Launches go through `cuLaunchKernel(Ex)` on torch's current stream, so they are captured by
+CUDA graphs like any torch kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
+from dsv41.kernels.cuda_build import SOURCE_DIR, find_nvcc, flags_of, image_name, nvcc_cubin
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -62,13 +59,6 @@ def cache_dir() -> Path:
     return home / "cuda"
 
 
-def find_nvcc() -> str | None:
-    for candidate in (os.environ.get("DSV41_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if candidate and Path(candidate).is_file():
-            return candidate
-    return None
-
-
 def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
@@ -83,29 +73,28 @@ def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
 
 
 def compile_image(source: Path, defines: dict[str, int], arch: str) -> bytes:
-    """cubin (nvcc) or PTX (NVRTC) bytes for `source` with `defines`, from the cache when present."""
-    text = source.read_text()
+    """cubin (prebuilt, cached or nvcc) or PTX (NVRTC) bytes for `source` with `defines`."""
+    cubin = image_name(source, defines, arch, "cubin")
+    prebuilt = os.environ.get("DSV41_CUBIN_DIR")
+    for folder in ([Path(prebuilt)] if prebuilt else []) + [cache_dir()]:
+        if (folder / cubin).is_file():
+            return (folder / cubin).read_bytes()
     nvcc = find_nvcc()
-    flags = [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    tool = f"nvcc:{nvcc}" if nvcc else f"nvrtc:{torch.version.cuda}"
-    key = hashlib.sha256("\0".join([text, *flags, arch, tool]).encode()).hexdigest()[:24]
-    path = cache_dir() / f"{source.stem}-{arch}-{key}.{'cubin' if nvcc else 'ptx'}"
-    if path.is_file():
-        return path.read_bytes()
-    path.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir().mkdir(parents=True, exist_ok=True)
     if nvcc:
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", *flags, "-o", str(tmp), str(source)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CudaBuildError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
-        image = tmp.read_bytes()
-        tmp.replace(path)
-        return image
+        try:
+            nvcc_cubin(nvcc, source, defines, arch, cache_dir() / cubin)
+        except RuntimeError as exc:
+            raise CudaBuildError(str(exc)) from None
+        return (cache_dir() / cubin).read_bytes()
+    ptx_path = cache_dir() / image_name(source, defines, arch, "ptx")
+    if ptx_path.is_file():
+        return ptx_path.read_bytes()
     from torch.cuda._utils import _nvrtc_compile  # torch's NVRTC binding (no toolkit needed)
 
-    ptx, _ = _nvrtc_compile(text, "exl3_linear_r8", arch.removeprefix("sm_"), nvcc_options=["-std=c++17", *flags])
-    path.write_bytes(ptx)
+    ptx, _ = _nvrtc_compile(source.read_text(), "exl3_linear_r8", arch.removeprefix("sm_"),
+                            nvcc_options=["-std=c++17", *flags_of(defines)])
+    ptx_path.write_bytes(ptx)
     return ptx
 
 

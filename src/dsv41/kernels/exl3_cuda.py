@@ -11,15 +11,15 @@ Launch shapes depend on the matrix only (never on m), so a row's bits do not dep
 from __future__ import annotations
 
 import ctypes
-import json
 import math
 import os
 from dataclasses import dataclass
 
 import torch
 
+from dsv41.kernels.cuda_build import exl3_defines
+from dsv41.kernels.cuda_build import tuning as configured_tuning
 from dsv41.kernels.cuda_module import load_kernels
-from dsv41.kernels.exl3_common import CODEBOOK_IDS
 from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor
 
 SOURCE = "exl3_fused.cu"
@@ -29,14 +29,10 @@ KERNELS = [
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
 ]
-# must match exl3_fused.cu (KR and STAGES are passed to the compiler, so they are set here)
+# must match exl3_fused.cu; the pipeline shape (KR, STAGES) is a compile-time define chosen in cuda_build
 THREADS = 256
 YS_STRIDE, SMEM_INTS = 132, 128
-# 8 tile rows (one 128-deep block) per stage, 3 stages: fastest at m = 1..8 on every pack shape measured
-# (docs/perf/exl3.md, ablation run 5)
-TUNING = {"EXL3_KR": 8, "EXL3_STAGES": 3, "EXL3_PRELOAD": 0}
-if os.environ.get("DSV41_EXL3_TUNING"):  # benchmarks: compile-time variants, e.g. '{"EXL3_PRELOAD": 1}'
-    TUNING = {**TUNING, **json.loads(os.environ["DSV41_EXL3_TUNING"])}
+TUNING = configured_tuning()
 MAX_ROWS = 16
 # A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
 MAX_SLICE_BLOCKS = 10
@@ -50,13 +46,12 @@ def cuda_path_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _kernels(device: torch.device, K: int, codebook: str, tuning: dict | None = None) -> dict:
-    defines = {"EXL3_K": K, "EXL3_CB": CODEBOOK_IDS[codebook], **(tuning or TUNING)}
-    return load_kernels(SOURCE, defines, KERNELS, device)
+def _kernels(device: torch.device, K: int, codebook: str, tune: dict | None = None) -> dict:
+    return load_kernels(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
 
 
-def _shared_bytes(K: int, rows: int, xs_stride: int, tuning: dict | None = None) -> int:
-    t = tuning or TUNING
+def _shared_bytes(K: int, rows: int, xs_stride: int, tune: dict | None = None) -> int:
+    t = tune or TUNING
     stage_words = t["EXL3_KR"] * 8 * 8 * K
     return (t["EXL3_STAGES"] * stage_words + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4
 

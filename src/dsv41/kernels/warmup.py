@@ -1,7 +1,8 @@
 """Compile the EXL3 kernels ahead of the first request (`dsv41 warm rankN`, dsv41-warm@.service).
 
-CUDA: every (K, codebook) variant of cuda/exl3_fused.cu is built for this machine's GPU into the cubin cache
-(`$DSV41_HOME/cuda`), so a restart loads them instead of compiling. Triton's kernels compile on their first
+CUDA: every (K, codebook) variant of cuda/exl3_fused.cu is loaded for this machine's GPU: from the closure's
+prebuilt cubins (`$DSV41_CUBIN_DIR`), else built once into the cubin cache (`$DSV41_HOME/cuda`), so the rank
+itself never compiles. Triton's kernels compile on their first
 launch into TRITON_CACHE_DIR; the CUDA path is the one the engine runs on NVIDIA GPUs.
 """
 

@@ -1,0 +1,96 @@
+"""Ahead-of-time build of the CUDA kernels: every variant's cubin for given GPU architectures (no GPU, no torch).
+
+    python3 -m dsv41.kernels.cuda_build --arch sm_121 --arch sm_90 --out DIR     (or: python3 cuda_build.py ...)
+
+The Nix build runs this for the appliance's cudaCapabilities and ships DIR in the closure; units point
+DSV41_CUBIN_DIR at it, and `dsv41.kernels.cuda_module` loads a cubin from there before its own cache, so a node
+compiles nothing at start. File names carry a hash of the source text, the defines and the architecture (not the
+compiler), so a prebuilt cubin is found exactly when it was built from the same source for the same variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
+EXL3_SOURCE = SOURCE_DIR / "exl3_fused.cu"
+CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
+# Compile-time pipeline shape of the EXL3 kernels: 8 tile rows (one 128-deep block) per stage, 3 stages, fastest at
+# m = 1..8 on every pack shape measured (docs/perf/exl3.md). DSV41_EXL3_TUNING='{"EXL3_PRELOAD": 1}' overrides it
+# for benchmarks.
+DEFAULT_TUNING = {"EXL3_KR": 8, "EXL3_STAGES": 3, "EXL3_PRELOAD": 0}
+
+
+def tuning() -> dict[str, int]:
+    import json
+
+    extra = os.environ.get("DSV41_EXL3_TUNING")
+    return {**DEFAULT_TUNING, **(json.loads(extra) if extra else {})}
+
+
+def exl3_defines(K: int, codebook: str, tune: dict | None = None) -> dict[str, int]:
+    return {"EXL3_K": K, "EXL3_CB": CODEBOOK_IDS[codebook], **(tune if tune is not None else tuning())}
+
+
+def exl3_variants() -> list[dict[str, int]]:
+    """Every (K, codebook) variant the engine can ask for, with the default tuning."""
+    return [exl3_defines(K, cb, DEFAULT_TUNING) for K in range(1, 9) for cb in CODEBOOK_IDS]
+
+
+def flags_of(defines: dict[str, int]) -> list[str]:
+    return [f"-D{k}={v}" for k, v in sorted(defines.items())]
+
+
+def image_name(source: Path, defines: dict[str, int], arch: str, suffix: str) -> str:
+    key = hashlib.sha256("\0".join([source.read_text(), *flags_of(defines), arch]).encode()).hexdigest()[:24]
+    return f"{source.stem}-{arch}-{key}.{suffix}"
+
+
+def find_nvcc() -> str | None:
+    for candidate in (os.environ.get("DSV41_NVCC"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+def nvcc_cubin(nvcc: str, source: Path, defines: dict[str, int], arch: str, out: Path) -> None:
+    """Compiles one cubin to `out` (written under a temporary name first, so readers never see half a file)."""
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    cmd = [nvcc, "-cubin", f"-arch={arch}", "-O3", "-std=c++17", *flags_of(defines), "-o", str(tmp), str(source)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}")
+    tmp.replace(out)
+
+
+def build_all(archs: list[str], out_dir: Path, jobs: int = os.cpu_count() or 1) -> list[Path]:
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc found (set DSV41_NVCC or put nvcc on PATH)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = [(d, a, out_dir / image_name(EXL3_SOURCE, d, a, "cubin")) for a in archs for d in exl3_variants()]
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        list(pool.map(lambda w: nvcc_cubin(nvcc, EXL3_SOURCE, w[0], w[1], w[2]), work))
+    return [w[2] for w in work]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", action="append", required=True, help="sm_XY (repeatable), e.g. sm_121 for GB10")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    built = build_all(args.arch, args.out, args.jobs)
+    print(f"built {len(built)} cubins for {', '.join(args.arch)} into {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
