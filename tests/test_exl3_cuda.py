@@ -240,6 +240,7 @@ def test_gpu_warmup_fills_the_cubin_cache(tmp_path, monkeypatch):
     from dsv41.kernels import cuda_module, warmup
 
     monkeypatch.setenv("DSV41_HOME", str(tmp_path))
+    monkeypatch.delenv("DSV41_CUBIN_DIR", raising=False)
     monkeypatch.setattr(cuda_module, "_MODULES", {})
     assert warmup.warm(None, ks=(3,)) == 3
     assert len(list((tmp_path / "cuda").iterdir())) == 3
