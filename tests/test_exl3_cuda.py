@@ -268,3 +268,20 @@ def test_gpu_cuda_cluster_reduction(k, n, K, monkeypatch):
     assert torch.equal(fused_matmul_cuda(x, w), y)
     for m in (1, 3, 8, 9, 16):
         assert torch.equal(fused_matmul_cuda(x[:m], w), y[:m]), f"m={m}"
+
+
+def test_cubin_cache_builds_once_then_reuses(tmp_path, monkeypatch):
+    from dsv41.kernels import cuda_build, cuda_module
+
+    nvcc = cuda_build.find_nvcc()
+    if nvcc is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine: the runtime build path needs one (or NVRTC on a GPU)")
+    monkeypatch.delenv("DSV41_CUBIN_DIR", raising=False)
+    monkeypatch.setenv("DSV41_HOME", str(tmp_path))
+    defines = cuda_build.exl3_defines(2, "3inst", cuda_build.DEFAULT_TUNING)
+    first = cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90")
+    cached = tmp_path / "cuda" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")
+    assert cached.read_bytes() == first and len(first) > 0
+    assert [p.name for p in (tmp_path / "cuda").iterdir()] == [cached.name]  # no temporary file left behind
+    monkeypatch.setattr(cuda_module, "find_nvcc", lambda: pytest.fail("rebuilt although the cache holds it"))
+    assert cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90") == first
