@@ -20,7 +20,7 @@ import torch
 from dsv41.kernels.cuda_build import exl3_defines
 from dsv41.kernels.cuda_build import tuning as configured_tuning
 from dsv41.kernels.cuda_module import load_kernels
-from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor
+from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
 
 SOURCE = "exl3_fused.cu"
 KERNELS = [
@@ -217,13 +217,8 @@ def moe_forward_cuda(
 
     Two launches per window of at most 16 rows; every expert's trellis is read once per window.
     """
+    check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     T, hidden = x.shape
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} vs x {list(x.shape)}")
-    if w1.k != hidden or w3.k != hidden or w2.n != hidden or w1.n != w3.n or w2.k != w1.n:
-        raise ValueError("expert stacks do not chain: need w1/w3 [hidden, inter] and w2 [inter, hidden]")
-    if w1.K != w3.K or w1.codebook != w3.codebook:
-        raise ValueError("gate and up stacks must share K and codebook")
     if x.dtype not in DTYPE_CODES or out_dtype not in DTYPE_CODES:
         raise ValueError(f"unsupported dtypes x={x.dtype} out={out_dtype}")
     topk = topk_ids.shape[1]

@@ -30,7 +30,7 @@ from dsv41.kernels.exl3_common import (
     use_inline_asm,
 )
 from dsv41.kernels.exl3_cuda import moe_forward_cuda
-from dsv41.kernels.layout import Exl3ExpertStack
+from dsv41.kernels.layout import Exl3ExpertStack, check_moe_inputs
 
 MAX_ROWS = 16
 
@@ -292,14 +292,9 @@ def moe_forward(
     """
     if config is None and use_cuda_backend(x.device):
         return moe_forward_cuda(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit, out_dtype)
+    check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     cfg = config or MoeConfig()
     T, hidden = x.shape
-    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} vs x {list(x.shape)}")
-    if w1.k != hidden or w3.k != hidden or w2.n != hidden or w1.n != w3.n or w2.k != w1.n:
-        raise ValueError("expert stacks do not chain: need w1/w3 [hidden, inter] and w2 [inter, hidden]")
-    if len({w1.K, w3.K}) != 1 or w1.codebook != w3.codebook:
-        raise ValueError("gate and up stacks must share K and codebook")
     out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
     for start in range(0, T, MAX_ROWS):
         stop = min(T, start + MAX_ROWS)

@@ -114,3 +114,15 @@ class Exl3ExpertStack:
     @property
     def expert_nbytes(self) -> int:
         return self.words[0].numel() * 4 + self.k * 2 + self.n * 2
+
+
+def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: Exl3ExpertStack,
+                     w3: Exl3ExpertStack, w2: Exl3ExpertStack) -> None:
+    """The routed-expert kernels' inputs agree: x [T, hidden], top-k tables [T, topk], stacks that chain."""
+    T, hidden = x.shape
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} vs x {list(x.shape)}")
+    if w1.k != hidden or w3.k != hidden or w2.n != hidden or w1.n != w3.n or w2.k != w1.n:
+        raise ValueError("expert stacks do not chain: need w1/w3 [hidden, inter] and w2 [inter, hidden]")
+    if w1.K != w3.K or w1.codebook != w3.codebook:
+        raise ValueError("gate and up stacks must share K and codebook")
