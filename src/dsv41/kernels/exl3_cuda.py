@@ -1,9 +1,10 @@
 """CUDA path of the EXL3 kernels (cuda/exl3_fused.cu): fused matmul and routed-expert MoE for <= 16-row windows.
 
 Each lane decodes its 8 trellis positions straight into its `mma.m16n8k16` operand registers (the tile
-permutation of spec §1.4 was made for that), tiles stream through a 4-stage cp.async ring, the input rotation runs
-in each block and the output rotation in the epilogue; split-K partials are summed in split order by the block
-that arrives last. Compiled per (K, codebook) on first use and cached (`dsv41.kernels.cuda_module`).
+permutation of spec §1.4 was made for that), each warp streams its tile column through its own cp.async ring, the
+input rotation runs in each block and the output rotation in the epilogue; split-K partials are summed in split
+order by the block that arrives last. One cubin per (K, codebook): prebuilt in the closure or built once and cached
+(`dsv41.kernels.cuda_build`, `dsv41.kernels.cuda_module`).
 
 Launch shapes depend on the matrix only (never on m), so a row's bits do not depend on the other rows or on m.
 """
@@ -46,8 +47,8 @@ def cuda_path_available(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def _kernels(device: torch.device, K: int, codebook: str, tune: dict | None = None) -> dict:
-    return load_kernels(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
+def kernels_for(device: torch.device, K: int, codebook: str, tune: dict | None = None) -> dict:
+    return loadkernels_for(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
 
 
 def _shared_bytes(K: int, rows: int, xs_stride: int, tune: dict | None = None) -> int:
@@ -64,8 +65,8 @@ MAX_CLUSTER = 8  # portable thread block cluster size
 
 
 def use_clusters(device: torch.device) -> bool:
-    """Split-K reduction through a cluster's shared memory (sm_90+); opt-in with DSV41_EXL3_CLUSTER=1 until the
-    full benchmark has measured it (docs/perf/exl3.md)."""
+    """Split-K reduction through a cluster's shared memory (sm_90+), opt-in with DSV41_EXL3_CLUSTER=1: correct,
+    but slower on the H200 because clusters cap the split count at 8 (docs/perf/exl3.md)."""
     if os.environ.get("DSV41_EXL3_CLUSTER", "0") in ("0", ""):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -154,7 +155,7 @@ def fused_matmul_cuda(
     if not 1 <= splits <= k // 128 or math.ceil((k // 128) / splits) > MAX_SLICE_BLOCKS:
         raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128}, slices of at most {MAX_SLICE_BLOCKS} blocks)")
     clustered = clustered and 1 < splits <= MAX_CLUSTER
-    kernels = _kernels(x.device, K, weight.codebook, tuning)
+    kernels = kernels_for(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
@@ -180,7 +181,7 @@ def decode_cuda(weight: Exl3Tensor) -> torch.Tensor:
     """W_q `[k, n]` fp16 (rotated domain) through the kernels' own fragment decode (tests and tools)."""
     out = torch.empty((weight.k, weight.n), dtype=torch.float16, device=weight.device)
     tiles = (weight.k // 16) * (weight.n // 16)
-    _kernels(weight.device, weight.K, weight.codebook)["exl3_decode"].launch(
+    kernels_for(weight.device, weight.K, weight.codebook)["exl3_decode"].launch(
         (math.ceil(tiles / 8), 1, 1), THREADS, 0, [weight.words, out, weight.k, weight.n]
     )
     return out
@@ -258,7 +259,7 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaC
         }
 
     ws = _WORKSPACE.get(("moe", str(dev), n_slots, n1, n2, sa, sb, variant), make)
-    ka = _kernels(dev, w1.K, w1.codebook)
+    ka = kernels_for(dev, w1.K, w1.codebook)
     xs_a = _xs_stride(w1.k, sa)
     expert_words_1 = ctypes.c_longlong(w1.words[0].numel())
     ka[f"exl3_moe_gate_up_r{variant}"].launch(
@@ -267,7 +268,7 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaC
          w1.words, w1.suh, w1.svh, w3.words, w3.suh, w3.svh, expert_words_1,
          ws["h"], ws["part_a"], ws["count_a"], w1.k, n1, sa, xs_a, limit],
     )
-    kb = _kernels(dev, w2.K, w2.codebook)
+    kb = kernels_for(dev, w2.K, w2.codebook)
     xs_b = _xs_stride(w2.k, sb)
     kb[f"exl3_moe_down_r{variant}"].launch(
         (n_slots, n2 // 128, sb), THREADS, _shared_bytes(w2.K, variant, xs_b),

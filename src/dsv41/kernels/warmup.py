@@ -21,7 +21,7 @@ def warm(cache_dir: str | None = None, ks: tuple[int, ...] = tuple(range(1, 9)))
     """Builds and loads the CUDA kernels for every K in `ks` and codebook; returns how many variants are ready."""
     if cache_dir:
         os.environ.setdefault("TRITON_CACHE_DIR", cache_dir)
-    from dsv41.kernels.exl3_cuda import _kernels, cuda_path_available
+    from dsv41.kernels.exl3_cuda import cuda_path_available, kernels_for
 
     if not torch.cuda.is_available() or not cuda_path_available(torch.device("cuda")):
         log.info("CUDA kernels: skipped (no NVIDIA GPU of sm_80 or newer here)")
@@ -29,7 +29,7 @@ def warm(cache_dir: str | None = None, ks: tuple[int, ...] = tuple(range(1, 9)))
     device = torch.device("cuda", torch.cuda.current_device())
     for K in ks:
         for codebook in CODEBOOKS:
-            _kernels(device, K, codebook)
+            kernels_for(device, K, codebook)
     ready = len(ks) * len(CODEBOOKS)
     log.info("CUDA kernels: %d variants ready for %s", ready, torch.cuda.get_device_name(device))
     return ready
