@@ -48,7 +48,7 @@ def cuda_path_available(device: torch.device) -> bool:
 
 
 def kernels_for(device: torch.device, K: int, codebook: str, tune: dict | None = None) -> dict:
-    return loadkernels_for(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
+    return load_kernels(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
 
 
 def _shared_bytes(K: int, rows: int, xs_stride: int, tune: dict | None = None) -> int:
