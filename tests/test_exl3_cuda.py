@@ -285,3 +285,29 @@ def test_cubin_cache_builds_once_then_reuses(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "cuda").iterdir()] == [cached.name]  # no temporary file left behind
     monkeypatch.setattr(cuda_module, "find_nvcc", lambda: pytest.fail("rebuilt although the cache holds it"))
     assert cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90") == first
+
+
+def test_gpu_only_kernel_code_has_no_undefined_names():
+    """The CUDA launchers only run on a GPU machine; a misspelt name there must still fail CI."""
+    from pyflakes import api, messages, reporter
+
+    class Collect(reporter.Reporter):
+        def __init__(self):
+            super().__init__(None, None)
+            self.found = []
+
+        def flake(self, message):
+            if isinstance(message, (messages.UndefinedName, messages.UndefinedLocal, messages.UndefinedExport)):
+                self.found.append(str(message))
+
+        def syntaxError(self, filename, msg, lineno, offset, text):
+            self.found.append(f"{filename}:{lineno}: {msg}")
+
+        def unexpectedError(self, filename, msg):
+            self.found.append(f"{filename}: {msg}")
+
+    collect = Collect()
+    kernels = Path(__file__).resolve().parents[1] / "src" / "dsv41" / "kernels"
+    for path in sorted(kernels.glob("*.py")):
+        api.checkPath(str(path), collect)
+    assert collect.found == []
