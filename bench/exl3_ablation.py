@@ -4,7 +4,9 @@
 compared bitwise with its first result, then the benchmark's own graph-timed sequence; prints the first failure.
 --ablate: times compile-time variants on the same weights (median of graph replays, weights out of L2):
 the full kernel, the decode arithmetic removed (EXL3_ABLATE=1), the main loop removed (2), the split-K reduction
-removed (3), other pipeline shapes (EXL3_KR / EXL3_STAGES) and split counts, plus an empty-launch baseline.
+removed (3), other pipeline depths (EXL3_STAGES) and split counts, plus an empty-launch baseline.
+--headline: the shapes the issue's goals name and the MoE, for each tuning given with --tuning (A/B in one run),
+plus the head's split counts and MoE split configurations.
 Writes JSON to --out. Variants 1-3 compute wrong results on purpose; they only time the parts.
 """
 
@@ -92,8 +94,7 @@ def ablate(log) -> list[dict]:
         base_splits = default_splits(k, n, sm)
         variants = [("full", {}, base_splits)]
         variants += [(f"ablate={a}", {"EXL3_ABLATE": a}, base_splits) for a in (1, 2, 3)]
-        variants += [(f"KR={kr} STAGES={st}", {"EXL3_KR": kr, "EXL3_STAGES": st}, base_splits)
-                     for kr, st in ((2, 8), (8, 3), (8, 4))]
+        variants += [(f"STAGES={st}", {"EXL3_STAGES": st}, base_splits) for st in (2, 4)]
         variants += [(f"splits={s}", {}, s) for s in sorted({default_splits(k, n, sm, b) for b in (1, 4, 8)})]
         for name, extra, splits in variants:
             tuning = {**TUNING, **extra}
@@ -144,21 +145,66 @@ def head(log) -> list[dict]:
     return rows
 
 
-def headline(log) -> list[dict]:
-    """The numbers the issue's goals name, for an A/B of launch options (e.g. DSV41_CUDA_PDL=0 vs 1)."""
+HEADLINE_SHAPES = (("expert gate/up", 5120, 2304, 3, (1, 8, 16)), ("expert down", 2304, 5120, 3, (1, 8)),
+                   ("wq_b", 1280, 32768, 5, (1, 8)), ("wo_b", 8192, 5120, 5, (1, 8)),
+                   ("head", 5120, 129280, 6, (1, 8, 16)))
+
+
+def headline(log, tunings: list[dict]) -> list[dict]:
+    """The numbers the issue's goals name, once per tuning (each a set of overrides of TUNING), on the same weights."""
     rows = []
-    for k, n, K, ms in ((5120, 2304, 3, (1, 8)), (2304, 5120, 3, (1, 8)), (8192, 5120, 5, (1, 8)),
-                        (5120, 129280, 6, (1,))):
+    for name, k, n, K, ms in HEADLINE_SHAPES:
         copies = make_copies(k, n, K, 4 * L2_BYTES)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda").half()
-            outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
-            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o) for c, o in zip(copies, outs)]
-                              * max(1, 24 // len(copies)))
-            rows.append({"shape": f"{k}x{n}", "K": K, "m": m, "us": t})
-            log(f"headline {k}x{n} K={K} m={m}: {t:.1f} us")
+        for extra in tunings:
+            tuning = {**TUNING, **extra}
+            for m in ms:
+                x = torch.randn(m, k, device="cuda").half()
+                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+                try:
+                    t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o, tuning=tuning)
+                                       for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+                except Exception as exc:
+                    log(f"{name} {extra} m={m}: FAILED {type(exc).__name__}: {exc}")
+                    continue
+                rows.append({"shape": f"{k}x{n}", "K": K, "m": m, "tuning": extra, "us": t,
+                             "tweights_per_s": k * n / t / 1e6})
+                log(f"{name:<15} {k}x{n} K={K} m={m:<2} {json.dumps(extra):<28} {t:8.1f} us "
+                    f"({k * n / t / 1e6:.2f} T weights/s)")
         del copies
         torch.cuda.empty_cache()
+    return rows
+
+
+def head_splits(log, splits_list=(1, 2, 4, 8)) -> list[dict]:
+    rows = []
+    k, n, K = 5120, 129280, 6
+    copies = make_copies(k, n, K, L2_BYTES)
+    for splits in splits_list:
+        x = torch.randn(1, k, device="cuda").half()
+        outs = [torch.empty(1, n, device="cuda", dtype=torch.float16) for _ in copies]
+        try:
+            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o)
+                               for c, o in zip(copies, outs)] * 4)
+        except Exception as exc:
+            log(f"head splits={splits}: FAILED {type(exc).__name__}: {exc}")
+            continue
+        rows.append({"shape": f"{k}x{n}", "K": K, "splits": splits, "m": 1, "us": t})
+        log(f"head m=1 splits={splits}: {t:.1f} us ({k * n / t / 1e6:.2f} T weights/s)")
+    return rows
+
+
+def moe_ab(log, tunings: list[dict], configs: list[tuple[int, int]]) -> list[dict]:
+    from exl3_kernels import moe_bench
+
+    from dsv41.kernels.exl3_cuda import MoeCudaConfig
+
+    rows = []
+    for extra in tunings:
+        for cfg in [None] + [MoeCudaConfig(a, b) for a, b in configs]:
+            for r in moe_bench(lambda msg: None, cfg=cfg, tuning={**TUNING, **extra}):
+                r.update(tuning=extra, config=cfg.__dict__ if cfg else "default")
+                rows.append(r)
+                log(f"MoE rows={r['rows']} {json.dumps(extra):<28} config={r['config']}: {r['ours_us']:.1f} us")
     return rows
 
 
@@ -169,6 +215,9 @@ def main() -> None:
     parser.add_argument("--repro", action="store_true")
     parser.add_argument("--head", action="store_true")
     parser.add_argument("--headline", action="store_true")
+    parser.add_argument("--tuning", action="append", default=[], help="JSON overrides of TUNING for --headline")
+    parser.add_argument("--moe-config", action="append", default=[], help="gate_up,down split counts for --headline")
+    parser.add_argument("--head-splits", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     t0 = time.time()
@@ -182,7 +231,15 @@ def main() -> None:
     if args.head:
         result["head"] = head(log)
     if args.headline:
-        result["headline"] = headline(log)
+        tunings = [{}] + [json.loads(t) for t in args.tuning]
+        result["tunings"] = tunings
+        result["headline"] = headline(log, tunings)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.moe_config]
+        result["moe"] = moe_ab(log, tunings, configs)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.head_splits:
+        result["head_splits"] = head_splits(log)
     if args.stress:
         result["stress"] = stress(log)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -186,7 +186,7 @@ def sweep_splits(copies: list[Exl3Tensor], log) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = False) -> list[dict]:
+def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = False, tuning=None) -> list[dict]:
     def stack(k, n):
         trellis = torch.randint(-32768, 32768, (experts, k // 16, n // 16, 16 * K), dtype=torch.int32, device="cuda")
         suh = (torch.randn(experts, k, device="cuda") * 0.02).half()
@@ -205,7 +205,7 @@ def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = Fals
         if triton:
             launches = [lambda ids=ids, wts=wts: moe_forward(x, ids, wts, w1, w3, w2, config=cfg) for ids, wts in sets]
         else:
-            launches = [lambda ids=ids, wts=wts: moe_forward_cuda(x, ids, wts, w1, w3, w2, config=cfg)
+            launches = [lambda ids=ids, wts=wts: moe_forward_cuda(x, ids, wts, w1, w3, w2, config=cfg, tuning=tuning)
                         for ids, wts in sets]
         t = graph_time_us(launches)
         read_floor_bytes = rows * 6 * (w1.expert_nbytes + w3.expert_nbytes + w2.expert_nbytes)

@@ -22,10 +22,10 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 EXL3_SOURCE = SOURCE_DIR / "exl3_fused.cu"
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
-# Compile-time pipeline shape of the EXL3 kernels: 8 tile rows (one 128-deep block) per stage, 3 stages, fastest at
-# m = 1..8 on every pack shape measured (docs/perf/exl3.md). DSV41_EXL3_TUNING='{"EXL3_PRELOAD": 1}' overrides it
-# for benchmarks.
-DEFAULT_TUNING = {"EXL3_KR": 8, "EXL3_STAGES": 3, "EXL3_PRELOAD": 0}
+# Compile-time options of the EXL3 kernels (docs/perf/exl3.md): 3 cp.async stages of one 128-deep block each,
+# register budget for 4 blocks per SM, straddling states shifted on the integer ALU (0) or the FMA pipe (1).
+# DSV41_EXL3_TUNING='{"EXL3_HI_IMAD": 1}' overrides them for benchmarks.
+DEFAULT_TUNING = {"EXL3_STAGES": 3, "EXL3_MIN_BLOCKS": 4, "EXL3_HI_IMAD": 0}
 
 
 def tuning() -> dict[str, int]:
@@ -39,9 +39,10 @@ def exl3_defines(K: int, codebook: str, tune: dict | None = None) -> dict[str, i
     return {"EXL3_K": K, "EXL3_CB": CODEBOOK_IDS[codebook], **(tune if tune is not None else tuning())}
 
 
-def exl3_variants() -> list[dict[str, int]]:
-    """Every (K, codebook) variant the engine can ask for, with the default tuning."""
-    return [exl3_defines(K, cb, DEFAULT_TUNING) for K in range(1, 9) for cb in CODEBOOK_IDS]
+def exl3_variants(tune: dict | None = None, Ks=range(1, 9), codebooks=tuple(CODEBOOK_IDS)) -> list[dict[str, int]]:
+    """Every (K, codebook) variant the engine can ask for, with the default tuning (or DEFAULT_TUNING + `tune`)."""
+    t = {**DEFAULT_TUNING, **(tune or {})}
+    return [exl3_defines(K, cb, t) for K in Ks for cb in codebooks]
 
 
 def flags_of(defines: dict[str, int]) -> list[str]:
@@ -70,12 +71,14 @@ def nvcc_cubin(nvcc: str, source: Path, defines: dict[str, int], arch: str, out:
     tmp.replace(out)
 
 
-def build_all(archs: list[str], out_dir: Path, jobs: int = os.cpu_count() or 1) -> list[Path]:
+def build_all(archs: list[str], out_dir: Path, jobs: int = os.cpu_count() or 1,
+              variants: list[dict[str, int]] | None = None) -> list[Path]:
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("no nvcc found (set DSV41_NVCC or put nvcc on PATH)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = [(d, a, out_dir / image_name(EXL3_SOURCE, d, a, "cubin")) for a in archs for d in exl3_variants()]
+    work = [(d, a, out_dir / image_name(EXL3_SOURCE, d, a, "cubin"))
+            for a in archs for d in (variants if variants is not None else exl3_variants())]
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         list(pool.map(lambda w: nvcc_cubin(nvcc, EXL3_SOURCE, w[0], w[1], w[2]), work))
     return [w[2] for w in work]
@@ -86,8 +89,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", action="append", required=True, help="sm_XY (repeatable), e.g. sm_121 for GB10")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--tuning", action="append", default=[],
+                        help="also build these overrides of the default tuning (JSON, repeatable; for benchmarks)")
+    parser.add_argument("--K", type=int, action="append", help="only these K (with --tuning)")
+    parser.add_argument("--codebook", action="append", choices=list(CODEBOOK_IDS), help="only these codebooks")
     args = parser.parse_args(argv)
-    built = build_all(args.arch, args.out, args.jobs)
+    import json
+
+    Ks = args.K or range(1, 9)
+    cbs = args.codebook or list(CODEBOOK_IDS)
+    variants = exl3_variants(None, Ks, cbs)
+    for extra in args.tuning:
+        variants += [v for v in exl3_variants(json.loads(extra), Ks, cbs) if v not in variants]
+    built = build_all(args.arch, args.out, args.jobs, variants)
     print(f"built {len(built)} cubins for {', '.join(args.arch)} into {args.out}")
     return 0
 

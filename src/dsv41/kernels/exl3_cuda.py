@@ -51,14 +51,18 @@ def kernels_for(device: torch.device, K: int, codebook: str, tune: dict | None =
     return load_kernels(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
 
 
-def _shared_bytes(K: int, rows: int, xs_stride: int, tune: dict | None = None) -> int:
+def _shared_bytes(K: int, rows: int, xs_rows: int, xs_stride: int, tune: dict | None = None) -> int:
+    """Shared memory of one block: the warps' cp.async rings (STAGES x 8 tile rows x 8 tiles), the fp32 result
+    tile of `rows` rows, the small int table, and the rotated input of the `xs_rows` rows the launch can have."""
     t = tune or TUNING
-    stage_words = t["EXL3_KR"] * 8 * 8 * K
-    return (t["EXL3_STAGES"] * stage_words + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4
+    stage_words = 8 * 8 * 8 * K
+    return (t["EXL3_STAGES"] * stage_words + rows * YS_STRIDE + SMEM_INTS) * 4 + xs_rows * xs_stride * 2
 
 
 def _xs_stride(k: int, splits: int) -> int:
-    return math.ceil((k // 128) / splits) * 128 + 8
+    # fp16 row stride of the rotated input: whole 128-blocks of the longest k slice + 32, so that rows are 16 words
+    # apart modulo 32 banks (conflict-free B operand loads, see b_word_pos in the kernel)
+    return math.ceil((k // 128) / splits) * 128 + 32
 
 
 MAX_CLUSTER = 8  # portable thread block cluster size
@@ -152,8 +156,9 @@ def fused_matmul_cuda(
         splits = default_splits(k, n, _sm_count(x.device))
         if clustered:
             splits = max(math.ceil((k // 128) / MAX_SLICE_BLOCKS), min(splits, MAX_CLUSTER))
-    if not 1 <= splits <= k // 128 or math.ceil((k // 128) / splits) > MAX_SLICE_BLOCKS:
-        raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128}, slices of at most {MAX_SLICE_BLOCKS} blocks)")
+    if not 1 <= splits <= k // 128:
+        raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128})")
+    # (longer k slices than default_splits makes need more shared memory; the launch names the size if it is refused)
     clustered = clustered and 1 < splits <= MAX_CLUSTER
     kernels = kernels_for(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
@@ -169,7 +174,7 @@ def fused_matmul_cuda(
         )
         xc, yc = x[start:start + rows], out[start:start + rows]
         kernels[f"exl3_linear_r{variant}"].launch(
-            (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, xs_stride, tuning),
+            (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, rows, xs_stride, tuning),
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
              yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride, int(clustered)],
             cluster=(1, splits, 1) if clustered else None,
@@ -213,6 +218,7 @@ def moe_forward_cuda(
     swiglu_limit: float = 10.0,
     out_dtype: torch.dtype = torch.float32,
     config: MoeCudaConfig | None = None,
+    tuning: dict | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row (e = topk_ids[row, i]), slots summed in order i.
 
@@ -231,11 +237,11 @@ def moe_forward_cuda(
     for start in range(0, T, MAX_ROWS):
         stop = min(T, start + MAX_ROWS)
         _moe_window(x[start:stop], topk_ids[start:stop], topk_weights[start:stop], w1, w3, w2,
-                    float(swiglu_limit), out[start:stop], cfg)
+                    float(swiglu_limit), out[start:stop], cfg, tuning)
     return out
 
 
-def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaConfig) -> None:
+def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaConfig, tuning=None) -> None:
     T, topk = topk_ids.shape
     n_slots = T * topk
     variant = _rows_variant(T)
@@ -259,19 +265,19 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaC
         }
 
     ws = _WORKSPACE.get(("moe", str(dev), n_slots, n1, n2, sa, sb, variant), make)
-    ka = kernels_for(dev, w1.K, w1.codebook)
+    ka = kernels_for(dev, w1.K, w1.codebook, tuning)
     xs_a = _xs_stride(w1.k, sa)
     expert_words_1 = ctypes.c_longlong(w1.words[0].numel())
     ka[f"exl3_moe_gate_up_r{variant}"].launch(
-        (n_slots, 2 * (n1 // 128), sa), THREADS, _shared_bytes(w1.K, variant, xs_a),
+        (n_slots, 2 * (n1 // 128), sa), THREADS, _shared_bytes(w1.K, variant, min(n_slots, variant), xs_a, tuning),
         [x, x.stride(0), DTYPE_CODES[x.dtype], topk, ids, route, n_slots,
          w1.words, w1.suh, w1.svh, w3.words, w3.suh, w3.svh, expert_words_1,
          ws["h"], ws["part_a"], ws["count_a"], w1.k, n1, sa, xs_a, limit],
     )
-    kb = kernels_for(dev, w2.K, w2.codebook)
+    kb = kernels_for(dev, w2.K, w2.codebook, tuning)
     xs_b = _xs_stride(w2.k, sb)
     kb[f"exl3_moe_down_r{variant}"].launch(
-        (n_slots, n2 // 128, sb), THREADS, _shared_bytes(w2.K, variant, xs_b),
+        (n_slots, n2 // 128, sb), THREADS, _shared_bytes(w2.K, variant, min(n_slots, variant), xs_b, tuning),
         [ws["h"], ids, n_slots, T, topk, w2.words, w2.suh, w2.svh, ctypes.c_longlong(w2.words[0].numel()),
          ws["y"], out, out.stride(0), DTYPE_CODES[out.dtype], ws["part_b"], ws["count_b"], ws["count_out"],
          w2.k, n2, sb, xs_b],

@@ -31,23 +31,27 @@ typedef unsigned short u16;
 #define TW (8 * K)                          // words per 16x16 tile
 #define WARPS 8                             // warp w owns tile column w of a 128-column block
 #define NTHREADS (WARPS * 32)
-#ifndef EXL3_KR
-#define EXL3_KR 8
-#endif
 #ifndef EXL3_STAGES
 #define EXL3_STAGES 3
 #endif
-#define KR EXL3_KR                          // tile rows per pipeline stage
+#define KR 8                                // tile rows per pipeline stage: one 128-deep block
 #define STAGES EXL3_STAGES                  // stages in the cp.async ring
 // EXL3_ABLATE=1 skips the decode arithmetic (raw words as operands), 2 skips the main loop, 3 skips the split-K
 // reduction (each block writes its own partial as the result): wrong results, only for bench/exl3_ablation.py.
 #ifndef EXL3_ABLATE
 #define EXL3_ABLATE 0
 #endif
-// EXL3_PRELOAD=1: a warp reads all words and input fragments of a stage before decoding any tile (more loads in
-// flight, more registers); 0: tile by tile.
-#ifndef EXL3_PRELOAD
-#define EXL3_PRELOAD 0
+// Blocks per SM the register budget must allow (launch bounds): without it ptxas squeezes the kernels to 48
+// registers by recomputing the lanes' loop-invariant offsets in the k loop (~9 more instructions per tile);
+// 4 x 256 threads leaves 64 registers, enough to keep them.
+#ifndef EXL3_MIN_BLOCKS
+#define EXL3_MIN_BLOCKS 4
+#endif
+#define MIN_BLOCKS EXL3_MIN_BLOCKS
+// EXL3_HI_IMAD=1: the right shift of a state that straddles two words runs as a multiply-high on the FMA pipe
+// instead of a shift on the integer ALU, which the decode keeps busier (SHF, LOP3, PRMT vs IMAD, IDP).
+#ifndef EXL3_HI_IMAD
+#define EXL3_HI_IMAD 0
 #endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
@@ -178,15 +182,21 @@ __device__ __forceinline__ u32 codebook_pair(u32 s0, u32 s1) {
 }
 
 // State j of the lane = bits [jK, jK + 16) of its re-aligned stream a[] (MSB first); offsets are compile-time.
+// `c65536` is 65536 in a register the compiler cannot see through (EXL3_HI_IMAD).
 template <int J>
-__device__ __forceinline__ u32 state_at(const u32* a) {
+__device__ __forceinline__ u32 state_at(const u32* a, u32 c65536) {
     constexpr int o = J * K, q = o >> 5, r = o & 31;
     if constexpr (r + 16 <= 32) return (a[q] >> (16 - r)) & 0xFFFFu;
+#if EXL3_HI_IMAD
+    else return __umulhi(shf_l(a[q + 1], a[q], r), c65536);
+#else
     else return shf_l(a[q + 1], a[q], r) >> 16;
+#endif
 }
 
 // w[]: this lane's NW words of the tile (tile[off[i]]); sh: its bit offset.
 __device__ __forceinline__ void decode_words(const u32* w, u32 sh, u32* frag) {
+    const u32 c = blockDim.x << 8;  // 65536: the kernels run 256 threads per block
 #if EXL3_ABLATE == 1
     frag[0] = w[0]; frag[1] = w[1]; frag[2] = w[0] ^ sh; frag[3] = w[1] ^ sh;
     return;
@@ -196,10 +206,10 @@ __device__ __forceinline__ void decode_words(const u32* w, u32 sh, u32* frag) {
     for (int i = 0; i < NA; ++i) a[i] = shf_l(w[i + 1], w[i], sh);
     // Stream position j of lane (g, t) is element (k = 2t + (j&1) + 8((j>>1)&1), n = g + 8(j>>2)) of the tile;
     // A fragment registers hold (n=g, k=2t..+1), (n=g+8, k=2t..+1), (n=g, k=2t+8..+9), (n=g+8, k=2t+8..+9).
-    frag[0] = codebook_pair(state_at<0>(a), state_at<1>(a));
-    frag[1] = codebook_pair(state_at<4>(a), state_at<5>(a));
-    frag[2] = codebook_pair(state_at<2>(a), state_at<3>(a));
-    frag[3] = codebook_pair(state_at<6>(a), state_at<7>(a));
+    frag[0] = codebook_pair(state_at<0>(a, c), state_at<1>(a, c));
+    frag[1] = codebook_pair(state_at<4>(a, c), state_at<5>(a, c));
+    frag[2] = codebook_pair(state_at<2>(a, c), state_at<3>(a, c));
+    frag[3] = codebook_pair(state_at<6>(a, c), state_at<7>(a, c));
 }
 
 // tile: the tile's first word in shared memory; off[]: this lane's word indices; sh: its bit offset.
@@ -261,20 +271,31 @@ __device__ __forceinline__ void store_value(void* p, long long i, int dtype, flo
     else ((u16*)p)[i] = float_to_bf16(v);
 }
 
-// xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for the block's rows.
-// src[row] < 0 marks a padding row (zeros). Two phases so that no warp waits on global loads one after another:
-// all threads load and scale (independent loads), then one warp per (row, 128-block) rotates from shared memory.
-template <int ROWS>
-__device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, const void* x, int ldx, int x_dtype,
-                                             const int* src, const u16* suh, int k0, int nkb, int warp, int lane) {
+// Where rotate_input stores word w (= fp16 pair) of a row's 128-block, so that the main loop reads a lane's B
+// operand words for all 8 tile rows of the block as four 16-byte chunks: word w = 8r + 4h + t holds inputs
+// 16r + 2t + 8h (and +1) of tile row r, which lane (g, t) passes as b_h; chunk q (words 16q + 4t .. +3) holds
+// tile rows 2q and 2q+1 as (h=0, h=1, h=0, h=1). With a row stride of 16 words (mod 32) the 8 lanes of each
+// quarter warp read 8 distinct 16-byte bank groups.
+__device__ __forceinline__ int b_word_pos(int w) {
+    const int r = w >> 3, h = (w >> 2) & 1, t = w & 3;
+    return 16 * (r >> 1) + 4 * t + 2 * (r & 1) + h;
+}
+
+// xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for block rows
+// [0, xs_rows) (rows from xs_rows on are never read: the main loop passes zeros for them), each 128-block stored
+// in the b_word_pos order. src[row] < 0 marks a padding row (zeros). Two phases so that no warp waits on global
+// loads one after another: all threads load and scale (independent loads), then one warp per (row, 128-block)
+// rotates from shared memory.
+__device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int xs_rows, const void* x, int ldx,
+                                             int x_dtype, const int* src, const u16* suh, int k0, int nkb, int warp,
+                                             int lane) {
     const int width = nkb * 128;
     for (int cg = threadIdx.x; cg < width / 4; cg += NTHREADS) {
         const int col = 4 * cg;
         const uint2 su2 = *(const uint2*)(suh + k0 + col);  // 4 fp16 scales, read once for all rows
         const float su[4] = {half_to_float((u16)(su2.x & 0xFFFFu)), half_to_float((u16)(su2.x >> 16)),
                              half_to_float((u16)(su2.y & 0xFFFFu)), half_to_float((u16)(su2.y >> 16))};
-#pragma unroll
-        for (int row = 0; row < ROWS; ++row) {
+        for (int row = 0; row < xs_rows; ++row) {
             uint2 packed = make_uint2(0u, 0u);
             if (src[row] >= 0) {
                 float v[4];
@@ -287,16 +308,17 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, const void*
         }
     }
     __syncthreads();
-    for (int unit = warp; unit < ROWS * nkb; unit += WARPS) {
+    for (int unit = warp; unit < xs_rows * nkb; unit += WARPS) {
         const int row = unit / nkb, kb = unit - row * nkb;
-        if (src[row] < 0) continue;  // already zeros
-        u32* at = (u32*)(xs + row * xs_stride + kb * 128 + 4 * lane);
-        const u32 p0 = at[0], p1 = at[1];
+        if (src[row] < 0) continue;  // zeros in any order
+        u32* blk = (u32*)(xs + row * xs_stride + kb * 128);
+        const u32 p0 = blk[2 * lane], p1 = blk[2 * lane + 1];
         float v[4] = {half_to_float((u16)(p0 & 0xFFFFu)), half_to_float((u16)(p0 >> 16)),
                       half_to_float((u16)(p1 & 0xFFFFu)), half_to_float((u16)(p1 >> 16))};
         hadamard128(v, lane);
-        at[0] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
-        at[1] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
+        __syncwarp();  // every lane has read the block before any lane writes its permuted words
+        blk[b_word_pos(2 * lane)] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
+        blk[b_word_pos(2 * lane + 1)] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
     }
 }
 
@@ -305,117 +327,162 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, const void*
 // ------------------------------------------------------------------------------------------------------------
 
 struct Smem {
-    u32* stages;   // [STAGES][KR][8 tiles][TW]
-    u16* xs;       // [ROWS][xs_stride] rotated input, fp16
+    u32* stages;   // [WARPS][STAGES][KR][TW] one cp.async ring per warp
     float* ys;     // [ROWS][YS_STRIDE] fp32 block result (epilogue)
     int* ints;     // [SMEM_INTS]: 0..15 source row per block row, 16..31 MoE slot per block row, 32 flag,
                    // 64..71 per-warp counts
+    u16* xs;       // [xs_rows][xs_stride] rotated input, fp16 (last: the host sizes it by the launch's rows)
 };
 
 template <int ROWS>
-__device__ __forceinline__ Smem carve(void* base, int xs_stride) {
+__device__ __forceinline__ Smem carve(void* base) {
     Smem s;
     s.stages = (u32*)base;
     s.ys = (float*)(s.stages + STAGES * STAGE_WORDS);
-    s.xs = (u16*)(s.ys + ROWS * YS_STRIDE);
-    s.ints = (int*)(s.xs + ROWS * xs_stride);
+    s.ints = (int*)(s.ys + ROWS * YS_STRIDE);
+    s.xs = (u16*)(s.ints + SMEM_INTS);
     return s;
 }
 
-__host__ __device__ constexpr int smem_bytes_for(int rows, int xs_stride) {
-    return (STAGES * STAGE_WORDS + rows * YS_STRIDE) * 4 + rows * xs_stride * 2 + SMEM_INTS * 4;
+// Each warp streams its own tile column through its own STAGES-deep ring (no block-wide barrier in the k loop):
+// ring[STAGES][KR][TW] words at stages + warp * STAGES * KR * TW. A stage is one 128-deep block (KR = 8 tile rows).
+#define RING_WORDS (STAGES * KR * TW)
+static_assert(STAGES >= 2 && STAGES <= 4, "pipeline_prologue unrolls up to 3 prefetched stages");
+#define CHUNKS_PER_TILE (TW / 4)                       // 16-byte cp.async chunks per tile
+#define STAGE_CHUNKS (KR * CHUNKS_PER_TILE)
+#define LANE_CHUNKS ((STAGE_CHUNKS + 31) / 32)          // chunks per lane and stage
+
+// The cp.async work of one lane: chunk j of every stage is tile row r, words w..w+3 (fixed per lane).
+struct StageCopy {
+    const u32* src[LANE_CHUNKS];  // global source of the next stage to load
+    u32 dst[LANE_CHUNKS];         // shared address in slot 0 of the ring
+    long long step;               // words from one stage to the next (KR tile rows)
+};
+
+__device__ __forceinline__ StageCopy stage_copy(const u32* ring, const u32* tile_col, long long row_stride_words,
+                                                int first_stage, int lane) {
+    StageCopy c;
+    c.step = KR * row_stride_words;
+#pragma unroll
+    for (int j = 0; j < LANE_CHUNKS; ++j) {
+        const int ch = min(lane + 32 * j, STAGE_CHUNKS - 1);  // lanes past the end are masked in issue()
+        const int r = ch / CHUNKS_PER_TILE, w = (ch - r * CHUNKS_PER_TILE) * 4;
+        c.src[j] = tile_col + (first_stage * KR + r) * row_stride_words + w;
+        c.dst[j] = smem_addr(ring + r * TW + w);
+    }
+    return c;
 }
 
-// Each warp streams its own tile column through its own STAGES-deep ring (no block-wide barrier in the k loop):
-// ring[STAGES][KR][TW] words at stages + warp * STAGES * KR * TW.
-#define RING_WORDS (STAGES * KR * TW)
-
-// Loads tile rows [r0, r0 + KR) of this warp's tile column into ring slot `slot` (16-byte cp.async, one warp).
-__device__ __forceinline__ void load_stage(u32* ring, int slot, const u32* tile_col, long long row_stride_words,
-                                           int r0, int lane) {
-    constexpr int CHUNKS_PER_TILE = TW / 4;
-    const u32 base = smem_addr(ring + slot * KR * TW);
+// Issues this lane's chunks of the next stage into ring slot SLOT and moves the sources on by one stage.
+template <int SLOT>
+__device__ __forceinline__ void issue_stage(StageCopy& c, bool load, int lane) {
 #pragma unroll
-    for (int c0 = 0; c0 < KR * CHUNKS_PER_TILE; c0 += 32) {
-        const int c = c0 + lane;
-        if (c < KR * CHUNKS_PER_TILE) {
-            const int r = c / CHUNKS_PER_TILE, w = (c - r * CHUNKS_PER_TILE) * 4;
-            cp_async16(base + (r * TW + w) * 4, tile_col + (r0 + r) * row_stride_words + w);
-        }
+    for (int j = 0; j < LANE_CHUNKS; ++j) {
+        if (load && (STAGE_CHUNKS % 32 == 0 || j + 1 < LANE_CHUNKS || lane + 32 * j < STAGE_CHUNKS))
+            cp_async16(c.dst[j] + SLOT * KR * TW * 4, c.src[j]);
+        c.src[j] += c.step;
     }
 }
 
 // The first STAGES-1 stages of the warp's tiles (weights only: may run before wait_for_previous_kernel).
 __device__ __forceinline__ void pipeline_prologue(const Smem& sm, const u32* tile_col, long long row_stride_words,
-                                                  int tile_rows, int warp, int lane) {
-    u32* ring = sm.stages + warp * RING_WORDS;
-    const int n_stages = tile_rows / KR;
+                                                  int n_stages, int warp, int lane) {
+    StageCopy c = stage_copy(sm.stages + warp * RING_WORDS, tile_col, row_stride_words, 0, lane);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_stages) load_stage(ring, s, tile_col, row_stride_words, s * KR, lane);
+        switch (s) {  // the slot is a compile-time constant of issue_stage
+            case 0: issue_stage<0>(c, s < n_stages, lane); break;
+            case 1: issue_stage<1>(c, s < n_stages, lane); break;
+            case 2: issue_stage<2>(c, s < n_stages, lane); break;
+            default: issue_stage<3>(c, s < n_stages, lane); break;
+        }
         cp_async_commit();
     }
 }
 
+// Decodes and multiplies the KR tiles of the stage in ring slot SLOT (k block `kb` of the slice).
+template <int ROWS, int SLOT>
+__device__ __forceinline__ void stage_product(float* acc, float* odd, const Smem& sm, const u32* ring,
+                                              const int* off, u32 sh, int xs_stride, const int* xrow, int kb,
+                                              int t) {
+    // B operands of tile rows 0..7: four 16-byte chunks per 8 input rows (see b_word_pos). Lanes of rows past
+    // xs_rows read a stored row instead: B column g only feeds output row g, and those rows are never stored.
+    uint4 b[ROWS / 8][4];
+#pragma unroll
+    for (int h = 0; h < ROWS / 8; ++h) {
+        const uint4* src = (const uint4*)(sm.xs + xrow[h] * xs_stride + kb * 128 + 8 * t);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) b[h][q] = src[4 * q];
+    }
+    const u32* stage = ring + SLOT * KR * TW;
+#pragma unroll
+    for (int r = 0; r < KR; ++r) {
+        float* a = (r & 1) ? odd : acc;
+        u32 frag[4];
+        decode_tile(stage + r * TW, off, sh, frag);
+        const uint4 c0 = b[0][r >> 1];
+        mma_16816(a, frag, (r & 1) ? c0.z : c0.x, (r & 1) ? c0.w : c0.y);
+        if (ROWS == 16) {
+            const uint4 c1 = b[ROWS / 8 - 1][r >> 1];
+            mma_16816(a + 4, frag, (r & 1) ? c1.z : c1.x, (r & 1) ? c1.w : c1.y);
+        }
+    }
+}
+
+// The per-warp state of the k loop.
+template <int ROWS>
+struct WarpLoop {
+    float* acc;
+    float* odd;
+    const Smem* sm;
+    const u32* ring;
+    int off[NW];
+    u32 sh;
+    int xs_stride, n_stages, t, lane;
+    int xrow[2];  // the xs row this lane reads for B columns g and g + 8
+    StageCopy copy;
+
+    // Stages base + S, base + S + 1, ... of one round through the ring (S is the ring slot).
+    template <int S>
+    __device__ __forceinline__ void round_from(int base) {
+        if constexpr (S < STAGES) {
+            const int it = base + S;
+            if (it >= n_stages) return;
+            cp_async_wait_stages();
+            __syncwarp();  // stage `it` visible to the whole warp; the slot of stage it-1 no longer read
+            issue_stage<(S + STAGES - 1) % STAGES>(copy, it + STAGES - 1 < n_stages, lane);
+            cp_async_commit();
+            stage_product<ROWS, S>(acc, odd, *sm, ring, off, sh, xs_stride, xrow, it, t);
+            round_from<S + 1>(base);
+        }
+    }
+};
+
 // acc += xh[rows, kslice] @ W_q[kslice, tile column] for this warp (after pipeline_prologue and a block barrier
 // that publishes the rotated input). acc[0..3]: rows 2t, 2t+1 at columns g and g+8 of the tile (mma C layout);
 // acc[4..7] the same for rows 8+. Even and odd tile rows accumulate separately (two independent mma chains),
-// added once at the end: a fixed order that depends on the shape only.
+// added once at the end: a fixed order that depends on the shape only. The stage loop is unrolled by STAGES so
+// that ring slots are compile-time offsets.
 template <int ROWS>
-__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, const u32* tile_col,
-                                          long long row_stride_words, int tile_rows, int warp, int lane) {
-    static_assert(8 % KR == 0 && KR % 2 == 0, "a stage is 2, 4 or 8 tile rows (a k slice is whole 128-blocks)");
-    int off[NW];
-    u32 sh;
-    lane_offsets(lane, off, &sh);
-    const int g = lane >> 2, t = lane & 3;
-    const int n_stages = tile_rows / KR;
-    u32* ring = sm.stages + warp * RING_WORDS;
+__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, int xs_rows, const u32* tile_col,
+                                          long long row_stride_words, int n_stages, int warp, int lane) {
     float odd[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) odd[i] = 0.f;
-    for (int it = 0; it < n_stages; ++it) {
-        cp_async_wait_stages();
-        __syncwarp();  // stage `it` visible to the whole warp; slot of stage it-1 no longer read
-        const int next = it + STAGES - 1;
-        if (next < n_stages) load_stage(ring, next % STAGES, tile_col, row_stride_words, next * KR, lane);
-        cp_async_commit();
-        const u32* stage = ring + (it % STAGES) * KR * TW;
-#if EXL3_PRELOAD
-        u32 words[KR][NW], bx[KR][ROWS / 4];
-#pragma unroll
-        for (int r = 0; r < KR; ++r) {
-#pragma unroll
-            for (int i = 0; i < NW; ++i) words[r][i] = stage[r * TW + off[i]];
-            const u16* xk = sm.xs + (it * KR + r) * 16 + 2 * t;
-#pragma unroll
-            for (int h = 0; h < ROWS / 8; ++h) {
-                bx[r][2 * h] = *(const u32*)(xk + (g + 8 * h) * xs_stride);
-                bx[r][2 * h + 1] = *(const u32*)(xk + (g + 8 * h) * xs_stride + 8);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < KR; ++r) {
-            float* a = (r & 1) ? odd : acc;
-            u32 frag[4];
-            decode_words(words[r], sh, frag);
-            mma_16816(a, frag, bx[r][0], bx[r][1]);
-            if (ROWS == 16) mma_16816(a + 4, frag, bx[r][2], bx[r][3]);
-        }
-#else
-#pragma unroll
-        for (int r = 0; r < KR; ++r) {
-            float* a = (r & 1) ? odd : acc;
-            u32 frag[4];
-            decode_tile(stage + r * TW, off, sh, frag);
-            const u16* xk = sm.xs + (it * KR + r) * 16 + 2 * t;
-            mma_16816(a, frag, *(const u32*)(xk + g * xs_stride), *(const u32*)(xk + g * xs_stride + 8));
-            if (ROWS == 16)
-                mma_16816(a + 4, frag, *(const u32*)(xk + (g + 8) * xs_stride),
-                          *(const u32*)(xk + (g + 8) * xs_stride + 8));
-        }
-#endif
-    }
+    WarpLoop<ROWS> L;
+    L.acc = acc;
+    L.odd = odd;
+    L.sm = &sm;
+    L.ring = sm.stages + warp * RING_WORDS;
+    lane_offsets(lane, L.off, &L.sh);
+    L.xs_stride = xs_stride;
+    L.n_stages = n_stages;
+    L.t = lane & 3;
+    L.lane = lane;
+    L.xrow[0] = min(lane >> 2, xs_rows - 1);
+    L.xrow[1] = min((lane >> 2) + 8, xs_rows - 1);
+    L.copy = stage_copy(L.ring, tile_col, row_stride_words, STAGES - 1, lane);
+    for (int base = 0; base < n_stages; base += STAGES) L.template round_from<0>(base);
     asm volatile("cp.async.wait_all;");
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] += odd[i];
@@ -479,22 +546,23 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int expected, int* 
 // One block's share: rows sm.ints[0..ROWS) (source row per block row, -1 = padding) of x through the k slice
 // [kb_lo, kb_lo + nkb) of a 128-column block; leaves the fp32 block result (before the output rotation) in sm.ys.
 template <int ROWS>
-__device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, const void* x, int ldx, int x_dtype,
-                                              const u32* trellis, const u16* suh, int n, int cb, int kb_lo, int nkb) {
+__device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int xs_rows, const void* x, int ldx,
+                                              int x_dtype, const u32* trellis, const u16* suh, int n, int cb,
+                                              int kb_lo, int nkb) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long row_stride_words = (long long)(n / 16) * TW;
     const u32* tile_col = trellis + (long long)kb_lo * 8 * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;
 #if EXL3_ABLATE != 2
-    pipeline_prologue(sm, tile_col, row_stride_words, nkb * 8, warp, lane);
+    pipeline_prologue(sm, tile_col, row_stride_words, nkb, warp, lane);
 #endif
     wait_for_previous_kernel();
-    rotate_input<ROWS>(sm.xs, xs_stride, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    rotate_input(sm.xs, xs_stride, xs_rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
     __syncthreads();  // the rotated input is read by every warp
     float acc[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
 #if EXL3_ABLATE != 2
-    main_loop<ROWS>(acc, sm, xs_stride, tile_col, row_stride_words, nkb * 8, warp, lane);
+    main_loop<ROWS>(acc, sm, xs_stride, xs_rows, tile_col, row_stride_words, nkb, warp, lane);
 #endif
     // the next kernel may now launch and prefetch its weights while this one reduces and writes
     let_next_kernel_start();
@@ -529,14 +597,14 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
                                             float* part, int* counters, int k, int n, int splits, int xs_stride,
                                             int cluster) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw, xs_stride);
+    const Smem sm = carve<ROWS>(smem_raw);
     const int cb = blockIdx.x, sp = blockIdx.y;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kb_lo, nkb;
     kslice(k, sp, splits, &kb_lo, &nkb);
     if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = (int)threadIdx.x < m ? (int)threadIdx.x : -1;
     __syncthreads();
-    block_product<ROWS>(sm, xs_stride, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
+    block_product<ROWS>(sm, xs_stride, m, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
 
     const long long split_stride = (long long)ROWS * n;
     if (cluster && splits > 1) {
@@ -581,8 +649,8 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #define LINEAR_PASS \
     x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, cluster
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i
@@ -626,7 +694,7 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
                                                  long long expert_words, u16* h, float* part, int* counters, int k1,
                                                  int n1, int splits, int xs_stride, float limit) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw, xs_stride);
+    const Smem sm = carve<ROWS>(smem_raw);
     const int leader = blockIdx.x, cb = blockIdx.y >> 1, up = blockIdx.y & 1, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
@@ -640,7 +708,7 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
     kslice(k1, sp, splits, &kb_lo, &nkb);
     const u32* w = (up ? w3 : w1) + e * expert_words;
     const u16* suh = (up ? suh3 : suh1) + (long long)e * k1;
-    block_product<ROWS>(sm, xs_stride, x, ldx, x_dtype, w, suh, n1, cb, kb_lo, nkb);
+    block_product<ROWS>(sm, xs_stride, min(ROWS, n_slots), x, ldx, x_dtype, w, suh, n1, cb, kb_lo, nkb);
 
     const long long split_stride = 2LL * ROWS * n1;
     float* base = part + (long long)leader * splits * split_stride;
@@ -673,7 +741,7 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
                                               int* counters, int* counters_out, int k2, int n2, int splits,
                                               int xs_stride) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw, xs_stride);
+    const Smem sm = carve<ROWS>(smem_raw);
     const int leader = blockIdx.x, cb = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
@@ -685,7 +753,8 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     __syncthreads();
     int kb_lo, nkb;
     kslice(k2, sp, splits, &kb_lo, &nkb);
-    block_product<ROWS>(sm, xs_stride, h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2, cb, kb_lo, nkb);
+    block_product<ROWS>(sm, xs_stride, min(ROWS, n_slots), h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2,
+                        cb, kb_lo, nkb);
 
     const long long split_stride = (long long)ROWS * n2;
     float* base = part + (long long)leader * splits * split_stride;
@@ -734,10 +803,10 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     h, ids, n_slots, T, topk, w2, suh2, svh2, expert_words, yslots, out, ldo, out_dtype, part, counters,       \
         counters_out, k2, n2, splits, xs_stride
 
-extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_gate_up_r8(GATE_UP_ARGS) { moe_gate_up_body<8>(GATE_UP_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_gate_up_r16(GATE_UP_ARGS) { moe_gate_up_body<16>(GATE_UP_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_down_r8(DOWN_ARGS) { moe_down_body<8>(DOWN_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_moe_down_r16(DOWN_ARGS) { moe_down_body<16>(DOWN_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_gate_up_r8(GATE_UP_ARGS) { moe_gate_up_body<8>(GATE_UP_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_gate_up_r16(GATE_UP_ARGS) { moe_gate_up_body<16>(GATE_UP_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_down_r8(DOWN_ARGS) { moe_down_body<8>(DOWN_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_down_r16(DOWN_ARGS) { moe_down_body<16>(DOWN_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // decode only (tests and tools): W_q[k, n] fp16 from the trellis through the same fragment decode, one warp per tile
