@@ -175,21 +175,29 @@ def headline(log, tunings: list[dict]) -> list[dict]:
     return rows
 
 
-def head_splits(log, splits_list=(1, 2, 4, 8)) -> list[dict]:
+def splits_sweep(log) -> list[dict]:
+    """Split counts around default_splits on the wide and the large shapes (m = 1 and 8)."""
     rows = []
-    k, n, K = 5120, 129280, 6
-    copies = make_copies(k, n, K, L2_BYTES)
-    for splits in splits_list:
-        x = torch.randn(1, k, device="cuda").half()
-        outs = [torch.empty(1, n, device="cuda", dtype=torch.float16) for _ in copies]
-        try:
-            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o)
-                               for c, o in zip(copies, outs)] * 4)
-        except Exception as exc:
-            log(f"head splits={splits}: FAILED {type(exc).__name__}: {exc}")
-            continue
-        rows.append({"shape": f"{k}x{n}", "K": K, "splits": splits, "m": 1, "us": t})
-        log(f"head m=1 splits={splits}: {t:.1f} us ({k * n / t / 1e6:.2f} T weights/s)")
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    for k, n, K, options in ((5120, 129280, 6, (1, 2, 4, 8)), (1280, 32768, 5, (1, 2, 3, 5)),
+                             (8192, 5120, 5, (7, 10, 13, 16)), (5120, 2304, 3, (8, 12, 15, 22)),
+                             (2304, 5120, 3, (4, 6, 7, 9, 10))):
+        copies = make_copies(k, n, K, 4 * L2_BYTES)
+        for splits in options:
+            for m in (1, 8):
+                x = torch.randn(m, k, device="cuda").half()
+                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+                try:
+                    t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o)
+                                       for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+                except Exception as exc:
+                    log(f"{k}x{n} splits={splits} m={m}: FAILED {type(exc).__name__}: {exc}")
+                    continue
+                rows.append({"shape": f"{k}x{n}", "K": K, "splits": splits, "m": m, "us": t,
+                             "default": splits == default_splits(k, n, sm)})
+                log(f"{k}x{n} K={K} m={m} splits={splits}: {t:.1f} us ({k * n / t / 1e6:.2f} T weights/s)")
+        del copies
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -217,7 +225,7 @@ def main() -> None:
     parser.add_argument("--headline", action="store_true")
     parser.add_argument("--tuning", action="append", default=[], help="JSON overrides of TUNING for --headline")
     parser.add_argument("--moe-config", action="append", default=[], help="gate_up,down split counts for --headline")
-    parser.add_argument("--head-splits", action="store_true")
+    parser.add_argument("--splits", action="store_true", help="split-count sweep on four shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     t0 = time.time()
@@ -238,8 +246,8 @@ def main() -> None:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.moe_config]
         result["moe"] = moe_ab(log, tunings, configs)
         Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.head_splits:
-        result["head_splits"] = head_splits(log)
+    if args.splits:
+        result["splits"] = splits_sweep(log)
     if args.stress:
         result["stress"] = stress(log)
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -171,7 +171,9 @@ def time_dense(k: int, n: int, m: int) -> float:
 def sweep_splits(copies: list[Exl3Tensor], log) -> list[dict]:
     """CUDA kernel at m=1 and m=16 for several split-K counts (the count must not depend on m: row invariance)."""
     k, n = copies[0].k, copies[0].n
-    options = sorted({default_splits(k, n, 132, b) for b in (0.5, 1, 2, 3, 4, 6, 8)})
+    d = default_splits(k, n, 132)
+    options = sorted({s for s in (d - 2, d - 1, d, d + 1, d + 2) if 1 <= s <= k // 128}
+                     | {default_splits(k, n, 132, b) for b in (1, 3, 4)})
     tried = []
     for splits in options:
         t1 = time_ours(copies, 1, splits)
@@ -352,7 +354,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         out_path.write_text(json.dumps(results, indent=1))
     moe_rows = []
-    configs = [None] + ([MoeCudaConfig(2, 1), MoeCudaConfig(4, 2), MoeCudaConfig(8, 3)] if args.sweep else [])
+    configs = [None] + ([MoeCudaConfig(2, 2), MoeCudaConfig(4, 2), MoeCudaConfig(3, 3)] if args.sweep else [])
     for moe_cfg in configs:
         log(f"MoE CUDA config {moe_cfg or 'default'}")
         for row in moe_bench(log, cfg=moe_cfg):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: every GPU test, then the EXL3 kernel benchmark.
-#   bash bench/gpu_check.sh [OUTDIR]      (default bench/results; BENCH_COMMIT=<sha> names the code measured)
+#   bash bench/gpu_check.sh [OUTDIR]      (default bench/results; BENCH_COMMIT=<sha> names the code measured,
+#                                          BENCH_ARGS=--sweep adds the split-count and MoE-config sweeps)
 # Writes OUTDIR/gpu_tests.log, OUTDIR/exl3_kernels.{json,png,log}. Exit status: the tests' (the benchmark's if they
 # passed). The golden EXL3 layers are read from ../shared/fixtures/exl3 when present.
 set -o pipefail
@@ -12,7 +13,7 @@ commit="${BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || exit 1
 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tee "$out/gpu_tests.log"
 tests_rc=$?
-BENCH_COMMIT="$commit" python3 bench/exl3_kernels.py --out "$out/exl3_kernels.json" 2>&1 | tee "$out/exl3_kernels.log"
+BENCH_COMMIT="$commit" python3 bench/exl3_kernels.py --out "$out/exl3_kernels.json" ${BENCH_ARGS:-} 2>&1 | tee "$out/exl3_kernels.log"
 bench_rc=$?
 [ "$tests_rc" -ne 0 ] && exit "$tests_rc"
 exit "$bench_rc"

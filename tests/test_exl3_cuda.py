@@ -64,6 +64,16 @@ def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():
         assert -(-(k // 128) // s) <= MAX_SLICE_BLOCKS
 
 
+def test_default_moe_splits_fit_the_moe_slice_bound():
+    from dsv41.kernels.exl3_cuda import MOE_MAX_SLICE_BLOCKS, default_moe_config
+
+    for hidden, inter in ((5120, 2304), (7168, 2048), (2048, 1408), (256, 128)):
+        cfg = default_moe_config(hidden, inter)
+        assert -(-(hidden // 128) // cfg.splits_gate_up) <= MOE_MAX_SLICE_BLOCKS
+        assert -(-(inter // 128) // cfg.splits_down) <= MOE_MAX_SLICE_BLOCKS
+        assert 1 <= cfg.splits_gate_up <= hidden // 128 and 1 <= cfg.splits_down <= inter // 128
+
+
 def _need_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")

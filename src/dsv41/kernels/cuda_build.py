@@ -22,10 +22,9 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 EXL3_SOURCE = SOURCE_DIR / "exl3_fused.cu"
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
-# Compile-time options of the EXL3 kernels (docs/perf/exl3.md): 3 cp.async stages of one 128-deep block each,
-# register budget for 4 blocks per SM, straddling states shifted on the integer ALU (0) or the FMA pipe (1).
-# DSV41_EXL3_TUNING='{"EXL3_HI_IMAD": 1}' overrides them for benchmarks.
-DEFAULT_TUNING = {"EXL3_STAGES": 3, "EXL3_MIN_BLOCKS": 4, "EXL3_HI_IMAD": 0}
+# Compile-time options of the EXL3 kernels (docs/perf/exl3.md): 3 cp.async stages of one 128-deep block each and a
+# register budget for 4 blocks per SM. DSV41_EXL3_TUNING='{"EXL3_STAGES": 4}' overrides them for benchmarks.
+DEFAULT_TUNING = {"EXL3_STAGES": 3, "EXL3_MIN_BLOCKS": 4}
 
 
 def tuning() -> dict[str, int]:

@@ -80,19 +80,24 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 3.0, slice_blocks: int = 5) -> int:
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 2.0, slice_blocks: int = 5) -> int:
     """Split-K count for a `[k, n]` matrix (never depends on m: row invariance).
 
-    Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows;
-    narrower ones about `blocks_per_sm` blocks per SM and k slices of about `slice_blocks` 128-blocks
-    (measured on the H200: expert 5120x2304 best at 22 splits, wo_b 8192x5120 at 13).
+    Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows.
+    Narrower ones take as many as keep `blocks_per_sm` blocks on every SM, unless that leaves k slices longer than
+    `slice_blocks` 128-blocks; then enough for such slices, within one wave of 4 blocks per SM. Measured on the
+    H200 (docs/perf/exl3.md): expert 5120x2304 best at 12-14 splits (8.8 us vs 9.9 at 15 and 22: a third block on
+    some SMs costs more than shorter slices save), down 2304x5120 at 6, wo_b 8192x5120 at 13, wq_b and the head at
+    the fewest.
     """
     k_blocks, col_blocks = k // 128, n // 128
     fewest = math.ceil(k_blocks / MAX_SLICE_BLOCKS)
     if col_blocks >= sm_count:
         return fewest
-    wanted = max(round(blocks_per_sm * sm_count / col_blocks), math.ceil(k_blocks / slice_blocks))
-    return max(fewest, min(k_blocks, wanted))
+    splits = max(1, math.floor(blocks_per_sm * sm_count / col_blocks))
+    if math.ceil(k_blocks / splits) > slice_blocks:
+        splits = max(splits, min(math.ceil(k_blocks / slice_blocks), math.floor(4 * sm_count / col_blocks)))
+    return max(fewest, min(k_blocks, splits))
 
 
 class _Workspace:
@@ -200,11 +205,17 @@ class MoeCudaConfig:
     splits_down: int
 
 
+# k slices of the MoE launches may be longer than the linear's: a window has at most 16 rows and the expert shapes are
+# fixed (16 rows x 14 blocks of rotated input is 57 KB)
+MOE_MAX_SLICE_BLOCKS = 14
+
+
 def default_moe_config(k_gate_up: int, k_down: int) -> MoeCudaConfig:
-    """Split counts from the input widths of the gate/up (hidden) and down (intermediate) projections."""
+    """Split counts from the input widths of the gate/up (hidden) and down (intermediate) projections: 3 and 2 for
+    the pack's 5120/2304 (one token 80 us vs 84 with 4 and 2, 4 tokens 278 vs 284; docs/perf/exl3.md)."""
     return MoeCudaConfig(
-        splits_gate_up=max(math.ceil((k_gate_up // 128) / MAX_SLICE_BLOCKS), min(4, k_gate_up // 128)),
-        splits_down=max(math.ceil((k_down // 128) / MAX_SLICE_BLOCKS), min(2, k_down // 128)),
+        splits_gate_up=max(math.ceil((k_gate_up // 128) / MOE_MAX_SLICE_BLOCKS), min(3, k_gate_up // 128)),
+        splits_down=max(math.ceil((k_down // 128) / MOE_MAX_SLICE_BLOCKS), min(2, k_down // 128)),
     )
 
 

@@ -48,11 +48,6 @@ typedef unsigned short u16;
 #define EXL3_MIN_BLOCKS 4
 #endif
 #define MIN_BLOCKS EXL3_MIN_BLOCKS
-// EXL3_HI_IMAD=1: the right shift of a state that straddles two words runs as a multiply-high on the FMA pipe
-// instead of a shift on the integer ALU, which the decode keeps busier (SHF, LOP3, PRMT vs IMAD, IDP).
-#ifndef EXL3_HI_IMAD
-#define EXL3_HI_IMAD 0
-#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -182,21 +177,15 @@ __device__ __forceinline__ u32 codebook_pair(u32 s0, u32 s1) {
 }
 
 // State j of the lane = bits [jK, jK + 16) of its re-aligned stream a[] (MSB first); offsets are compile-time.
-// `c65536` is 65536 in a register the compiler cannot see through (EXL3_HI_IMAD).
 template <int J>
-__device__ __forceinline__ u32 state_at(const u32* a, u32 c65536) {
+__device__ __forceinline__ u32 state_at(const u32* a) {
     constexpr int o = J * K, q = o >> 5, r = o & 31;
     if constexpr (r + 16 <= 32) return (a[q] >> (16 - r)) & 0xFFFFu;
-#if EXL3_HI_IMAD
-    else return __umulhi(shf_l(a[q + 1], a[q], r), c65536);
-#else
     else return shf_l(a[q + 1], a[q], r) >> 16;
-#endif
 }
 
 // w[]: this lane's NW words of the tile (tile[off[i]]); sh: its bit offset.
 __device__ __forceinline__ void decode_words(const u32* w, u32 sh, u32* frag) {
-    const u32 c = blockDim.x << 8;  // 65536: the kernels run 256 threads per block
 #if EXL3_ABLATE == 1
     frag[0] = w[0]; frag[1] = w[1]; frag[2] = w[0] ^ sh; frag[3] = w[1] ^ sh;
     return;
@@ -206,10 +195,10 @@ __device__ __forceinline__ void decode_words(const u32* w, u32 sh, u32* frag) {
     for (int i = 0; i < NA; ++i) a[i] = shf_l(w[i + 1], w[i], sh);
     // Stream position j of lane (g, t) is element (k = 2t + (j&1) + 8((j>>1)&1), n = g + 8(j>>2)) of the tile;
     // A fragment registers hold (n=g, k=2t..+1), (n=g+8, k=2t..+1), (n=g, k=2t+8..+9), (n=g+8, k=2t+8..+9).
-    frag[0] = codebook_pair(state_at<0>(a, c), state_at<1>(a, c));
-    frag[1] = codebook_pair(state_at<4>(a, c), state_at<5>(a, c));
-    frag[2] = codebook_pair(state_at<2>(a, c), state_at<3>(a, c));
-    frag[3] = codebook_pair(state_at<6>(a, c), state_at<7>(a, c));
+    frag[0] = codebook_pair(state_at<0>(a), state_at<1>(a));
+    frag[1] = codebook_pair(state_at<4>(a), state_at<5>(a));
+    frag[2] = codebook_pair(state_at<2>(a), state_at<3>(a));
+    frag[3] = codebook_pair(state_at<6>(a), state_at<7>(a));
 }
 
 // tile: the tile's first word in shared memory; off[]: this lane's word indices; sh: its bit offset.
@@ -290,9 +279,20 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int xs_rows
                                              int x_dtype, const int* src, const u16* suh, int k0, int nkb, int warp,
                                              int lane) {
     const int width = nkb * 128;
-    for (int cg = threadIdx.x; cg < width / 4; cg += NTHREADS) {
+    // suh is a weight: the first column groups' scales are read before waiting for the previous kernel
+    constexpr int EARLY = 2;
+    uint2 su_early[EARLY];
+#pragma unroll
+    for (int i = 0; i < EARLY; ++i) {
+        const int cg = threadIdx.x + i * NTHREADS;
+        su_early[i] = cg < width / 4 ? *(const uint2*)(suh + k0 + 4 * cg) : make_uint2(0u, 0u);
+    }
+    wait_for_previous_kernel();
+#pragma unroll 1
+    for (int cg = threadIdx.x, i = 0; cg < width / 4; cg += NTHREADS, ++i) {
         const int col = 4 * cg;
-        const uint2 su2 = *(const uint2*)(suh + k0 + col);  // 4 fp16 scales, read once for all rows
+        // 4 fp16 scales, read once for all rows
+        const uint2 su2 = i == 0 ? su_early[0] : i == 1 ? su_early[1] : *(const uint2*)(suh + k0 + col);
         const float su[4] = {half_to_float((u16)(su2.x & 0xFFFFu)), half_to_float((u16)(su2.x >> 16)),
                              half_to_float((u16)(su2.y & 0xFFFFu)), half_to_float((u16)(su2.y >> 16))};
         for (int row = 0; row < xs_rows; ++row) {
@@ -555,7 +555,6 @@ __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int
 #if EXL3_ABLATE != 2
     pipeline_prologue(sm, tile_col, row_stride_words, nkb, warp, lane);
 #endif
-    wait_for_previous_kernel();
     rotate_input(sm.xs, xs_stride, xs_rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
     __syncthreads();  // the rotated input is read by every warp
     float acc[ROWS / 2];
@@ -579,11 +578,18 @@ __device__ __forceinline__ void store_partial(const float* ys, float* dst, long 
     }
 }
 
+// This lane's 4 svh scales of a 128-column block, read when the block starts (weights: before the wait for the
+// previous kernel) so that the reduction's tail does not wait on one more global load.
+__device__ __forceinline__ uint2 load_svh4(const u16* svh_block, int lane) {
+    return *(const uint2*)(svh_block + 4 * lane);
+}
+
 // Output rotation and svh for 4 columns of one row (v in, y out).
-__device__ __forceinline__ void rotate_output(float* v, const u16* svh_block, int lane) {
+__device__ __forceinline__ void rotate_output(float* v, uint2 svh4, int lane) {
     hadamard128(v, lane);
+    const u32 w[2] = {svh4.x, svh4.y};
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] *= INV_SQRT128 * half_to_float(svh_block[4 * lane + e]);
+    for (int e = 0; e < 4; ++e) v[e] *= INV_SQRT128 * half_to_float((u16)(e & 1 ? w[e >> 1] >> 16 : w[e >> 1] & 0xFFFFu));
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -603,6 +609,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
     int kb_lo, nkb;
     kslice(k, sp, splits, &kb_lo, &nkb);
     if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = (int)threadIdx.x < m ? (int)threadIdx.x : -1;
+    const uint2 sv = load_svh4(svh + cb * 128, lane);
     __syncthreads();
     block_product<ROWS>(sm, xs_stride, m, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
 
@@ -618,7 +625,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
                 const float4 p = load_cluster4(sm.ys + r * YS_STRIDE + 4 * lane, (u32)q);
                 v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
             }
-            rotate_output(v, svh + cb * 128, lane);
+            rotate_output(v, sv, lane);
 #pragma unroll
             for (int e = 0; e < 4; ++e) store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
         }
@@ -637,7 +644,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #pragma unroll
             for (int e = 0; e < 4; ++e) v[e] = sm.ys[r * YS_STRIDE + 4 * lane + e];
         }
-        rotate_output(v, svh + cb * 128, lane);
+        rotate_output(v, sv, lane);
 #pragma unroll
         for (int e = 0; e < 4; ++e) store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
     }
@@ -708,6 +715,8 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
     kslice(k1, sp, splits, &kb_lo, &nkb);
     const u32* w = (up ? w3 : w1) + e * expert_words;
     const u16* suh = (up ? suh3 : suh1) + (long long)e * k1;
+    const uint2 sv1 = load_svh4(svh1 + (long long)e * n1 + cb * 128, lane);
+    const uint2 sv3 = load_svh4(svh3 + (long long)e * n1 + cb * 128, lane);
     block_product<ROWS>(sm, xs_stride, min(ROWS, n_slots), x, ldx, x_dtype, w, suh, n1, cb, kb_lo, nkb);
 
     const long long split_stride = 2LL * ROWS * n1;
@@ -718,8 +727,8 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
         float g[4], u[4];
         sum_partials(base, split_stride, (long long)r * n1 + cb * 128 + 4 * lane, splits, g);
         sum_partials(base + (long long)ROWS * n1, split_stride, (long long)r * n1 + cb * 128 + 4 * lane, splits, u);
-        rotate_output(g, svh1 + (long long)e * n1 + cb * 128, lane);
-        rotate_output(u, svh3 + (long long)e * n1 + cb * 128, lane);
+        rotate_output(g, sv1, lane);
+        rotate_output(u, sv3, lane);
         const int slot = sm.ints[16 + r];
         const float weight = route[slot];
 #pragma unroll
@@ -753,6 +762,7 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     __syncthreads();
     int kb_lo, nkb;
     kslice(k2, sp, splits, &kb_lo, &nkb);
+    const uint2 sv2 = load_svh4(svh2 + (long long)e * n2 + cb * 128, lane);
     block_product<ROWS>(sm, xs_stride, min(ROWS, n_slots), h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2,
                         cb, kb_lo, nkb);
 
@@ -763,7 +773,7 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     for (int r = warp; r < rows; r += WARPS) {
         float v[4];
         sum_partials(base, split_stride, (long long)r * n2 + cb * 128 + 4 * lane, splits, v);
-        rotate_output(v, svh2 + (long long)e * n2 + cb * 128, lane);
+        rotate_output(v, sv2, lane);
         *(float4*)(yslots + (long long)sm.ints[16 + r] * n2 + cb * 128 + 4 * lane) = make_float4(v[0], v[1], v[2], v[3]);
     }
     // count this expert's slots in; the block that brings the count to n_slots sums the column block
