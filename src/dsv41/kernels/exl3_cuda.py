@@ -80,15 +80,15 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 2.0, slice_blocks: int = 5) -> int:
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 1.8, slice_blocks: int = 5) -> int:
     """Split-K count for a `[k, n]` matrix (never depends on m: row invariance).
 
     Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows.
     Narrower ones take as many as keep `blocks_per_sm` blocks on every SM, unless that leaves k slices longer than
     `slice_blocks` 128-blocks; then enough for such slices, within one wave of 4 blocks per SM. Measured on the
-    H200 (docs/perf/exl3.md): expert 5120x2304 best at 12-14 splits (8.8 us vs 9.9 at 15 and 22: a third block on
-    some SMs costs more than shorter slices save), down 2304x5120 at 6, wo_b 8192x5120 at 13, wq_b and the head at
-    the fewest.
+    H200 (docs/perf/exl3.md): expert 5120x2304 best at 12-13 splits (8.6 us vs 9.9 at 15 and 22: a third block on
+    some SMs costs more than shorter slices save), down 2304x5120 at 5-8 (within 0.4 us), wo_b 8192x5120 at 13,
+    wq_b and the head at the fewest.
     """
     k_blocks, col_blocks = k // 128, n // 128
     fewest = math.ceil(k_blocks / MAX_SLICE_BLOCKS)
