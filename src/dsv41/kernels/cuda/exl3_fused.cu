@@ -238,15 +238,23 @@ __device__ __forceinline__ void hadamard128(float* v, int lane) {
 
 // Elements i..i+3 (i a multiple of 4, the row 16-byte aligned: checked on the host) rounded to fp16 first, as
 // ExLlamaV3 takes fp16 activations (dtype 0 fp16, 1 bf16, 2 fp32).
-__device__ __forceinline__ void load4_as_half(const void* p, long long i, int dtype, float* v) {
+// Elements i..i+3 of a row as stored (fp16/bf16: 8 bytes in .x/.y; fp32: 16 bytes); the loads of all rows are
+// issued before any is used, so a block waits for one global load, not one per row.
+__device__ __forceinline__ uint4 load4_raw(const void* p, long long i, int dtype) {
+    if (dtype == 2) return *(const uint4*)((const float*)p + i);
+    const uint2 h = *(const uint2*)((const u16*)p + i);
+    return make_uint4(h.x, h.y, 0u, 0u);
+}
+
+// The 4 elements rounded to fp16 first, as ExLlamaV3 takes fp16 activations (dtype 0 fp16, 1 bf16, 2 fp32).
+__device__ __forceinline__ void raw4_as_half(uint4 r, int dtype, float* v) {
     if (dtype == 2) {
-        const float4 f = *(const float4*)((const float*)p + i);
-        v[0] = half_to_float(float_to_half(f.x)); v[1] = half_to_float(float_to_half(f.y));
-        v[2] = half_to_float(float_to_half(f.z)); v[3] = half_to_float(float_to_half(f.w));
+        const u32 f[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = half_to_float(float_to_half(__uint_as_float(f[e])));
         return;
     }
-    const uint2 h = *(const uint2*)((const u16*)p + i);
-    const u32 w[2] = {h.x, h.y};
+    const u32 w[2] = {r.x, r.y};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const u16 bits = (u16)(e & 1 ? w[e >> 1] >> 16 : w[e >> 1] & 0xFFFFu);
@@ -270,12 +278,13 @@ __device__ __forceinline__ int b_word_pos(int w) {
     return 16 * (r >> 1) + 4 * t + 2 * (r & 1) + h;
 }
 
-// xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for block rows
-// [0, xs_rows) (rows from xs_rows on are never read: the main loop passes zeros for them), each 128-block stored
-// in the b_word_pos order. src[row] < 0 marks a padding row (zeros). Two phases so that no warp waits on global
-// loads one after another: all threads load and scale (independent loads), then one warp per (row, 128-block)
-// rotates from shared memory.
-__device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int xs_rows, const void* x, int ldx,
+// xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for the block's
+// `rows` real rows (the main loop's lanes of later rows read row rows-1 instead: their outputs are never stored),
+// each 128-block stored in the b_word_pos order. src[row] < 0 marks a padding row (zeros). Two phases so that no
+// warp waits on global loads one after another: all threads load and scale (independent loads), then one warp per
+// (row, 128-block) rotates from shared memory.
+template <int ROWS>
+__device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int rows, const void* x, int ldx,
                                              int x_dtype, const int* src, const u16* suh, int k0, int nkb, int warp,
                                              int lane) {
     const int width = nkb * 128;
@@ -295,20 +304,35 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int xs_rows
         const uint2 su2 = i == 0 ? su_early[0] : i == 1 ? su_early[1] : *(const uint2*)(suh + k0 + col);
         const float su[4] = {half_to_float((u16)(su2.x & 0xFFFFu)), half_to_float((u16)(su2.x >> 16)),
                              half_to_float((u16)(su2.y & 0xFFFFu)), half_to_float((u16)(su2.y >> 16))};
-        for (int row = 0; row < xs_rows; ++row) {
-            uint2 packed = make_uint2(0u, 0u);
-            if (src[row] >= 0) {
-                float v[4];
-                load4_as_half(x, (long long)src[row] * ldx + k0 + col, x_dtype, v);
-                // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
-                packed.x = (u32)float_to_half(v[0] * su[0]) | ((u32)float_to_half(v[1] * su[1]) << 16);
-                packed.y = (u32)float_to_half(v[2] * su[2]) | ((u32)float_to_half(v[3] * su[3]) << 16);
+        // 8 rows at a time: their loads in flight together (16-bit inputs: 2 registers per row; fp32: 4)
+#pragma unroll
+        for (int r0 = 0; r0 < ROWS; r0 += 8) {
+            if (r0 >= rows) break;
+            uint4 raw[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const int row = r0 + q;
+                raw[q] = make_uint4(0u, 0u, 0u, 0u);
+                if (row < rows && src[row] >= 0) raw[q] = load4_raw(x, (long long)src[row] * ldx + k0 + col, x_dtype);
             }
-            *(uint2*)(xs + row * xs_stride + col) = packed;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                const int row = r0 + q;
+                if (row >= rows) break;
+                uint2 packed = make_uint2(0u, 0u);
+                if (src[row] >= 0) {
+                    float v[4];
+                    raw4_as_half(raw[q], x_dtype, v);
+                    // exact fp16 x fp16 product, rounded once to fp16 (the reference's fp16 multiply)
+                    packed.x = (u32)float_to_half(v[0] * su[0]) | ((u32)float_to_half(v[1] * su[1]) << 16);
+                    packed.y = (u32)float_to_half(v[2] * su[2]) | ((u32)float_to_half(v[3] * su[3]) << 16);
+                }
+                *(uint2*)(xs + row * xs_stride + col) = packed;
+            }
         }
     }
     __syncthreads();
-    for (int unit = warp; unit < xs_rows * nkb; unit += WARPS) {
+    for (int unit = warp; unit < rows * nkb; unit += WARPS) {
         const int row = unit / nkb, kb = unit - row * nkb;
         if (src[row] < 0) continue;  // zeros in any order
         u32* blk = (u32*)(xs + row * xs_stride + kb * 128);
@@ -331,7 +355,7 @@ struct Smem {
     float* ys;     // [ROWS][YS_STRIDE] fp32 block result (epilogue)
     int* ints;     // [SMEM_INTS]: 0..15 source row per block row, 16..31 MoE slot per block row, 32 flag,
                    // 64..71 per-warp counts
-    u16* xs;       // [xs_rows][xs_stride] rotated input, fp16 (last: the host sizes it by the launch's rows)
+    u16* xs;       // [rows][xs_stride] rotated input, fp16 (last: the host sizes it for the rows a launch can have)
 };
 
 template <int ROWS>
@@ -405,8 +429,8 @@ template <int ROWS, int SLOT>
 __device__ __forceinline__ void stage_product(float* acc, float* odd, const Smem& sm, const u32* ring,
                                               const int* off, u32 sh, int xs_stride, const int* xrow, int kb,
                                               int t) {
-    // B operands of tile rows 0..7: four 16-byte chunks per 8 input rows (see b_word_pos). Lanes of rows past
-    // xs_rows read a stored row instead: B column g only feeds output row g, and those rows are never stored.
+    // B operands of tile rows 0..7: four 16-byte chunks per 8 input rows (see b_word_pos). Lanes of rows past the
+    // block's real rows read its last row instead: B column g only feeds output row g, and those are never stored.
     uint4 b[ROWS / 8][4];
 #pragma unroll
     for (int h = 0; h < ROWS / 8; ++h) {
@@ -464,7 +488,7 @@ struct WarpLoop {
 // added once at the end: a fixed order that depends on the shape only. The stage loop is unrolled by STAGES so
 // that ring slots are compile-time offsets.
 template <int ROWS>
-__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, int xs_rows, const u32* tile_col,
+__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, int rows, const u32* tile_col,
                                           long long row_stride_words, int n_stages, int warp, int lane) {
     float odd[ROWS / 2];
 #pragma unroll
@@ -479,8 +503,8 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
     L.n_stages = n_stages;
     L.t = lane & 3;
     L.lane = lane;
-    L.xrow[0] = min(lane >> 2, xs_rows - 1);
-    L.xrow[1] = min((lane >> 2) + 8, xs_rows - 1);
+    L.xrow[0] = min(lane >> 2, rows - 1);
+    L.xrow[1] = min((lane >> 2) + 8, rows - 1);
     L.copy = stage_copy(L.ring, tile_col, row_stride_words, STAGES - 1, lane);
     for (int base = 0; base < n_stages; base += STAGES) L.template round_from<0>(base);
     asm volatile("cp.async.wait_all;");
@@ -546,7 +570,7 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int expected, int* 
 // One block's share: rows sm.ints[0..ROWS) (source row per block row, -1 = padding) of x through the k slice
 // [kb_lo, kb_lo + nkb) of a 128-column block; leaves the fp32 block result (before the output rotation) in sm.ys.
 template <int ROWS>
-__device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int xs_rows, const void* x, int ldx,
+__device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int rows, const void* x, int ldx,
                                               int x_dtype, const u32* trellis, const u16* suh, int n, int cb,
                                               int kb_lo, int nkb) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -555,13 +579,13 @@ __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int
 #if EXL3_ABLATE != 2
     pipeline_prologue(sm, tile_col, row_stride_words, nkb, warp, lane);
 #endif
-    rotate_input(sm.xs, xs_stride, xs_rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    rotate_input<ROWS>(sm.xs, xs_stride, rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
     __syncthreads();  // the rotated input is read by every warp
     float acc[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
 #if EXL3_ABLATE != 2
-    main_loop<ROWS>(acc, sm, xs_stride, xs_rows, tile_col, row_stride_words, nkb, warp, lane);
+    main_loop<ROWS>(acc, sm, xs_stride, rows, tile_col, row_stride_words, nkb, warp, lane);
 #endif
     // the next kernel may now launch and prefetch its weights while this one reduces and writes
     let_next_kernel_start();
@@ -717,7 +741,7 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
     const u16* suh = (up ? suh3 : suh1) + (long long)e * k1;
     const uint2 sv1 = load_svh4(svh1 + (long long)e * n1 + cb * 128, lane);
     const uint2 sv3 = load_svh4(svh3 + (long long)e * n1 + cb * 128, lane);
-    block_product<ROWS>(sm, xs_stride, min(ROWS, n_slots), x, ldx, x_dtype, w, suh, n1, cb, kb_lo, nkb);
+    block_product<ROWS>(sm, xs_stride, rows, x, ldx, x_dtype, w, suh, n1, cb, kb_lo, nkb);
 
     const long long split_stride = 2LL * ROWS * n1;
     float* base = part + (long long)leader * splits * split_stride;
@@ -754,7 +778,9 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     const int leader = blockIdx.x, cb = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
-    wait_for_previous_kernel();  // h and the routing table come from the previous kernels
+    // The routing table may be read before waiting for the gate/up launch: that kernel lets this one start only
+    // after all its blocks passed their own wait, so whatever wrote the table has finished. So the expert is
+    // known, and its first weight stages load, while gate/up drains; h is read after the wait (in rotate_input).
     const int rows = expert_slots<ROWS>(ids, n_slots, leader, sm.ints, &e);
     if (rows < 0) return;
     // h rows are indexed by slot
@@ -763,7 +789,7 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
     int kb_lo, nkb;
     kslice(k2, sp, splits, &kb_lo, &nkb);
     const uint2 sv2 = load_svh4(svh2 + (long long)e * n2 + cb * 128, lane);
-    block_product<ROWS>(sm, xs_stride, min(ROWS, n_slots), h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2,
+    block_product<ROWS>(sm, xs_stride, rows, h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2,
                         cb, kb_lo, nkb);
 
     const long long split_stride = (long long)ROWS * n2;
