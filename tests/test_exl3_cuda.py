@@ -74,6 +74,28 @@ def test_default_moe_splits_fit_the_moe_slice_bound():
         assert 1 <= cfg.splits_gate_up <= hidden // 128 and 1 <= cfg.splits_down <= inter // 128
 
 
+GB10_SHARED_LIMIT = 101376  # 99 KB per block (sm_121), against 227 KB on the H200
+
+
+def test_default_launches_fit_gb10_shared_memory_for_every_K():
+    from dsv41.kernels.exl3_cuda import (MAX_ROWS, MAX_SLICE_BLOCKS, MOE_MAX_SLICE_BLOCKS, _shared_bytes, _xs_stride,
+                                         default_moe_config, default_splits, slice_limit)
+
+    for K in range(1, 9):
+        limit = slice_limit(K, GB10_SHARED_LIMIT, MAX_SLICE_BLOCKS)
+        for k, n, _ in PACK_SHAPES + [(5120, 129280, 6), (8192, 5120, 5)]:
+            s = default_splits(k, n, 48, max_slice=limit)
+            assert _shared_bytes(K, MAX_ROWS, MAX_ROWS, _xs_stride(k, s)) <= GB10_SHARED_LIMIT, (K, k, n, s)
+        cfg = default_moe_config(5120, 2304, slice_limit(K, GB10_SHARED_LIMIT, MOE_MAX_SLICE_BLOCKS),
+                                 slice_limit(K, GB10_SHARED_LIMIT, MOE_MAX_SLICE_BLOCKS))
+        for k, s in ((5120, cfg.splits_gate_up), (2304, cfg.splits_down)):
+            assert _shared_bytes(K, MAX_ROWS, MAX_ROWS, _xs_stride(k, s)) <= GB10_SHARED_LIMIT, (K, k, s)
+    # the H200's 227 KB leaves the measured defaults alone
+    assert slice_limit(8, 232448, MAX_SLICE_BLOCKS) == MAX_SLICE_BLOCKS
+    assert default_moe_config(5120, 2304, slice_limit(3, 232448, MOE_MAX_SLICE_BLOCKS),
+                              slice_limit(3, 232448, MOE_MAX_SLICE_BLOCKS)) == default_moe_config(5120, 2304)
+
+
 def _need_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")

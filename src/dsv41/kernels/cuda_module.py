@@ -65,6 +65,27 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
+_CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN = 97
+_SHARED_LIMITS: dict[int, int] = {}
+
+
+def shared_memory_limit(device_index: int) -> int:
+    """Most dynamic shared memory one block may opt in to on the device (227 KB on Hopper, 99 KB on GB10)."""
+    with _LOCK:
+        if device_index not in _SHARED_LIMITS:
+            if not _DRIVER:
+                _DRIVER.append(_driver())
+            lib = _DRIVER[0]
+            torch.cuda.init()
+            dev, value = ctypes.c_int(), ctypes.c_int()
+            _check(lib, lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+            _check(lib, lib.cuDeviceGetAttribute(ctypes.byref(value),
+                                                 _CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev),
+                   "shared memory per block (opt-in)")
+            _SHARED_LIMITS[device_index] = value.value
+        return _SHARED_LIMITS[device_index]
+
+
 def _check(lib: ctypes.CDLL, code: int, what: str) -> None:
     if code != 0:
         msg = ctypes.c_char_p()

@@ -20,7 +20,7 @@ import torch
 
 from dsv41.kernels.cuda_build import exl3_defines
 from dsv41.kernels.cuda_build import tuning as configured_tuning
-from dsv41.kernels.cuda_module import load_kernels
+from dsv41.kernels.cuda_module import load_kernels, shared_memory_limit
 from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
 
 SOURCE = "exl3_fused.cu"
@@ -80,7 +80,20 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 1.8, slice_blocks: int = 5) -> int:
+def slice_limit(K: int, shared_limit: int, cap: int, tune: dict | None = None) -> int:
+    """Longest k slice (in 128-blocks, at most `cap`) whose 16-row launch fits in `shared_limit` bytes of shared
+    memory: GB10 allows 99 KB per block where the H200 allows 227 KB (K=8 fits 10 blocks there, K=6 MoE slices 12).
+    Depends on the device and K only, never on m (row invariance)."""
+    fixed = _shared_bytes(K, MAX_ROWS, 0, 0, tune)
+    fit = (shared_limit - fixed - MAX_ROWS * 32 * 2) // (MAX_ROWS * 128 * 2)
+    if fit < 1:
+        raise ValueError(f"K={K}: the kernel's pipeline needs {fixed} B of shared memory, the device allows "
+                         f"{shared_limit} B per block")
+    return min(cap, fit)
+
+
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 1.8, slice_blocks: int = 5,
+                   max_slice: int = MAX_SLICE_BLOCKS) -> int:
     """Split-K count for a `[k, n]` matrix (never depends on m: row invariance).
 
     Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows.
@@ -91,7 +104,7 @@ def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 1.8, sl
     wq_b and the head at the fewest.
     """
     k_blocks, col_blocks = k // 128, n // 128
-    fewest = math.ceil(k_blocks / MAX_SLICE_BLOCKS)
+    fewest = math.ceil(k_blocks / max_slice)
     if col_blocks >= sm_count:
         return fewest
     splits = max(1, math.floor(blocks_per_sm * sm_count / col_blocks))
@@ -158,7 +171,9 @@ def fused_matmul_cuda(
     k, n, K = weight.k, weight.n, weight.K
     clustered = use_clusters(x.device)
     if splits is None:
-        splits = default_splits(k, n, _sm_count(x.device))
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        splits = default_splits(k, n, _sm_count(x.device),
+                                max_slice=slice_limit(K, shared_memory_limit(index), MAX_SLICE_BLOCKS, tuning))
         if clustered:
             splits = max(math.ceil((k // 128) / MAX_SLICE_BLOCKS), min(splits, MAX_CLUSTER))
     if not 1 <= splits <= k // 128:
@@ -210,12 +225,14 @@ class MoeCudaConfig:
 MOE_MAX_SLICE_BLOCKS = 14
 
 
-def default_moe_config(k_gate_up: int, k_down: int) -> MoeCudaConfig:
+def default_moe_config(k_gate_up: int, k_down: int, max_slice_gate_up: int = MOE_MAX_SLICE_BLOCKS,
+                       max_slice_down: int = MOE_MAX_SLICE_BLOCKS) -> MoeCudaConfig:
     """Split counts from the input widths of the gate/up (hidden) and down (intermediate) projections: 3 and 2 for
-    the pack's 5120/2304 (one token 80 us vs 84 with 4 and 2, 4 tokens 278 vs 284; docs/perf/exl3.md)."""
+    the pack's 5120/2304 (one token 80 us vs 84 with 4 and 2, 4 tokens 278 vs 284; docs/perf/exl3.md), more where
+    the device's shared memory (slice_limit) asks for shorter k slices."""
     return MoeCudaConfig(
-        splits_gate_up=max(math.ceil((k_gate_up // 128) / MOE_MAX_SLICE_BLOCKS), min(3, k_gate_up // 128)),
-        splits_down=max(math.ceil((k_down // 128) / MOE_MAX_SLICE_BLOCKS), min(2, k_down // 128)),
+        splits_gate_up=max(math.ceil((k_gate_up // 128) / max_slice_gate_up), min(3, k_gate_up // 128)),
+        splits_down=max(math.ceil((k_down // 128) / max_slice_down), min(2, k_down // 128)),
     )
 
 
@@ -242,7 +259,12 @@ def moe_forward_cuda(
     topk = topk_ids.shape[1]
     if MAX_ROWS * topk > THREADS:
         raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
-    cfg = config or default_moe_config(w1.k, w2.k)
+    if config is None:
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        limit = shared_memory_limit(index)
+        config = default_moe_config(w1.k, w2.k, slice_limit(w1.K, limit, MOE_MAX_SLICE_BLOCKS, tuning),
+                                    slice_limit(w2.K, limit, MOE_MAX_SLICE_BLOCKS, tuning))
+    cfg = config
     out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
     x = _vector_ready(x)
     for start in range(0, T, MAX_ROWS):
