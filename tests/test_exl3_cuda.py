@@ -279,6 +279,40 @@ def test_gpu_warmup_fills_the_cubin_cache(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_cuda_column_loop_of_very_wide_matrices_keeps_every_bit(monkeypatch):
+    """A matrix with far more column blocks than fit on the GPU (like the head) runs as resident blocks that loop
+    over column blocks: the same bits as one block per column block, rows still independent of m."""
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import (_column_grid, _shared_bytes, _sm_count, _xs_stride,
+                                         default_splits, fused_matmul_cuda, kernels_for)
+    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.weights import exl3
+
+    k, n, K = 1280, 1100 * 128, 2
+    gen = torch.Generator().manual_seed(7)
+    trellis, suh, svh = _random_group(gen, k, n, K, "cuda")
+    w = Exl3Tensor.from_group(trellis, suh, svh, "mul1")
+    dev = torch.device("cuda")
+    splits = default_splits(k, n, _sm_count(dev))
+    for variant in (8, 16):
+        kernel = kernels_for(dev, K, "mul1")[f"exl3_linear_r{variant}"]
+        shared = _shared_bytes(K, variant, variant, _xs_stride(k, splits))
+        assert _column_grid(kernel, shared, n // 128, splits, _sm_count(dev), variant) < n // 128, "loop not used"
+        assert _column_grid(kernel, shared, n // 128, splits, _sm_count(dev), 1) == n // 128
+    x = torch.randn(16, k, generator=gen).half().cuda()
+    monkeypatch.setenv("DSV41_EXL3_PERSIST", "0")
+    y_flat = fused_matmul_cuda(x, w)
+    monkeypatch.setenv("DSV41_EXL3_PERSIST", "1")
+    y = fused_matmul_cuda(x, w)
+    assert torch.equal(y.view(torch.int32), y_flat.view(torch.int32))
+    for m in (1, 2, 3, 5, 8, 9):  # m < 3 runs one block per column block: same bits
+        assert torch.equal(fused_matmul_cuda(x[:m], w).view(torch.int32), y[:m].view(torch.int32)), f"m={m}"
+    cols = slice(n - 4096, n)  # the last column blocks: taken by the blocks' last loop turns
+    y64 = x.double() @ exl3.effective_weight(trellis, suh, svh, "mul1", torch.float64)[:, cols]
+    assert _rel(y[:, cols], y64) <= 1e-3 and _max_elem(y[:, cols], y64) <= 6e-3
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k,n,K", [(5120, 2304, 3), (8192, 5120, 5)])
 def test_gpu_cuda_cluster_reduction(k, n, K, monkeypatch):
     """DSV41_EXL3_CLUSTER=1: split-K partials summed through a thread block cluster's shared memory."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -125,14 +125,31 @@ class CudaKernel:
     function: ctypes.c_void_p
     pdl: bool = False
     shared_limit: int = 48 * 1024
+    _occupancy: dict = field(default_factory=dict)
+
+    def _allow_shared(self, shared: int) -> None:
+        if shared > self.shared_limit:
+            lib = _DRIVER[0]
+            _check(lib, lib.cuFuncSetAttribute(self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                               ctypes.c_int(shared)), f"{self.name}: shared memory {shared} B")
+            self.shared_limit = shared
+
+    def resident_blocks_per_sm(self, block: int, shared: int) -> int:
+        """How many blocks of this kernel fit on one SM at once (registers, shared memory, threads)."""
+        key = (block, shared)
+        if key not in self._occupancy:
+            self._allow_shared(shared)
+            lib, count = _DRIVER[0], ctypes.c_int()
+            _check(lib, lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(count), self.function, block,
+                                                                        ctypes.c_size_t(shared)),
+                   f"{self.name}: occupancy")
+            self._occupancy[key] = count.value
+        return self._occupancy[key]
 
     def launch(self, grid: tuple[int, int, int], block: int, shared: int, args: list,
                cluster: tuple[int, int, int] | None = None) -> None:
         lib = _DRIVER[0]
-        if shared > self.shared_limit:
-            _check(lib, lib.cuFuncSetAttribute(self.function, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                               ctypes.c_int(shared)), f"{self.name}: shared memory {shared} B")
-            self.shared_limit = shared
+        self._allow_shared(shared)
         values = []
         for a in args:
             if isinstance(a, torch.Tensor):

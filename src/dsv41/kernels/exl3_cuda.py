@@ -182,6 +182,7 @@ def fused_matmul_cuda(
     clustered = clustered and 1 < splits <= MAX_CLUSTER
     kernels = kernels_for(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
+    col_blocks = n // 128
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         variant = _rows_variant(rows)
@@ -189,17 +190,45 @@ def fused_matmul_cuda(
             ("linear", str(x.device), splits, n, variant),
             lambda: (
                 torch.empty((splits, variant, n), dtype=torch.float32, device=x.device),
-                torch.zeros((n // 128,), dtype=torch.int32, device=x.device),
+                # arrival counters per column block, then one column-block counter per split (_column_grid)
+                torch.zeros((n // 128 + splits,), dtype=torch.int32, device=x.device),
             ),
         )
         xc, yc = x[start:start + rows], out[start:start + rows]
-        kernels[f"exl3_linear_r{variant}"].launch(
-            (n // 128, splits, 1), THREADS, _shared_bytes(K, variant, rows, xs_stride, tuning),
+        kernel = kernels[f"exl3_linear_r{variant}"]
+        shared = _shared_bytes(K, variant, rows, xs_stride, tuning)
+        grid_x = col_blocks if clustered else _column_grid(kernel, shared, col_blocks, splits, _sm_count(x.device),
+                                                                rows)
+        kernel.launch(
+            (grid_x, splits, 1), THREADS, shared,
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
              yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride, int(clustered)],
             cluster=(1, splits, 1) if clustered else None,
         )
     return out
+
+
+def persistent_enabled() -> bool:
+    """Column-block loops for very wide matrices (on by default; DSV41_EXL3_PERSIST=0 for A/B runs)."""
+    return os.environ.get("DSV41_EXL3_PERSIST", "1") not in ("0", "")
+
+
+# The column-block loop pays off from 3 rows on (head, H200: m=4 212 vs 223 us, m=8 233 vs 275, m=16 287 vs 440;
+# m=1 206 vs 199, m=2 equal): with more rows each block's input rotation and reduction cost more.
+PERSIST_MIN_ROWS = 3
+
+
+def _column_grid(kernel, shared: int, col_blocks: int, splits: int, sm_count: int, rows: int) -> int:
+    """Blocks per split of a linear launch. Normally one per 128-column block; when the launch has more than twice
+    the blocks the GPU holds at once (the head: 4,040 against 528) and at least PERSIST_MIN_ROWS rows, only as many
+    as stay resident, which then take column blocks from a counter until none is left (the same column blocks'
+    work either way, so the same bits)."""
+    if rows < PERSIST_MIN_ROWS or not persistent_enabled():
+        return col_blocks
+    resident = kernel.resident_blocks_per_sm(THREADS, shared) * sm_count
+    if col_blocks * splits <= 2 * resident or resident < splits:
+        return col_blocks
+    return resident // splits
 
 
 def decode_cuda(weight: Exl3Tensor) -> torch.Tensor:

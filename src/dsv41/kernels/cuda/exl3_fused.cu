@@ -621,41 +621,14 @@ __device__ __forceinline__ void rotate_output(float* v, uint2 svh4, int lane) {
 // grid (n/128, splits); partials [splits][ROWS][n] fp32; counters [n/128]
 // ------------------------------------------------------------------------------------------------------------
 
+// The split-K reduction and the epilogue of column block cb: partials in split order by the last block to arrive,
+// output rotation, svh, y.
 template <int ROWS>
-__device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
-                                            const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
-                                            float* part, int* counters, int k, int n, int splits, int xs_stride,
-                                            int cluster) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw);
-    const int cb = blockIdx.x, sp = blockIdx.y;
+__device__ __forceinline__ void finish_column_block(const Smem& sm, uint2 sv, void* y, int ldy, int y_dtype,
+                                                    float* part, int* counters, int m, int n, int cb, int sp,
+                                                    int splits) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int kb_lo, nkb;
-    kslice(k, sp, splits, &kb_lo, &nkb);
-    if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = (int)threadIdx.x < m ? (int)threadIdx.x : -1;
-    const uint2 sv = load_svh4(svh + cb * 128, lane);
-    __syncthreads();
-    block_product<ROWS>(sm, xs_stride, m, x, ldx, x_dtype, trellis, suh, n, cb, kb_lo, nkb);
-
     const long long split_stride = (long long)ROWS * n;
-    if (cluster && splits > 1) {
-        // launched as clusters of the `splits` blocks of this column block (rank = split): row r is finished by
-        // the block of rank r % splits, summing the blocks' partials in split order straight from their
-        // shared memory; the second barrier keeps every block alive until its partial has been read.
-        cluster_sync();
-        for (int r = sp + warp * splits; r < m; r += WARPS * splits) {
-            float v[4] = {0.f, 0.f, 0.f, 0.f};
-            for (int q = 0; q < splits; ++q) {
-                const float4 p = load_cluster4(sm.ys + r * YS_STRIDE + 4 * lane, (u32)q);
-                v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
-            }
-            rotate_output(v, sv, lane);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
-        }
-        cluster_sync();
-        return;
-    }
     if (EXL3_ABLATE != 3 && splits > 1) {
         store_partial(sm.ys, part + sp * split_stride + cb * 128, n, m);
         if (!last_to_arrive(counters + cb, splits, sm.ints + 32)) return;
@@ -671,6 +644,91 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
         rotate_output(v, sv, lane);
 #pragma unroll
         for (int e = 0; e < 4; ++e) store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
+    }
+}
+
+// grid (G, splits): block (b, sp) takes column block b of split sp, then (when G < n/128) further column blocks
+// of split sp as they come from a per-split counter (counters[n/128 + sp]), so that blocks that finish early take
+// more. G = n/128 normally; for matrices with many more blocks than fit on the GPU at once (the head) the host
+// picks G so that all blocks are resident: each block then rotates its k slice of the input once for all its
+// column blocks, and loads the next column block's first weight stages while it reduces the current one. Which
+// block computes a column block never changes its bits.
+template <int ROWS>
+__device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
+                                            const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
+                                            float* part, int* counters, int k, int n, int splits, int xs_stride,
+                                            int cluster) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm = carve<ROWS>(smem_raw);
+    const int sp = blockIdx.y, ncb = n / 128;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int cb = blockIdx.x;
+    int kb_lo, nkb;
+    kslice(k, sp, splits, &kb_lo, &nkb);
+    if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = (int)threadIdx.x < m ? (int)threadIdx.x : -1;
+    uint2 sv = load_svh4(svh + cb * 128, lane);
+    const long long row_stride_words = (long long)(n / 16) * TW;
+    // this warp's tile column of column block c is at col0 + c * ROW_WORDS
+    const u32* col0 = trellis + (long long)kb_lo * 8 * row_stride_words + warp * TW;
+    __syncthreads();
+#if EXL3_ABLATE != 2
+    pipeline_prologue(sm, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp, lane);
+#endif
+    rotate_input<ROWS>(sm.xs, xs_stride, m, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    // (after the wait in rotate_input: the previous launch has reset the counter)
+    int* const take = counters + ncb + sp;
+    if (threadIdx.x == 0) sm.ints[33] = (int)gridDim.x < ncb ? (int)gridDim.x + atomicAdd(take, 1) : ncb;
+    __syncthreads();  // the rotated input is read by every warp
+    for (;;) {
+        const int next = sm.ints[33];
+        float acc[ROWS / 2];
+#pragma unroll
+        for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
+#if EXL3_ABLATE != 2
+        main_loop<ROWS>(acc, sm, xs_stride, m, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp, lane);
+#endif
+        if (next < ncb) {
+            // the warp's ring is free (main_loop waited for its copies and consumed them): the next column block's
+            // first stages load during this one's reduction
+            __syncwarp();
+#if EXL3_ABLATE != 2
+            pipeline_prologue(sm, col0 + (long long)next * ROW_WORDS, row_stride_words, nkb, warp, lane);
+#endif
+        } else {
+            // the next kernel may now launch and prefetch its weights while this one reduces and writes
+            let_next_kernel_start();
+        }
+        stash_acc<ROWS>(acc, sm.ys, warp, lane);
+        __syncthreads();
+        if (cluster && splits > 1) {
+            // launched as clusters of the `splits` blocks of this column block (rank = split; G = n/128): row r
+            // is finished by the block of rank r % splits, summing the blocks' partials in split order straight
+            // from their shared memory; the second barrier keeps every block alive until its partial is read.
+            cluster_sync();
+            for (int r = sp + warp * splits; r < m; r += WARPS * splits) {
+                float v[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int q = 0; q < splits; ++q) {
+                    const float4 p = load_cluster4(sm.ys + r * YS_STRIDE + 4 * lane, (u32)q);
+                    v[0] += p.x; v[1] += p.y; v[2] += p.z; v[3] += p.w;
+                }
+                rotate_output(v, sv, lane);
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    store_value(y, (long long)r * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
+            }
+            cluster_sync();
+            return;
+        }
+        finish_column_block<ROWS>(sm, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits);
+        if (next >= ncb) {
+            // every block ends with one draw past the end; the last of those draws resets the counter
+            if (threadIdx.x == 0 && next == ncb + (int)gridDim.x - 1) *take = 0;
+            return;
+        }
+        if (threadIdx.x == 0) sm.ints[33] = (int)gridDim.x + atomicAdd(take, 1);
+        __syncthreads();  // the reduction above has read ys before the next stash; the next draw is visible
+        cb = next;
+        sv = load_svh4(svh + cb * 128, lane);
     }
 }
 
