@@ -20,6 +20,7 @@ import torch
 
 from dsv41.kernels.cuda_build import SOURCE_DIR, find_nvcc, flags_of, image_name, nvcc_cubin
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
@@ -126,6 +127,7 @@ class CudaKernel:
     pdl: bool = False
     shared_limit: int = 48 * 1024
     _occupancy: dict = field(default_factory=dict)
+    _nonportable: bool = False
 
     def _allow_shared(self, shared: int) -> None:
         if shared > self.shared_limit:
@@ -173,6 +175,11 @@ class CudaKernel:
         if self.pdl:
             attrs.append((_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, (1,)))
         if cluster is not None:
+            if cluster[0] * cluster[1] * cluster[2] > 8 and not self._nonportable:
+                # clusters of more than 8 blocks (Hopper allows 16) must be allowed per kernel
+                _check(lib, lib.cuFuncSetAttribute(self.function, _CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                                                   ctypes.c_int(1)), f"{self.name}: cluster size {cluster}")
+                self._nonportable = True
             attrs.append((_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, tuple(cluster)))
         array = (_LaunchAttribute * len(attrs))(
             *[_LaunchAttribute(i, 0, (ctypes.c_uint * 16)(*v)) for i, v in attrs]

@@ -68,6 +68,11 @@ def _xs_stride(k: int, splits: int) -> int:
 MAX_CLUSTER = 8  # portable thread block cluster size
 
 
+def max_cluster(device: torch.device) -> int:
+    """Largest thread block cluster: 16 on Hopper (non-portable size, allowed per kernel at launch), else 8."""
+    return 16 if torch.cuda.get_device_capability(device)[0] == 9 else MAX_CLUSTER
+
+
 def use_clusters(device: torch.device) -> bool:
     """Split-K reduction through a cluster's shared memory (sm_90+), opt-in with DSV41_EXL3_CLUSTER=1: correct,
     but slower on the H200 because clusters cap the split count at 8 (docs/perf/exl3.md)."""
@@ -175,11 +180,11 @@ def fused_matmul_cuda(
         splits = default_splits(k, n, _sm_count(x.device),
                                 max_slice=slice_limit(K, shared_memory_limit(index), MAX_SLICE_BLOCKS, tuning))
         if clustered:
-            splits = max(math.ceil((k // 128) / MAX_SLICE_BLOCKS), min(splits, MAX_CLUSTER))
+            splits = max(math.ceil((k // 128) / MAX_SLICE_BLOCKS), min(splits, max_cluster(x.device)))
     if not 1 <= splits <= k // 128:
         raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128})")
     # (longer k slices than default_splits makes need more shared memory; the launch names the size if it is refused)
-    clustered = clustered and 1 < splits <= MAX_CLUSTER
+    clustered = clustered and 1 < splits <= max_cluster(x.device)
     kernels = kernels_for(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
     col_blocks = n // 128
