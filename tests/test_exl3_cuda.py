@@ -96,6 +96,30 @@ def test_default_launches_fit_gb10_shared_memory_for_every_K():
                               slice_limit(3, 232448, MOE_MAX_SLICE_BLOCKS)) == default_moe_config(5120, 2304)
 
 
+def test_column_grid_loops_only_for_very_wide_launches_of_three_rows_or_more(monkeypatch):
+    from dsv41.kernels.exl3_cuda import PERSIST_MIN_ROWS, _column_grid
+
+    class FakeKernel:  # 4 resident blocks per SM, as the H200 measured for the 8-row variant
+        def resident_blocks_per_sm(self, block, shared):
+            return 4
+
+    head = dict(col_blocks=1010, splits=4, sm_count=132)
+    monkeypatch.delenv("DSV41_EXL3_PERSIST", raising=False)
+    assert _column_grid(FakeKernel(), 0, rows=8, **head) == 132  # 4 x 132 resident blocks over 4 splits
+    assert _column_grid(FakeKernel(), 0, rows=PERSIST_MIN_ROWS - 1, **head) == 1010
+    # at most twice what fits at once: plain launch
+    assert _column_grid(FakeKernel(), 0, 1010 // 8, 8, 132, 8) == 1010 // 8
+    monkeypatch.setenv("DSV41_EXL3_PERSIST", "0")
+    assert _column_grid(FakeKernel(), 0, rows=8, **head) == 1010
+
+
+def test_slice_limit_names_a_pipeline_that_cannot_fit():
+    from dsv41.kernels.exl3_cuda import slice_limit
+
+    with pytest.raises(ValueError, match="K=8: the kernel's pipeline needs"):
+        slice_limit(8, 48 * 1024, 10)
+
+
 def _need_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")
