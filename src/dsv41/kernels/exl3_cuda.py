@@ -75,7 +75,8 @@ def max_cluster(device: torch.device) -> int:
 
 def use_clusters(device: torch.device) -> bool:
     """Split-K reduction through a cluster's shared memory (sm_90+), opt-in with DSV41_EXL3_CLUSTER=1: correct,
-    but slower on the H200 because clusters cap the split count at 8 (docs/perf/exl3.md)."""
+    but no faster on the H200, even with 16-block clusters, and it gives up the head's column-block loop
+    (docs/perf/exl3.md)."""
     if os.environ.get("DSV41_EXL3_CLUSTER", "0") in ("0", ""):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -83,6 +84,10 @@ def use_clusters(device: torch.device) -> bool:
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _shared_limit(device: torch.device) -> int:
+    return shared_memory_limit(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def slice_limit(K: int, shared_limit: int, cap: int, tune: dict | None = None) -> int:
@@ -176,11 +181,10 @@ def fused_matmul_cuda(
     k, n, K = weight.k, weight.n, weight.K
     clustered = use_clusters(x.device)
     if splits is None:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        splits = default_splits(k, n, _sm_count(x.device),
-                                max_slice=slice_limit(K, shared_memory_limit(index), MAX_SLICE_BLOCKS, tuning))
+        max_slice = slice_limit(K, _shared_limit(x.device), MAX_SLICE_BLOCKS, tuning)
+        splits = default_splits(k, n, _sm_count(x.device), max_slice=max_slice)
         if clustered:
-            splits = max(math.ceil((k // 128) / MAX_SLICE_BLOCKS), min(splits, max_cluster(x.device)))
+            splits = max(math.ceil((k // 128) / max_slice), min(splits, max_cluster(x.device)))
     if not 1 <= splits <= k // 128:
         raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128})")
     # (longer k slices than default_splits makes need more shared memory; the launch names the size if it is refused)
@@ -202,8 +206,9 @@ def fused_matmul_cuda(
         xc, yc = x[start:start + rows], out[start:start + rows]
         kernel = kernels[f"exl3_linear_r{variant}"]
         shared = _shared_bytes(K, variant, rows, xs_stride, tuning)
-        grid_x = col_blocks if clustered else _column_grid(kernel, shared, col_blocks, splits, _sm_count(x.device),
-                                                                rows)
+        grid_x = col_blocks
+        if not clustered:
+            grid_x = _column_grid(kernel, shared, col_blocks, splits, _sm_count(x.device), rows)
         kernel.launch(
             (grid_x, splits, 1), THREADS, shared,
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
@@ -294,8 +299,7 @@ def moe_forward_cuda(
     if MAX_ROWS * topk > THREADS:
         raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
     if config is None:
-        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        limit = shared_memory_limit(index)
+        limit = _shared_limit(x.device)
         config = default_moe_config(w1.k, w2.k, slice_limit(w1.K, limit, MOE_MAX_SLICE_BLOCKS, tuning),
                                     slice_limit(w2.K, limit, MOE_MAX_SLICE_BLOCKS, tuning))
     cfg = config
