@@ -150,6 +150,15 @@ HEADLINE_SHAPES = (("expert gate/up", 5120, 2304, 3, (1, 8, 16)), ("expert down"
                    ("head", 5120, 129280, 6, (1, 8, 16)))
 
 
+def time_fused(copies, m: int, **options) -> float:
+    """Graph-timed fused matmul of m fp16 rows over the weight copies (each replay walks all of them)."""
+    k, n = copies[0].k, copies[0].n
+    x = torch.randn(m, k, device="cuda").half()
+    outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
+    return graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o, **options)
+                          for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+
+
 def headline(log, tunings: list[dict]) -> list[dict]:
     """The numbers the issue's goals name, once per tuning (each a set of overrides of TUNING), on the same weights."""
     rows = []
@@ -158,11 +167,8 @@ def headline(log, tunings: list[dict]) -> list[dict]:
         for extra in tunings:
             tuning = {**TUNING, **extra}
             for m in ms:
-                x = torch.randn(m, k, device="cuda").half()
-                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
                 try:
-                    t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, out=o, tuning=tuning)
-                                       for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+                    t = time_fused(copies, m, tuning=tuning)
                 except Exception as exc:
                     log(f"{name} {extra} m={m}: FAILED {type(exc).__name__}: {exc}")
                     continue
@@ -185,11 +191,8 @@ def splits_sweep(log) -> list[dict]:
         copies = make_copies(k, n, K, 4 * L2_BYTES)
         for splits in options:
             for m in (1, 8):
-                x = torch.randn(m, k, device="cuda").half()
-                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
                 try:
-                    t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o)
-                                       for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+                    t = time_fused(copies, m, splits=splits)
                 except Exception as exc:
                     log(f"{k}x{n} splits={splits} m={m}: FAILED {type(exc).__name__}: {exc}")
                     continue
