@@ -99,11 +99,8 @@ def ablate(log) -> list[dict]:
         for name, extra, splits in variants:
             tuning = {**TUNING, **extra}
             for m in (1, 16):
-                x = torch.randn(m, k, device="cuda").half()
-                outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
                 try:
-                    t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o, tuning=tuning)
-                                       for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
+                    t = time_fused(copies, m, splits=splits, tuning=tuning)
                 except Exception as exc:
                     log(f"  {k}x{n} K={K} {name} m={m}: FAILED {type(exc).__name__}: {exc}")
                     continue

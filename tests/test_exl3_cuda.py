@@ -71,8 +71,8 @@ def test_default_moe_splits_fit_the_moe_slice_bound():
         cfg = default_moe_config(hidden, inter)
         assert -(-(hidden // 128) // cfg.splits_gate_up) <= MOE_MAX_SLICE_BLOCKS
         assert -(-(inter // 128) // cfg.splits_down) <= MOE_MAX_SLICE_BLOCKS
-        assert 1 <= cfg.splits_gate_up <= hidden // 128, (hidden, cfg)
-        assert 1 <= cfg.splits_down <= inter // 128, (inter, cfg)
+        assert cfg.splits_gate_up in range(1, hidden // 128 + 1), (hidden, cfg)
+        assert cfg.splits_down in range(1, inter // 128 + 1), (inter, cfg)
 
 
 GB10_SHARED_LIMIT = 101376  # 99 KB per block (sm_121), against 227 KB on the H200
