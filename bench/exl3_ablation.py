@@ -126,22 +126,6 @@ def repro(log) -> None:
             log(f"repro {k}x{n} K={K} m={m}: {t:.1f} us")
 
 
-def head(log) -> list[dict]:
-    rows = []
-    sm = torch.cuda.get_device_properties(0).multi_processor_count
-    k, n, K = 5120, 129280, 6
-    copies = make_copies(k, n, K, L2_BYTES)
-    for splits in sorted({default_splits(k, n, sm, b) for b in (1, 2)} | {5, 8}):
-        for m in (1, 8):
-            x = torch.randn(m, k, device="cuda").half()
-            outs = [torch.empty(m, n, device="cuda", dtype=torch.float16) for _ in copies]
-            t = graph_time_us([lambda c=c, o=o: fused_matmul_cuda(x, c, splits=splits, out=o)
-                               for c, o in zip(copies, outs)] * 4)
-            rows.append({"shape": f"{k}x{n}", "K": K, "splits": splits, "m": m, "us": t})
-            log(f"head splits={splits} m={m}: {t:.1f} us ({k * n / t / 1e6:.2f} T weights/s)")
-    return rows
-
-
 HEADLINE_SHAPES = (("expert gate/up", 5120, 2304, 3, (1, 8, 16)), ("expert down", 2304, 5120, 3, (1, 8)),
                    ("wq_b", 1280, 32768, 5, (1, 8)), ("wo_b", 8192, 5120, 5, (1, 8)),
                    ("head", 5120, 129280, 6, (1, 8, 16)))
@@ -221,7 +205,6 @@ def main() -> None:
     parser.add_argument("--stress", action="store_true")
     parser.add_argument("--ablate", action="store_true")
     parser.add_argument("--repro", action="store_true")
-    parser.add_argument("--head", action="store_true")
     parser.add_argument("--headline", action="store_true")
     parser.add_argument("--tuning", action="append", default=[], help="JSON overrides of TUNING for --headline")
     parser.add_argument("--moe-config", action="append", default=[], help="gate_up,down split counts for --headline")
@@ -236,8 +219,6 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name()}
     if args.repro:
         repro(log)
-    if args.head:
-        result["head"] = head(log)
     if args.headline:
         tunings = [{}] + [json.loads(t) for t in args.tuning]
         result["tunings"] = tunings
