@@ -28,7 +28,6 @@ KERNELS = [
     "exl3_linear_r8", "exl3_linear_r16",
     "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
     "exl3_moe_down_r8", "exl3_moe_down_r16",
-    "exl3_moe_fused_r8", "exl3_moe_fused_r16",
     "exl3_decode",
 ]
 # must match exl3_fused.cu; the pipeline shape (KR, STAGES) is a compile-time define chosen in cuda_build
@@ -254,17 +253,10 @@ def decode_cuda(weight: Exl3Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MoeCudaConfig:
-    """Split-K counts of the two MoE phases (fixed per expert shape, never per window: row invariance), and whether
-    both phases run as one persistent launch (when gate/up and down share K and codebook; same bits either way)."""
+    """Split-K counts of the two MoE launches (fixed per expert shape, never per window: row invariance)."""
 
     splits_gate_up: int
     splits_down: int
-    fused: bool = True
-
-
-def moe_fused_enabled() -> bool:
-    """One persistent MoE launch (on by default; DSV41_EXL3_MOE_FUSED=0 for A/B runs)."""
-    return os.environ.get("DSV41_EXL3_MOE_FUSED", "1") not in ("0", "")
 
 
 # k slices of the MoE launches may be longer than the linear's: a window has at most 16 rows and the expert shapes are
@@ -280,7 +272,6 @@ def default_moe_config(k_gate_up: int, k_down: int, max_slice_gate_up: int = MOE
     return MoeCudaConfig(
         splits_gate_up=max(math.ceil((k_gate_up // 128) / max_slice_gate_up), min(3, k_gate_up // 128)),
         splits_down=max(math.ceil((k_down // 128) / max_slice_down), min(2, k_down // 128)),
-        fused=moe_fused_enabled(),
     )
 
 
@@ -346,10 +337,6 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaC
 
     ws = _WORKSPACE.get(("moe", str(dev), n_slots, n1, n2, sa, sb, variant), make)
     ka = kernels_for(dev, w1.K, w1.codebook, tuning)
-    if cfg.fused and (w1.K, w1.codebook) == (w2.K, w2.codebook):
-        _moe_fused_launch(ka[f"exl3_moe_fused_r{variant}"], x, T, topk, ids, route, n_slots, variant, w1, w3, w2,
-                          ws, out, sa, sb, limit, tuning)
-        return
     xs_a = _xs_stride(w1.k, sa)
     expert_words_1 = ctypes.c_longlong(w1.words[0].numel())
     ka[f"exl3_moe_gate_up_r{variant}"].launch(
@@ -365,31 +352,4 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaC
         [ws["h"], ids, n_slots, T, topk, w2.words, w2.suh, w2.svh, ctypes.c_longlong(w2.words[0].numel()),
          ws["y"], out, out.stride(0), DTYPE_CODES[out.dtype], ws["part_b"], ws["count_b"], ws["count_out"],
          w2.k, n2, sb, xs_b],
-    )
-
-
-def _moe_fused_launch(kernel, x, T, topk, ids, route, n_slots, variant, w1, w3, w2, ws, out, sa, sb, limit,
-                      tuning) -> None:
-    """Both MoE phases in one launch of as many blocks as stay resident (they take units from a counter, so the
-    last wave of gate/up and the down phase's start overlap instead of one launch draining before the next)."""
-    dev = x.device
-    n1, n2 = w1.n, w2.n
-    xs_a, xs_b = _xs_stride(w1.k, sa), _xs_stride(w2.k, sb)
-    xs_rows = min(n_slots, variant)
-    shared = max(_shared_bytes(w1.K, variant, xs_rows, xs_a, tuning), _shared_bytes(w2.K, variant, xs_rows, xs_b, tuning))
-    units = n_slots * (2 * (n1 // 128) * sa + (n2 // 128) * sb)
-    resident = kernel.resident_blocks_per_sm(THREADS, shared) * _sm_count(dev)
-    if resident < 1:
-        raise RuntimeError(f"exl3_moe_fused: {shared} B of shared memory per block do not fit on the device")
-    # take[1], ready[n_slots], done[n_slots]; zero, and left zero by every launch
-    sync = _WORKSPACE.get(("moe_sync", str(dev), n_slots),
-                          lambda: torch.zeros((1 + 2 * n_slots,), dtype=torch.int32, device=dev))
-    kernel.launch(
-        (min(units, resident), 1, 1), THREADS, shared,
-        [x, x.stride(0), DTYPE_CODES[x.dtype], topk, ids, route, n_slots, T,
-         w1.words, w1.suh, w1.svh, w3.words, w3.suh, w3.svh, ctypes.c_longlong(w1.words[0].numel()),
-         w2.words, w2.suh, w2.svh, ctypes.c_longlong(w2.words[0].numel()),
-         ws["h"], ws["y"], out, out.stride(0), DTYPE_CODES[out.dtype], ws["part_a"], ws["part_b"],
-         ws["count_a"], ws["count_b"], ws["count_out"], sync,
-         w1.k, n1, w2.k, n2, sa, sb, xs_a, xs_b, limit],
     )

@@ -240,12 +240,9 @@ __device__ __forceinline__ void hadamard128(float* v, int lane) {
 // ExLlamaV3 takes fp16 activations (dtype 0 fp16, 1 bf16, 2 fp32).
 // Elements i..i+3 of a row as stored (fp16/bf16: 8 bytes in .x/.y; fp32: 16 bytes); the loads of all rows are
 // issued before any is used, so a block waits for one global load, not one per row.
-// fp16 that other blocks of the same launch wrote (the fused MoE's h): read past L1, which is not coherent
-#define DTYPE_F16_L2 3
-
 __device__ __forceinline__ uint4 load4_raw(const void* p, long long i, int dtype) {
     if (dtype == 2) return *(const uint4*)((const float*)p + i);
-    const uint2 h = dtype == DTYPE_F16_L2 ? __ldcg((const uint2*)((const u16*)p + i)) : *(const uint2*)((const u16*)p + i);
+    const uint2 h = *(const uint2*)((const u16*)p + i);
     return make_uint4(h.x, h.y, 0u, 0u);
 }
 
@@ -261,7 +258,7 @@ __device__ __forceinline__ void raw4_as_half(uint4 r, int dtype, float* v) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
         const u16 bits = (u16)(e & 1 ? w[e >> 1] >> 16 : w[e >> 1] & 0xFFFFu);
-        v[e] = dtype != 1 ? half_to_float(bits) : half_to_float(float_to_half(__uint_as_float((u32)bits << 16)));
+        v[e] = dtype == 0 ? half_to_float(bits) : half_to_float(float_to_half(__uint_as_float((u32)bits << 16)));
     }
 }
 
@@ -779,15 +776,15 @@ __device__ __forceinline__ int expert_slots(const int* ids, int n_slots, int lea
 // Launch 1: gate and up. grid (n_slots, 2 * n1/128, splits): blockIdx.y = 2 * column block + (0 gate | 1 up).
 // Partials [n_slots][splits][2][ROWS][n1]; the last of the 2*splits blocks of (leader, column block) applies the
 // rotations, svh, the clamped SwiGLU and the routing weight and writes h[slot][n1] in fp16.
-// One unit of launch 1 (leader, column block cb, gate or up, split sp). `ready` (fused launch only): per-leader
-// count of finished column blocks of h, raised once this unit's column block of h is written.
 template <int ROWS>
-__device__ __forceinline__ void gate_up_unit(const Smem& sm, int leader, int cb, int up, int sp, const void* x,
-                                             int ldx, int x_dtype, int topk, const int* ids, const float* route,
-                                             int n_slots, const u32* w1, const u16* suh1, const u16* svh1,
-                                             const u32* w3, const u16* suh3, const u16* svh3, long long expert_words,
-                                             u16* h, float* part, int* counters, int k1, int n1, int splits,
-                                             int xs_stride, float limit, int* ready) {
+__device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_dtype, int topk, const int* ids,
+                                                 const float* route, int n_slots, const u32* w1, const u16* suh1,
+                                                 const u16* svh1, const u32* w3, const u16* suh3, const u16* svh3,
+                                                 long long expert_words, u16* h, float* part, int* counters, int k1,
+                                                 int n1, int splits, int xs_stride, float limit) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm = carve<ROWS>(smem_raw);
+    const int leader = blockIdx.x, cb = blockIdx.y >> 1, up = blockIdx.y & 1, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
     wait_for_previous_kernel();  // the routing table comes from the previous kernel
@@ -823,63 +820,40 @@ __device__ __forceinline__ void gate_up_unit(const Smem& sm, int leader, int cb,
             h[(long long)slot * n1 + cb * 128 + 4 * lane + i] = float_to_half(act);
         }
     }
-    if (ready) {
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) atomicAdd(ready + leader, 1);
-    }
-}
-
-template <int ROWS>
-__device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_dtype, int topk, const int* ids,
-                                                 const float* route, int n_slots, const u32* w1, const u16* suh1,
-                                                 const u16* svh1, const u32* w3, const u16* suh3, const u16* svh3,
-                                                 long long expert_words, u16* h, float* part, int* counters, int k1,
-                                                 int n1, int splits, int xs_stride, float limit) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw);
-    gate_up_unit<ROWS>(sm, blockIdx.x, blockIdx.y >> 1, blockIdx.y & 1, blockIdx.z, x, ldx, x_dtype, topk, ids,
-                       route, n_slots, w1, suh1, svh1, w3, suh3, svh3, expert_words, h, part, counters, k1, n1,
-                       splits, xs_stride, limit, nullptr);
 }
 
 // Launch 2: down. grid (n_slots, n2/128, splits). The leader's last split block writes each of its slots'
 // rows to y[slot][n2] (fp32); the block that completes the column block for all n_slots slots sums every token's
 // topk rows in slot order into out.
-// One unit of launch 2 (leader, column block cb, split sp); returns false when the slot is no expert's leader.
-// `ready` (fused launch only): wait until all n1/128 column blocks of the leader's h are written.
 template <int ROWS>
-__device__ __forceinline__ bool down_unit(const Smem& sm, int leader, int cb, int sp, const u16* h, const int* ids,
-                                          int n_slots, int T, int topk, const u32* w2, const u16* suh2,
-                                          const u16* svh2, long long expert_words, float* yslots, void* out, int ldo,
-                                          int out_dtype, float* part, int* counters, int* counters_out, int k2,
-                                          int n2, int splits, int xs_stride, const int* ready, int h_blocks) {
+__device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int n_slots, int T, int topk,
+                                              const u32* w2, const u16* suh2, const u16* svh2, long long expert_words,
+                                              float* yslots, void* out, int ldo, int out_dtype, float* part,
+                                              int* counters, int* counters_out, int k2, int n2, int splits,
+                                              int xs_stride) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    const Smem sm = carve<ROWS>(smem_raw);
+    const int leader = blockIdx.x, cb = blockIdx.y, sp = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int e;
     // The routing table may be read before waiting for the gate/up launch: that kernel lets this one start only
     // after all its blocks passed their own wait, so whatever wrote the table has finished. So the expert is
     // known, and its first weight stages load, while gate/up drains; h is read after the wait (in rotate_input).
     const int rows = expert_slots<ROWS>(ids, n_slots, leader, sm.ints, &e);
-    if (rows < 0) return false;
+    if (rows < 0) return;
     // h rows are indexed by slot
     if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = sm.ints[16 + threadIdx.x];
-    if (ready && threadIdx.x == 0) {
-        // the gate/up units of this leader were all handed out before any down unit, to running blocks that
-        // never wait: this ends
-        while (*(volatile const int*)(ready + leader) < h_blocks) __nanosleep(32);
-        __threadfence();
-    }
     __syncthreads();
     int kb_lo, nkb;
     kslice(k2, sp, splits, &kb_lo, &nkb);
     const uint2 sv2 = load_svh4(svh2 + (long long)e * n2 + cb * 128, lane);
-    block_product<ROWS>(sm, xs_stride, rows, h, k2, ready ? DTYPE_F16_L2 : 0, w2 + e * expert_words,
-                        suh2 + (long long)e * k2, n2, cb, kb_lo, nkb);
+    block_product<ROWS>(sm, xs_stride, rows, h, k2, 0, w2 + e * expert_words, suh2 + (long long)e * k2, n2,
+                        cb, kb_lo, nkb);
 
     const long long split_stride = (long long)ROWS * n2;
     float* base = part + (long long)leader * splits * split_stride;
     store_partial(sm.ys, base + sp * split_stride + cb * 128, n2, rows);
-    if (!last_to_arrive(counters + leader * (n2 / 128) + cb, splits, sm.ints + 32)) return true;
+    if (!last_to_arrive(counters + leader * (n2 / 128) + cb, splits, sm.ints + 32)) return;
     for (int r = warp; r < rows; r += WARPS) {
         float v[4];
         sum_partials(base, split_stride, (long long)r * n2 + cb * 128 + 4 * lane, splits, v);
@@ -896,7 +870,7 @@ __device__ __forceinline__ bool down_unit(const Smem& sm, int leader, int cb, in
         sm.ints[32] = last;
     }
     __syncthreads();
-    if (!sm.ints[32]) return true;
+    if (!sm.ints[32]) return;
     __threadfence();
     for (int t = warp; t < T; t += WARPS) {
         float v[4];
@@ -905,92 +879,7 @@ __device__ __forceinline__ bool down_unit(const Smem& sm, int leader, int cb, in
 #pragma unroll
         for (int q = 0; q < 4; ++q) store_value(out, (long long)t * ldo + cb * 128 + 4 * lane + q, out_dtype, v[q]);
     }
-    return true;
 }
-
-template <int ROWS>
-__device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int n_slots, int T, int topk,
-                                              const u32* w2, const u16* suh2, const u16* svh2, long long expert_words,
-                                              float* yslots, void* out, int ldo, int out_dtype, float* part,
-                                              int* counters, int* counters_out, int k2, int n2, int splits,
-                                              int xs_stride) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw);
-    down_unit<ROWS>(sm, blockIdx.x, blockIdx.y, blockIdx.z, h, ids, n_slots, T, topk, w2, suh2, svh2, expert_words,
-                    yslots, out, ldo, out_dtype, part, counters, counters_out, k2, n2, splits, xs_stride, nullptr, 0);
-}
-
-// Both launches' units in one persistent launch (when gate/up and down share K and codebook). Units are numbered
-// gate/up first, then down, each leader-major: u < units_a is gate/up unit ((leader * 2 * n1/128 + 2 cb + up) *
-// splits_a + sp), the rest down units ((leader * n2/128 + cb) * splits_b + sp). Block b takes unit b, then units
-// from a counter in that order; a down unit waits (rarely, and briefly) for its leader's h. The units and their
-// reductions are those of the two launches, so the bits are the same. Counters: take[0] hands out units (the
-// last draw resets it), ready[leader] counts written h column blocks and done[leader] the leader's finished down
-// units (the last one resets both).
-template <int ROWS>
-__device__ __forceinline__ void moe_fused_body(const void* x, int ldx, int x_dtype, int topk, const int* ids,
-                                               const float* route, int n_slots, int T, const u32* w1,
-                                               const u16* suh1, const u16* svh1, const u32* w3, const u16* suh3,
-                                               const u16* svh3, long long expert_words_1, const u32* w2,
-                                               const u16* suh2, const u16* svh2, long long expert_words_2, u16* h,
-                                               float* yslots, void* out, int ldo, int out_dtype, float* part_a,
-                                               float* part_b, int* count_a, int* count_b, int* count_out, int* sync,
-                                               int k1, int n1, int k2, int n2, int splits_a, int splits_b,
-                                               int xs_stride_a, int xs_stride_b, float limit) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    const Smem sm = carve<ROWS>(smem_raw);
-    const int nc1 = n1 / 128, nc2 = n2 / 128;
-    const int units_a = n_slots * 2 * nc1 * splits_a, units = units_a + n_slots * nc2 * splits_b;
-    int* const take = sync;
-    int* const ready = sync + 1;
-    int* const done = sync + 1 + n_slots;
-    // the previous launch of this kernel resets the counters as it ends
-    wait_for_previous_kernel();
-    int u = blockIdx.x;
-    for (;;) {
-        if (threadIdx.x == 0) sm.ints[34] = (int)gridDim.x + atomicAdd(take, 1);
-        if (u < units_a) {
-            const int sp = u % splits_a, y = (u / splits_a) % (2 * nc1), leader = u / splits_a / (2 * nc1);
-            gate_up_unit<ROWS>(sm, leader, y >> 1, y & 1, sp, x, ldx, x_dtype, topk, ids, route, n_slots, w1, suh1,
-                               svh1, w3, suh3, svh3, expert_words_1, h, part_a, count_a, k1, n1, splits_a,
-                               xs_stride_a, limit, ready);
-        } else {
-            const int d = u - units_a;
-            const int sp = d % splits_b, cb = (d / splits_b) % nc2, leader = d / splits_b / nc2;
-            const bool worked = down_unit<ROWS>(sm, leader, cb, sp, h, ids, n_slots, T, topk, w2, suh2, svh2,
-                                                expert_words_2, yslots, out, ldo, out_dtype, part_b, count_b,
-                                                count_out, k2, n2, splits_b, xs_stride_b, ready, nc1);
-            if (worked) {
-                __syncthreads();
-                if (threadIdx.x == 0 && atomicAdd(done + leader, 1) == nc2 * splits_b - 1) {
-                    ready[leader] = 0;
-                    done[leader] = 0;
-                }
-            }
-        }
-        __syncthreads();  // the draw is visible, and the unit's readers of shared memory are done
-        const int next = sm.ints[34];
-        __syncthreads();
-        if (next >= units) {
-            // every block ends with one draw past the end; the last of those draws resets the counter
-            if (threadIdx.x == 0 && next == units + (int)gridDim.x - 1) *take = 0;
-            return;
-        }
-        u = next;
-    }
-}
-
-#define FUSED_ARGS                                                                                             \
-    const void *x, int ldx, int x_dtype, int topk, const int *ids, const float *route, int n_slots, int T,     \
-        const u32 *w1, const u16 *suh1, const u16 *svh1, const u32 *w3, const u16 *suh3, const u16 *svh3,     \
-        long long expert_words_1, const u32 *w2, const u16 *suh2, const u16 *svh2, long long expert_words_2,   \
-        u16 *h, float *yslots, void *out, int ldo, int out_dtype, float *part_a, float *part_b, int *count_a,  \
-        int *count_b, int *count_out, int *sync, int k1, int n1, int k2, int n2, int splits_a, int splits_b,   \
-        int xs_stride_a, int xs_stride_b, float limit
-#define FUSED_PASS                                                                                            \
-    x, ldx, x_dtype, topk, ids, route, n_slots, T, w1, suh1, svh1, w3, suh3, svh3, expert_words_1, w2, suh2, \
-        svh2, expert_words_2, h, yslots, out, ldo, out_dtype, part_a, part_b, count_a, count_b, count_out,   \
-        sync, k1, n1, k2, n2, splits_a, splits_b, xs_stride_a, xs_stride_b, limit
 
 #define GATE_UP_ARGS                                                                                            \
     const void *x, int ldx, int x_dtype, int topk, const int *ids, const float *route, int n_slots,             \
@@ -1012,8 +901,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_gate
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_gate_up_r16(GATE_UP_ARGS) { moe_gate_up_body<16>(GATE_UP_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_down_r8(DOWN_ARGS) { moe_down_body<8>(DOWN_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_down_r16(DOWN_ARGS) { moe_down_body<16>(DOWN_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_fused_r8(FUSED_ARGS) { moe_fused_body<8>(FUSED_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_fused_r16(FUSED_ARGS) { moe_fused_body<16>(FUSED_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // decode only (tests and tools): W_q[k, n] fp16 from the trellis through the same fragment decode, one warp per tile
