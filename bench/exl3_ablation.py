@@ -185,14 +185,14 @@ def splits_sweep(log) -> list[dict]:
     return rows
 
 
-def moe_ab(log, tunings: list[dict], configs: list[tuple[int, int]]) -> list[dict]:
+def moe_ab(log, tunings: list[dict], configs: list[tuple[int, ...]]) -> list[dict]:
     from exl3_kernels import moe_bench
 
     from dsv41.kernels.exl3_cuda import MoeCudaConfig
 
     rows = []
     for extra in tunings:
-        for cfg in [None] + [MoeCudaConfig(a, b) for a, b in configs]:
+        for cfg in [None] + [MoeCudaConfig(*c) for c in configs]:
             for r in moe_bench(lambda msg: None, cfg=cfg, tuning={**TUNING, **extra}):
                 r.update(tuning=extra, config=cfg.__dict__ if cfg else "default")
                 rows.append(r)
@@ -207,7 +207,9 @@ def main() -> None:
     parser.add_argument("--repro", action="store_true")
     parser.add_argument("--headline", action="store_true")
     parser.add_argument("--tuning", action="append", default=[], help="JSON overrides of TUNING for --headline")
-    parser.add_argument("--moe-config", action="append", default=[], help="gate_up,down split counts for --headline")
+    parser.add_argument("--moe-config", action="append", default=[],
+                        help="gate_up,down split counts for --headline / --moe")
+    parser.add_argument("--moe", action="store_true", help="only the MoE A/B of --tuning and --moe-config")
     parser.add_argument("--splits", action="store_true", help="split-count sweep on four shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -227,6 +229,10 @@ def main() -> None:
         configs = [tuple(int(v) for v in c.split(",")) for c in args.moe_config]
         result["moe"] = moe_ab(log, tunings, configs)
         Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.moe and not args.headline:
+        tunings = [{}] + [json.loads(t) for t in args.tuning]
+        configs = [tuple(int(v) for v in c.split(",")) for c in args.moe_config]
+        result["moe"] = moe_ab(log, tunings, configs)
     if args.splits:
         result["splits"] = splits_sweep(log)
     if args.stress:
