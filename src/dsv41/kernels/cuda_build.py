@@ -22,9 +22,10 @@ from pathlib import Path
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 EXL3_SOURCE = SOURCE_DIR / "exl3_fused.cu"
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
-# Compile-time options of the EXL3 kernels (docs/perf/exl3.md): 3 cp.async stages of one 128-deep block each and a
-# register budget for 4 blocks per SM. DSV41_EXL3_TUNING='{"EXL3_STAGES": 4}' overrides them for benchmarks.
-DEFAULT_TUNING = {"EXL3_STAGES": 3, "EXL3_MIN_BLOCKS": 4}
+# Compile-time options of the EXL3 kernels (docs/perf/exl3.md): 3 cp.async stages of one 128-deep block each, a
+# register budget for 4 blocks per SM, and one for 2 in the linear kernel that launches of at most 2 blocks per SM
+# use. DSV41_EXL3_TUNING='{"EXL3_STAGES": 4}' overrides them for benchmarks.
+DEFAULT_TUNING = {"EXL3_STAGES": 3, "EXL3_MIN_BLOCKS": 4, "EXL3_FEW_MIN_BLOCKS": 2}
 
 
 def tuning() -> dict[str, int]:

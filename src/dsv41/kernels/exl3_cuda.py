@@ -25,7 +25,7 @@ from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
 
 SOURCE = "exl3_fused.cu"
 KERNELS = [
-    "exl3_linear_r8", "exl3_linear_r16",
+    "exl3_linear_r8", "exl3_linear_r16", "exl3_linear_few_r8", "exl3_linear_few_r16",
     "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
@@ -38,6 +38,8 @@ MAX_ROWS = 16
 # A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
 MAX_SLICE_BLOCKS = 10
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+# Launches of at most this many blocks per SM use the linear kernel compiled for 2 blocks per SM (more registers)
+FEW_BLOCKS_PER_SM = 2
 
 
 def cuda_path_available(device: torch.device) -> bool:
@@ -192,6 +194,9 @@ def fused_matmul_cuda(
     kernels = kernels_for(x.device, K, weight.codebook, tuning)
     xs_stride = _xs_stride(k, splits)
     col_blocks = n // 128
+    # the kernel with the larger register budget where the launch leaves room for it (same arithmetic, same bits;
+    # chosen by the matrix shape only)
+    few = col_blocks * splits <= FEW_BLOCKS_PER_SM * _sm_count(x.device)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         variant = _rows_variant(rows)
@@ -204,7 +209,7 @@ def fused_matmul_cuda(
             ),
         )
         xc, yc = x[start:start + rows], out[start:start + rows]
-        kernel = kernels[f"exl3_linear_r{variant}"]
+        kernel = kernels[f"exl3_linear_{'few_' if few else ''}r{variant}"]
         shared = _shared_bytes(K, variant, rows, xs_stride, tuning)
         grid_x = col_blocks
         if not clustered:

@@ -48,6 +48,11 @@ typedef unsigned short u16;
 #define EXL3_MIN_BLOCKS 4
 #endif
 #define MIN_BLOCKS EXL3_MIN_BLOCKS
+// The same linear kernel for launches of at most 2 blocks per SM (wq_b: 256 blocks): a register budget for 2
+// blocks (up to 128 registers) lets ptxas keep more of the loop's state and loads in flight.
+#ifndef EXL3_FEW_MIN_BLOCKS
+#define EXL3_FEW_MIN_BLOCKS 2
+#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -740,6 +745,8 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i
