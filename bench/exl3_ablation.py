@@ -166,9 +166,9 @@ def splits_sweep(log) -> list[dict]:
     """Split counts around default_splits on the wide and the large shapes (m = 1 and 8)."""
     rows = []
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    for k, n, K, options in ((5120, 129280, 6, (1, 2, 4, 8)), (1280, 32768, 5, (1, 2, 3, 5)),
-                             (8192, 5120, 5, (7, 10, 13, 16)), (5120, 2304, 3, (8, 12, 15, 22)),
-                             (2304, 5120, 3, (4, 6, 7, 9, 10))):
+    for k, n, K, options in ((5120, 129280, 6, (2, 3, 4)), (1280, 32768, 5, (1, 2)),
+                             (8192, 5120, 5, (7, 10, 13)), (5120, 2304, 3, (11, 12, 13, 14, 15)),
+                             (2304, 5120, 3, (3, 4, 5, 6, 7))):
         copies = make_copies(k, n, K, 4 * L2_BYTES)
         for splits in options:
             for m in (1, 8):
