@@ -166,12 +166,12 @@ def splits_sweep(log) -> list[dict]:
     """Split counts around default_splits on the wide and the large shapes (m = 1 and 8)."""
     rows = []
     sm = torch.cuda.get_device_properties(0).multi_processor_count
-    for k, n, K, options in ((5120, 129280, 6, (2, 3, 4)), (1280, 32768, 5, (1, 2)),
-                             (8192, 5120, 5, (7, 10, 13)), (5120, 2304, 3, (11, 12, 13, 14, 15)),
-                             (2304, 5120, 3, (3, 4, 5, 6, 7))):
+    for k, n, K, options, ms in ((5120, 129280, 6, (2, 3, 4), (1, 4, 8, 16)), (1280, 32768, 5, (1, 2), (1, 8)),
+                                 (8192, 5120, 5, (6, 7, 13), (1, 8, 16)), (5120, 2304, 3, (13, 14), (1, 8, 16)),
+                                 (2304, 5120, 3, (5, 6), (1, 8, 16))):
         copies = make_copies(k, n, K, 4 * L2_BYTES)
         for splits in options:
-            for m in (1, 8):
+            for m in ms:
                 try:
                     t = time_fused(copies, m, splits=splits)
                 except Exception as exc:

@@ -35,8 +35,9 @@ THREADS = 256
 YS_STRIDE, SMEM_INTS = 132, 128
 TUNING = configured_tuning()
 MAX_ROWS = 16
-# A block keeps its k slice of the rotated input in shared memory: at most 10 blocks of 128 (41 KB for 16 rows).
-MAX_SLICE_BLOCKS = 10
+# A block keeps its k slice of the rotated input in shared memory: at most 14 blocks of 128 (57 KB for 16 rows;
+# slice_limit lowers it where the device has less shared memory).
+MAX_SLICE_BLOCKS = 14
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 # Launches of at most this many blocks per SM use the linear kernel compiled for 2 blocks per SM (more registers)
 FEW_BLOCKS_PER_SM = 2
@@ -104,24 +105,22 @@ def slice_limit(K: int, shared_limit: int, cap: int, tune: dict | None = None) -
     return min(cap, fit)
 
 
-def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = 1.8, slice_blocks: int = 5,
+def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = FEW_BLOCKS_PER_SM,
                    max_slice: int = MAX_SLICE_BLOCKS) -> int:
     """Split-K count for a `[k, n]` matrix (never depends on m: row invariance).
 
     Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows.
-    Narrower ones take as many as keep `blocks_per_sm` blocks on every SM, unless that leaves k slices longer than
-    `slice_blocks` 128-blocks; then enough for such slices, within one wave of 4 blocks per SM. Measured on the
-    H200 (docs/perf/exl3.md): expert 5120x2304 best at 12-13 splits (8.6 us vs 9.9 at 15 and 22: a third block on
-    some SMs costs more than shorter slices save), down 2304x5120 at 5-8 (within 0.4 us), wo_b 8192x5120 at 13,
-    wq_b and the head at the fewest.
+    Narrower ones take as many as keep every block resident at `blocks_per_sm` (2) per SM, which is where a launch
+    runs the linear kernel with the larger register budget. Measured on the H200 (docs/perf/exl3.md, item 26):
+    expert 5120x2304 14 splits 8.8 us against 9.0 at 13 and 10.3 at 15 (past 2 per SM: the 4-block kernel); down
+    2304x5120 6 splits 8.3 against 9.0 at 5 and 9.7 at 7; wo_b 8192x5120 6 splits 18.4 against 19.1 at 13; the head
+    3 splits (slices of 14 blocks) 197-200 against 204-208 at 4.
     """
     k_blocks, col_blocks = k // 128, n // 128
     fewest = math.ceil(k_blocks / max_slice)
     if col_blocks >= sm_count:
         return fewest
     splits = max(1, math.floor(blocks_per_sm * sm_count / col_blocks))
-    if math.ceil(k_blocks / splits) > slice_blocks:
-        splits = max(splits, min(math.ceil(k_blocks / slice_blocks), math.floor(4 * sm_count / col_blocks)))
     return max(fewest, min(k_blocks, splits))
 
 
