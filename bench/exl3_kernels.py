@@ -7,9 +7,10 @@ Writes bench/results/exl3_kernels.json (or --out) and a PNG plot beside it. Meth
 the median over graph replays; each replay launches the kernel on several copies of the weights in turn so that
 they are read from HBM, not L2; the read ceiling is measured in the same run by a plain streaming-read kernel.
 
-ExLlamaV3 1.6.5 is not built here (its wheel JIT-compiles ~177 CUDA sources at import, more than this session's
-device time allows); its numbers measured on this H200 are carried from the issue as `exllamav3_quoted_us`,
-and `exllamav3_us` stays null.
+`exllamav3` is ExLlamaV3 1.6.5's own kernels on the same tensors, through its own layer classes
+(`bench/exllamav3_ref.py` builds the part of its extension they need from the wheel given with --exllamav3; its
+whole JIT build of ~177 sources does not fit a device session). Without --exllamav3, or if that build fails,
+`exllamav3_us` is null and only the issue's quoted H200 numbers (`exllamav3_quoted_us`) are shown.
 """
 
 from __future__ import annotations
@@ -148,6 +149,27 @@ def time_ours(copies: list[Exl3Tensor], m: int, splits: int | None = None) -> fl
     return graph_time_us(launches * reps)
 
 
+def as_trellis(words: torch.Tensor) -> torch.Tensor:
+    """The int16 trellis `[..., k/16, n/16, 16K]` ExLlamaV3 takes, as a view of our int32 words."""
+    return words.view(torch.int16)
+
+
+def time_exllamav3(ext, copies: list[Exl3Tensor], m: int) -> tuple[float, str]:
+    """ExLlamaV3's EXL3 linear (its BC_LinearEXL3 -> exl3_gemm) on the same copies; also the kernel it picked."""
+    import exllamav3_ref
+
+    x = torch.randn(m, copies[0].k, device="cuda").half()
+    layers = [exllamav3_ref.make_linear(ext, as_trellis(c.words), c.suh, c.svh, c.K, False, True) for c in copies]
+    outs = [torch.empty(m, c.n, device="cuda", dtype=torch.float16) for c in copies]
+    for layer, o in zip(layers, outs):  # the first call of a shape autotunes: never inside the capture
+        layer(x, o)
+    torch.cuda.synchronize()
+    c = copies[0]
+    route = exllamav3_ref.linear_route(ext, x, as_trellis(c.words), c.suh, c.svh, False, True)
+    launches = [lambda f=f, o=o: f(x, o) for f, o in zip(layers, outs)]
+    return graph_time_us(launches * max(1, 24 // len(launches))), route
+
+
 def time_triton(copies: list[Exl3Tensor], m: int, cfg: MatmulConfig) -> float:
     x = torch.randn(m, copies[0].k, device="cuda").half()
     outs = [torch.empty(m, c.n, device="cuda", dtype=torch.float16) for c in copies]
@@ -188,7 +210,8 @@ def sweep_splits(copies: list[Exl3Tensor], log) -> list[dict]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = False, tuning=None) -> list[dict]:
+def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = False, tuning=None,
+              exl3_ext=None) -> list[dict]:
     def stack(k, n):
         trellis = torch.randint(-32768, 32768, (experts, k // 16, n // 16, 16 * K), dtype=torch.int32, device="cuda")
         suh = (torch.randn(experts, k, device="cuda") * 0.02).half()
@@ -196,6 +219,12 @@ def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = Fals
         return Exl3ExpertStack.from_stacked(trellis.to(torch.int16), suh, svh, "mul1")
 
     w1, w3, w2 = stack(5120, 2304), stack(5120, 2304), stack(2304, 5120)
+    exl3_moe = None
+    if exl3_ext is not None and not triton:
+        import exllamav3_ref
+
+        exl3_moe = exllamav3_ref.make_moe(exl3_ext, *[(as_trellis(w.words), w.suh, w.svh) for w in (w1, w3, w2)],
+                                          experts=experts, top_k=6, out_dtype=torch.float)
     rows_out = []
     gen = torch.Generator().manual_seed(0)
     for rows in ((1,) if triton else (1, 4, 6)):
@@ -210,18 +239,26 @@ def moe_bench(log, experts: int = 384, K: int = 3, cfg=None, triton: bool = Fals
             launches = [lambda ids=ids, wts=wts: moe_forward_cuda(x, ids, wts, w1, w3, w2, config=cfg, tuning=tuning)
                         for ids, wts in sets]
         t = graph_time_us(launches)
+        t_exl3 = None
+        if exl3_moe is not None:
+            # their router hands fp16 weights and int64 ids to the layer; their output stays fp32
+            exl3_sets = [(ids.long(), wts.half()) for ids, wts in sets]
+            for ids, wts in exl3_sets[:1]:
+                exl3_moe(x, ids, wts)
+            torch.cuda.synchronize()
+            t_exl3 = graph_time_us([lambda ids=ids, wts=wts: exl3_moe(x, ids, wts) for ids, wts in exl3_sets])
         read_floor_bytes = rows * 6 * (w1.expert_nbytes + w3.expert_nbytes + w2.expert_nbytes)
         rows_out.append(
             {
                 "rows": rows,
                 "experts": rows * 6,
                 "ours_us": t,
-                "exllamav3_us": None,
+                "exllamav3_us": t_exl3,
                 "exllamav3_quoted_us": EXL3_MOE_QUOTED.get(rows),
                 "weight_bytes": read_floor_bytes,
             }
         )
-        log(f"  MoE rows={rows} experts={rows * 6}: {t:.1f} us")
+        log(f"  MoE rows={rows} experts={rows * 6}: {t:.1f} us" + (f", ExLlamaV3 {t_exl3:.1f} us" if t_exl3 else ""))
     del w1, w3, w2
     torch.cuda.empty_cache()
     return rows_out
@@ -271,6 +308,9 @@ def plot(results: dict, path: Path) -> None:
                 label="dsv41 Triton (portable path)")
         ax.plot(ms, [r["weight_bytes"] / r["dense_us"] / 1e3 for r in rows], "s--",
                 label="dense bf16 cuBLAS (same matrix)")
+        e = [(r["m"], r["weight_bytes"] / r["exllamav3_us"] / 1e3) for r in rows if r.get("exllamav3_us")]
+        if e:
+            ax.plot(*zip(*e), "v-", label="ExLlamaV3 1.6.5 (measured, same tensors)")
         q = [(r["m"], r["weight_bytes"] / r["exllamav3_quoted_us"] / 1e3) for r in rows if r.get("exllamav3_quoted_us")]
         if q:
             ax.plot(*zip(*q), "^", label="ExLlamaV3 1.6.5 (quoted, issue 6)")
@@ -293,6 +333,9 @@ def main() -> None:
     parser.add_argument("--commit", default=os.environ.get("BENCH_COMMIT", "unknown"))
     parser.add_argument("--sweep", action="store_true", help="try several launch configs per shape")
     parser.add_argument("--skip-crossover", action="store_true")
+    parser.add_argument("--exllamav3", type=Path, help="ExLlamaV3 1.6.5 wheel: build its kernels and time them too")
+    parser.add_argument("--exllamav3-build", type=Path,
+                        default=Path(__file__).resolve().parents[1] / "build" / "exllamav3_ref")
     args = parser.parse_args()
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -311,13 +354,29 @@ def main() -> None:
         "triton": triton.__version__,
         "read_ceiling_gbps": ceiling["read_gbps"],
         "copy_rw_gbps": ceiling["copy_rw_gbps"],
-        "exllamav3_note": "exllamav3_us not measured: building ExLlamaV3 1.6.5's JIT extension does not fit this "
-        "session's device time; exllamav3_quoted_us are the issue's own H200 measurements",
+        "exllamav3_note": "exllamav3_us: ExLlamaV3 1.6.5's own kernels on the same tensors through its layer "
+        "classes (bench/exllamav3_ref.py), null where not measured; exllamav3_quoted_us: the issue's own H200 "
+        "measurements",
         "cuda_tuning": dict(TUNING),
         "rows": [],
         "configs": {},
         "moe": [],
     }
+    exl3_ext = None
+    if args.exllamav3:
+        import exllamav3_ref
+
+        t0 = time.time()
+        try:
+            exl3_ext = exllamav3_ref.build(args.exllamav3, args.exllamav3_build)
+            results["exllamav3_build_s"] = time.time() - t0
+            log(f"ExLlamaV3 1.6.5 subset built/loaded in {results['exllamav3_build_s']:.0f} s")
+            results["exllamav3_check"] = exllamav3_ref.check(exl3_ext)
+            log(f"ExLlamaV3 check against the fp64 reference: {json.dumps(results['exllamav3_check'])}")
+        except Exception as exc:  # ours are still measured; the JSON says why theirs are not
+            results["exllamav3_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            log(f"ExLlamaV3 not measured: {results['exllamav3_error']}")
+            exl3_ext = None
     for name, k, n, K in SHAPES:
         copies = make_copies(k, n, K, 4 * L2_BYTES)
         shape = f"{k}x{n}"
@@ -331,6 +390,12 @@ def main() -> None:
             ours = time_ours(copies, m)
             tri = time_triton(copies, m, triton_cfg)
             dense = time_dense(k, n, m)
+            exl3_us = exl3_route = None
+            if exl3_ext is not None:
+                try:
+                    exl3_us, exl3_route = time_exllamav3(exl3_ext, copies, m)
+                except Exception as exc:
+                    log(f"  m={m}: ExLlamaV3 failed: {type(exc).__name__}: {exc}")
             nbytes = copies[0].nbytes
             row = {
                 "name": name,
@@ -339,7 +404,8 @@ def main() -> None:
                 "m": m,
                 "ours_us": ours,
                 "triton_us": tri,
-                "exllamav3_us": None,
+                "exllamav3_us": exl3_us,
+                "exllamav3_kernel": exl3_route,
                 "exllamav3_quoted_us": EXL3_QUOTED.get((shape, K), {}).get(m),
                 "dense_us": dense,
                 "weight_bytes": nbytes,
@@ -349,7 +415,8 @@ def main() -> None:
             }
             results["rows"].append(row)
             log(f"  m={m}: ours {ours:.1f} us ({row['ours_gbps']:.0f} GB/s, {row['ours_pct_read_ceiling']:.0f}%, "
-                f"{row['ours_tweights_per_s']:.2f} T w/s), triton {tri:.1f} us, dense bf16 {dense:.1f} us")
+                f"{row['ours_tweights_per_s']:.2f} T w/s), triton {tri:.1f} us, dense bf16 {dense:.1f} us"
+                + (f", ExLlamaV3 {exl3_us:.1f} us ({exl3_route})" if exl3_us else ""))
         del copies
         torch.cuda.empty_cache()
         out_path.write_text(json.dumps(results, indent=1))
@@ -357,7 +424,7 @@ def main() -> None:
     configs = [None] + ([MoeCudaConfig(2, 2), MoeCudaConfig(4, 2), MoeCudaConfig(3, 3)] if args.sweep else [])
     for moe_cfg in configs:
         log(f"MoE CUDA config {moe_cfg or 'default'}")
-        for row in moe_bench(log, cfg=moe_cfg):
+        for row in moe_bench(log, cfg=moe_cfg, exl3_ext=exl3_ext if moe_cfg is None else None):
             row["config"] = (moe_cfg or default_moe_config(5120, 2304)).__dict__
             row["default"] = moe_cfg is None
             moe_rows.append(row)
@@ -371,14 +438,16 @@ def main() -> None:
         out_path.write_text(json.dumps(results, indent=1))
     plot(results, out_path.with_suffix(".png"))
     log(f"wrote {out_path} and {out_path.with_suffix('.png')}")
-    print("\nshape        K  m   ours_us    triton  dense_us  exl3(quoted)  %ceiling")
+    print("\nshape        K  m   ours_us    triton  dense_us  exl3_us  vs_exl3  exl3(quoted)  %ceiling")
     for r in results["rows"]:
-        q = r["exllamav3_quoted_us"]
+        q, e = r["exllamav3_quoted_us"], r["exllamav3_us"]
+        e_txt = f"{e:.1f}" if e else "-"
+        ratio = f"{e / r['ours_us']:.2f}x" if e else "-"
         print(f"{r['shape']:<12} {r['K']} {r['m']:>2} {r['ours_us']:9.1f} {r['triton_us']:9.1f} "
-              f"{r['dense_us']:9.1f} {q if q else '-':>12} {r['ours_pct_read_ceiling']:8.1f}")
+              f"{r['dense_us']:9.1f} {e_txt:>8} {ratio:>8} {q if q else '-':>12} {r['ours_pct_read_ceiling']:8.1f}")
     for r in results["moe"]:
-        print(f"MoE rows={r['rows']} experts={r['experts']}: {r['ours_us']:.1f} us (ExLlamaV3 quoted "
-              f"{r['exllamav3_quoted_us']})")
+        print(f"MoE rows={r['rows']} experts={r['experts']}: {r['ours_us']:.1f} us (ExLlamaV3 measured "
+              f"{r['exllamav3_us']}, quoted {r['exllamav3_quoted_us']})")
 
 
 if __name__ == "__main__":
