@@ -39,7 +39,8 @@ MAX_ROWS = 16
 # slice_limit lowers it where the device has less shared memory).
 MAX_SLICE_BLOCKS = 14
 DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-# Launches of at most this many blocks per SM use the linear kernel compiled for 2 blocks per SM (more registers)
+# Launches of at most this many blocks per SM use the linear kernel compiled for that many blocks per SM (more
+# registers): the EXL3_FEW_MIN_BLOCKS of the tuning, 2 by default
 FEW_BLOCKS_PER_SM = 2
 
 
@@ -103,6 +104,11 @@ def slice_limit(K: int, shared_limit: int, cap: int, tune: dict | None = None) -
         raise ValueError(f"K={K}: the kernel's pipeline needs {fixed} B of shared memory, the device allows "
                          f"{shared_limit} B per block")
     return min(cap, fit)
+
+
+def few_blocks(tune: dict | None = None) -> int:
+    """Blocks per SM up to which a linear launch runs the kernel with the larger register budget."""
+    return (tune or TUNING).get("EXL3_FEW_MIN_BLOCKS", FEW_BLOCKS_PER_SM)
 
 
 def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = FEW_BLOCKS_PER_SM,
@@ -183,7 +189,7 @@ def fused_matmul_cuda(
     clustered = use_clusters(x.device)
     if splits is None:
         max_slice = slice_limit(K, _shared_limit(x.device), MAX_SLICE_BLOCKS, tuning)
-        splits = default_splits(k, n, _sm_count(x.device), max_slice=max_slice)
+        splits = default_splits(k, n, _sm_count(x.device), few_blocks(tuning), max_slice=max_slice)
         if clustered:
             splits = max(math.ceil((k // 128) / max_slice), min(splits, max_cluster(x.device)))
     if not 1 <= splits <= k // 128:
@@ -195,7 +201,7 @@ def fused_matmul_cuda(
     col_blocks = n // 128
     # the kernel with the larger register budget where the launch leaves room for it (same arithmetic, same bits;
     # chosen by the matrix shape only)
-    few = col_blocks * splits <= FEW_BLOCKS_PER_SM * _sm_count(x.device)
+    few = col_blocks * splits <= few_blocks(tuning) * _sm_count(x.device)
     for start in range(0, m, MAX_ROWS):
         rows = min(MAX_ROWS, m - start)
         variant = _rows_variant(rows)
