@@ -338,6 +338,28 @@ def test_gpu_cuda_column_loop_of_very_wide_matrices_keeps_every_bit(monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("k,n,K", [(5120, 2304, 3), (2304, 5120, 3), (8192, 5120, 5), (5120, 16896, 6)])
+def test_gpu_cuda_warp_epilogue_keeps_every_bit(k, n, K, monkeypatch):
+    """Launches of <= 8 rows finish split-K per warp (no block barrier); the block-wide epilogue gives the same bits,
+    for every m of the 8-row kernel and the wide shape's few splits (like the head)."""
+    _need_cuda()
+    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
+    from dsv41.kernels.layout import Exl3Tensor
+
+    gen = torch.Generator().manual_seed(k + n + K)
+    w = Exl3Tensor.from_group(*_random_group(gen, k, n, K, "cuda"), "mul1")
+    x = torch.randn(8, k, generator=gen).half().cuda()
+    for m in (1, 2, 3, 5, 8):
+        monkeypatch.setenv("DSV41_EXL3_WARP_EPILOGUE", "1")
+        y = fused_matmul_cuda(x[:m], w)
+        again = fused_matmul_cuda(x[:m], w)  # the arrival counters reset themselves
+        monkeypatch.setenv("DSV41_EXL3_WARP_EPILOGUE", "0")
+        y_block = fused_matmul_cuda(x[:m], w)
+        assert torch.equal(y.view(torch.int32), y_block.view(torch.int32)), f"m={m}"
+        assert torch.equal(again.view(torch.int32), y.view(torch.int32)), f"m={m}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("k,n,K", [(5120, 2304, 3), (8192, 5120, 5)])
 def test_gpu_cuda_cluster_reduction(k, n, K, monkeypatch):
     """DSV41_EXL3_CLUSTER=1: split-K partials summed through a thread block cluster's shared memory."""

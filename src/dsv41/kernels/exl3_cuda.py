@@ -222,10 +222,21 @@ def fused_matmul_cuda(
         kernel.launch(
             (grid_x, splits, 1), THREADS, shared,
             [xc, x.stride(0), DTYPE_CODES[x.dtype], rows, weight.words, weight.suh, weight.svh,
-             yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride, int(clustered)],
+             yc, out.stride(0), DTYPE_CODES[out.dtype], part, counters, k, n, splits, xs_stride,
+             (OPT_CLUSTER if clustered else 0) | (0 if warp_epilogue_enabled() else OPT_BLOCK_EPILOGUE)],
             cluster=(1, splits, 1) if clustered else None,
         )
     return out
+
+
+# options of a linear launch (exl3_fused.cu)
+OPT_CLUSTER, OPT_BLOCK_EPILOGUE = 1, 2
+
+
+def warp_epilogue_enabled() -> bool:
+    """Per-warp split-K epilogue for launches of <= 8 rows (on by default; DSV41_EXL3_WARP_EPILOGUE=0 for A/B runs,
+    the bits are the same either way)."""
+    return os.environ.get("DSV41_EXL3_WARP_EPILOGUE", "1") not in ("0", "")
 
 
 def persistent_enabled() -> bool:

@@ -652,6 +652,44 @@ __device__ __forceinline__ void finish_column_block(const Smem& sm, uint2 sv, vo
     }
 }
 
+// Options of a linear launch (bit field): the cluster reduction; the block-wide split-K epilogue even where the
+// per-warp one applies (A/B runs; the same bits).
+#define OPT_CLUSTER 1
+#define OPT_BLOCK_EPILOGUE 2
+
+// Split-K epilogue of one warp, for launches of at most 8 rows with one block per column block: the warp writes its
+// 16 columns of the partial straight from its accumulators and counts itself in; the last of the column block's
+// splits x WARPS warps sums the partials in split order, rotates and writes y. No block barrier: a warp that
+// finishes its k slice early does not wait for the others (the block epilogue stashes the whole block's result
+// in shared memory first). The partials are the same fp32 values, so the bits are those of finish_column_block.
+__device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 sv, void* y, int ldy, int y_dtype,
+                                                       float* part, int* counters, int m, int n, int cb, int sp,
+                                                       int splits, int warp, int lane) {
+    const long long split_stride = 8LL * n;
+    const int g = lane >> 2, t = lane & 3, c = cb * 128 + warp * 16 + g;
+    float* dst = part + sp * split_stride;
+    const int r = 2 * t;
+    if (r < m) { dst[(long long)r * n + c] = acc[0]; dst[(long long)r * n + c + 8] = acc[2]; }
+    if (r + 1 < m) { dst[(long long)(r + 1) * n + c] = acc[1]; dst[(long long)(r + 1) * n + c + 8] = acc[3]; }
+    __threadfence();
+    __syncwarp();
+    int last = 0;
+    if (lane == 0) {
+        const int ticket = atomicAdd(counters + cb, 1);
+        last = ticket == splits * WARPS - 1;
+        if (last) counters[cb] = 0;  // ready for the next launch (graph replays included)
+    }
+    if (!__shfl_sync(0xffffffffu, last, 0)) return;
+    __threadfence();
+    for (int row = 0; row < m; ++row) {
+        float v[4];
+        sum_partials(part, split_stride, (long long)row * n + cb * 128 + 4 * lane, splits, v);
+        rotate_output(v, sv, lane);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) store_value(y, (long long)row * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
+    }
+}
+
 // grid (G, splits): block (b, sp) takes column block b of split sp, then (when G < n/128) further column blocks
 // of split sp as they come from a per-split counter (counters[n/128 + sp]), so that blocks that finish early take
 // more. G = n/128 normally; for matrices with many more blocks than fit on the GPU at once (the head) the host
@@ -662,10 +700,14 @@ template <int ROWS>
 __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
                                             const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
                                             float* part, int* counters, int k, int n, int splits, int xs_stride,
-                                            int cluster) {
+                                            int options) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm = carve<ROWS>(smem_raw);
     const int sp = blockIdx.y, ncb = n / 128;
+    const bool cluster = options & OPT_CLUSTER;
+    // (uniform over the block: every warp takes the same epilogue)
+    const bool warp_epilogue = ROWS == 8 && splits > 1 && !cluster && (int)gridDim.x >= ncb &&
+                               !(options & OPT_BLOCK_EPILOGUE);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int cb = blockIdx.x;
     int kb_lo, nkb;
@@ -703,6 +745,10 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
             // the next kernel may now launch and prefetch its weights while this one reduces and writes
             let_next_kernel_start();
         }
+        if (warp_epilogue) {
+            finish_columns_by_warp(acc, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits, warp, lane);
+            return;
+        }
         stash_acc<ROWS>(acc, sm.ys, warp, lane);
         __syncthreads();
         if (cluster && splits > 1) {
@@ -739,9 +785,9 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 
 #define LINEAR_ARGS                                                                                          \
     const void *x, int ldx, int x_dtype, int m, const u32 *trellis, const u16 *suh, const u16 *svh, void *y, \
-        int ldy, int y_dtype, float *part, int *counters, int k, int n, int splits, int xs_stride, int cluster
+        int ldy, int y_dtype, float *part, int *counters, int k, int n, int splits, int xs_stride, int options
 #define LINEAR_PASS \
-    x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, cluster
+    x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, options
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
