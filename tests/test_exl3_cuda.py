@@ -340,8 +340,8 @@ def test_gpu_cuda_column_loop_of_very_wide_matrices_keeps_every_bit(monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,K", [(5120, 2304, 3), (2304, 5120, 3), (8192, 5120, 5), (5120, 16896, 6)])
 def test_gpu_cuda_warp_epilogue_keeps_every_bit(k, n, K, monkeypatch):
-    """Launches of <= 8 rows finish split-K per warp (no block barrier); the block-wide epilogue gives the same bits,
-    for every m of the 8-row kernel and the wide shape's few splits (like the head)."""
+    """One-row launches finish split-K per warp (no block barrier); the block-wide epilogue gives the same bits, on
+    the pack's split counts and the wide shape's few splits (like the head); other m take the block epilogue."""
     _need_cuda()
     from dsv41.kernels.exl3_cuda import fused_matmul_cuda
     from dsv41.kernels.layout import Exl3Tensor

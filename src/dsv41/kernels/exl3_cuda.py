@@ -234,8 +234,8 @@ OPT_CLUSTER, OPT_BLOCK_EPILOGUE = 1, 2
 
 
 def warp_epilogue_enabled() -> bool:
-    """Per-warp split-K epilogue for launches of <= 8 rows (on by default; DSV41_EXL3_WARP_EPILOGUE=0 for A/B runs,
-    the bits are the same either way)."""
+    """Per-warp split-K epilogue for one-row launches (on by default; DSV41_EXL3_WARP_EPILOGUE=0 for A/B runs, the
+    bits are the same either way)."""
     return os.environ.get("DSV41_EXL3_WARP_EPILOGUE", "1") not in ("0", "")
 
 

@@ -539,21 +539,37 @@ __device__ __forceinline__ void kslice(int k, int sp, int splits, int* kb_lo, in
 }
 
 // Sum of split partials (in split order) for one row's 4 columns at `i`. Read past L1 (other SMs wrote them);
-// the loads are independent, four in flight at a time, and the additions keep split order.
+// the loads are independent, BATCH in flight at a time (8 in the kernels with the larger register budget: one L2
+// round trip for up to 8 splits, two for the expert's 14; 4 in the others, where 8 spill), and the additions keep
+// split order.
+template <int BATCH = 4>
 __device__ __forceinline__ void sum_partials(const float* part, long long split_stride, long long i, int splits,
                                              float* v) {
     v[0] = v[1] = v[2] = v[3] = 0.f;
-    int s = 0;
-    for (; s + 4 <= splits; s += 4) {
-        float4 q[4];
+    if constexpr (BATCH <= 4) {
+        // (this shape of the loop keeps the 64-register kernels free of spills)
+        int s = 0;
+        for (; s + 4 <= splits; s += 4) {
+            float4 q[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) q[u] = __ldcg((const float4*)(part + (s + u) * split_stride + i));
+            for (int u = 0; u < 4; ++u) q[u] = __ldcg((const float4*)(part + (s + u) * split_stride + i));
 #pragma unroll
-        for (int u = 0; u < 4; ++u) { v[0] += q[u].x; v[1] += q[u].y; v[2] += q[u].z; v[3] += q[u].w; }
+            for (int u = 0; u < 4; ++u) { v[0] += q[u].x; v[1] += q[u].y; v[2] += q[u].z; v[3] += q[u].w; }
+        }
+        for (; s < splits; ++s) {
+            const float4 q = __ldcg((const float4*)(part + s * split_stride + i));
+            v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+        }
+        return;
     }
-    for (; s < splits; ++s) {
-        const float4 q = __ldcg((const float4*)(part + s * split_stride + i));
-        v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+    for (int s = 0; s < splits; s += BATCH) {
+        float4 q[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (s + u < splits) q[u] = __ldcg((const float4*)(part + (s + u) * split_stride + i));
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+            if (s + u < splits) { v[0] += q[u].x; v[1] += q[u].y; v[2] += q[u].z; v[3] += q[u].w; }
     }
 }
 
@@ -628,7 +644,7 @@ __device__ __forceinline__ void rotate_output(float* v, uint2 svh4, int lane) {
 
 // The split-K reduction and the epilogue of column block cb: partials in split order by the last block to arrive,
 // output rotation, svh, y.
-template <int ROWS>
+template <int ROWS, int BATCH>
 __device__ __forceinline__ void finish_column_block(const Smem& sm, uint2 sv, void* y, int ldy, int y_dtype,
                                                     float* part, int* counters, int m, int n, int cb, int sp,
                                                     int splits) {
@@ -641,7 +657,7 @@ __device__ __forceinline__ void finish_column_block(const Smem& sm, uint2 sv, vo
     for (int r = warp; r < m; r += WARPS) {
         float v[4];
         if (EXL3_ABLATE != 3 && splits > 1) {
-            sum_partials(part, split_stride, (long long)r * n + cb * 128 + 4 * lane, splits, v);
+            sum_partials<BATCH>(part, split_stride, (long long)r * n + cb * 128 + 4 * lane, splits, v);
         } else {
 #pragma unroll
             for (int e = 0; e < 4; ++e) v[e] = sm.ys[r * YS_STRIDE + 4 * lane + e];
@@ -657,11 +673,14 @@ __device__ __forceinline__ void finish_column_block(const Smem& sm, uint2 sv, vo
 #define OPT_CLUSTER 1
 #define OPT_BLOCK_EPILOGUE 2
 
-// Split-K epilogue of one warp, for launches of at most 8 rows with one block per column block: the warp writes its
+// Split-K epilogue of one warp, for one-row launches with one block per column block: the warp writes its
 // 16 columns of the partial straight from its accumulators and counts itself in; the last of the column block's
 // splits x WARPS warps sums the partials in split order, rotates and writes y. No block barrier: a warp that
 // finishes its k slice early does not wait for the others (the block epilogue stashes the whole block's result
 // in shared memory first). The partials are the same fp32 values, so the bits are those of finish_column_block.
+// (With more rows the one last warp's row-by-row reduction costs more than the barrier saves: m=8 expert 20.1 us
+// against 10.3.)
+template <int BATCH>
 __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 sv, void* y, int ldy, int y_dtype,
                                                        float* part, int* counters, int m, int n, int cb, int sp,
                                                        int splits, int warp, int lane) {
@@ -683,7 +702,7 @@ __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 s
     __threadfence();
     for (int row = 0; row < m; ++row) {
         float v[4];
-        sum_partials(part, split_stride, (long long)row * n + cb * 128 + 4 * lane, splits, v);
+        sum_partials<BATCH>(part, split_stride, (long long)row * n + cb * 128 + 4 * lane, splits, v);
         rotate_output(v, sv, lane);
 #pragma unroll
         for (int e = 0; e < 4; ++e) store_value(y, (long long)row * ldy + cb * 128 + 4 * lane + e, y_dtype, v[e]);
@@ -696,7 +715,7 @@ __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 s
 // picks G so that all blocks are resident: each block then rotates its k slice of the input once for all its
 // column blocks, and loads the next column block's first weight stages while it reduces the current one. Which
 // block computes a column block never changes its bits.
-template <int ROWS>
+template <int ROWS, int BATCH>
 __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
                                             const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
                                             float* part, int* counters, int k, int n, int splits, int xs_stride,
@@ -706,7 +725,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
     const int sp = blockIdx.y, ncb = n / 128;
     const bool cluster = options & OPT_CLUSTER;
     // (uniform over the block: every warp takes the same epilogue)
-    const bool warp_epilogue = ROWS == 8 && splits > 1 && !cluster && (int)gridDim.x >= ncb &&
+    const bool warp_epilogue = ROWS == 8 && m == 1 && splits > 1 && !cluster && (int)gridDim.x >= ncb &&
                                !(options & OPT_BLOCK_EPILOGUE);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int cb = blockIdx.x;
@@ -746,7 +765,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
             let_next_kernel_start();
         }
         if (warp_epilogue) {
-            finish_columns_by_warp(acc, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits, warp, lane);
+            finish_columns_by_warp<BATCH>(acc, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits, warp, lane);
             return;
         }
         stash_acc<ROWS>(acc, sm.ys, warp, lane);
@@ -770,7 +789,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
             cluster_sync();
             return;
         }
-        finish_column_block<ROWS>(sm, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits);
+        finish_column_block<ROWS, BATCH>(sm, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits);
         if (next >= ncb) {
             // every block ends with one draw past the end; the last of those draws resets the counter
             if (threadIdx.x == 0 && next == ncb + (int)gridDim.x - 1) *take = 0;
@@ -789,10 +808,10 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #define LINEAR_PASS \
     x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, options
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, 8>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, 8>(LINEAR_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i
