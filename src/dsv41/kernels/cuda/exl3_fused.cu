@@ -560,16 +560,16 @@ __device__ __forceinline__ void sum_partials(const float* part, long long split_
             const float4 q = __ldcg((const float4*)(part + s * split_stride + i));
             v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
         }
-        return;
-    }
-    for (int s = 0; s < splits; s += BATCH) {
-        float4 q[BATCH];
+    } else {
+        for (int s = 0; s < splits; s += BATCH) {
+            float4 q[BATCH];
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u)
-            if (s + u < splits) q[u] = __ldcg((const float4*)(part + (s + u) * split_stride + i));
+            for (int u = 0; u < BATCH; ++u)
+                if (s + u < splits) q[u] = __ldcg((const float4*)(part + (s + u) * split_stride + i));
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u)
-            if (s + u < splits) { v[0] += q[u].x; v[1] += q[u].y; v[2] += q[u].z; v[3] += q[u].w; }
+            for (int u = 0; u < BATCH; ++u)
+                if (s + u < splits) { v[0] += q[u].x; v[1] += q[u].y; v[2] += q[u].z; v[3] += q[u].w; }
+        }
     }
 }
 
