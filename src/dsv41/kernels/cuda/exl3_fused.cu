@@ -53,6 +53,10 @@ typedef unsigned short u16;
 #ifndef EXL3_FEW_MIN_BLOCKS
 #define EXL3_FEW_MIN_BLOCKS 2
 #endif
+// Split partials the larger-register kernel loads per L2 round trip in the split-K reduction (sum_partials).
+#ifndef EXL3_SUM_BATCH
+#define EXL3_SUM_BATCH 8
+#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -810,8 +814,8 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, 8>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, 8>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, EXL3_SUM_BATCH>(LINEAR_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i
