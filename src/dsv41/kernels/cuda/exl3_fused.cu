@@ -57,6 +57,10 @@ typedef unsigned short u16;
 #ifndef EXL3_SUM_BATCH
 #define EXL3_SUM_BATCH 8
 #endif
+// One-row launches of the larger-register kernel decode their first stage while the input loads (0: in the loop).
+#ifndef EXL3_PREDECODE
+#define EXL3_PREDECODE 1
+#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -355,6 +359,48 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int rows, c
     }
 }
 
+// rotate_input for one row whose slice has at most 2 x WARPS 128-blocks: the thread that rotate_input's first phase
+// gives inputs 4l..4l+3 of blocks w and w + WARPS (thread 32w + l, column groups t and t + NTHREADS) is lane l of
+// warp w, the one that rotates those blocks in its second phase; so the thread keeps its values in registers, and
+// no block barrier or round trip through shared memory separates the loads from the rotation. `meanwhile` runs
+// between issuing the loads and using them. Same arithmetic as rotate_input, so the same bits.
+template <typename F>
+__device__ __forceinline__ void rotate_one_row(u16* xs, const void* x, int ldx, int x_dtype, int src, const u16* suh,
+                                               int k0, int nkb, int warp, int lane, F&& meanwhile) {
+    uint2 su2[2];
+    uint4 raw[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int kb = warp + i * WARPS;
+        su2[i] = kb < nkb ? *(const uint2*)(suh + k0 + kb * 128 + 4 * lane) : make_uint2(0u, 0u);
+    }
+    wait_for_previous_kernel();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int kb = warp + i * WARPS;
+        raw[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (kb < nkb && src >= 0) raw[i] = load4_raw(x, (long long)src * ldx + k0 + kb * 128 + 4 * lane, x_dtype);
+    }
+    meanwhile();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int kb = warp + i * WARPS;
+        if (kb >= nkb) break;  // warp-uniform
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (src >= 0) {
+            const float su[4] = {half_to_float((u16)(su2[i].x & 0xFFFFu)), half_to_float((u16)(su2[i].x >> 16)),
+                                 half_to_float((u16)(su2[i].y & 0xFFFFu)), half_to_float((u16)(su2[i].y >> 16))};
+            raw4_as_half(raw[i], x_dtype, v);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) v[e] = half_to_float(float_to_half(v[e] * su[e]));
+        }
+        hadamard128(v, lane);
+        u32* blk = (u32*)(xs + kb * 128);
+        blk[b_word_pos(2 * lane)] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
+        blk[b_word_pos(2 * lane + 1)] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
+    }
+}
+
 // ------------------------------------------------------------------------------------------------------------
 // the main loop: one block = 128 output columns x a k slice x up to ROWS input rows
 // ------------------------------------------------------------------------------------------------------------
@@ -462,6 +508,42 @@ __device__ __forceinline__ void stage_product(float* acc, float* odd, const Smem
     }
 }
 
+// The A fragments of the warp's first stage (ring slot 0), decoded before the rotated input is ready: the prologue's
+// copies are waited for here instead of in the loop's first turn (main_loop with `pre`).
+__device__ __forceinline__ void predecode_first_stage(u32 (&frag)[KR][4], const Smem& sm, int warp, int lane) {
+    int off[NW];
+    u32 sh;
+    lane_offsets(lane, off, &sh);
+    cp_async_wait_stages();
+    __syncwarp();
+    const u32* stage = sm.stages + warp * RING_WORDS;
+#pragma unroll
+    for (int r = 0; r < KR; ++r) decode_tile(stage + r * TW, off, sh, frag[r]);
+}
+
+// stage_product of the first stage with its fragments decoded already (same products in the same order).
+template <int ROWS>
+__device__ __forceinline__ void first_stage_product(float* acc, float* odd, const Smem& sm, const u32 (&frag)[KR][4],
+                                                    int xs_stride, const int* xrow, int t) {
+    uint4 b[ROWS / 8][4];
+#pragma unroll
+    for (int h = 0; h < ROWS / 8; ++h) {
+        const uint4* src = (const uint4*)(sm.xs + xrow[h] * xs_stride + 8 * t);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) b[h][q] = src[4 * q];
+    }
+#pragma unroll
+    for (int r = 0; r < KR; ++r) {
+        float* a = (r & 1) ? odd : acc;
+        const uint4 c0 = b[0][r >> 1];
+        mma_16816(a, frag[r], (r & 1) ? c0.z : c0.x, (r & 1) ? c0.w : c0.y);
+        if (ROWS == 16) {
+            const uint4 c1 = b[ROWS / 8 - 1][r >> 1];
+            mma_16816(a + 4, frag[r], (r & 1) ? c1.z : c1.x, (r & 1) ? c1.w : c1.y);
+        }
+    }
+}
+
 // The per-warp state of the k loop.
 template <int ROWS>
 struct WarpLoop {
@@ -496,9 +578,12 @@ struct WarpLoop {
 // acc[4..7] the same for rows 8+. Even and odd tile rows accumulate separately (two independent mma chains),
 // added once at the end: a fixed order that depends on the shape only. The stage loop is unrolled by STAGES so
 // that ring slots are compile-time offsets.
-template <int ROWS>
+// (`pre`, `use_pre`: the first stage's fragments from predecode_first_stage; a flag, not a null pointer, so that the
+// fragments stay in registers)
+template <int ROWS, bool PRE = false>
 __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, int rows, const u32* tile_col,
-                                          long long row_stride_words, int n_stages, int warp, int lane) {
+                                          long long row_stride_words, int n_stages, int warp, int lane,
+                                          const u32 (&pre)[KR][4], bool use_pre) {
     float odd[ROWS / 2];
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) odd[i] = 0.f;
@@ -515,10 +600,26 @@ __device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_str
     L.xrow[0] = min(lane >> 2, rows - 1);
     L.xrow[1] = min((lane >> 2) + 8, rows - 1);
     L.copy = stage_copy(L.ring, tile_col, row_stride_words, STAGES - 1, lane);
-    for (int base = 0; base < n_stages; base += STAGES) L.template round_from<0>(base);
+    if (PRE && use_pre) {
+        // the first turn of round_from<0>(0) without its wait and decode (predecode_first_stage did them)
+        issue_stage<STAGES - 1>(L.copy, STAGES - 1 < n_stages, lane);
+        cp_async_commit();
+        first_stage_product<ROWS>(acc, odd, sm, pre, xs_stride, L.xrow, L.t);
+        L.template round_from<1>(0);
+        for (int base = STAGES; base < n_stages; base += STAGES) L.template round_from<0>(base);
+    } else {
+        for (int base = 0; base < n_stages; base += STAGES) L.template round_from<0>(base);
+    }
     asm volatile("cp.async.wait_all;");
 #pragma unroll
     for (int i = 0; i < ROWS / 2; ++i) acc[i] += odd[i];
+}
+
+template <int ROWS>
+__device__ __forceinline__ void main_loop(float* acc, const Smem& sm, int xs_stride, int rows, const u32* tile_col,
+                                          long long row_stride_words, int n_stages, int warp, int lane) {
+    const u32 none[KR][4] = {};
+    main_loop<ROWS, false>(acc, sm, xs_stride, rows, tile_col, row_stride_words, n_stages, warp, lane, none, false);
 }
 
 // The warp's accumulators into ys[row][col] (block-local columns).
@@ -719,7 +820,7 @@ __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 s
 // picks G so that all blocks are resident: each block then rotates its k slice of the input once for all its
 // column blocks, and loads the next column block's first weight stages while it reduces the current one. Which
 // block computes a column block never changes its bits.
-template <int ROWS, int BATCH>
+template <int ROWS, int BATCH, bool PRE>
 __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
                                             const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
                                             float* part, int* counters, int k, int n, int splits, int xs_stride,
@@ -744,7 +845,17 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #if EXL3_ABLATE != 2
     pipeline_prologue(sm, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp, lane);
 #endif
-    rotate_input<ROWS>(sm.xs, xs_stride, m, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    // the first stage's fragments, decoded while the input loads (one-row launches of the larger-register kernel)
+    u32 pre[KR][4];
+    const bool one_row = m == 1 && nkb <= 2 * WARPS;
+    const bool predecoded = PRE && one_row && EXL3_ABLATE != 2;
+    if (one_row) {
+        rotate_one_row(sm.xs, x, ldx, x_dtype, 0, suh, kb_lo * 128, nkb, warp, lane, [&] {
+            if (predecoded) predecode_first_stage(pre, sm, warp, lane);
+        });
+    } else {
+        rotate_input<ROWS>(sm.xs, xs_stride, m, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+    }
     // (after the wait in rotate_input: the previous launch has reset the counter)
     int* const take = counters + ncb + sp;
     if (threadIdx.x == 0) sm.ints[33] = (int)gridDim.x < ncb ? (int)gridDim.x + atomicAdd(take, 1) : ncb;
@@ -755,7 +866,8 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #pragma unroll
         for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
 #if EXL3_ABLATE != 2
-        main_loop<ROWS>(acc, sm, xs_stride, m, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp, lane);
+        main_loop<ROWS, PRE>(acc, sm, xs_stride, m, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp,
+                             lane, pre, predecoded && cb == (int)blockIdx.x);
 #endif
         if (next < ncb) {
             // the warp's ring is free (main_loop waited for its copies and consumed them): the next column block's
@@ -812,10 +924,10 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #define LINEAR_PASS \
     x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, options
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH>(LINEAR_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, EXL3_SUM_BATCH>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4, false>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4, false>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i
