@@ -140,6 +140,15 @@ def time_fused(copies, m: int, **options) -> float:
                           for c, o in zip(copies, outs)] * max(1, 24 // len(copies)))
 
 
+def try_time(log, label: str, copies, m: int, **options) -> float | None:
+    """time_fused, or None (logged) where the launch fails: one failing variant does not end an A/B run."""
+    try:
+        return time_fused(copies, m, **options)
+    except Exception as exc:
+        log(f"{label} m={m}: FAILED {type(exc).__name__}: {exc}")
+        return None
+
+
 def headline(log, tunings: list[dict]) -> list[dict]:
     """The numbers the issue's goals name, once per tuning (each a set of overrides of TUNING), on the same weights."""
     rows = []
@@ -148,10 +157,8 @@ def headline(log, tunings: list[dict]) -> list[dict]:
         for extra in tunings:
             tuning = {**TUNING, **extra}
             for m in ms:
-                try:
-                    t = time_fused(copies, m, tuning=tuning)
-                except Exception as exc:
-                    log(f"{name} {extra} m={m}: FAILED {type(exc).__name__}: {exc}")
+                t = try_time(log, f"{name} {extra}", copies, m, tuning=tuning)
+                if t is None:
                     continue
                 rows.append({"shape": f"{k}x{n}", "K": K, "m": m, "tuning": extra, "us": t,
                              "tweights_per_s": k * n / t / 1e6})
@@ -172,10 +179,8 @@ def splits_sweep(log) -> list[dict]:
         copies = make_copies(k, n, K, 4 * L2_BYTES)
         for splits in options:
             for m in ms:
-                try:
-                    t = time_fused(copies, m, splits=splits)
-                except Exception as exc:
-                    log(f"{k}x{n} splits={splits} m={m}: FAILED {type(exc).__name__}: {exc}")
+                t = try_time(log, f"{k}x{n} splits={splits}", copies, m, splits=splits)
+                if t is None:
                     continue
                 rows.append({"shape": f"{k}x{n}", "K": K, "splits": splits, "m": m, "us": t,
                              "default": splits == default_splits(k, n, sm)})
