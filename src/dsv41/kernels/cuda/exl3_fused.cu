@@ -61,6 +61,11 @@ typedef unsigned short u16;
 #ifndef EXL3_PREDECODE
 #define EXL3_PREDECODE 1
 #endif
+// MoE blocks of one row (an expert one token picked) rotate their input like the linear's one-row launches (item 31
+// of docs/perf/exl3.md). Off until measured on a GPU: the A/B is `--moe --tuning '{"EXL3_MOE_ONE_ROW": 1}'`.
+#ifndef EXL3_MOE_ONE_ROW
+#define EXL3_MOE_ONE_ROW 0
+#endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
 #define NA ((7 * K + 16 + 31) / 32)         // words holding a lane's 7K+16 stream bits once re-aligned to bit 0
@@ -705,7 +710,12 @@ __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int
 #if EXL3_ABLATE != 2
     pipeline_prologue(sm, tile_col, row_stride_words, nkb, warp, lane);
 #endif
-    rotate_input<ROWS>(sm.xs, xs_stride, rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
+#if EXL3_MOE_ONE_ROW
+    if (rows == 1 && nkb <= 2 * WARPS)
+        rotate_one_row(sm.xs, x, ldx, x_dtype, sm.ints[0], suh, kb_lo * 128, nkb, warp, lane, [] {});
+    else
+#endif
+        rotate_input<ROWS>(sm.xs, xs_stride, rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
     __syncthreads();  // the rotated input is read by every warp
     float acc[ROWS / 2];
 #pragma unroll
