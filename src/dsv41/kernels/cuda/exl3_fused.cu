@@ -296,6 +296,19 @@ __device__ __forceinline__ int b_word_pos(int w) {
     return 16 * (r >> 1) + 4 * t + 2 * (r & 1) + h;
 }
 
+// 4 fp16 values packed in two words, as floats.
+__device__ __forceinline__ void halves_to_float(uint2 h, float* v) {
+    v[0] = half_to_float((u16)(h.x & 0xFFFFu)); v[1] = half_to_float((u16)(h.x >> 16));
+    v[2] = half_to_float((u16)(h.y & 0xFFFFu)); v[3] = half_to_float((u16)(h.y >> 16));
+}
+
+// A lane's 4 rotated values (elements 4l..4l+3 of a 128-block, before the 1/sqrt(128)) into the block in
+// b_word_pos order, as fp16.
+__device__ __forceinline__ void store_rotated(u32* blk, const float* v, int lane) {
+    blk[b_word_pos(2 * lane)] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
+    blk[b_word_pos(2 * lane + 1)] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
+}
+
 // xh[row, kk] = fp16( H/sqrt(128) · fp16(x[src, k0 + kk] * suh[k0 + kk]) ) per 128 block, for the block's
 // `rows` real rows (the main loop's lanes of later rows read row rows-1 instead: their outputs are never stored),
 // each 128-block stored in the b_word_pos order. src[row] < 0 marks a padding row (zeros). Two phases so that no
@@ -319,9 +332,8 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int rows, c
     for (int cg = threadIdx.x, i = 0; cg < width / 4; cg += NTHREADS, ++i) {
         const int col = 4 * cg;
         // 4 fp16 scales, read once for all rows
-        const uint2 su2 = i == 0 ? su_early[0] : i == 1 ? su_early[1] : *(const uint2*)(suh + k0 + col);
-        const float su[4] = {half_to_float((u16)(su2.x & 0xFFFFu)), half_to_float((u16)(su2.x >> 16)),
-                             half_to_float((u16)(su2.y & 0xFFFFu)), half_to_float((u16)(su2.y >> 16))};
+        float su[4];
+        halves_to_float(i == 0 ? su_early[0] : i == 1 ? su_early[1] : *(const uint2*)(suh + k0 + col), su);
         // 8 rows at a time: their loads in flight together (16-bit inputs: 2 registers per row; fp32: 4)
 #pragma unroll
         for (int r0 = 0; r0 < ROWS; r0 += 8) {
@@ -359,8 +371,7 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int rows, c
                       half_to_float((u16)(p1 & 0xFFFFu)), half_to_float((u16)(p1 >> 16))};
         hadamard128(v, lane);
         __syncwarp();  // every lane has read the block before any lane writes its permuted words
-        blk[b_word_pos(2 * lane)] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
-        blk[b_word_pos(2 * lane + 1)] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
+        store_rotated(blk, v, lane);
     }
 }
 
@@ -393,16 +404,14 @@ __device__ __forceinline__ void rotate_one_row(u16* xs, const void* x, int ldx, 
         if (kb >= nkb) break;  // warp-uniform
         float v[4] = {0.f, 0.f, 0.f, 0.f};
         if (src >= 0) {
-            const float su[4] = {half_to_float((u16)(su2[i].x & 0xFFFFu)), half_to_float((u16)(su2[i].x >> 16)),
-                                 half_to_float((u16)(su2[i].y & 0xFFFFu)), half_to_float((u16)(su2[i].y >> 16))};
+            float su[4];
+            halves_to_float(su2[i], su);
             raw4_as_half(raw[i], x_dtype, v);
 #pragma unroll
             for (int e = 0; e < 4; ++e) v[e] = half_to_float(float_to_half(v[e] * su[e]));
         }
         hadamard128(v, lane);
-        u32* blk = (u32*)(xs + kb * 128);
-        blk[b_word_pos(2 * lane)] = (u32)float_to_half(v[0] * INV_SQRT128) | ((u32)float_to_half(v[1] * INV_SQRT128) << 16);
-        blk[b_word_pos(2 * lane + 1)] = (u32)float_to_half(v[2] * INV_SQRT128) | ((u32)float_to_half(v[3] * INV_SQRT128) << 16);
+        store_rotated((u32*)(xs + kb * 128), v, lane);
     }
 }
 
@@ -484,32 +493,45 @@ __device__ __forceinline__ void pipeline_prologue(const Smem& sm, const u32* til
     }
 }
 
-// Decodes and multiplies the KR tiles of the stage in ring slot SLOT (k block `kb` of the slice).
-template <int ROWS, int SLOT>
-__device__ __forceinline__ void stage_product(float* acc, float* odd, const Smem& sm, const u32* ring,
-                                              const int* off, u32 sh, int xs_stride, const int* xrow, int kb,
-                                              int t) {
-    // B operands of tile rows 0..7: four 16-byte chunks per 8 input rows (see b_word_pos). Lanes of rows past the
-    // block's real rows read its last row instead: B column g only feeds output row g, and those are never stored.
-    uint4 b[ROWS / 8][4];
+// B operands of tile rows 0..7 of k block `kb`: four 16-byte chunks per 8 input rows (see b_word_pos). Lanes of rows
+// past the block's real rows read its last row instead: B column g only feeds output row g, never stored.
+template <int ROWS>
+__device__ __forceinline__ void load_b(uint4 (&b)[ROWS / 8][4], const Smem& sm, int xs_stride, const int* xrow, int kb,
+                                       int t) {
 #pragma unroll
     for (int h = 0; h < ROWS / 8; ++h) {
         const uint4* src = (const uint4*)(sm.xs + xrow[h] * xs_stride + kb * 128 + 8 * t);
 #pragma unroll
         for (int q = 0; q < 4; ++q) b[h][q] = src[4 * q];
     }
+}
+
+// The products of tile row r (even rows into acc, odd into odd).
+template <int ROWS>
+__device__ __forceinline__ void tile_products(float* acc, float* odd, const u32* frag, const uint4 (&b)[ROWS / 8][4],
+                                              int r) {
+    float* a = (r & 1) ? odd : acc;
+    const uint4 c0 = b[0][r >> 1];
+    mma_16816(a, frag, (r & 1) ? c0.z : c0.x, (r & 1) ? c0.w : c0.y);
+    if (ROWS == 16) {
+        const uint4 c1 = b[ROWS / 8 - 1][r >> 1];
+        mma_16816(a + 4, frag, (r & 1) ? c1.z : c1.x, (r & 1) ? c1.w : c1.y);
+    }
+}
+
+// Decodes and multiplies the KR tiles of the stage in ring slot SLOT (k block `kb` of the slice).
+template <int ROWS, int SLOT>
+__device__ __forceinline__ void stage_product(float* acc, float* odd, const Smem& sm, const u32* ring,
+                                              const int* off, u32 sh, int xs_stride, const int* xrow, int kb,
+                                              int t) {
+    uint4 b[ROWS / 8][4];
+    load_b<ROWS>(b, sm, xs_stride, xrow, kb, t);
     const u32* stage = ring + SLOT * KR * TW;
 #pragma unroll
     for (int r = 0; r < KR; ++r) {
-        float* a = (r & 1) ? odd : acc;
         u32 frag[4];
         decode_tile(stage + r * TW, off, sh, frag);
-        const uint4 c0 = b[0][r >> 1];
-        mma_16816(a, frag, (r & 1) ? c0.z : c0.x, (r & 1) ? c0.w : c0.y);
-        if (ROWS == 16) {
-            const uint4 c1 = b[ROWS / 8 - 1][r >> 1];
-            mma_16816(a + 4, frag, (r & 1) ? c1.z : c1.x, (r & 1) ? c1.w : c1.y);
-        }
+        tile_products<ROWS>(acc, odd, frag, b, r);
     }
 }
 
@@ -531,22 +553,9 @@ template <int ROWS>
 __device__ __forceinline__ void first_stage_product(float* acc, float* odd, const Smem& sm, const u32 (&frag)[KR][4],
                                                     int xs_stride, const int* xrow, int t) {
     uint4 b[ROWS / 8][4];
+    load_b<ROWS>(b, sm, xs_stride, xrow, 0, t);
 #pragma unroll
-    for (int h = 0; h < ROWS / 8; ++h) {
-        const uint4* src = (const uint4*)(sm.xs + xrow[h] * xs_stride + 8 * t);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) b[h][q] = src[4 * q];
-    }
-#pragma unroll
-    for (int r = 0; r < KR; ++r) {
-        float* a = (r & 1) ? odd : acc;
-        const uint4 c0 = b[0][r >> 1];
-        mma_16816(a, frag[r], (r & 1) ? c0.z : c0.x, (r & 1) ? c0.w : c0.y);
-        if (ROWS == 16) {
-            const uint4 c1 = b[ROWS / 8 - 1][r >> 1];
-            mma_16816(a + 4, frag[r], (r & 1) ? c1.z : c1.x, (r & 1) ? c1.w : c1.y);
-        }
-    }
+    for (int r = 0; r < KR; ++r) tile_products<ROWS>(acc, odd, frag[r], b, r);
 }
 
 // The per-warp state of the k loop.
