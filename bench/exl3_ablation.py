@@ -126,9 +126,9 @@ def repro(log) -> None:
             log(f"repro {k}x{n} K={K} m={m}: {t:.1f} us")
 
 
-HEADLINE_SHAPES = (("expert gate/up", 5120, 2304, 3, (1, 8, 16)), ("expert down", 2304, 5120, 3, (1, 8)),
-                   ("wq_b", 1280, 32768, 5, (1, 8)), ("wo_b", 8192, 5120, 5, (1, 8)),
-                   ("head", 5120, 129280, 6, (1, 8, 16)))
+HEADLINE_SHAPES = (("expert gate/up", 5120, 2304, 3, (1, 2, 4, 8, 16)), ("expert down", 2304, 5120, 3, (1, 2, 8)),
+                   ("wq_b", 1280, 32768, 5, (1, 2, 4, 8)), ("wo_b", 8192, 5120, 5, (1, 2, 8)),
+                   ("head", 5120, 129280, 6, (1, 2, 8, 16)))
 
 
 def time_fused(copies, m: int, **options) -> float:

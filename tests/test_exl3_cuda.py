@@ -187,6 +187,12 @@ def test_gpu_cuda_pack_shapes_and_row_invariance(k, n, K, cb):
     assert torch.equal(fused_matmul_cuda(x40, w)[16:32].view(torch.int32), y.view(torch.int32))
     # bf16 / fp32 inputs are rounded to fp16 first; fp16 / bf16 outputs are the fp32 result rounded once
     assert torch.equal(fused_matmul_cuda(x.float(), w).view(torch.int32), y.view(torch.int32))
+    # few rows rotate their input by warp (fp32 rows with their own load width): the bits of the 16-row launch
+    xb = x.bfloat16()
+    yb = fused_matmul_cuda(xb, w)
+    for m in (1, 2, 3, 8):
+        assert torch.equal(fused_matmul_cuda(x[:m].float(), w).view(torch.int32), y[:m].view(torch.int32)), m
+        assert torch.equal(fused_matmul_cuda(xb[:m], w).view(torch.int32), yb[:m].view(torch.int32)), m
     assert torch.equal(fused_matmul_cuda(x, w, out_dtype=torch.bfloat16), y.bfloat16())
     assert torch.equal(fused_matmul_cuda(x, w, out_dtype=torch.float16), y.half())
     # a preallocated output decides the dtype (the bench writes fp16 into its own buffers)
@@ -261,16 +267,18 @@ def test_gpu_cuda_is_the_default_path_and_triton_stays_selectable(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 4, 9, 16])
+@pytest.mark.parametrize("T,hidden,inter", [(1, 5120, 2304), (4, 5120, 2304), (9, 5120, 2304), (16, 5120, 2304),
+                                            (9, 2304, 1024)])
 @pytest.mark.parametrize("cb", ["mul1", "mcg"])
-def test_gpu_cuda_moe(T, cb):
+def test_gpu_cuda_moe(T, hidden, inter, cb):
+    """(2304, 1024): short k slices, so blocks of several rows rotate their input by warp too."""
     _need_cuda()
     from dsv41.kernels.exl3_cuda import moe_forward_cuda
 
     gen = torch.Generator().manual_seed(31 + T)
     experts, topk = 24, 6
-    groups, (w1, w3, w2) = _moe_case(gen, experts, 5120, 2304, 3, cb, "cuda")
-    x = torch.randn(T, 5120, generator=gen).bfloat16().cuda()
+    groups, (w1, w3, w2) = _moe_case(gen, experts, hidden, inter, 3, cb, "cuda")
+    x = torch.randn(T, hidden, generator=gen).bfloat16().cuda()
     ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(T)]).cuda()
     weights = torch.rand(T, topk, generator=gen).cuda()
     y = moe_forward_cuda(x, ids, weights, w1, w3, w2)

@@ -25,7 +25,7 @@ from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
 
 SOURCE = "exl3_fused.cu"
 KERNELS = [
-    "exl3_linear_r8", "exl3_linear_r16", "exl3_linear_few_r8", "exl3_linear_few_r16",
+    "exl3_linear_r8", "exl3_linear_r16", "exl3_linear_few_r8", "exl3_linear_few_rows_r8", "exl3_linear_few_r16",
     "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
@@ -214,7 +214,9 @@ def fused_matmul_cuda(
             ),
         )
         xc, yc = x[start:start + rows], out[start:start + rows]
-        kernel = kernels[f"exl3_linear_{'few_' if few else ''}r{variant}"]
+        # (2..8 rows on the larger-register kernel: its variant that rotates the input by warp for more units)
+        kind = ("few_rows_" if variant == 8 and rows > 1 else "few_") if few else ""
+        kernel = kernels[f"exl3_linear_{kind}r{variant}"]
         shared = _shared_bytes(K, variant, rows, xs_stride, tuning)
         grid_x = col_blocks
         if not clustered:

@@ -62,9 +62,15 @@ typedef unsigned short u16;
 #define EXL3_PREDECODE 1
 #endif
 // MoE blocks of one row (an expert one token picked) rotate their input like the linear's one-row launches (item 31
-// of docs/perf/exl3.md). Off until measured on a GPU: the A/B is `--moe --tuning '{"EXL3_MOE_ONE_ROW": 1}'`.
+// of docs/perf/exl3.md; item 34: one token 75.7 -> 71.9 us, 4 tokens 257.7 -> 246.4 on the H200). 0 for A/B runs.
+// Units (row, 128-block) per warp up to which exl3_linear_few_rows_r8 (2..8 rows, larger register budget) rotates
+// its input by warp (rotate_by_warp; the other kernels: 2, more spill there). 12 covers wq_b's 8 rows x 10 blocks
+// and wo_b's 8 x 11.
+#ifndef EXL3_WARP_UNITS
+#define EXL3_WARP_UNITS 12
+#endif
 #ifndef EXL3_MOE_ONE_ROW
-#define EXL3_MOE_ONE_ROW 0
+#define EXL3_MOE_ONE_ROW 1
 #endif
 #define ROW_WORDS (8 * TW)                  // one tile row of a 128-column block (contiguous in memory)
 #define STAGE_WORDS (KR * ROW_WORDS)
@@ -375,44 +381,85 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int rows, c
     }
 }
 
-// rotate_input for one row whose slice has at most 2 x WARPS 128-blocks: the thread that rotate_input's first phase
-// gives inputs 4l..4l+3 of blocks w and w + WARPS (thread 32w + l, column groups t and t + NTHREADS) is lane l of
-// warp w, the one that rotates those blocks in its second phase; so the thread keeps its values in registers, and
-// no block barrier or round trip through shared memory separates the loads from the rotation. `meanwhile` runs
-// between issuing the loads and using them. Same arithmetic as rotate_input, so the same bits.
-template <typename F>
-__device__ __forceinline__ void rotate_one_row(u16* xs, const void* x, int ldx, int x_dtype, int src, const u16* suh,
-                                               int k0, int nkb, int warp, int lane, F&& meanwhile) {
-    uint2 su2[2];
-    uint4 raw[2];
+template <bool B, typename T, typename E>
+struct Pick { using type = T; };
+template <typename T, typename E>
+struct Pick<false, T, E> { using type = E; };
+
+// rotate_input for launches of at most MAXU x WARPS "units" (row, 128-block of the slice), unit u = row u / nkb,
+// block u % nkb: warp w rotates units w, w + WARPS, ..., and its lane l loads exactly the 4 inputs 4l..4l+3 that
+// it rotates, so the values stay in registers: no block barrier or shared-memory round trip between the loads and
+// the rotation, and all of a warp's loads are in flight together. `meanwhile` runs between issuing the loads and
+// using them. WIDE: fp32 input (16 bytes per lane and unit), else fp16/bf16 (8). Same arithmetic as rotate_input,
+// so the same bits.
+template <int MAXU, bool WIDE, typename F>
+__device__ __forceinline__ void rotate_by_warp(u16* xs, int xs_stride, int rows, const void* x, int ldx, int x_dtype,
+                                               const int* src, const u16* suh, int k0, int nkb, int warp, int lane,
+                                               F&& meanwhile) {
+    const int units = rows * nkb;
+    // unit warp + i * WARPS is (row0 + i * step_row + carries, ...): one division each, not one per unit
+    const int row0 = warp / nkb, step_row = WARPS / nkb, step_kb = WARPS - step_row * nkb;
+    int row_of[MAXU], kb_of[MAXU];
+    uint2 su2[MAXU];
+    using Raw = typename Pick<WIDE, uint4, uint2>::type;
+    Raw raw[MAXU];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int kb = warp + i * WARPS;
-        su2[i] = kb < nkb ? *(const uint2*)(suh + k0 + kb * 128 + 4 * lane) : make_uint2(0u, 0u);
+    for (int i = 0, row = row0, kb = warp - row0 * nkb; i < MAXU; ++i) {
+        row_of[i] = row;
+        kb_of[i] = kb;
+        su2[i] = warp + i * WARPS < units ? *(const uint2*)(suh + k0 + kb * 128 + 4 * lane) : make_uint2(0u, 0u);
+        row += step_row;
+        kb += step_kb;
+        if (kb >= nkb) { kb -= nkb; ++row; }
     }
     wait_for_previous_kernel();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int kb = warp + i * WARPS;
-        raw[i] = make_uint4(0u, 0u, 0u, 0u);
-        if (kb < nkb && src >= 0) raw[i] = load4_raw(x, (long long)src * ldx + k0 + kb * 128 + 4 * lane, x_dtype);
+    for (int i = 0; i < MAXU; ++i) {
+        const int from = warp + i * WARPS < units ? src[row_of[i]] : -1;
+        const long long at = (long long)from * ldx + k0 + kb_of[i] * 128 + 4 * lane;
+        if constexpr (WIDE) raw[i] = from >= 0 ? *(const uint4*)((const float*)x + at) : make_uint4(0u, 0u, 0u, 0u);
+        else raw[i] = from >= 0 ? *(const uint2*)((const u16*)x + at) : make_uint2(0u, 0u);
     }
     meanwhile();
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int kb = warp + i * WARPS;
-        if (kb >= nkb) break;  // warp-uniform
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-        if (src >= 0) {
-            float su[4];
-            halves_to_float(su2[i], su);
-            raw4_as_half(raw[i], x_dtype, v);
+    for (int i = 0; i < MAXU; ++i) {
+        if (warp + i * WARPS >= units) break;  // warp-uniform
+        float su[4], v[4];
+        halves_to_float(su2[i], su);
+        if constexpr (WIDE) raw4_as_half(raw[i], x_dtype, v);
+        else raw4_as_half(make_uint4(raw[i].x, raw[i].y, 0u, 0u), x_dtype, v);
+        // padding rows (src < 0) load zeros: their rotation is zeros, as rotate_input writes them
 #pragma unroll
-            for (int e = 0; e < 4; ++e) v[e] = half_to_float(float_to_half(v[e] * su[e]));
-        }
+        for (int e = 0; e < 4; ++e) v[e] = half_to_float(float_to_half(v[e] * su[e]));
         hadamard128(v, lane);
-        store_rotated((u32*)(xs + kb * 128), v, lane);
+        store_rotated((u32*)(xs + row_of[i] * xs_stride + kb_of[i] * 128), v, lane);
     }
+}
+
+// The input rotation of a block: by warp where the launch's units fit (fp32 input: at most 2 per warp, its loads
+// take twice the registers), else rotate_input. `meanwhile` runs once in either case (after the loads are issued
+// in the first). Returns whether the rotation went by warp.
+template <int ROWS, int MAXU, typename F>
+__device__ __forceinline__ bool rotate_slice(u16* xs, int xs_stride, int rows, const void* x, int ldx, int x_dtype,
+                                             const int* src, const u16* suh, int k0, int nkb, int warp, int lane,
+                                             F&& meanwhile) {
+    const int units = rows * nkb;
+    if (units <= 2 * WARPS) {
+        // its own instance: one-row launches measured 0.8-1.2 us slower through the MAXU-unit one (item 35)
+        if (x_dtype == 2) rotate_by_warp<2, true>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane,
+                                                  meanwhile);
+        else rotate_by_warp<2, false>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane, meanwhile);
+        return true;
+    }
+    if constexpr (MAXU > 2) {
+        if (x_dtype != 2 && units <= MAXU * WARPS) {
+            rotate_by_warp<MAXU, false>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane,
+                                        meanwhile);
+            return true;
+        }
+    }
+    rotate_input<ROWS>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane);
+    return false;
 }
 
 // ------------------------------------------------------------------------------------------------------------
@@ -720,11 +767,10 @@ __device__ __forceinline__ void block_product(const Smem& sm, int xs_stride, int
     pipeline_prologue(sm, tile_col, row_stride_words, nkb, warp, lane);
 #endif
 #if EXL3_MOE_ONE_ROW
-    if (rows == 1 && nkb <= 2 * WARPS)
-        rotate_one_row(sm.xs, x, ldx, x_dtype, sm.ints[0], suh, kb_lo * 128, nkb, warp, lane, [] {});
-    else
+    rotate_slice<ROWS, 2>(sm.xs, xs_stride, rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane, [] {});
+#else
+    rotate_input<ROWS>(sm.xs, xs_stride, rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
 #endif
-        rotate_input<ROWS>(sm.xs, xs_stride, rows, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
     __syncthreads();  // the rotated input is read by every warp
     float acc[ROWS / 2];
 #pragma unroll
@@ -839,7 +885,7 @@ __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 s
 // picks G so that all blocks are resident: each block then rotates its k slice of the input once for all its
 // column blocks, and loads the next column block's first weight stages while it reduces the current one. Which
 // block computes a column block never changes its bits.
-template <int ROWS, int BATCH, bool PRE>
+template <int ROWS, int BATCH, bool PRE, int MAXU = 2>
 __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
                                             const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
                                             float* part, int* counters, int k, int n, int splits, int xs_stride,
@@ -864,17 +910,13 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #if EXL3_ABLATE != 2
     pipeline_prologue(sm, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp, lane);
 #endif
-    // the first stage's fragments, decoded while the input loads (one-row launches of the larger-register kernel)
+    // the first stage's fragments, decoded while the input loads (the larger-register kernel, input rotated by warp)
     u32 pre[KR][4];
-    const bool one_row = m == 1 && nkb <= 2 * WARPS;
-    const bool predecoded = PRE && one_row && EXL3_ABLATE != 2;
-    if (one_row) {
-        rotate_one_row(sm.xs, x, ldx, x_dtype, 0, suh, kb_lo * 128, nkb, warp, lane, [&] {
-            if (predecoded) predecode_first_stage(pre, sm, warp, lane);
-        });
-    } else {
-        rotate_input<ROWS>(sm.xs, xs_stride, m, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane);
-    }
+    constexpr bool PREDECODE = PRE && EXL3_ABLATE != 2;
+    const bool predecoded = rotate_slice<ROWS, MAXU>(
+                                sm.xs, xs_stride, m, x, ldx, x_dtype, sm.ints, suh, kb_lo * 128, nkb, warp, lane, [&] {
+                                    if (PREDECODE) predecode_first_stage(pre, sm, warp, lane);
+                                }) && PREDECODE;
     // (after the wait in rotate_input: the previous launch has reset the counter)
     int* const take = counters + ncb + sp;
     if (threadIdx.x == 0) sm.ints[33] = (int)gridDim.x < ncb ? (int)gridDim.x + atomicAdd(take, 1) : ncb;
@@ -946,6 +988,9 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4, false>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4, false>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
+// 2..8 rows: the input rotated by warp up to EXL3_WARP_UNITS units per warp. Its own kernel because the code of
+// that path made one-row launches 0.5-0.7 us slower in the kernel above (item 35 of docs/perf/exl3.md).
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_rows_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE, EXL3_WARP_UNITS>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
