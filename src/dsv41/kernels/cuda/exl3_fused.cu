@@ -390,8 +390,8 @@ struct Pick<false, T, E> { using type = E; };
 // block u % nkb: warp w rotates units w, w + WARPS, ..., and its lane l loads exactly the 4 inputs 4l..4l+3 that
 // it rotates, so the values stay in registers: no block barrier or shared-memory round trip between the loads and
 // the rotation, and all of a warp's loads are in flight together. `meanwhile` runs between issuing the loads and
-// using them. WIDE: fp32 input (16 bytes per lane and unit), else fp16/bf16 (8). Same arithmetic as rotate_input,
-// so the same bits.
+// using them. WIDE: any input dtype (room for fp32's 16 bytes per lane and unit), else fp16/bf16 only (8). Same
+// arithmetic as rotate_input, so the same bits.
 template <int MAXU, bool WIDE, typename F>
 __device__ __forceinline__ void rotate_by_warp(u16* xs, int xs_stride, int rows, const void* x, int ldx, int x_dtype,
                                                const int* src, const u16* suh, int k0, int nkb, int warp, int lane,
@@ -417,7 +417,7 @@ __device__ __forceinline__ void rotate_by_warp(u16* xs, int xs_stride, int rows,
     for (int i = 0; i < MAXU; ++i) {
         const int from = warp + i * WARPS < units ? src[row_of[i]] : -1;
         const long long at = (long long)from * ldx + k0 + kb_of[i] * 128 + 4 * lane;
-        if constexpr (WIDE) raw[i] = from >= 0 ? *(const uint4*)((const float*)x + at) : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (WIDE) raw[i] = from >= 0 ? load4_raw(x, at, x_dtype) : make_uint4(0u, 0u, 0u, 0u);
         else raw[i] = from >= 0 ? *(const uint2*)((const u16*)x + at) : make_uint2(0u, 0u);
     }
     meanwhile();
@@ -436,8 +436,8 @@ __device__ __forceinline__ void rotate_by_warp(u16* xs, int xs_stride, int rows,
     }
 }
 
-// The input rotation of a block: by warp where the launch's units fit (fp32 input: at most 2 per warp, its loads
-// take twice the registers), else rotate_input. `meanwhile` runs once in either case (after the loads are issued
+// The input rotation of a block: by warp where the launch's units fit (up to 2 per warp any input dtype; up to MAXU
+// fp16/bf16 only, as fp32 loads take twice the registers), else rotate_input. `meanwhile` runs once in either case (after the loads are issued
 // in the first). Returns whether the rotation went by warp.
 template <int ROWS, int MAXU, typename F>
 __device__ __forceinline__ bool rotate_slice(u16* xs, int xs_stride, int rows, const void* x, int ldx, int x_dtype,
@@ -446,9 +446,7 @@ __device__ __forceinline__ bool rotate_slice(u16* xs, int xs_stride, int rows, c
     const int units = rows * nkb;
     if (units <= 2 * WARPS) {
         // its own instance: one-row launches measured 0.8-1.2 us slower through the MAXU-unit one (item 35)
-        if (x_dtype == 2) rotate_by_warp<2, true>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane,
-                                                  meanwhile);
-        else rotate_by_warp<2, false>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane, meanwhile);
+        rotate_by_warp<2, true>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane, meanwhile);
         return true;
     }
     if constexpr (MAXU > 2) {
