@@ -64,6 +64,19 @@ def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():
         assert -(-(k // 128) // s) <= MAX_SLICE_BLOCKS
 
 
+def test_linear_kernel_choice_moves_only_multi_row_launches_whose_units_fit():
+    """One-row launches keep their kernels; 2..8 rows go to the by-warp kernels only where the units fit (the
+    4-blocks one: the longest k slice's units <= 4 per warp); 9..16 rows keep the 16-row kernels."""
+    from dsv41.kernels.exl3_cuda import _linear_kind, default_splits
+
+    head_splits = default_splits(5120, 129280, 132)  # 3 slices of at most 14 blocks
+    assert [_linear_kind(False, 8, m, 5120, head_splits, {}) for m in (1, 2, 3, 8)] == ["", "rows_", "", ""]
+    assert _linear_kind(False, 16, 9, 5120, head_splits, {}) == ""
+    assert _linear_kind(False, 8, 3, 5120, head_splits, {"EXL3_ROWS_WARP_UNITS": 6}) == "rows_"
+    assert [_linear_kind(True, 8, m, 1280, 1, {}) for m in (1, 2, 8)] == ["few_", "few_rows_", "few_rows_"]
+    assert _linear_kind(True, 16, 12, 1280, 1, {}) == "few_"
+
+
 def test_default_moe_splits_fit_the_moe_slice_bound():
     from dsv41.kernels.exl3_cuda import MOE_MAX_SLICE_BLOCKS, default_moe_config
 

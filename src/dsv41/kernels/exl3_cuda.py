@@ -25,7 +25,8 @@ from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
 
 SOURCE = "exl3_fused.cu"
 KERNELS = [
-    "exl3_linear_r8", "exl3_linear_r16", "exl3_linear_few_r8", "exl3_linear_few_rows_r8", "exl3_linear_few_r16",
+    "exl3_linear_r8", "exl3_linear_rows_r8", "exl3_linear_r16",
+    "exl3_linear_few_r8", "exl3_linear_few_rows_r8", "exl3_linear_few_r16",
     "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
@@ -214,9 +215,7 @@ def fused_matmul_cuda(
             ),
         )
         xc, yc = x[start:start + rows], out[start:start + rows]
-        # (2..8 rows on the larger-register kernel: its variant that rotates the input by warp for more units)
-        kind = ("few_rows_" if variant == 8 and rows > 1 else "few_") if few else ""
-        kernel = kernels[f"exl3_linear_{kind}r{variant}"]
+        kernel = kernels[f"exl3_linear_{_linear_kind(few, variant, rows, k, splits, tuning)}r{variant}"]
         shared = _shared_bytes(K, variant, rows, xs_stride, tuning)
         grid_x = col_blocks
         if not clustered:
@@ -229,6 +228,22 @@ def fused_matmul_cuda(
             cluster=(1, splits, 1) if clustered else None,
         )
     return out
+
+
+# (row, 128-block) units per warp up to which exl3_linear_rows_r8 rotates its input by warp (EXL3_ROWS_WARP_UNITS)
+ROWS_WARP_UNITS = 4
+
+
+def _linear_kind(few: bool, variant: int, rows: int, k: int, splits: int, tune: dict | None) -> str:
+    """Which linear kernel of a variant: 2..8 rows go to the kernels that rotate their input by warp for more
+    units than a one-row launch has (the larger-register one always; the 4-blocks one where the longest k slice's
+    units fit), as their code made one-row launches slower (docs/perf/exl3.md, item 35). Same bits either way."""
+    if few:
+        return "few_rows_" if variant == 8 and rows > 1 else "few_"
+    units = rows * math.ceil((k // 128) / splits)
+    if variant == 8 and rows > 1 and units <= (tune or TUNING).get("EXL3_ROWS_WARP_UNITS", ROWS_WARP_UNITS) * 8:
+        return "rows_"
+    return ""
 
 
 # options of a linear launch (exl3_fused.cu)

@@ -69,6 +69,11 @@ typedef unsigned short u16;
 #ifndef EXL3_WARP_UNITS
 #define EXL3_WARP_UNITS 12
 #endif
+// The same for exl3_linear_rows_r8 (2..8 rows, 4 blocks per SM; the host takes it only where the units fit, e.g.
+// the head's 2 x 14).
+#ifndef EXL3_ROWS_WARP_UNITS
+#define EXL3_ROWS_WARP_UNITS 4
+#endif
 #ifndef EXL3_MOE_ONE_ROW
 #define EXL3_MOE_ONE_ROW 1
 #endif
@@ -984,6 +989,8 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
     x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, options
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4, false>(LINEAR_PASS); }
+// 2..8 rows whose units fit EXL3_ROWS_WARP_UNITS per warp: the input rotated by warp (a kernel of its own, as below)
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_rows_r8(LINEAR_ARGS) { linear_body<8, 4, false, EXL3_ROWS_WARP_UNITS>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4, false>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
 // 2..8 rows: the input rotated by warp up to EXL3_WARP_UNITS units per warp. Its own kernel because the code of
