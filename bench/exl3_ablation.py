@@ -149,21 +149,23 @@ def try_time(log, label: str, copies, m: int, **options) -> float | None:
         return None
 
 
-def headline(log, tunings: list[dict]) -> list[dict]:
-    """The numbers the issue's goals name, once per tuning (each a set of overrides of TUNING), on the same weights."""
+def headline(log, tunings: list[dict], repeat: int = 1, only: tuple[str, ...] = ()) -> list[dict]:
+    """The numbers the issue's goals name, once per tuning (each a set of overrides of TUNING), on the same weights;
+    with repeat > 1 the tunings alternate per m (A B A B ...), so that drift between runs does not pose as an effect.
+    `only`: shape names to keep (all if empty)."""
     rows = []
     for name, k, n, K, ms in HEADLINE_SHAPES:
+        if only and name not in only:
+            continue
         copies = make_copies(k, n, K, 4 * L2_BYTES)
-        for extra in tunings:
-            tuning = {**TUNING, **extra}
-            for m in ms:
-                t = try_time(log, f"{name} {extra}", copies, m, tuning=tuning)
-                if t is None:
-                    continue
-                rows.append({"shape": f"{k}x{n}", "K": K, "m": m, "tuning": extra, "us": t,
-                             "tweights_per_s": k * n / t / 1e6})
-                log(f"{name:<15} {k}x{n} K={K} m={m:<2} {json.dumps(extra):<28} {t:8.1f} us "
-                    f"({k * n / t / 1e6:.2f} T weights/s)")
+        for m, rep, extra in [(m, rep, extra) for m in ms for rep in range(repeat) for extra in tunings]:
+            t = try_time(log, f"{name} {extra}", copies, m, tuning={**TUNING, **extra})
+            if t is None:
+                continue
+            rows.append({"shape": f"{k}x{n}", "K": K, "m": m, "tuning": extra, "us": t, "rep": rep,
+                         "tweights_per_s": k * n / t / 1e6})
+            log(f"{name:<15} {k}x{n} K={K} m={m:<2} {json.dumps(extra):<28} {t:8.1f} us "
+                f"({k * n / t / 1e6:.2f} T weights/s)")
         del copies
         torch.cuda.empty_cache()
     return rows
@@ -215,6 +217,9 @@ def main() -> None:
     parser.add_argument("--moe-config", action="append", default=[],
                         help="gate_up,down split counts for --headline / --moe")
     parser.add_argument("--moe", action="store_true", help="only the MoE A/B of --tuning and --moe-config")
+    parser.add_argument("--repeat", type=int, default=1, help="--headline: alternate the tunings this many times")
+    parser.add_argument("--only", action="append", default=[], help="--headline: only these shape names")
+    parser.add_argument("--no-moe", action="store_true", help="--headline: skip the MoE A/B")
     parser.add_argument("--splits", action="store_true", help="split-count sweep on four shapes")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -229,10 +234,11 @@ def main() -> None:
     if args.headline:
         tunings = [{}] + [json.loads(t) for t in args.tuning]
         result["tunings"] = tunings
-        result["headline"] = headline(log, tunings)
+        result["headline"] = headline(log, tunings, args.repeat, tuple(args.only))
         Path(args.out).write_text(json.dumps(result, indent=1))
         configs = [tuple(int(v) for v in c.split(",")) for c in args.moe_config]
-        result["moe"] = moe_ab(log, tunings, configs)
+        if not args.no_moe:
+            result["moe"] = moe_ab(log, tunings, configs)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.moe and not args.headline:
         tunings = [{}] + [json.loads(t) for t in args.tuning]
