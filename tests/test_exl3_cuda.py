@@ -53,6 +53,11 @@ def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path, monkeypatch):
     defines = cuda_build.exl3_defines(3, "mul1", cuda_build.DEFAULT_TUNING)
     image = cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90")
     assert image == (tmp_path / "prebuilt" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")).read_bytes()
+    # every kernel the host launches is an entry point of the image (a symbol of the cubin's string table)
+    from dsv41.kernels.exl3_cuda import KERNELS
+
+    missing = [name for name in KERNELS if b"\0" + name.encode() + b"\0" not in image]
+    assert not missing, missing
 
 
 def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():
