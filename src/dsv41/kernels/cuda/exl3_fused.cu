@@ -61,8 +61,6 @@ typedef unsigned short u16;
 #ifndef EXL3_PREDECODE
 #define EXL3_PREDECODE 1
 #endif
-// MoE blocks of one row (an expert one token picked) rotate their input like the linear's one-row launches (item 31
-// of docs/perf/exl3.md; item 34: one token 75.7 -> 71.9 us, 4 tokens 257.7 -> 246.4 on the H200). 0 for A/B runs.
 // Units (row, 128-block) per warp up to which exl3_linear_few_rows_r8 (2..8 rows, larger register budget) rotates
 // its input by warp (rotate_by_warp; the other kernels: 2, more spill there). 12 covers wq_b's 8 rows x 10 blocks
 // and wo_b's 8 x 11.
@@ -74,6 +72,9 @@ typedef unsigned short u16;
 #ifndef EXL3_ROWS_WARP_UNITS
 #define EXL3_ROWS_WARP_UNITS 4
 #endif
+// MoE blocks whose units fit 2 per warp (every block of an expert that one token picked) rotate their input by warp
+// like the linear's one-row launches (item 31 of docs/perf/exl3.md; item 34: one token 75.7 -> 71.9 us, 4 tokens
+// 257.7 -> 246.4 on the H200). 0 for A/B runs.
 #ifndef EXL3_MOE_ONE_ROW
 #define EXL3_MOE_ONE_ROW 1
 #endif
@@ -442,8 +443,8 @@ __device__ __forceinline__ void rotate_by_warp(u16* xs, int xs_stride, int rows,
 }
 
 // The input rotation of a block: by warp where the launch's units fit (up to 2 per warp any input dtype; up to MAXU
-// fp16/bf16 only, as fp32 loads take twice the registers), else rotate_input. `meanwhile` runs once in either case (after the loads are issued
-// in the first). Returns whether the rotation went by warp.
+// fp16/bf16 only, as fp32 loads take twice the registers), else rotate_input. Returns whether it went by warp, the
+// only case in which `meanwhile` runs.
 template <int ROWS, int MAXU, typename F>
 __device__ __forceinline__ bool rotate_slice(u16* xs, int xs_stride, int rows, const void* x, int ldx, int x_dtype,
                                              const int* src, const u16* suh, int k0, int nkb, int warp, int lane,
