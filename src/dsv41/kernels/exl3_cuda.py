@@ -64,10 +64,15 @@ def _shared_bytes(K: int, rows: int, xs_rows: int, xs_stride: int, tune: dict | 
     return (t["EXL3_STAGES"] * stage_words + rows * YS_STRIDE + SMEM_INTS) * 4 + xs_rows * xs_stride * 2
 
 
+def _longest_slice(k: int, splits: int) -> int:
+    """128-blocks in the longest of the `splits` k slices (kslice in the kernel)."""
+    return math.ceil((k // 128) / splits)
+
+
 def _xs_stride(k: int, splits: int) -> int:
     # fp16 row stride of the rotated input: whole 128-blocks of the longest k slice + 32, so that rows are 16 words
     # apart modulo 32 banks (conflict-free B operand loads, see b_word_pos in the kernel)
-    return math.ceil((k // 128) / splits) * 128 + 32
+    return _longest_slice(k, splits) * 128 + 32
 
 
 MAX_CLUSTER = 8  # portable thread block cluster size
@@ -240,7 +245,7 @@ def _linear_kind(few: bool, variant: int, rows: int, k: int, splits: int, tune: 
     units fit), as their code made one-row launches slower (docs/perf/exl3.md, item 35). Same bits either way."""
     if few:
         return "few_rows_" if variant == 8 and rows > 1 else "few_"
-    units = rows * math.ceil((k // 128) / splits)
+    units = rows * _longest_slice(k, splits)
     if variant == 8 and rows > 1 and units <= (tune or TUNING).get("EXL3_ROWS_WARP_UNITS", ROWS_WARP_UNITS) * 8:
         return "rows_"
     return ""

@@ -387,6 +387,7 @@ __device__ __forceinline__ void rotate_input(u16* xs, int xs_stride, int rows, c
     }
 }
 
+// std::conditional without <type_traits> (the source compiles under NVRTC without include paths)
 template <bool B, typename T, typename E>
 struct Pick { using type = T; };
 template <typename T, typename E>
