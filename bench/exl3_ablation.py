@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from exl3_kernels import L2_BYTES, graph_time_us, make_copies, time_dense, time_triton  # noqa: E402
 
-from dsv41.kernels.exl3_cuda import TUNING, decode_cuda, default_splits, fused_matmul_cuda  # noqa: E402
-from dsv41.kernels.exl3_matmul import default_config  # noqa: E402
+from dsv41.kernels.exl3.cuda import TUNING, decode_cuda, default_splits, fused_matmul_cuda  # noqa: E402
+from dsv41.kernels.exl3.matmul import default_config  # noqa: E402
 
 
 def stress(log) -> dict:
@@ -195,7 +195,7 @@ def splits_sweep(log) -> list[dict]:
 def moe_ab(log, tunings: list[dict], configs: list[tuple[int, ...]]) -> list[dict]:
     from exl3_kernels import moe_bench
 
-    from dsv41.kernels.exl3_cuda import MoeCudaConfig
+    from dsv41.kernels.exl3.cuda import MoeCudaConfig
 
     rows = []
     for extra in tunings:

@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dsv41.kernels.exl3_cuda import (  # noqa: E402
+from dsv41.kernels.exl3.cuda import (  # noqa: E402
     TUNING,
     MoeCudaConfig,
     default_moe_config,
@@ -38,10 +38,10 @@ from dsv41.kernels.exl3_cuda import (  # noqa: E402
     fused_matmul_cuda,
     moe_forward_cuda,
 )
-from dsv41.kernels.exl3_matmul import MatmulConfig, default_config, fused_matmul  # noqa: E402
-from dsv41.kernels.exl3_moe import MoeConfig, moe_forward  # noqa: E402
-from dsv41.kernels.exl3_reconstruct import prefill_matmul  # noqa: E402
-from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor  # noqa: E402
+from dsv41.kernels.exl3.matmul import MatmulConfig, default_config, fused_matmul  # noqa: E402
+from dsv41.kernels.exl3.moe import MoeConfig, moe_forward  # noqa: E402
+from dsv41.kernels.exl3.reconstruct import prefill_matmul  # noqa: E402
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor  # noqa: E402
 
 L2_BYTES = 60 * 2**20
 SHAPES = [

@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from dsv41.kernels import exl3_matmul  # noqa: E402
-from dsv41.kernels.exl3_matmul import MatmulConfig, fused_matmul  # noqa: E402
-from dsv41.kernels.layout import Exl3Tensor  # noqa: E402
+from dsv41.kernels.exl3 import matmul as exl3_matmul  # noqa: E402
+from dsv41.kernels.exl3.matmul import MatmulConfig, fused_matmul  # noqa: E402
+from dsv41.kernels.exl3.layout import Exl3Tensor  # noqa: E402
 
 
 def main(out_dir: str) -> None:

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from exl3_kernels import make_copies  # noqa: E402
 
-from dsv41.kernels.exl3_cuda import fused_matmul_cuda  # noqa: E402
+from dsv41.kernels.exl3.cuda import fused_matmul_cuda  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--k", type=int, default=5120)
@@ -24,8 +24,8 @@ parser.add_argument("--launches", type=int, default=5)
 parser.add_argument("--moe", type=int, default=0, help="profile the MoE for this many tokens instead")
 args = parser.parse_args()
 if args.moe:
-    from dsv41.kernels.exl3_cuda import moe_forward_cuda
-    from dsv41.kernels.layout import Exl3ExpertStack
+    from dsv41.kernels.exl3.cuda import moe_forward_cuda
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack
 
     def stack(k, n, experts=384, K=3):
         trellis = torch.randint(-32768, 32768, (experts, k // 16, n // 16, 16 * K), dtype=torch.int32, device="cuda")

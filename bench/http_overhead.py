@@ -117,7 +117,7 @@ def main() -> None:
     if args.model:
         model_dir = Path(args.model)
     else:
-        from dsv41.tiny import default_model_dir
+        from dsv41.tiny.model import default_model_dir
 
         model_dir = default_model_dir()
     server = HttpServer(model_dir, args.cpu_threads, args.tokens)

@@ -28,7 +28,7 @@ ORACLE = FIXTURES / "oracle-tiny-a"
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The built-in tiny model (EXL3 format), made once per machine under $DSV41_HOME or ~/.cache/dsv41."""
-    from dsv41.tiny import default_model_dir
+    from dsv41.tiny.model import default_model_dir
     return default_model_dir()
 
 

@@ -2,7 +2,7 @@
 
 `ServerProcess` starts `python -m dsv41.server serve --port 0 ...`, waits for the "serving ... on http://..."
 line, and stops it with SIGTERM. The session-wide `server` fixture is shared by the test modules that import it.
-The model folder is the built-in tiny model (`dsv41.tiny.default_model_dir()`); DSV41_TEST_MODEL overrides it.
+The model folder is the built-in tiny model (`dsv41.tiny.model.default_model_dir()`); DSV41_TEST_MODEL overrides it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def model_dir() -> Path:
     override = os.environ.get("DSV41_TEST_MODEL")
     if override:
         return Path(override)
-    from dsv41.tiny import default_model_dir
+    from dsv41.tiny.model import default_model_dir
 
     return default_model_dir()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dsv41.ops.deploy import Deploy, Options, main as deploy_main
-from dsv41.ops.executor import Result
+from dsv41.ops.host_commands import Result
 from dsv41.ops.knobs import OPS_KNOBS, SERVE_KNOBS, parse_env_file, serve_argv, unknown_keys
 
 REPO = Path(__file__).resolve().parents[1]

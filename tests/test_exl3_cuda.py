@@ -1,4 +1,4 @@
-"""CUDA path of the EXL3 kernels (dsv41.kernels.exl3_cuda) against the pure-torch reference and the golden layers.
+"""CUDA path of the EXL3 kernels (dsv41.kernels.exl3.cuda) against the pure-torch reference and the golden layers.
 
 CPU part (CI): the CUDA source compiles for Hopper and GB10 with every K and codebook, when a CUDA toolkit is
 present (the kernels themselves need a GPU to run; on CPU the same math is checked through the Triton kernels in
@@ -54,14 +54,14 @@ def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path, monkeypatch):
     image = cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90")
     assert image == (tmp_path / "prebuilt" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")).read_bytes()
     # every kernel the host launches is an entry point of the image (a symbol of the cubin's string table)
-    from dsv41.kernels.exl3_cuda import KERNELS
+    from dsv41.kernels.exl3.cuda import KERNELS
 
     missing = [name for name in KERNELS if b"\0" + name.encode() + b"\0" not in image]
     assert not missing, missing
 
 
 def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():
-    from dsv41.kernels.exl3_cuda import MAX_SLICE_BLOCKS, default_splits
+    from dsv41.kernels.exl3.cuda import MAX_SLICE_BLOCKS, default_splits
 
     for k, n, _ in PACK_SHAPES + [(5120, 129280, 6), (256, 256, 3)]:
         s = default_splits(k, n, 132)
@@ -72,7 +72,7 @@ def test_default_splits_depend_on_the_shape_only_and_fit_shared_memory():
 def test_linear_kernel_choice_moves_only_multi_row_launches_whose_units_fit():
     """One-row launches keep their kernels; 2..8 rows go to the by-warp kernels only where the units fit (the
     4-blocks one: the longest k slice's units <= 4 per warp); 9..16 rows keep the 16-row kernels."""
-    from dsv41.kernels.exl3_cuda import _linear_kind, default_splits
+    from dsv41.kernels.exl3.cuda import _linear_kind, default_splits
 
     head_splits = default_splits(5120, 129280, 132)  # 3 slices of at most 14 blocks
     assert [_linear_kind(False, 8, m, 5120, head_splits, {}) for m in (1, 2, 3, 8)] == ["", "rows_", "", ""]
@@ -83,7 +83,7 @@ def test_linear_kernel_choice_moves_only_multi_row_launches_whose_units_fit():
 
 
 def test_default_moe_splits_fit_the_moe_slice_bound():
-    from dsv41.kernels.exl3_cuda import MOE_MAX_SLICE_BLOCKS, default_moe_config
+    from dsv41.kernels.exl3.cuda import MOE_MAX_SLICE_BLOCKS, default_moe_config
 
     for hidden, inter in ((5120, 2304), (7168, 2048), (2048, 1408), (256, 128)):
         cfg = default_moe_config(hidden, inter)
@@ -97,7 +97,7 @@ GB10_SHARED_LIMIT = 101376  # 99 KB per block (sm_121), against 227 KB on the H2
 
 
 def test_default_launches_fit_gb10_shared_memory_for_every_K():
-    from dsv41.kernels.exl3_cuda import (MAX_ROWS, MAX_SLICE_BLOCKS, MOE_MAX_SLICE_BLOCKS, _shared_bytes, _xs_stride,
+    from dsv41.kernels.exl3.cuda import (MAX_ROWS, MAX_SLICE_BLOCKS, MOE_MAX_SLICE_BLOCKS, _shared_bytes, _xs_stride,
                                          default_moe_config, default_splits, slice_limit)
 
     for K in range(1, 9):
@@ -116,7 +116,7 @@ def test_default_launches_fit_gb10_shared_memory_for_every_K():
 
 
 def test_column_grid_loops_only_for_very_wide_launches_of_three_rows_or_more(monkeypatch):
-    from dsv41.kernels.exl3_cuda import PERSIST_MIN_ROWS, _column_grid
+    from dsv41.kernels.exl3.cuda import PERSIST_MIN_ROWS, _column_grid
 
     class FakeKernel:  # 4 resident blocks per SM, as the H200 measured for the 8-row variant
         def resident_blocks_per_sm(self, block, shared):
@@ -133,7 +133,7 @@ def test_column_grid_loops_only_for_very_wide_launches_of_three_rows_or_more(mon
 
 
 def test_slice_limit_names_a_pipeline_that_cannot_fit():
-    from dsv41.kernels.exl3_cuda import slice_limit
+    from dsv41.kernels.exl3.cuda import slice_limit
 
     with pytest.raises(ValueError, match="K=8: the kernel's pipeline needs"):
         slice_limit(8, 48 * 1024, 10)
@@ -148,8 +148,8 @@ def _need_cuda():
 @pytest.mark.parametrize("cb", CODEBOOKS)
 def test_gpu_cuda_decode_bit_exact(cb):
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import decode_cuda
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import decode_cuda
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(21)
@@ -165,8 +165,8 @@ def test_gpu_cuda_golden_layers(name):
     _need_cuda()
     from safetensors.torch import load_file
 
-    from dsv41.kernels.exl3_cuda import decode_cuda, fused_matmul_cuda
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import decode_cuda, fused_matmul_cuda
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     t = {k: v.cuda() for k, v in load_file(str(FIXTURES / f"{name}.safetensors")).items()}
     w = Exl3Tensor.from_group(t["layer.trellis"], t["layer.suh"], t["layer.svh"], name.split("_")[0])
@@ -183,8 +183,8 @@ def test_gpu_cuda_golden_layers(name):
 @pytest.mark.parametrize("cb", ["mul1", "3inst"])
 def test_gpu_cuda_pack_shapes_and_row_invariance(k, n, K, cb):
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import fused_matmul_cuda
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(k + n + K)
@@ -225,8 +225,8 @@ def test_gpu_cuda_chained_launches_in_a_graph_equal_eager():
     """Each launch reads the previous one's output: with programmatic dependent launch the weights are prefetched
     early but the input must still be waited for. A captured chain must give the eager bits."""
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import fused_matmul_cuda, moe_forward_cuda
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import fused_matmul_cuda, moe_forward_cuda
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     gen = torch.Generator().manual_seed(77)
     layers = [Exl3Tensor.from_group(*_random_group(gen, 2304, 2304, K, "cuda"), "mul1") for K in (2, 3, 4, 5)]
@@ -264,9 +264,9 @@ def test_gpu_cuda_chained_launches_in_a_graph_equal_eager():
 @pytest.mark.gpu
 def test_gpu_cuda_is_the_default_path_and_triton_stays_selectable(monkeypatch):
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
-    from dsv41.kernels.exl3_linear import exl3_linear
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import fused_matmul_cuda
+    from dsv41.kernels.exl3.linear import exl3_linear
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     gen = torch.Generator().manual_seed(5)
     trellis, suh, svh = _random_group(gen, 1024, 512, 3, "cuda")
@@ -291,7 +291,7 @@ def test_gpu_cuda_is_the_default_path_and_triton_stays_selectable(monkeypatch):
 def test_gpu_cuda_moe(T, hidden, inter, cb):
     """(2304, 1024): short k slices, so blocks of several rows rotate their input by warp too."""
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import moe_forward_cuda
+    from dsv41.kernels.exl3.cuda import moe_forward_cuda
 
     gen = torch.Generator().manual_seed(31 + T)
     experts, topk = 24, 6
@@ -309,7 +309,7 @@ def test_gpu_cuda_moe(T, hidden, inter, cb):
 
 
 def test_warmup_builds_nothing_without_a_gpu_and_says_so(caplog, monkeypatch):
-    from dsv41.kernels import warmup
+    from dsv41.kernels.exl3 import warmup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with caplog.at_level("INFO"):
@@ -320,7 +320,8 @@ def test_warmup_builds_nothing_without_a_gpu_and_says_so(caplog, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_warmup_fills_the_cubin_cache(tmp_path, monkeypatch):
     _need_cuda()
-    from dsv41.kernels import cuda_module, warmup
+    from dsv41.kernels import cuda_module
+    from dsv41.kernels.exl3 import warmup
 
     monkeypatch.setenv("DSV41_HOME", str(tmp_path))
     monkeypatch.delenv("DSV41_CUBIN_DIR", raising=False)
@@ -334,9 +335,9 @@ def test_gpu_cuda_column_loop_of_very_wide_matrices_keeps_every_bit(monkeypatch)
     """A matrix with far more column blocks than fit on the GPU (like the head) runs as resident blocks that loop
     over column blocks: the same bits as one block per column block, rows still independent of m."""
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import (_column_grid, _shared_bytes, _sm_count, _xs_stride,
+    from dsv41.kernels.exl3.cuda import (_column_grid, _shared_bytes, _sm_count, _xs_stride,
                                          default_splits, fused_matmul_cuda, kernels_for)
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     k, n, K = 1280, 1100 * 128, 2
@@ -369,8 +370,8 @@ def test_gpu_cuda_warp_epilogue_keeps_every_bit(k, n, K, monkeypatch):
     """One-row launches finish split-K per warp (no block barrier); the block-wide epilogue gives the same bits, on
     the pack's split counts and the wide shape's few splits (like the head); other m take the block epilogue."""
     _need_cuda()
-    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import fused_matmul_cuda
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     gen = torch.Generator().manual_seed(k + n + K)
     w = Exl3Tensor.from_group(*_random_group(gen, k, n, K, "cuda"), "mul1")
@@ -392,8 +393,8 @@ def test_gpu_cuda_cluster_reduction(k, n, K, monkeypatch):
     _need_cuda()
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("thread block clusters need sm_90+")
-    from dsv41.kernels.exl3_cuda import fused_matmul_cuda
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.cuda import fused_matmul_cuda
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     monkeypatch.setenv("DSV41_EXL3_CLUSTER", "1")

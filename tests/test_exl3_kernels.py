@@ -55,9 +55,9 @@ def _random_group(gen, k, n, K, device="cpu"):
 def _worker_fixtures(results: dict) -> None:
     from safetensors.torch import load_file
 
-    from dsv41.kernels.exl3_matmul import MatmulConfig, fused_matmul
-    from dsv41.kernels.exl3_reconstruct import prefill_matmul, reconstruct
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.matmul import MatmulConfig, fused_matmul
+    from dsv41.kernels.exl3.reconstruct import prefill_matmul, reconstruct
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     for name in FIXTURE_NAMES:
@@ -87,8 +87,8 @@ def _worker_fixtures(results: dict) -> None:
 
 def _worker_random(results: dict) -> None:
     """Every codebook x K = 1..8 on random trellises: two row blocks, split-K over three 128-blocks (uneven)."""
-    from dsv41.kernels.exl3_matmul import MatmulConfig, fused_matmul
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.matmul import MatmulConfig, fused_matmul
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(6)
@@ -103,8 +103,8 @@ def _worker_random(results: dict) -> None:
 
 
 def _worker_row_invariance(results: dict) -> None:
-    from dsv41.kernels.exl3_matmul import MatmulConfig, fused_matmul
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.matmul import MatmulConfig, fused_matmul
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     gen = torch.Generator().manual_seed(7)
     for cb, K in (("mul1", 3), ("3inst", 5)):
@@ -158,7 +158,7 @@ def _moe_reference(x, ids, weights, groups, cb, limit):
 
 
 def _moe_case(gen, experts, hidden, inter, K, cb, device="cpu"):
-    from dsv41.kernels.layout import Exl3ExpertStack
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack
 
     groups = []
     for k, n in ((hidden, inter), (hidden, inter), (inter, hidden)):
@@ -171,7 +171,7 @@ def _moe_case(gen, experts, hidden, inter, K, cb, device="cpu"):
 
 
 def _worker_moe(results: dict) -> None:
-    from dsv41.kernels.exl3_moe import MoeConfig, moe_forward
+    from dsv41.kernels.exl3.moe import MoeConfig, moe_forward
 
     gen = torch.Generator().manual_seed(8)
     groups, (w1, w3, w2) = _moe_case(gen, experts=6, hidden=256, inter=256, K=3, cb="mul1")
@@ -192,10 +192,10 @@ def _worker_moe(results: dict) -> None:
 
 
 def _worker_dispatch(results: dict) -> None:
-    from dsv41.kernels.exl3_linear import FUSED_MAX_ROWS, exl3_linear
-    from dsv41.kernels.exl3_matmul import fused_matmul
-    from dsv41.kernels.exl3_reconstruct import prefill_matmul
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.linear import FUSED_MAX_ROWS, exl3_linear
+    from dsv41.kernels.exl3.matmul import fused_matmul
+    from dsv41.kernels.exl3.reconstruct import prefill_matmul
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     gen = torch.Generator().manual_seed(9)
     w = Exl3Tensor.from_group(*_random_group(gen, 128, 128, 4), "mul1")
@@ -299,7 +299,7 @@ def test_interpreted_linear_dispatch(interp):
 
 def test_bad_groups_raise_checkpoint_error_naming_the_tensor():
     from dsv41.errors import CheckpointError
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.layout import Exl3Tensor
 
     trellis = torch.zeros(8, 8, 48, dtype=torch.int16)
     suh, svh = torch.ones(128, dtype=torch.float16), torch.ones(128, dtype=torch.float16)
@@ -349,8 +349,8 @@ def asm_mode(request, monkeypatch):
 @pytest.mark.parametrize("cb", CODEBOOKS)
 def test_gpu_decode_bit_exact_all_codebooks(cb, asm_mode):
     _need_cuda()
-    from dsv41.kernels.exl3_reconstruct import reconstruct
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.reconstruct import reconstruct
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(11)
@@ -365,9 +365,9 @@ def test_gpu_decode_bit_exact_all_codebooks(cb, asm_mode):
 @pytest.mark.parametrize("k,n,K", PACK_SHAPES)
 def test_gpu_pack_shapes_matmul_decode_and_row_invariance(k, n, K, asm_mode, prerotate):
     _need_cuda()
-    from dsv41.kernels.exl3_matmul import MatmulConfig, default_config, fused_matmul
-    from dsv41.kernels.exl3_reconstruct import prefill_matmul, reconstruct
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.matmul import MatmulConfig, default_config, fused_matmul
+    from dsv41.kernels.exl3.reconstruct import prefill_matmul, reconstruct
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(k + n + K)
@@ -398,8 +398,8 @@ def test_gpu_pack_shapes_matmul_decode_and_row_invariance(k, n, K, asm_mode, pre
 @pytest.mark.gpu
 def test_gpu_prefill_matches_fp64():
     _need_cuda()
-    from dsv41.kernels.exl3_reconstruct import prefill_matmul
-    from dsv41.kernels.layout import Exl3Tensor
+    from dsv41.kernels.exl3.reconstruct import prefill_matmul
+    from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(12)
@@ -414,7 +414,7 @@ def test_gpu_prefill_matches_fp64():
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_gpu_moe_real_shapes(T, asm_mode):
     _need_cuda()
-    from dsv41.kernels.exl3_moe import moe_forward
+    from dsv41.kernels.exl3.moe import moe_forward
 
     gen = torch.Generator().manual_seed(13 + T)
     experts, topk = 24, 6

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv41.errors import CheckpointError, ConfigError
 from dsv41.model.loader import load_model
-from dsv41.tiny import make_tiny
+from dsv41.tiny.model import make_tiny
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dsv41.tiny import make_tiny
+from dsv41.tiny.model import make_tiny
 
 CHILD = r"""
 import json, sys

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv41.model.loader import load_model
-from dsv41.tiny import make_tiny
+from dsv41.tiny.model import make_tiny
 
 VARIANTS = {
     # ratio-4 pooling, two shared experts, top-1 routing, 2 mHC streams, no Engram / DSpark / candidate pool

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.ops import executor
+from dsv41.ops import host_commands
 from dsv41.ops.canary import run_canary
 from dsv41.ops.cli import main as ops_main
 from dsv41.ops.driver import tmpfiles_text
-from dsv41.ops.executor import Result
+from dsv41.ops.host_commands import Result
 from dsv41.ops.preflight import Node, local_checks, read_engram_header, run_preflight
 from dsv41.ops.status import collect_status, format_status
 from dsv41.ops.warm import verify_manifest
@@ -153,7 +153,7 @@ def worker_executor(worker_env_file: Path):
     """Runs the worker's `dsv41 preflight --local --json` as a real local process instead of over ssh."""
     def run(argv, host=None, timeout=None, input=None):
         if host is None:
-            return executor.run(argv, timeout=timeout)
+            return host_commands.run(argv, timeout=timeout)
         assert argv[1:] == ["preflight", "--local", "--json"], argv
         proc = subprocess.run([PY, "-m", "dsv41.ops.cli", "preflight", "--local", "--json",
                                "--env-file", str(worker_env_file)], capture_output=True, text=True,

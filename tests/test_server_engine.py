@@ -40,7 +40,7 @@ class CountingModel:
 
 @pytest.fixture(scope="module")
 def parts():
-    from dsv41.engine.grammar import Grammars
+    from dsv41.structured.grammar import Grammars
     from dsv41.model.loader import load_model
     from dsv41.tokenizer import Tokenizer
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dsv41.chat import encode_messages
-from dsv41.engine.grammar import GrammarError, Grammars
+from dsv41.structured.grammar import GrammarError, Grammars
 from server_harness import model_dir
 
 NESTED = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"]}

@@ -11,7 +11,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.model.loader import load_model
-from dsv41.tiny import make_tiny
+from dsv41.tiny.model import make_tiny
 from dsv41.weights import Checkpoint, Linear, ShardedWriter
 
 

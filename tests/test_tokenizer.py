@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import models
 
 from dsv41.errors import TokenizerError
-from dsv41.tiny_tokenizer import ADDED_TOKENS, build_tiny_tokenizer
+from dsv41.tiny.tokenizer import ADDED_TOKENS, build_tiny_tokenizer
 from dsv41.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

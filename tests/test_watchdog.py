@@ -1,6 +1,6 @@
 """Watchdog ticks against real processes: a real HTTP /health server as rank 0, a real process as rank 1.
 
-systemd is not running here, so `systemctl` goes through an executor that answers `systemctl show` from the real
+systemd is not running here, so `systemctl` goes through a command runner that answers `systemctl show` from the real
 processes' states (alive, killed by a signal, exited 70) and records (and performs) restarts. Time is injected.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv41.ops.executor import Result
+from dsv41.ops.host_commands import Result
 from dsv41.ops.health import request
 from dsv41.ops.lifecycle import boot, marker_path, record_stop
 from dsv41.ops.watchdog import Watchdog, parse_show
@@ -57,7 +57,7 @@ class Clock:
 
 
 class FakeSystemd:
-    """An executor standing in for systemctl (local and over ssh) on top of real processes."""
+    """A command runner standing in for systemctl (local and over ssh) on top of real processes."""
 
     def __init__(self, clock: Clock, programs: dict[str, list[str]]):
         self.clock, self.programs = clock, programs

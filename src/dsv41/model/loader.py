@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..config import LayerRole, ModelConfig
-from ..dist.comm import Comm, LocalComm
+from dsv41.parallel.comm import Comm, LocalComm
 from ..errors import CheckpointError
 from ..weights import Checkpoint
 from ..weights.linear import Linear, split_range

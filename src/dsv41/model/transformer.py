@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ModelConfig
-from ..dist.comm import Comm, LocalComm
+from dsv41.parallel.comm import Comm, LocalComm
 from . import mhc
 from .attention import Attention, Shared
 from .moe import MoE

@@ -50,20 +50,20 @@ def _run_preflight(args) -> int:
 
 
 def _run_watchdog(args) -> int:
-    from dsv41.ops import executor
+    from dsv41.ops import host_commands
     from dsv41.ops.watchdog import Watchdog
 
     _setup_logging()
-    tick = Watchdog(load_env(args.env_file), executor.run).tick()
+    tick = Watchdog(load_env(args.env_file), host_commands.run).tick()
     print(f"{tick.outcome}: {tick.reason}")
     return 0
 
 
 def _run_status(args) -> int:
-    from dsv41.ops import executor
+    from dsv41.ops import host_commands
     from dsv41.ops.status import collect_status, format_status
 
-    status = collect_status(load_env(args.env_file), executor.run)
+    status = collect_status(load_env(args.env_file), host_commands.run)
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0 if status["healthy"] else 1
 
@@ -100,20 +100,20 @@ def _run_launch(args) -> int:
 
 
 def _run_record_stop(args) -> int:
-    from dsv41.ops import executor
+    from dsv41.ops import host_commands
     from dsv41.ops.lifecycle import record_stop
 
     _setup_logging()
-    record_stop(args.instance, load_env(None), executor.run)
+    record_stop(args.instance, load_env(None), host_commands.run)
     return 0
 
 
 def _run_boot(args) -> int:
-    from dsv41.ops import executor
+    from dsv41.ops import host_commands
     from dsv41.ops.lifecycle import boot
 
     _setup_logging()
-    boot(load_env(args.env_file), executor.run)
+    boot(load_env(args.env_file), host_commands.run)
     return 0
 
 

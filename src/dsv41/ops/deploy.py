@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from dsv41.errors import ConfigError, DSV41Error
-from dsv41.ops import executor as executor_mod
-from dsv41.ops.executor import Executor
+from dsv41.ops import host_commands
+from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.knobs import PROFILE, parse_env_file, unknown_keys
 
 NIX = ["nix", "--extra-experimental-features", "nix-command flakes"]
@@ -77,7 +77,7 @@ class DeployFailed(DSV41Error):
 @dataclass
 class Deploy:
     opts: Options
-    run: Executor = executor_mod.run
+    run: CommandRunner = host_commands.run
     out: Callable[[str], None] = print
     steps: int = 0
     out_path: str = OUT
@@ -86,7 +86,7 @@ class Deploy:
     # ------------------------------------------------------------------ plumbing
 
     def step(self, where: str | None, argv: list[str], input: str | None = None, note: str = "",
-             check: bool = True, timeout: float | None = 600) -> executor_mod.Result:
+             check: bool = True, timeout: float | None = 600) -> host_commands.Result:
         """Print (dry run) or run one command; `where` None = this machine."""
         self.steps += 1
         argv = [self.out_path if a == OUT else a.replace(OUT, self.out_path) for a in argv]
@@ -97,7 +97,7 @@ class Deploy:
             line += f"  # {note}"
         self.out(line)
         if self.opts.dry_run:
-            return executor_mod.Result(0, "")
+            return host_commands.Result(0, "")
         result = self.run(argv, host=where, timeout=timeout, input=input)
         if check and not result.ok:
             raise DeployFailed(f"step {self.steps} failed on {where or 'local'} (rc {result.rc}): "
@@ -276,7 +276,7 @@ def parse_args(argv: list[str] | None) -> Options:
                    ready_timeout=args.ready_timeout, canary_level=args.canary_level, force_restart=args.restart)
 
 
-def main(argv: list[str] | None = None, run: Executor = executor_mod.run) -> int:
+def main(argv: list[str] | None = None, run: CommandRunner = host_commands.run) -> int:
     opts = parse_args(argv)
     try:
         return Deploy(opts, run).execute()

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from dsv41.ops.executor import Executor
+from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.knobs import ops_value, rank_of_instance, serve_argv
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ def launch(instance: str, env: Mapping[str, str]) -> None:
     os.execve(argv[0], argv, child_env)
 
 
-def record_stop(instance: str, env: Mapping[str, str], run: Executor, now: float | None = None) -> bool:
+def record_stop(instance: str, env: Mapping[str, str], run: CommandRunner, now: float | None = None) -> bool:
     """ExecStopPost: write the marker when the stop was asked for (success, and the system is not shutting down)."""
     result = env.get("SERVICE_RESULT", "")
     if result != "success":
@@ -86,7 +86,7 @@ def local_ranks(env: Mapping[str, str]) -> list[str]:
     return ops_value(env, "DSV41_LOCAL_RANKS").split()
 
 
-def boot(env: Mapping[str, str], run: Executor) -> list[str]:
+def boot(env: Mapping[str, str], run: CommandRunner) -> list[str]:
     """Start this node's ranks unless their last stop was deliberate. Returns the instances started."""
     state = state_dir(env)
     started = []

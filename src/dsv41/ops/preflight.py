@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from dsv41.ops import executor as executor_mod
-from dsv41.ops.executor import Executor
+from dsv41.ops import host_commands
+from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.knobs import PROFILE, ops_number, ops_value
 
 ENGRAM_MAGIC = b"DSV41EN1"
@@ -41,7 +41,7 @@ class Node:
     """Where a node's checks read from; tests point the roots at temporary trees."""
 
     env: Mapping[str, str]
-    run: Executor = executor_mod.run
+    run: CommandRunner = host_commands.run
     sysfs: Path = Path("/sys")
     proc: Path = Path("/proc")
 
@@ -239,7 +239,7 @@ def local_checks(node: Node) -> list[Check]:
     return results
 
 
-def worker_checks(env: Mapping[str, str], run: Executor) -> list[Check]:
+def worker_checks(env: Mapping[str, str], run: CommandRunner) -> list[Check]:
     worker = ops_value(env, "DSV41_WORKER_SSH")
     if not worker:
         return [Check("worker", "skip", "DSV41_WORKER_SSH is empty (single node)")]
@@ -268,7 +268,7 @@ def check_model_match(head: list[Check], worker: list[Check]) -> Check:
     return Check("model-match", "pass", f"{len(mine)} file(s) identical on both nodes")
 
 
-def run_preflight(env: Mapping[str, str], remote: bool = True, run: Executor = executor_mod.run,
+def run_preflight(env: Mapping[str, str], remote: bool = True, run: CommandRunner = host_commands.run,
                   node: Node | None = None) -> list[Check]:
     head = local_checks(node or Node(env, run))
     if not remote:

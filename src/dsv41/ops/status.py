@@ -6,14 +6,14 @@ import json
 import os
 from typing import Mapping
 
-from dsv41.ops.executor import Executor
+from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.health import base_url, health
 from dsv41.ops.knobs import PROFILE, ops_value
 from dsv41.ops.lifecycle import read_marker, state_dir
 from dsv41.ops.watchdog import HEAD_RANK, WORKER_RANK, WatchState, rank_state
 
 
-def collect_status(env: Mapping[str, str], run: Executor) -> dict:
+def collect_status(env: Mapping[str, str], run: CommandRunner) -> dict:
     worker = ops_value(env, "DSV41_WORKER_SSH") or None
     ranks = {}
     for instance, host in ((HEAD_RANK, None), (WORKER_RANK, worker)):

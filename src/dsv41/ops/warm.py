@@ -5,7 +5,7 @@
   behind each read (posix_fadvise DONTNEED): on GB10 the page cache is GPU memory, so warming must never leave the
   weights cached.
 - Engram shards: headers and sizes (same check as preflight).
-- Kernels: `dsv41.kernels.warmup.warm(cache_dir)` builds the CUDA EXL3 kernels for this GPU into the cubin
+- Kernels: `dsv41.kernels.exl3.warmup.warm(cache_dir)` builds the CUDA EXL3 kernels for this GPU into the cubin
   cache ($DSV41_HOME/cuda; Triton compiles into TRITON_CACHE_DIR on first launch). It needs the GPU, hence here
   and not in the Nix build.
 """
@@ -86,9 +86,9 @@ def warm(instance: str, env: Mapping[str, str]) -> int:
     failed |= engram.status == "fail"
 
     try:
-        warmup = importlib.import_module("dsv41.kernels.warmup")
+        warmup = importlib.import_module("dsv41.kernels.exl3.warmup")
     except ImportError:
-        log.info("kernel cache: skipped (no dsv41.kernels.warmup module in this build)")
+        log.info("kernel cache: skipped (no dsv41.kernels.exl3.warmup module in this build)")
     else:
         cache = env.get("TRITON_CACHE_DIR", "")
         log.info("kernel cache: building (Triton cache %s)", cache or "Triton's default")

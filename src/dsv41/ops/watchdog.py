@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-from dsv41.ops.executor import Executor
+from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.health import Reply, base_url, health
 from dsv41.ops.knobs import ops_number, ops_value
 from dsv41.ops.lifecycle import read_marker, state_dir
@@ -78,7 +78,7 @@ def parse_show(instance: str, text: str) -> RankState:
                      number("ExecMainCode"), number("ExecMainStatus"), since)
 
 
-def rank_state(instance: str, host: str | None, run: Executor) -> RankState:
+def rank_state(instance: str, host: str | None, run: CommandRunner) -> RankState:
     unit = f"dsv41@{instance}.service"
     result = run(["systemctl", "show", "--timestamp=unix", "-p", SHOW_PROPERTIES, unit], host=host, timeout=30)
     if not result.ok:
@@ -133,7 +133,7 @@ def lock_held(path: Path) -> bool:
 
 
 class Watchdog:
-    def __init__(self, env: Mapping[str, str], run: Executor, now: Callable[[], float] = time.time,
+    def __init__(self, env: Mapping[str, str], run: CommandRunner, now: Callable[[], float] = time.time,
                  probe: Callable[[str], Reply] = health):
         self.env, self.run, self.now, self.probe = env, run, now, probe
         self.state_dir = state_dir(env)

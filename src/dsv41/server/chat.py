@@ -23,7 +23,7 @@ from ..chat import (
 )
 from ..chat.errors import RequestError
 from ..engine import GenerationRequest, TokenEvent
-from ..engine.grammar import GrammarError
+from dsv41.structured.grammar import GrammarError
 from .errors import bad_request
 from .generation import (
     Generation,

@@ -1,7 +1,7 @@
 """`dsv41 serve`: load the model, then serve the OpenAI-compatible API with hypercorn.
 
-With `--tp N` (options from `dsv41.dist.args`) the process runs one rank of a tensor-parallel group through
-`dsv41.dist.launch.run_rank`; rank 0 serves HTTP with the group's leader model, the others follow it.
+With `--tp N` (options from `dsv41.parallel.args`) the process runs one rank of a tensor-parallel group through
+`dsv41.parallel.launch.run_rank`; rank 0 serves HTTP with the group's leader model, the others follow it.
 
 Order (PLATFORM.md §4.3): load model, tokenizer and grammar compiler first (extending systemd's start timeout),
 bind the socket, start hypercorn, run one warm-up token, then report READY=1 and /health 200. SIGTERM/SIGINT
@@ -51,7 +51,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and index fake quantisation (diagnosis; results then differ from the "
                         "release's forward)")
-    from ..dist.args import register_tp_args  # argparse only: no torch import here
+    from dsv41.parallel.args import register_tp_args  # argparse only: no torch import here
 
     register_tp_args(p)
     p.set_defaults(func=run_serve)
@@ -90,7 +90,7 @@ def _model_folder(args) -> Path:
         if not folder.is_dir():
             raise DSV41Error(f"--model {folder}: no such folder")
         return folder
-    from ..tiny import default_model_dir
+    from dsv41.tiny.model.model import default_model_dir
 
     return default_model_dir()
 
@@ -121,7 +121,7 @@ def build_server(args, model=None, progress=None):
 
     `model`: an already-loaded model (the TP leader on rank 0); by default the folder's model is loaded here.
     """
-    from ..engine.grammar import Grammars
+    from dsv41.structured.grammar import Grammars
     from ..engine.serial import SerialEngine
     from ..model.loader import load_model
     from ..tokenizer import Tokenizer
@@ -160,7 +160,7 @@ def run_serve(args) -> int:
         if torch.distributed.is_initialized():
             # called from inside a rank that already joined its group (a launcher's serve callback)
             return serve_model(args)
-        from ..dist.launch import run_rank
+        from dsv41.parallel.launch import run_rank
 
         _api_key(args.api_key_file)  # refuse a bad key file before any rank starts
         folder = _model_folder(args)

@@ -14,7 +14,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from ..engine import FinishEvent, GenerationRequest, RequestStream, SamplingParams, TokenEvent
-from ..engine.grammar import GrammarError
+from dsv41.structured.grammar import GrammarError
 from .errors import APIError, bad_request
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3_common import (
+from dsv41.kernels.exl3.decode import (
     CODEBOOK_IDS,
     accumulate_kslice,
     hadamard_signs,
@@ -29,8 +29,8 @@ from dsv41.kernels.exl3_common import (
     use_cuda_backend,
     use_inline_asm,
 )
-from dsv41.kernels.exl3_cuda import moe_forward_cuda
-from dsv41.kernels.layout import Exl3ExpertStack, check_moe_inputs
+from dsv41.kernels.exl3.cuda import moe_forward_cuda
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, check_moe_inputs
 
 MAX_ROWS = 16
 

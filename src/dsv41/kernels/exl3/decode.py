@@ -42,13 +42,13 @@ def use_inline_asm(device: torch.device, codebook: str) -> bool:
 
 
 def use_cuda_backend(device: torch.device) -> bool:
-    """The CUDA kernels (exl3_cuda) where they can run; DSV41_EXL3_BACKEND=triton forces the Triton ones."""
+    """The CUDA kernels (exl3/cuda.py) where they can run; DSV41_EXL3_BACKEND=triton forces the Triton ones."""
     choice = os.environ.get("DSV41_EXL3_BACKEND", "auto")
     if choice not in ("auto", "cuda", "triton"):
         raise ValueError(f"DSV41_EXL3_BACKEND={choice!r}: expected auto, cuda or triton")
     if choice == "triton" or interpreting():
         return False
-    from dsv41.kernels.exl3_cuda import cuda_path_available
+    from dsv41.kernels.exl3.cuda import cuda_path_available
 
     available = cuda_path_available(device)
     if choice == "cuda" and not available:

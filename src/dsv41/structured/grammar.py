@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..errors import DSV41Error
+from dsv41.errors import DSV41Error
 
 THINK_END = "</think>"
 _THINK_MARKERS = ["<think>", "</think>"]
@@ -95,7 +95,7 @@ class Grammars:
 
     def tool_calls(self, tools: list[dict], tool_choice: Any, *, parallel: bool, thinking: bool) -> Any:
         """DSML tool calls in the encoder's exact layout: tool_choice "required" or a named function."""
-        from .dsml_grammar import dsml_tool_call_tag
+        from dsv41.structured.dsml_grammar import dsml_tool_call_tag
 
         try:
             tag = dsml_tool_call_tag(tools, tool_choice, parallel=parallel, thinking=thinking)

@@ -12,14 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3_common import (
+from dsv41.kernels.exl3.decode import (
     CODEBOOK_IDS,
     decode_words,
     hadamard_signs,
     tile_word_offsets,
     use_inline_asm,
 )
-from dsv41.kernels.layout import Exl3Tensor
+from dsv41.kernels.exl3.layout import Exl3Tensor
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import torch
 from dsv41.kernels.cuda_build import exl3_defines
 from dsv41.kernels.cuda_build import tuning as configured_tuning
 from dsv41.kernels.cuda_module import load_kernels, shared_memory_limit
-from dsv41.kernels.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
 
 SOURCE = "exl3_fused.cu"
 KERNELS = [

@@ -34,7 +34,7 @@ PROMPT_IDS = [0] + [(i * 53) % 500 + 7 for i in range(20)]
 
 def worker(argv: list[str]) -> int:
     import dsv41.model.loader as loader
-    from dsv41.dist.launch import register_tp_args, run_rank
+    from dsv41.parallel.launch import register_tp_args, run_rank
     from dsv41.server import cli as server_cli
 
     parser = argparse.ArgumentParser(prog="dsv41")
@@ -49,7 +49,7 @@ def worker(argv: list[str]) -> int:
             import torch
 
             torch.set_num_threads(args.cpu_threads)
-        from dsv41.tiny import default_model_dir
+        from dsv41.tiny.model import default_model_dir
 
         return real_load(args.model or default_model_dir(), rank=rank, world=world, comm=comm,
                          fake_quant=not args.no_fake_quant)

@@ -65,7 +65,7 @@ def jobs(model_dir: str, with_oracle: bool):
 def worker(rank: int, world: int, master: str, model_dir: str, with_oracle: bool, out: str,
            device: str = "cpu", backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    from dsv41.dist.rendezvous import init_tp
+    from dsv41.parallel.rendezvous import init_tp
     from dsv41.model.loader import load_model
 
     group = init_tp(rank, world, master, deadline_s=120, backend=backend)
@@ -106,7 +106,7 @@ def single_process(model_dir: Path, with_oracle: bool, device: str = "cpu") -> d
 
 @pytest.fixture(scope="module")
 def tiny_dir():
-    from dsv41.tiny import default_model_dir
+    from dsv41.tiny.model import default_model_dir
 
     return default_model_dir()
 
@@ -116,7 +116,7 @@ def tiny_four_groups(tmp_path_factory):
     """The tiny model with 4 output groups instead of 2: the built-in one has o_groups = 2, which TP=4 cannot
     split (the loader refuses it), so TP=4 runs on this variant. Stored in the release's FP8 + MXFP4 format
     (the TP=2 test covers EXL3), so the TP slicing of both storage formats is exercised."""
-    import dsv41.tiny as tiny
+    import dsv41.tiny.model as tiny
 
     folder = tmp_path_factory.mktemp("tiny-g4") / "model"
     original = dict(tiny.TINY_TEXT_CONFIG)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .failfast import TPAborted
+from dsv41.parallel.failfast import TPAborted
 
 _DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.float32,
            torch.float64, torch.bfloat16, torch.float16]

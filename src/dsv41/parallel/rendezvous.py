@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..errors import DSV41Error
-from .torch_comm import TorchComm
+from dsv41.errors import DSV41Error
+from dsv41.parallel.torch_comm import TorchComm
 
 LOG_EVERY_S = 5.0
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3_common import (
+from dsv41.kernels.exl3.decode import (
     CODEBOOK_IDS,
     accumulate_kslice,
     accumulate_kslice_prerotated,
@@ -28,8 +28,8 @@ from dsv41.kernels.exl3_common import (
     use_cuda_backend,
     use_inline_asm,
 )
-from dsv41.kernels.exl3_cuda import fused_matmul_cuda
-from dsv41.kernels.layout import Exl3Tensor
+from dsv41.kernels.exl3.cuda import fused_matmul_cuda
+from dsv41.kernels.exl3.layout import Exl3Tensor
 
 BLOCK_M = 16
 
@@ -181,7 +181,7 @@ def fused_matmul(
 ) -> torch.Tensor:
     """`y = x @ W_eff` for x `[m, k]` (fp16; bf16/fp32 are rounded to fp16 first, as ExLlamaV3 requires).
 
-    Runs the CUDA kernel (exl3_cuda) on NVIDIA GPUs unless a Triton `config` is given or
+    Runs the CUDA kernel (exl3/cuda.py) on NVIDIA GPUs unless a Triton `config` is given or
     DSV41_EXL3_BACKEND=triton; the Triton kernel elsewhere (and in the CPU interpreter).
     """
     if config is None and use_cuda_backend(x.device):

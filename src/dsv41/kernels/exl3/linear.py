@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.kernels.exl3_common import use_cuda_backend
-from dsv41.kernels.exl3_matmul import fused_matmul
-from dsv41.kernels.exl3_reconstruct import prefill_matmul
-from dsv41.kernels.layout import Exl3Tensor
+from dsv41.kernels.exl3.decode import use_cuda_backend
+from dsv41.kernels.exl3.matmul import fused_matmul
+from dsv41.kernels.exl3.reconstruct import prefill_matmul
+from dsv41.kernels.exl3.layout import Exl3Tensor
 
 FUSED_MAX_ROWS = 16  # Triton fused kernel
 FUSED_MAX_ROWS_CUDA = 32

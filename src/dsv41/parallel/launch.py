@@ -23,12 +23,12 @@ import time
 
 import torch
 
-from ..errors import DSV41Error
-from .args import register_tp_args  # noqa: F401 - re-exported: the CLI may import it from here too
-from .failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
-from .lockstep import LeaderModel, follow
-from .plan import PlanChannel
-from .rendezvous import init_tp
+from dsv41.errors import DSV41Error
+from dsv41.parallel.args import register_tp_args  # noqa: F401 - re-exported: the CLI may import it from here too
+from dsv41.parallel.failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
+from dsv41.parallel.lockstep import LeaderModel, follow
+from dsv41.parallel.plan import PlanChannel
+from dsv41.parallel.rendezvous import init_tp
 
 CLI_MAIN = "import sys; from dsv41.cli import main; sys.exit(main(sys.argv[1:]))"
 LOCAL_CHILD_ENV = "DSV41_TP_LOCAL_CHILD"

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sampling import GREEDY_BELOW, SamplingParams, keyed_gumbel
-from .comm import Comm
+from dsv41.engine.sampling import GREEDY_BELOW, SamplingParams, keyed_gumbel
+from dsv41.parallel.comm import Comm
 
 NEG_INF = float("-inf")
 

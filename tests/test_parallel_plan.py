@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.dist.plan import Call, RoundPlan, StateRef, decode_plan, encode_plan
+from dsv41.parallel.plan import Call, RoundPlan, StateRef, decode_plan, encode_plan
 
 
 def test_round_trip_keeps_every_value_and_type():

@@ -37,7 +37,7 @@ def free_port() -> int:
 
 def worker(argv: list[str]) -> int:
     torch.set_num_threads(1)
-    from dsv41.dist.launch import register_tp_args, run_rank
+    from dsv41.parallel.launch import register_tp_args, run_rank
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -102,7 +102,7 @@ async def generate(model, args) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_dir():
-    from dsv41.tiny import default_model_dir
+    from dsv41.tiny.model import default_model_dir
 
     return default_model_dir()
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..chat.tokens import CALLS_CLOSE, CALLS_OPEN, DSML, THINK_END, THINK_START
-from ..chat.tool_schema import schema_types
+from dsv41.chat.tokens import CALLS_CLOSE, CALLS_OPEN, DSML, THINK_END, THINK_START
+from dsv41.chat.tool_schema import schema_types
 
 PARAM_END = f"</{DSML} parameter>\n"
 JSON_WHITESPACE = 1  # at most one whitespace character in a row inside JSON values
@@ -126,6 +126,6 @@ def dsml_tool_call_tag(tools: list[dict], tool_choice: Any, *, parallel: bool, t
 
 
 def _dsml_name(tool: dict) -> str:
-    from ..chat.request_mapping import tool_qualified_name
+    from dsv41.chat.request_mapping import tool_qualified_name
 
     return tool_qualified_name(tool)

@@ -1,7 +1,7 @@
 """Running host commands (systemctl, nix, ssh) through one seam, so ops logic is testable without systemd.
 
 `host=None` runs locally; otherwise the command goes through `ssh -o BatchMode=yes HOST -- <quoted argv>`.
-Tests pass their own executor that records every command and answers from real processes.
+Tests pass their own runner that records every command and answers from real processes.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Result:
         return self.rc == 0
 
 
-class Executor(Protocol):
+class CommandRunner(Protocol):
     def __call__(self, argv: Sequence[str], host: str | None = None, timeout: float | None = None,
                  input: str | None = None) -> Result: ...
 
@@ -39,7 +39,7 @@ def remote_argv(argv: Sequence[str], host: str | None) -> list[str]:
 
 def run(argv: Sequence[str], host: str | None = None, timeout: float | None = 120,
         input: str | None = None) -> Result:
-    """The real executor: a subprocess, via ssh for a remote host. A missing program is rc 127, never a crash."""
+    """The real runner: a subprocess, via ssh for a remote host. A missing program is rc 127, never a crash."""
     full = remote_argv(argv, host)
     try:
         proc = subprocess.run(full, capture_output=True, text=True, timeout=timeout, input=input)

@@ -10,16 +10,16 @@ import socket
 import pytest
 import torch
 
-from dsv41.dist.failfast import FailFast, TPAborted
-from dsv41.dist.lockstep import LeaderModel
-from dsv41.dist.plan import PlanChannel, StateRef, decode_plan
-from dsv41.dist.rendezvous import init_tp
+from dsv41.parallel.failfast import FailFast, TPAborted
+from dsv41.parallel.lockstep import LeaderModel
+from dsv41.parallel.plan import PlanChannel, StateRef, decode_plan
+from dsv41.parallel.rendezvous import init_tp
 
 
 @pytest.fixture(scope="module")
 def leader():
     from dsv41.model.loader import load_model
-    from dsv41.tiny import default_model_dir
+    from dsv41.tiny.model import default_model_dir
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -70,8 +70,8 @@ def sampling_cases():
 
 def worker(rank: int, world: int, master: str, out: str) -> None:
     torch.set_num_threads(1)
-    from dsv41.dist.rendezvous import init_tp
-    from dsv41.dist.sampling import sample_token_sharded
+    from dsv41.parallel.rendezvous import init_tp
+    from dsv41.parallel.sampling import sample_token_sharded
 
     group = init_tp(rank, world, master, deadline_s=60)
     comm = group.comm

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dsv41.dist.rendezvous import RendezvousError, init_tp, parse_master
+from dsv41.parallel.rendezvous import RendezvousError, init_tp, parse_master
 from dsv41.errors import DSV41Error
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv41.errors import CheckpointError
-from dsv41.kernels.exl3_common import CODEBOOK_IDS
+from dsv41.kernels.exl3.decode import CODEBOOK_IDS
 
 
 def _check_group(name: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, lead: int) -> tuple:

@@ -15,7 +15,7 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
-from .comm import Comm
+from dsv41.parallel.comm import Comm
 
 # torch >= 2.13 renamed all_gather_into_tensor (older builds, e.g. the CUDA 2.11 wheels, have only the old name)
 _GATHER_INTO_TENSOR = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -30,7 +30,7 @@ class TorchComm(Comm):
 
     def __init__(self, group=None):
         if not dist.is_initialized():
-            raise RuntimeError("TorchComm needs an initialised process group (call dsv41.dist.init_tp first)")
+            raise RuntimeError("TorchComm needs an initialised process group (call dsv41.parallel.init_tp first)")
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

@@ -22,8 +22,8 @@ import weakref
 
 import torch
 
-from .failfast import FailureInjector, TPAborted
-from .plan import Call, PlanChannel, RoundPlan, StateRef, encode_plan
+from dsv41.parallel.failfast import FailureInjector, TPAborted
+from dsv41.parallel.plan import Call, PlanChannel, RoundPlan, StateRef, encode_plan
 
 DEFAULT_MIRRORED = ("new_state", "forward")
 STATE_FACTORIES = ("new_state",)
