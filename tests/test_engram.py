@@ -20,7 +20,7 @@ from tokenizers import decoders, models
 
 from dsv41.config import ModelConfig
 from dsv41.errors import CheckpointError, ConfigError, TokenizerError
-from dsv41.model.engram import (
+from dsv41.engram.tables import (
     EngramConstants,
     EngramHasher,
     EngramLayer,
@@ -550,7 +550,7 @@ def test_shard_reader_is_lazy(tmp_path):
 
 
 def _prime_sum(config):
-    from dsv41.model.engram import engram_primes
+    from dsv41.engram.tables import engram_primes
 
     return engram_primes(config).sum()
 

@@ -247,7 +247,7 @@ def load_block(reader: WeightReader, cfg: ModelConfig, role: LayerRole, tables, 
 
 
 def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, rank: int, world: int, comm: Comm):
-    from .engram import EngramConstants, EngramHasher, EngramLayer, EngramTable, shard_file_name
+    from dsv41.engram.tables import EngramConstants, EngramHasher, EngramLayer, EngramTable, shard_file_name
     if tokenizer is None:
         raise CheckpointError(f"{path}: tokenizer.json is required to hash Engram n-grams")
     constants = EngramConstants.from_config(cfg)

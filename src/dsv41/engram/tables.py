@@ -32,7 +32,7 @@ from dsv41.errors import CheckpointError, ConfigError, TokenizerError
 from dsv41.weights.formats import FP8_MAX, e4m3_to_float, e8m0_to_float, power_of_two_scale_byte
 from dsv41.weights.safetensors_io import Checkpoint, TensorInfo, read_header
 
-from .rowwise import f64
+from dsv41.model.rowwise import f64
 
 # A look-back slot that no n-gram may reach across: before the sequence start, or an image-span token.
 DEAD = -1
