@@ -84,15 +84,18 @@ def window_slots(win: torch.Tensor, positions: torch.Tensor, window: int) -> tup
     return win[(key_pos - first).clamp(min=0)], ok
 
 
-def compressed_slots(src: SourceCache, ids: torch.Tensor | None, width: int, T: int, head_dim: int):
+def compressed_slots(src: SourceCache, ids: torch.Tensor | None, width: int, T: int, head_dim: int,
+                     device: torch.device):
     """Selected compressed entries [T, width, hd]: the top-k list (-1 first) left-padded with dead slots to
-    the full index top-k, so that a row's layout does not depend on how many entries exist yet."""
+    the full index top-k, so that a row's layout does not depend on how many entries exist yet. Before the
+    first group closes (`ids` None, no entries) every slot is dead; the dead rows live on the compute device
+    like the window keys they are concatenated with."""
     if ids is None:
-        ids = torch.empty(T, 0, dtype=torch.long)
+        ids = torch.empty(T, 0, dtype=torch.long, device=device)
     pad = width - ids.shape[1]
     ids = torch.cat((torch.full((T, pad), -1, dtype=ids.dtype, device=ids.device), ids), dim=1)
     if src.kv is None:
-        return torch.zeros(T, width, head_dim), torch.zeros(T, width, dtype=torch.bool)
+        return torch.zeros(T, width, head_dim, device=device), torch.zeros(T, width, dtype=torch.bool, device=device)
     return src.kv[ids.clamp(min=0)], ids >= 0
 
 
@@ -195,7 +198,7 @@ class Attention:
             if role.compresses:
                 self._compress(x, positions, src)
             ids = self._topk_for(x, qr, positions, src, shared, trace)
-            comp, comp_ok = compressed_slots(src, ids, cfg.index_topk, x.shape[0], cfg.head_dim)
+            comp, comp_ok = compressed_slots(src, ids, cfg.index_topk, x.shape[0], cfg.head_dim, x.device)
             keys, ok = torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
         return self._output(self._core(q, keys, ok), positions, x.dtype)
 

@@ -75,7 +75,6 @@ class FailFast:
         self.aborted = threading.Event()
         self._stopping = threading.Event()
         self.reason: str | None = None
-        self._callbacks = []
         self._memory: dict[int, dict] = {}
         self._thread = threading.Thread(target=self._run, name=f"dsv41-failfast-r{self.rank}", daemon=True)
 
@@ -90,10 +89,6 @@ class FailFast:
         self._stopping.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
-
-    def on_abort(self, callback) -> None:
-        """`callback(reason)` runs once, in the monitor thread, before the grace period (e.g. fail every request)."""
-        self._callbacks.append(callback)
 
     def abort(self, reason: str) -> None:
         """This rank failed: tell the others through the store, then go down like them."""
@@ -126,11 +121,6 @@ class FailFast:
             self.aborted.set()
         self._log(f"dsv41 tp: rank {self.rank} aborting the tensor-parallel group: {reason}; exit {EXIT_CODE} "
                   f"in {self.grace_s:.1f} s")
-        for callback in self._callbacks:
-            try:
-                callback(reason)
-            except Exception as exc:  # noqa: BLE001 - a failing callback must not keep the process alive
-                self._log(f"dsv41 tp: abort callback failed: {exc!r}")
         threading.Thread(target=self._exit_after_grace, name="dsv41-failfast-exit", daemon=True).start()
 
     def _exit_after_grace(self) -> None:

@@ -162,7 +162,6 @@ class PlanChannel:
         # A follower blocks in one store `get` per round. Long slices: waking up does not help an abort (the
         # monitor thread ends the process), and every expired slice makes torch log a socket-timeout warning.
         self.store, self.rank, self.aborted, self.poll_s = store, rank, aborted, poll_s
-        self.bytes_sent = 0
         self._timeout_set = False
 
     def send(self, plan: RoundPlan) -> None:
@@ -170,7 +169,6 @@ class PlanChannel:
 
     def send_encoded(self, number: int, data: bytes) -> None:
         self.store.set(f"tp/plan/{number}", data)
-        self.bytes_sent += len(data)
 
     def trim(self, number: int) -> None:
         """Delete an old plan key (rank 0, off the critical path: after the round's work has started)."""

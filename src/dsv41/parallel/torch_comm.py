@@ -37,7 +37,6 @@ class TorchComm(Comm):
         self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
         self._into_tensor = True
         self.calls = {"sum_partials": 0, "gather_cat": 0}
-        self.bytes_sent = 0
         # (collective, dtype, row width) -> (calls, rows): what crosses the link, for docs and benchmarks
         self.traffic: Counter = Counter()
 
@@ -48,7 +47,6 @@ class TorchComm(Comm):
 
     def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = x.contiguous()
-        self.bytes_sent += x.numel() * x.element_size()
         if self._into_tensor:
             # one output buffer: NCCL writes it directly, no per-rank copies afterwards
             flat = x.reshape(-1)
@@ -94,6 +92,3 @@ class TorchComm(Comm):
         parts = self._all_gather(x)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            self._all_gather(torch.zeros(1, device=self.device))
