@@ -79,3 +79,18 @@ def test_topk_ties_go_to_the_lower_index():
     scores = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]])
     assert topk_lowest_index_ties(scores, 2).tolist() == [[1, 2]]
     assert topk_lowest_index_ties(torch.zeros(1, 6), 3).tolist() == [[0, 1, 2]]
+
+
+def test_empty_compressed_slots_live_on_the_compute_device():
+    """Before a source's first group closes there are no entries: the dead slots must still be made on the device
+    the window keys live on (a one-token prompt at position 0 on a GPU met CPU tensors here). `meta` stands for
+    any device that is not the CPU."""
+    from dsv41.model.attention import compressed_slots
+    from dsv41.model.state import SourceCache
+
+    meta = torch.device("meta")
+    keys, ok = compressed_slots(SourceCache(), None, width=4, T=1, head_dim=8, device=meta)
+    assert keys.device == meta and ok.device == meta
+    assert keys.shape == (1, 4, 8) and ok.shape == (1, 4)
+    cpu_keys, cpu_ok = compressed_slots(SourceCache(), None, width=4, T=1, head_dim=8, device=torch.device("cpu"))
+    assert not cpu_ok.any() and cpu_keys.abs().sum() == 0
