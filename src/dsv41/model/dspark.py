@@ -50,7 +50,7 @@ class DSpark:
     def main_x(self, taps: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return rms_norm(self.main_proj(taps.to(dtype)), self.main_norm, self.cfg.rms_norm_eps)
 
-    def absorb(self, model, state: SequenceState, taps: torch.Tensor, ids: torch.Tensor) -> None:
+    def absorb(self, model, state: SequenceState, taps: torch.Tensor) -> None:
         """Seed every stage's ring with the committed rows' `main_x` (prefill chunks and decode alike)."""
         T = taps.shape[0]
         positions = torch.arange(state.pos - T, state.pos, device=taps.device)
@@ -62,7 +62,10 @@ class DSpark:
     def draft(self, model, state: SequenceState, y: int,
               choose: Callable[[torch.Tensor, int], int] | None = None) -> Draft:
         """Draft B tokens after the committed sequence in `state` followed by `y`. `choose(logits_row, i)` picks
-        each row's token (greedy when None)."""
+        each row's token (greedy when None).
+
+        The reference for the engine's drafter: nothing in serving calls it until the scheduler drafts
+        (docs/SERVER.md); the speculative loop will, and its drafts are checked against this."""
         cfg = self.cfg
         B = cfg.dspark_block_size
         choose = choose or (lambda row, i: int(torch.argmax(row)))
@@ -87,21 +90,3 @@ class DSpark:
             tokens.append(prev)
             rows.append(row)
         return Draft(tokens, torch.stack(rows), torch.cat(conf))
-
-
-def load_dspark(reader, cfg: ModelConfig, tables, rank: int, world: int, fake_quant: bool) -> DSpark:
-    from .loader import load_block
-    n, d, V, r = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
-    last = f"mtp.{cfg.n_dspark - 1}."
-    blocks = [load_block(reader, cfg, cfg.role(n + s), tables, rank, world, fake_quant) for s in range(cfg.n_dspark)]
-    n_taps = len(cfg.dspark_target_layer_ids)
-    return DSpark(
-        cfg=cfg,
-        blocks=blocks,
-        main_proj=reader.linear("mtp.0.main_proj", d, n_taps * d),
-        main_norm=reader.tensor("mtp.0.main_norm.weight", (d,)),
-        norm=reader.tensor(f"{last}norm.weight", (d,)),
-        markov_embed=reader.tensor(f"{last}markov_head.embed.weight", (V, r)),
-        markov_head=reader.tensor(f"{last}markov_head.head.weight", (V, r)),
-        confidence_proj=reader.tensor(f"{last}confidence_head.proj.weight", (1, d + r)),
-    )

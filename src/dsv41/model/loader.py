@@ -14,12 +14,17 @@ from typing import Callable
 import torch
 
 from ..config import LayerRole, ModelConfig
+from dsv41.engram.hashing import EngramConstants, EngramHasher
+from dsv41.engram.shards import shard_file_name
+from dsv41.engram.tables import EngramTable
 from dsv41.parallel.comm import Comm, LocalComm
 from ..errors import CheckpointError
 from ..weights import Checkpoint
 from ..weights.linear import Linear, split_range
 from . import mhc
 from .attention import Attention, AttentionParams, CompressorParams, IndexerParams
+from .dspark import DSpark
+from .engram import EngramLayer, engram_wkv_input_range
 from .moe import MoE, Expert
 from .rope import rope_tables
 from .rowwise import RowInvariant
@@ -108,7 +113,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     model = Model(cfg, blocks, vocab, final_norm, engram=engram, engram_hasher=hasher, dtype=dtype, device=device,
                   comm=comm, tokenizer=tokenizer)
     if cfg.n_dspark:
-        from .dspark import load_dspark
         if dspark:
             model.dspark = load_dspark(reader, cfg, tables, rank, world, fake_quant)
             report(total - 1, total, "layers")
@@ -246,8 +250,25 @@ def load_block(reader: WeightReader, cfg: ModelConfig, role: LayerRole, tables, 
     )
 
 
+def load_dspark(reader: WeightReader, cfg: ModelConfig, tables, rank: int, world: int, fake_quant: bool) -> DSpark:
+    """The DSpark drafter (`mtp.*`): its blocks load like backbone layers, then the tap projection and heads."""
+    n, d, V, r = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    last = f"mtp.{cfg.n_dspark - 1}."
+    blocks = [load_block(reader, cfg, cfg.role(n + s), tables, rank, world, fake_quant) for s in range(cfg.n_dspark)]
+    n_taps = len(cfg.dspark_target_layer_ids)
+    return DSpark(
+        cfg=cfg,
+        blocks=blocks,
+        main_proj=reader.linear("mtp.0.main_proj", d, n_taps * d),
+        main_norm=reader.tensor("mtp.0.main_norm.weight", (d,)),
+        norm=reader.tensor(f"{last}norm.weight", (d,)),
+        markov_embed=reader.tensor(f"{last}markov_head.embed.weight", (V, r)),
+        markov_head=reader.tensor(f"{last}markov_head.head.weight", (V, r)),
+        confidence_proj=reader.tensor(f"{last}confidence_head.proj.weight", (1, d + r)),
+    )
+
+
 def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, rank: int, world: int, comm: Comm):
-    from dsv41.engram.tables import EngramConstants, EngramHasher, EngramLayer, EngramTable, shard_file_name
     if tokenizer is None:
         raise CheckpointError(f"{path}: tokenizer.json is required to hash Engram n-grams")
     constants = EngramConstants.from_config(cfg)
@@ -265,9 +286,9 @@ def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, 
             raise CheckpointError(f"{path}: Engram table of layer {L} missing: neither tensor {name!r} nor "
                                   f"shard file {shard.name}")
         reader.used.update(n for n in (name, f"layers.{L}.engram.embed.scale") if reader.ckpt.has(n))
-        c0, c1 = table.cols
         hd_e = constants.head_dim
-        if world > 1 and (c0 * hd_e, c1 * hd_e) != split_range(constants.n_cols * hd_e, world, rank, hd_e):
+        wkv_inputs = engram_wkv_input_range(hd_e, constants.n_cols, rank, world)
+        if world > 1 and wkv_inputs != split_range(constants.n_cols * hd_e, world, rank, hd_e):
             raise CheckpointError(f"TP={world} does not split the {constants.n_cols} Engram hash columns evenly")
         e = f"layers.{L}.engram."
         wkv = reader.linear(f"{e}wkv", (hc + 1) * d, constants.n_cols * hd_e, split="row", rank=rank, world=world,

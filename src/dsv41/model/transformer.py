@@ -148,7 +148,7 @@ class Model:
         and, under TP, the largest gather)."""
         out, taps = self.hidden(state, ids, trace)
         if self.dspark is not None and taps is not None:
-            self.dspark.absorb(self, state, taps, ids)
+            self.dspark.absorb(self, state, taps)
         return self.logits(out[-1:] if last_only else out)
 
     __call__ = forward

@@ -151,7 +151,9 @@ class _Init:
 
 
 def _write(folder: Path, fmt: str, seed: int, overrides: dict) -> None:
-    from dsv41.engram.tables import EngramConstants, build_compressed_token_map, quantize_rows_fp8
+    from dsv41.engram.hashing import EngramConstants
+    from dsv41.engram.shards import quantize_rows_fp8
+    from dsv41.engram.token_map import build_compressed_token_map
     from dsv41.tiny.tokenizer import PLACEHOLDER, build_tiny_tokenizer
     from dsv41.tokenizer import Tokenizer
     from dsv41.config import ModelConfig
@@ -181,7 +183,7 @@ def _write(folder: Path, fmt: str, seed: int, overrides: dict) -> None:
 
 def _engram_rows(text: dict) -> list[int]:
     from types import SimpleNamespace
-    from dsv41.engram.tables import engram_primes
+    from dsv41.engram.hashing import engram_primes
     ns = SimpleNamespace(**{**text, "engram_num_embeddings": [0] * len(text["engram_layer_ids"])})
     return [int(s) for s in engram_primes(ns).flatten(1).sum(dim=1)]
 
