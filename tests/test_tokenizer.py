@@ -188,7 +188,7 @@ def test_tiny_tokenizer_is_byte_identical_across_builds(tiny_dir, tmp_path):
     build_tiny_tokenizer(again)
     # and in a fresh process (Rust hash maps are seeded per process)
     other = tmp_path / "other"
-    subprocess.run([sys.executable, "-c", f"from dsv41.tiny_tokenizer import build_tiny_tokenizer as b; b({str(other)!r})"],
+    subprocess.run([sys.executable, "-c", f"from dsv41.tiny.tokenizer import build_tiny_tokenizer as b; b({str(other)!r})"],
                    check=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         reference = (tiny_dir / name).read_bytes()
