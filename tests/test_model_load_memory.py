@@ -13,7 +13,7 @@ from dsv41.tiny.model import make_tiny
 
 CHILD = r"""
 import json, sys
-from dsv41.dist.comm import LocalComm
+from dsv41.parallel.comm import LocalComm
 from dsv41.model.loader import load_model
 
 def status_mb(field):
