@@ -16,7 +16,7 @@ DTYPES = ("float32", "bfloat16")
 def _model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from dsv41.tiny.model.model import default_model_dir
+    from dsv41.tiny.model import default_model_dir
     return default_model_dir()
 
 
@@ -147,7 +147,7 @@ def cmd_bench(args) -> int:
 
 # --------------------------------------------------------------------------------------------------- make-tiny
 def cmd_make_tiny(args) -> int:
-    from dsv41.tiny.model.model import make_tiny
+    from dsv41.tiny.model import make_tiny
     out = make_tiny(args.dir, args.format, args.seed)
     print(f"wrote the tiny {args.format} model to {out}", file=sys.stderr)
     return 0
@@ -155,7 +155,7 @@ def cmd_make_tiny(args) -> int:
 
 # ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
-    from dsv41.tiny.model.model import DEFAULT_FORMAT, FORMATS
+    from dsv41.tiny.model import DEFAULT_FORMAT, FORMATS
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference appliance")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

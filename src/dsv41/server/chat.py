@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from ..chat import (
     ContentDelta,
@@ -24,6 +23,7 @@ from ..chat import (
 from ..chat.errors import RequestError
 from ..engine import GenerationRequest, TokenEvent
 from dsv41.structured.grammar import GrammarError
+from .context import ServerContext
 from .errors import bad_request
 from .generation import (
     Generation,
@@ -36,9 +36,6 @@ from .generation import (
 )
 from .protocol import ChatCompletionRequest
 from .stop import StopMatcher
-
-if TYPE_CHECKING:
-    from .app import ServerContext
 
 
 def _refuse_images(body: dict) -> None:
@@ -59,7 +56,7 @@ def _refuse_images(body: dict) -> None:
                                   param=f"messages[{i}].content[{j}]")
 
 
-def render_chat(ctx: "ServerContext", body: dict):
+def render_chat(ctx: ServerContext, body: dict):
     """(ChatPrompt, prompt ids) exactly as a chat request renders them (also used by /tokenize)."""
     _refuse_images(body)
     try:
@@ -69,7 +66,7 @@ def render_chat(ctx: "ServerContext", body: dict):
     return prompt, ctx.tokenizer.encode(prompt.prompt)
 
 
-def _tool_grammar(ctx: "ServerContext", req: ChatCompletionRequest, prompt, thinking: bool):
+def _tool_grammar(ctx: ServerContext, req: ChatCompletionRequest, prompt, thinking: bool):
     choice = prompt.tool_choice
     if choice in ("none", "auto") or not prompt.tools:
         return None
@@ -81,7 +78,7 @@ def _tool_grammar(ctx: "ServerContext", req: ChatCompletionRequest, prompt, thin
         raise bad_request(str(exc), param="tools") from None
 
 
-async def create_chat_completion(ctx: "ServerContext", req: ChatCompletionRequest, body: dict):
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, body: dict):
     prompt, ids = render_chat(ctx, body)
     # the reply starts in reasoning only when the prompt ends in <think> (a continued answer is past </think>)
     thinking = prompt.thinking_mode == "thinking" and not prompt.continue_final_message
@@ -101,7 +98,7 @@ async def create_chat_completion(ctx: "ServerContext", req: ChatCompletionReques
 
 
 class _ChatReply:
-    def __init__(self, ctx: "ServerContext", gen: Generation, req: ChatCompletionRequest, prompt):
+    def __init__(self, ctx: ServerContext, gen: Generation, req: ChatCompletionRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)

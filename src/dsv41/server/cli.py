@@ -90,7 +90,7 @@ def _model_folder(args) -> Path:
         if not folder.is_dir():
             raise DSV41Error(f"--model {folder}: no such folder")
         return folder
-    from dsv41.tiny.model.model import default_model_dir
+    from dsv41.tiny.model import default_model_dir
 
     return default_model_dir()
 
@@ -125,7 +125,7 @@ def build_server(args, model=None, progress=None):
     from ..engine.serial import SerialEngine
     from ..model.loader import load_model
     from ..tokenizer import Tokenizer
-    from .app import ServerConfig, ServerContext
+    from .context import ServerConfig, ServerContext
 
     _set_threads(args)
     folder = _model_folder(args)

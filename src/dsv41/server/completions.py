@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
+from .context import ServerContext
 from .errors import bad_request
 from .generation import (
     Generation,
@@ -20,11 +20,8 @@ from .generation import (
 from .protocol import CompletionRequest
 from .stop import StopMatcher
 
-if TYPE_CHECKING:
-    from .app import ServerContext
 
-
-def prompt_ids(ctx: "ServerContext", prompt, add_special_tokens: bool) -> list[int]:
+def prompt_ids(ctx: ServerContext, prompt, add_special_tokens: bool) -> list[int]:
     tokenizer = ctx.tokenizer
     if isinstance(prompt, str):
         ids = tokenizer.encode(prompt)
@@ -38,7 +35,7 @@ def prompt_ids(ctx: "ServerContext", prompt, add_special_tokens: bool) -> list[i
     return list(prompt)
 
 
-async def create_completion(ctx: "ServerContext", req: CompletionRequest) -> tuple[Generation, object]:
+async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple[Generation, object]:
     ids = prompt_ids(ctx, req.prompt, req.add_special_tokens)
     budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
     grammar = await asyncio.to_thread(structured_grammar, ctx, req, thinking=False)
@@ -55,7 +52,7 @@ async def create_completion(ctx: "ServerContext", req: CompletionRequest) -> tup
 
 
 class _Reply:
-    def __init__(self, ctx: "ServerContext", gen: Generation, req: CompletionRequest):
+    def __init__(self, ctx: ServerContext, gen: Generation, req: CompletionRequest):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from ..engine import FinishEvent, GenerationRequest, RequestStream, SamplingParams, TokenEvent
 from dsv41.structured.grammar import GrammarError
+from .context import ServerContext
 from .errors import APIError, bad_request
 
 if TYPE_CHECKING:
-    from .app import ServerContext
     from .protocol import SamplingFields
 
 
@@ -42,7 +42,7 @@ def sampling_params(fields: "SamplingFields") -> SamplingParams:
     )
 
 
-def completion_budget(ctx: "ServerContext", prompt_len: int, requested: int | None, param: str,
+def completion_budget(ctx: ServerContext, prompt_len: int, requested: int | None, param: str,
                       limit_param: str = "max_tokens") -> int:
     """max_tokens after the context check: prompt + max_tokens must fit max_model_len (else 400)."""
     limit = ctx.config.max_model_len
@@ -62,7 +62,7 @@ def completion_budget(ctx: "ServerContext", prompt_len: int, requested: int | No
     return requested
 
 
-def structured_grammar(ctx: "ServerContext", fields: "SamplingFields", *, thinking: bool):
+def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking: bool):
     """The compiled grammar for response_format / structured_outputs / guided_*, or None. 400 if unenforceable."""
     grammars = ctx.grammars
     try:
@@ -135,7 +135,7 @@ def _grammar_param(fields) -> str:
 class Generation:
     """One engine request as seen by an HTTP handler."""
 
-    def __init__(self, ctx: "ServerContext", endpoint: str, request: GenerationRequest, *, stream: bool):
+    def __init__(self, ctx: ServerContext, endpoint: str, request: GenerationRequest, *, stream: bool):
         self.ctx = ctx
         self.endpoint = endpoint
         self.request = request
@@ -218,7 +218,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 class TokenText:
     """Token ids -> text for one reply: complete characters only; stop ids (EOS) are not shown."""
 
-    def __init__(self, ctx: "ServerContext", *, skip_special_tokens: bool, hidden_ids: frozenset[int]):
+    def __init__(self, ctx: ServerContext, *, skip_special_tokens: bool, hidden_ids: frozenset[int]):
         self.tokenizer = ctx.tokenizer
         self.decoder = ctx.tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
         self.hidden = hidden_ids

@@ -1,0 +1,82 @@
+"""What every request handler shares: the server's configuration and the `ServerContext` (engine, tokenizer,
+grammars, counters, the live generations, drain).
+
+It imports no handler module (app, chat, completions, generation, streaming): they all import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from ..engine import Engine, EngineClosed, EngineOverloaded, GenerationRequest, RequestStream
+from .errors import overloaded, unavailable
+from .metrics import Metrics
+from .request_log import RequestLog
+
+
+@dataclass
+class ServerConfig:
+    served_name: str = "dsv41"
+    aliases: tuple[str, ...] = ()
+    max_model_len: int = 4096
+    max_body_bytes: int = 8 << 20
+    api_key: str | None = None
+    drain_timeout_s: float = 20.0
+    request_log: str | None = None
+    owned_by: str = "dsv41"
+    extra_health: dict = field(default_factory=dict)
+
+
+class ServerContext:
+    """What every handler shares: engine, tokenizer, grammars, counters, the set of live generations."""
+
+    def __init__(self, config: ServerConfig, engine: Engine, tokenizer, grammars):
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.grammars = grammars
+        self.vocab_size = min(engine.vocab_size, tokenizer.vocab_size)
+        self.status = "loading"
+        self.started = time.monotonic()
+        self.created = int(time.time())
+        self.inflight = 0
+        self.requests_total = 0
+        self.errors_total = 0
+        self.prompt_tokens_total = 0
+        self.completion_tokens_total = 0
+        self.active: set = set()  # the live server.generation.Generation objects
+        self.metrics = Metrics(config.served_name)
+        self.request_log = RequestLog(config.request_log)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [self.config.served_name, *[a for a in self.config.aliases if a != self.config.served_name]]
+
+    def response_model_name(self, requested: str | None) -> str:
+        return requested if requested in self.model_names else self.config.served_name
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        try:
+            return self.engine.submit(request)
+        except EngineOverloaded as exc:
+            raise overloaded(f"the server is busy ({exc}); retry shortly") from None
+        except EngineClosed:
+            raise unavailable("the server is shutting down") from None
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new work, let running requests finish for drain_timeout_s, then end them."""
+        if self.status == "draining":
+            return
+        self.status = "draining"
+        self.engine.begin_drain()
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while (self.active or self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for gen in list(self.active):
+            gen.abort_for_drain()
+        # give the aborted responses a moment to write their error event and [DONE]
+        deadline = time.monotonic() + 2.0
+        while (self.active or self.inflight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
