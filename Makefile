@@ -1,22 +1,32 @@
 # Two commands for a fresh machine:
 #   make run    -- generate text with the built-in tiny model
 #   make test   -- run the test suite
-# Both create .venv and install what they need, torch first and pinned: on these machines pip's configuration
-# serves torch==2.13.0 as the CPU wheel from local disk (an unpinned torch would pull a multi-GB CUDA build).
+# Both create .venv and install what they need from the hashed lock, requirements/dev.lock (docs/DEPENDENCIES.md):
+#   1. the lock, --require-hashes --no-deps: every package at its locked version and sha256, pip included;
+#   2. torch, pinned (TORCH_SPEC) and kept out of the lock: on these machines pip's configuration serves
+#      torch==2.13.0 as a local CPU wheel whose sha256 is not PyPI's, elsewhere it is PyPI's CUDA 13 build (an
+#      unpinned torch would pull a multi-GB CUDA build here too). Its own dependencies are already in place from
+#      the lock, so this adds torch alone (and, off these machines, the nvidia-* wheels that torch pins exactly);
+#   3. dsv41 itself, editable, --no-deps --no-build-isolation (built with the lock's setuptools and wheel);
+#   4. pip check: the installed set is consistent.
+# `make lock` regenerates the lock (uv pip compile; LOCK_ARGS="--upgrade" or "--upgrade-package NAME" to move pins).
 PY      ?= python3
 VENV    ?= .venv
 BIN      = $(VENV)/bin
 PROMPT  ?= The quick brown fox
+# keep equal to nix/python/wheels.nix's torch pin (tests/test_pins.py checks)
 TORCH_SPEC ?= torch==2.13.0
+LOCK    ?= requirements/dev.lock
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml $(LOCK)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --require-hashes --no-deps -r $(LOCK)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[serve,test]"
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/pip check
 	touch $@
 
-.PHONY: install run test
+.PHONY: install run test lock
 install: $(BIN)/.installed
 
 run: $(BIN)/.installed
@@ -24,3 +34,30 @@ run: $(BIN)/.installed
 
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The lock: pyproject.toml's dependencies with its serve and test extras, plus requirements/dev.in, for CPython 3.11
+# on Linux, against the flake's pins (requirements/nix-pins.txt, written from nix/python/wheels.nix), with every
+# file's sha256 from PyPI. Compiled for x86_64 and checked to name the same versions on aarch64 (one lock serves
+# both; the two differ only in markers that pip evaluates). uv runs from its own venv under build/; the lock's
+# existing pins are kept unless LOCK_ARGS says otherwise (uv reads the output file as its preferences).
+UV_VERSION ?= 0.13.9
+LOCK_VENV  ?= build/lock-venv
+LOCK_ARGS  ?=
+UV_COMPILE  = $(LOCK_VENV)/bin/uv pip compile --quiet --config-file requirements/uv.toml \
+              pyproject.toml requirements/dev.in --extra serve --extra test \
+              --constraint requirements/nix-pins.txt --no-emit-package torch \
+              --python-version 3.11 --generate-hashes --custom-compile-command "make lock" $(LOCK_ARGS)
+
+lock:
+	test -x $(LOCK_VENV)/bin/uv && $(LOCK_VENV)/bin/uv --version | grep -qF " $(UV_VERSION)" || \
+	  { $(PY) -m venv $(LOCK_VENV) && $(LOCK_VENV)/bin/pip install -q "uv==$(UV_VERSION)"; }
+	mkdir -p build
+	$(PY) requirements/nix_pins.py > requirements/nix-pins.txt
+	$(UV_COMPILE) --python-platform x86_64-manylinux_2_28 --output-file $(LOCK)
+	cp $(LOCK) build/dev-aarch64.lock
+	$(UV_COMPILE) --python-platform aarch64-manylinux_2_28 --output-file build/dev-aarch64.lock
+	grep -oE '^[A-Za-z0-9._-]+==[^ ;\\]+' $(LOCK) > build/pins-x86_64.txt
+	grep -oE '^[A-Za-z0-9._-]+==[^ ;\\]+' build/dev-aarch64.lock > build/pins-aarch64.txt
+	diff build/pins-x86_64.txt build/pins-aarch64.txt || \
+	  { echo "make lock: x86_64 and aarch64 resolve differently; split the lock per platform" >&2; exit 1; }
+	@echo "$(LOCK): $$(wc -l < build/pins-x86_64.txt) packages, the same on x86_64 and aarch64"
