@@ -1,21 +1,13 @@
 """The HTTP server over a TP=2 group: real hypercorn on rank 0, real rank processes, the tiny model.
 
-Two launch paths:
-- `python -m dsv41.server serve --tp 2 ...` once the server CLI accepts the TP options (skipped with a printed
-  reason until it does);
-- this file as the entry point: the server's own argument parser plus `register_tp_args`, `run_rank` with a
-  `serve` callback that runs the server's `run_serve` on the TP leader model (the one thing it changes is where
-  the server gets its model from: `load_model` returns the already-loaded TP leader). This is the wiring
-  `dsv41 serve --tp N` needs; it runs today.
-
-Checked: the same completion request gives the same greedy text from a TP=1 server and a TP=2 server; SIGTERM to
-rank 0 drains and all ranks exit 0; an exception injected on rank 1 mid-request gives the client an error and
-both ranks exit 70 within 2 s.
+Launched as `python -m dsv41.server serve --tp 2 ...` (local ranks) or as one process per `--rank`. Checked: the
+same completion request gives the same greedy text from a TP=1 server and a TP=2 server; SIGTERM to rank 0 drains
+and all ranks exit 0; an exception injected on rank 1 mid-request gives the client an error and both ranks exit 70
+within 2 s.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import queue
 import signal
@@ -30,46 +22,7 @@ import pytest
 PROMPT_IDS = [0] + [(i * 53) % 500 + 7 for i in range(20)]
 
 
-# ---- the entry point for the "shim" path -----------------------------------------------------------------------
-
-def worker(argv: list[str]) -> int:
-    import dsv41.model.loader as loader
-    from dsv41.parallel.launch import register_tp_args, run_rank
-    from dsv41.server import cli as server_cli
-
-    parser = argparse.ArgumentParser(prog="dsv41")
-    serve_parser = server_cli.register(parser.add_subparsers(dest="command", required=True))
-    register_tp_args(serve_parser)
-    args = parser.parse_args(argv)
-
-    real_load = loader.load_model
-
-    def load(rank, world, comm):
-        if args.cpu_threads:
-            import torch
-
-            torch.set_num_threads(args.cpu_threads)
-        from dsv41.tiny.model import default_model_dir
-
-        return real_load(args.model or default_model_dir(), rank=rank, world=world, comm=comm,
-                         fake_quant=not args.no_fake_quant)
-
-    def serve(leader):
-        loader.load_model = lambda *a, **k: leader
-        server_cli.run_serve(args)
-
-    return run_rank(args, load=load, serve=serve, argv=argv, child_cmd=[sys.executable, __file__])
-
-
 # ---- helpers ---------------------------------------------------------------------------------------------------
-
-def cli_supports_tp() -> bool:
-    from dsv41.server import cli as server_cli
-
-    parser = argparse.ArgumentParser()
-    sub = server_cli.register(parser.add_subparsers(dest="command"))
-    return any("--tp" in action.option_strings for action in sub._actions)
-
 
 class Server:
     def __init__(self, cmd: list[str], env_extra: dict | None = None):
@@ -110,23 +63,16 @@ class Server:
             self.proc.kill()
 
 
-def server_cmd(path: str, *extra: str) -> list[str]:
+def server_cmd(*extra: str) -> list[str]:
     # Without fake quantisation the model is a continuous function, so TP's different (rank-ordered) summation
     # cannot flip an FP4/FP8 code and greedy text is comparable across TP degrees (docs/MODEL_NOTES.md).
-    base = ["serve", "--port", "0", "--served-name", "tiny", "--cpu-threads", "1", "--no-fake-quant", *extra]
-    if path == "cli":
-        return [sys.executable, "-m", "dsv41.server", *base]
-    return [sys.executable, __file__, *base]
-
-
-def launch_path(path: str) -> str:
-    assert cli_supports_tp(), "`dsv41 serve` lost its --tp option"
-    return path
+    return [sys.executable, "-m", "dsv41.server", "serve", "--port", "0", "--served-name", "tiny", "--cpu-threads",
+            "1", "--no-fake-quant", *extra]
 
 
 @pytest.fixture(scope="module")
 def tp1_text():
-    server = Server(server_cmd("cli"))
+    server = Server(server_cmd())
     try:
         server.wait_ready()
         reply = server.complete(max_tokens=16)
@@ -138,9 +84,8 @@ def tp1_text():
 
 # ---- tests -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", ["shim", "cli"])
-def test_tp2_server_answers_like_tp1_and_drains_on_sigterm(path, tp1_text):
-    server = Server(server_cmd(launch_path(path), "--tp", "2"))
+def test_tp2_server_answers_like_tp1_and_drains_on_sigterm(tp1_text):
+    server = Server(server_cmd("--tp", "2"))
     try:
         server.wait_ready()
         reply = server.complete(max_tokens=16)
@@ -160,11 +105,10 @@ def test_exception_on_rank1_mid_request_gives_the_client_an_error_and_both_exit_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         master = f"127.0.0.1:{s.getsockname()[1]}"
-    path = "cli" if cli_supports_tp() else "shim"
     # round 0 is the server's warm-up token, round 1 the prompt, rounds 2.. the decode steps
     env = {"DSV41_TEST_FAIL_AT_ROUND": "1:6"}
-    rank1 = Server(server_cmd(path, "--tp", "2", "--rank", "1", "--master", master), env)
-    rank0 = Server(server_cmd(path, "--tp", "2", "--rank", "0", "--master", master), env)
+    rank1 = Server(server_cmd("--tp", "2", "--rank", "1", "--master", master), env)
+    rank0 = Server(server_cmd("--tp", "2", "--rank", "0", "--master", master), env)
     try:
         rank0.wait_ready()
         reply = rank0.complete(max_tokens=30)
@@ -181,7 +125,3 @@ def test_exception_on_rank1_mid_request_gives_the_client_an_error_and_both_exit_
     finally:
         rank0.stop()
         rank1.stop()
-
-
-if __name__ == "__main__":
-    sys.exit(worker(sys.argv[1:]))

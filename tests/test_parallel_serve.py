@@ -37,7 +37,8 @@ def free_port() -> int:
 
 def worker(argv: list[str]) -> int:
     torch.set_num_threads(1)
-    from dsv41.parallel.launch import register_tp_args, run_rank
+    from dsv41.parallel.args import register_tp_args
+    from dsv41.parallel.launch import run_rank
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)

@@ -1,9 +1,8 @@
 """Ops checks: preflight (real files, sockets, sysfs tree, /proc), canary (against real HTTP servers), status,
-the driver tmpfiles rules (applied by the real systemd-tmpfiles) and warm's manifest verification."""
+and the driver tmpfiles rules (applied by the real systemd-tmpfiles)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -25,7 +24,6 @@ from dsv41.ops.driver import tmpfiles_text
 from dsv41.ops.host_commands import Result
 from dsv41.ops.preflight import Node, local_checks, read_engram_header, run_preflight
 from dsv41.ops.status import collect_status, format_status
-from dsv41.ops.warm import verify_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -69,7 +67,7 @@ def node_env(tmp_path):
     env = {"DSV41_MODEL": str(model), "DSV41_ENGRAM_DIR": str(engram), "DSV41_TP": "2",
            "DSV41_LOCAL_RANKS": "rank0", "DSV41_HOST": "127.0.0.1", "DSV41_PORT": str(free_port()),
            "DSV41_MASTER": f"127.0.0.1:{free_port()}", "DSV41_RDMA_PORTS": "rocep1s0f1:1 roceP2p1s0f1:1",
-           "DSV41_MEM_GATE_GIB": "0.001", "DSV41_PREPARED_DIR": str(tmp_path / "prepared"),
+           "DSV41_MEM_GATE_GIB": "0.001",
            "PATH": os.environ.get("PATH", "")}
     return env, sysfs
 
@@ -86,7 +84,6 @@ def test_all_local_checks_pass(node_env):
     assert results["roce"].status == "pass"
     assert results["ports"].status == "pass"
     assert results["memory"].status == "pass"
-    assert results["prepared"].status == "warn"  # not built yet: works, but the first start is slow
     # no NVIDIA driver in CI: skipped with the reason; on a GPU host it is a real check
     assert results["gpus"].status in ("skip", "pass", "fail")
 
@@ -205,8 +202,8 @@ def test_preflight_cli_json_and_exit_status(node_env, tmp_path, capsys):
     env_file = write_env(tmp_path / "dsv41.env", {**env, "DSV41_RDMA_PORTS": "", "DSV41_MEM_GATE_GIB": "0"})
     assert ops_main(["preflight", "--local", "--json", "--env-file", str(env_file)]) == 0
     checks = json.loads(capsys.readouterr().out)
-    assert {c["name"] for c in checks} == {"model", "engram", "prepared", "ports", "gpus", "roce", "memory"}
-    assert all(c["status"] in ("pass", "warn", "skip") for c in checks)
+    assert {c["name"] for c in checks} == {"model", "engram", "ports", "gpus", "roce", "memory"}
+    assert all(c["status"] in ("pass", "skip") for c in checks)
     env_file.write_text(env_file.read_text().replace(env["DSV41_MODEL"], "/missing"))
     assert ops_main(["preflight", "--local", "--env-file", str(env_file)]) == 1
     out = capsys.readouterr().out
@@ -433,26 +430,3 @@ def test_driver_tmpfiles_without_driver(tmp_path):
 
     with pytest.raises(ConfigError, match="no libcuda.so"):
         tmpfiles_text(tmp_path)
-
-
-# ------------------------------------------------------------------------------------------ warm
-
-def test_warm_manifest_sample_verification(tmp_path):
-    rank = tmp_path / "prepared" / "model-rev" / "key" / "rank0"
-    rank.mkdir(parents=True)
-    data = os.urandom(40 * 1024)
-    (rank / "data.bin").write_bytes(data)
-    size = 1024
-    chunks = [{"file": "data.bin", "offset": i, "size": size, "sha256": hashlib.sha256(data[i:i + size]).hexdigest()}
-              for i in range(0, len(data), size)]
-    manifest = rank / "manifest.json"
-    manifest.write_text(json.dumps({"chunks": chunks}))
-    assert verify_manifest(manifest) == []
-    # corrupt chunk 16 (sampled: every 16th) -> found; chunk 5 (not sampled) -> not looked at
-    corrupted = bytearray(data)
-    corrupted[16 * size] ^= 0xFF
-    corrupted[5 * size] ^= 0xFF
-    (rank / "data.bin").write_bytes(bytes(corrupted))
-    problems = verify_manifest(manifest)
-    assert problems == [f"{rank / 'data.bin'}: chunk at offset {16 * size} fails its sha256"]
-    assert len(verify_manifest(manifest, sample_every=1)) == 2

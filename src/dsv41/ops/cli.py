@@ -179,7 +179,7 @@ def register(subparsers) -> None:
     _env_arg(p)
     p.set_defaults(func=_run_boot)
 
-    p = subparsers.add_parser("warm", help="(dsv41-warm@.service) verify prepared files, build the kernel caches")
+    p = subparsers.add_parser("warm", help="(dsv41-warm@.service) check the Engram shards, build the kernel caches")
     p.add_argument("instance")
     _env_arg(p)
     p.set_defaults(func=_run_warm)

@@ -64,7 +64,6 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
 
 OPS_KNOBS: tuple[OpsKnob, ...] = (
     OpsKnob("DSV41_ENGRAM_DIR", "", "this node's packed Engram shards engram-l{L}-r{R}of{W}.bin (preflight, warm)"),
-    OpsKnob("DSV41_PREPARED_DIR", "", "prepared per-rank weight folders (preflight, warm)"),
     OpsKnob("DSV41_WORKER_SSH", "", "ssh destination of the worker (rank 1) as seen from the head, e.g. root@10.0.0.2"),
     OpsKnob("DSV41_LOCAL_RANKS", "", "ranks this node runs (rank0 on the head, rank1 on the worker); written by deploy"),
     OpsKnob("DSV41_RDMA_PORTS", "", "RoCE devices/ports that must be ACTIVE, e.g. rocep1s0f1:1 roceP2p1s0f1:1"),

@@ -1,8 +1,8 @@
 """`dsv41 preflight [--json]`: is this pair ready to start? Each check is independent and prints one line.
 
-Status per check: pass, fail (start would fail or hurt), warn (works but slow, e.g. no prepared folder yet) or skip
-(not configured / not applicable, with the reason). The head runs its checks locally and the worker's through
-`ssh worker dsv41 preflight --local --json`, then compares the model files of both.
+Status per check: pass, fail (start would fail or hurt) or skip (not configured / not applicable, with the
+reason). The head runs its checks locally and the worker's through `ssh worker dsv41 preflight --local --json`,
+then compares the model files of both.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ MODEL_FILES_HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json", 
 @dataclass
 class Check:
     name: str
-    status: str  # pass | fail | warn | skip
+    status: str  # pass | fail | skip
     detail: str
     data: dict = field(default_factory=dict)
 
@@ -139,16 +139,6 @@ def check_engram(node: Node) -> Check:
     return Check("engram", "pass", f"{', '.join(found)}: headers and sizes ok")
 
 
-def check_prepared(node: Node) -> Check:
-    folder = ops_value_or(node.env, "DSV41_PREPARED_DIR")
-    if not folder:
-        return Check("prepared", "skip", "DSV41_PREPARED_DIR is empty")
-    path = Path(folder)
-    if not path.is_dir() or not any(path.iterdir()):
-        return Check("prepared", "warn", f"{path}: not prepared yet (the first start builds it, slower)")
-    return Check("prepared", "pass", f"{path}: present")
-
-
 def _port_free(host: str, port: int) -> str | None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -226,7 +216,7 @@ def check_memory(node: Node) -> Check:
 
 
 LOCAL_CHECKS: tuple[Callable[[Node], Check], ...] = (
-    check_model, check_engram, check_prepared, check_ports, check_gpus, check_rdma, check_memory)
+    check_model, check_engram, check_ports, check_gpus, check_rdma, check_memory)
 
 
 def local_checks(node: Node) -> list[Check]:

@@ -24,7 +24,6 @@ import time
 import torch
 
 from dsv41.errors import DSV41Error
-from dsv41.parallel.args import register_tp_args  # noqa: F401 - re-exported: the CLI may import it from here too
 from dsv41.parallel.failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
 from dsv41.parallel.lockstep import LeaderModel, follow
 from dsv41.parallel.plan import PlanChannel

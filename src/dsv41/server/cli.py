@@ -25,8 +25,7 @@ DEFAULT_MAX_MODEL_LEN = 8192
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    # conflict_handler="resolve": a caller that adds the TP options again (older launch shims) does not break
-    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API", conflict_handler="resolve",
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                               description="Serve the model over an OpenAI-compatible HTTP API (hypercorn).")
     p.add_argument("--model", metavar="DIR", help="model folder (default: the built-in tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
@@ -155,11 +154,6 @@ def run_serve(args) -> int:
     if tp == 1 and rank not in (None, 0):
         raise DSV41Error(f"--rank {rank} is outside --tp 1 (ranks are 0..tp-1)")
     if tp > 1:  # TP=1 with --rank 0 (what a single-node unit passes) is the plain server
-        import torch.distributed
-
-        if torch.distributed.is_initialized():
-            # called from inside a rank that already joined its group (a launcher's serve callback)
-            return serve_model(args)
         from dsv41.parallel.launch import run_rank
 
         _api_key(args.api_key_file)  # refuse a bad key file before any rank starts
