@@ -8,6 +8,7 @@ by one UE8M0 scale per 32 values. `[lo, hi)` are the rows of the rank's hash col
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from dsv41.errors import CheckpointError
-from dsv41.weights.formats import FP8_MAX, e8m0_to_float, power_of_two_scale_byte
+from dsv41.weights.formats import FP8_MAX, e4m3_to_float, e8m0_to_float, power_of_two_scale_byte
 
 from .hashing import EngramConstants, head_shard
 
@@ -27,15 +28,58 @@ ROW_SCALE_BLOCK = 32
 SHARD_MAGIC = 0x31344E4531565344
 SHARD_HEADER_BYTES = 4096
 _SHARD_HEADER = struct.Struct("<QQQQQQ")  # magic, layer, lo, hi, total rows, row bytes
+SHARD_HEADER_FIELDS = ("layer", "lo", "hi", "total rows", "row bytes")
+_SHARD_NAME = re.compile(r"engram-l(\d+)-r(\d+)of(\d+)\.bin")
 
 
 def shard_file_name(layer_id: int, rank: int, world: int) -> str:
     return f"engram-l{layer_id}-r{rank}of{world}.bin"
 
 
+def parse_shard_file_name(name: str) -> tuple[int, int, int] | None:
+    """(layer, rank, world) of an `engram-l{L}-r{rank}of{world}.bin` name, None for any other name."""
+    match = _SHARD_NAME.fullmatch(name)
+    return tuple(int(g) for g in match.groups()) if match else None
+
+
 def fp8_row_bytes(head_dim: int) -> int:
     """Bytes of one packed FP8 row: the e4m3 values then one UE8M0 scale per 32 values."""
     return head_dim + -(-head_dim // ROW_SCALE_BLOCK)
+
+
+def shard_header(layer_id: int, lo: int, hi: int, total_rows: int, row_bytes: int) -> bytes:
+    """The whole 4096-byte header block of a shard file (the six fields, then zeros)."""
+    fields = _SHARD_HEADER.pack(SHARD_MAGIC, layer_id, lo, hi, total_rows, row_bytes)
+    return fields + bytes(SHARD_HEADER_BYTES - len(fields))
+
+
+def shard_file_bytes(lo: int, hi: int, row_bytes: int) -> int:
+    return SHARD_HEADER_BYTES + (hi - lo) * row_bytes
+
+
+def expected_shard_header(layer_id: int, constants: EngramConstants, rank: int, world: int) -> dict:
+    """The header fields of the file holding `rank`'s hash columns of one layer (as `read_shard_header` gives them)."""
+    lo, hi = constants.row_range(layer_id, *head_shard(constants.n_cols, rank, world))
+    return {"layer": layer_id, "lo": lo, "hi": hi, "total rows": constants.num_rows[constants.layer_index(layer_id)],
+            "row bytes": fp8_row_bytes(constants.head_dim)}
+
+
+def check_shard_file(path: str | Path, layer_id: int, constants: EngramConstants, rank: int, world: int) -> dict:
+    """Open-time validation of one rank's shard file: magic, every header field against the config's layout
+    and the file size. Returns the header; a mismatch is a `CheckpointError` naming the file and the field."""
+    path = Path(path)
+    expected = expected_shard_header(layer_id, constants, rank, world)
+    header = read_shard_header(path)
+    for field, want in expected.items():
+        if header[field] != want:
+            raise CheckpointError(f"{path}: header field '{field}' is {header[field]}, expected {want} "
+                                  f"(layer {layer_id}, rank {rank} of {world})")
+    size = path.stat().st_size
+    want_size = shard_file_bytes(header["lo"], header["hi"], header["row bytes"])
+    if size != want_size:
+        raise CheckpointError(f"{path}: file is {size} bytes, expected {want_size} ({header['hi'] - header['lo']} "
+                              f"rows of {header['row bytes']} bytes after the {SHARD_HEADER_BYTES}-byte header)")
+    return header
 
 
 def read_shard_header(path: str | Path) -> dict:
@@ -51,7 +95,14 @@ def read_shard_header(path: str | Path) -> dict:
     magic, layer, lo, hi, total, row_bytes = _SHARD_HEADER.unpack(head)
     if magic != SHARD_MAGIC:
         raise CheckpointError(f"{path}: not an Engram shard file (magic {magic:#018x}, expected {SHARD_MAGIC:#018x})")
-    return {"layer": layer, "lo": lo, "hi": hi, "total rows": total, "row bytes": row_bytes}
+    return dict(zip(SHARD_HEADER_FIELDS, (layer, lo, hi, total, row_bytes)))
+
+
+def dequant_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """e4m3 bytes `[n, head_dim]` and UE8M0 bytes `[n, ceil(head_dim/32)]` -> float32 `[n, head_dim]` on their
+    device: `e4m3 × 2^(scale − 127)` per 32 values (byte 0 -> 0). Every reader of FP8 rows uses this one."""
+    out = e4m3_to_float(values)
+    return out * e8m0_to_float(scales).repeat_interleave(ROW_SCALE_BLOCK, dim=-1)[..., : out.shape[-1]]
 
 
 def quantize_rows_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +138,7 @@ def write_engram_shard(path: str | Path, layer_id: int, lo: int, hi: int, total_
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     with open(tmp, "wb") as out:
-        header = _SHARD_HEADER.pack(SHARD_MAGIC, layer_id, lo, hi, total_rows, row_bytes)
-        out.write(header + bytes(SHARD_HEADER_BYTES - len(header)))
+        out.write(shard_header(layer_id, lo, hi, total_rows, row_bytes))
         for start in range(lo, hi, chunk_rows):
             stop = min(start + chunk_rows, hi)
             block = np.empty((stop - start, row_bytes), dtype=np.uint8)

@@ -1,8 +1,10 @@
 """Engram table rows (MODEL.md §4.1, EXL3-ENGRAM.md §5): one layer's table restricted to a rank's hash
 columns, read lazily from the checkpoint tensors or from a packed shard file (`shards`).
 
-The tables stay in host memory (memory-mapped: the release's are ~94 GiB each); `gather` reads only the rows
-it is asked for and hands them to the compute device, wherever the row ids came from.
+Checkpoint tensors stay memory-mapped (the tiny model and the test fixtures keep their tables there); a packed
+shard file is read with O_DIRECT on a thread pool (`reader`: the release's tables are ~94 GiB each and never
+enter memory). `submit` starts reading a step's rows as soon as its ids are known, `wait` hands them to the
+compute device; `gather` is the two in one.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ import numpy as np
 import torch
 
 from dsv41.errors import CheckpointError
-from dsv41.weights.formats import e4m3_to_float, e8m0_to_float
 from dsv41.weights.safetensors_io import Checkpoint, TensorInfo, read_header
 
 from .hashing import EngramConstants, head_shard
-from .shards import ROW_SCALE_BLOCK, SHARD_HEADER_BYTES, fp8_row_bytes, read_shard_header
+from .reader import ReadPool, ShardRows
+from .shards import ROW_SCALE_BLOCK, check_shard_file, dequant_fp8_rows
 
 _SAFETENSORS_DTYPES = {  # name -> (numpy storage dtype, bytes per element, kind)
     "F8_E4M3": (np.uint8, 1, "fp8"),
@@ -34,20 +36,48 @@ class _RowSource:
 
     def __init__(self, values: np.ndarray, scales: np.ndarray | None, kind: str, base: int, keepalive=None):
         self.values, self.scales, self.kind, self.base = values, scales, kind, base
+        self.n_rows = values.shape[0]
         self._keepalive = keepalive  # the mmap object behind the arrays
 
-    def read(self, local_rows: np.ndarray, device: torch.device) -> torch.Tensor:
-        """float32 `[len(local_rows), head_dim]` on `device`. Only the pages of those rows are touched, and only
-        their stored bytes travel to the device, where they are dequantised."""
-        raw = torch.from_numpy(np.ascontiguousarray(self.values[local_rows]))
-        if self.kind == "bf16":
-            raw = raw.view(torch.bfloat16)
-        raw = raw.to(device)
+    def submit(self, local_rows: np.ndarray) -> "_CopiedRows":
+        """Copy the rows' stored bytes out of the mapping now (only their pages are touched)."""
+        values = torch.from_numpy(np.ascontiguousarray(self.values[local_rows]))
+        scales = None if self.scales is None else torch.from_numpy(np.ascontiguousarray(self.scales[local_rows]))
+        return _CopiedRows(values.view(torch.bfloat16) if self.kind == "bf16" else values, scales, self.kind)
+
+
+class _CopiedRows:
+    """Rows already copied to the host; `wait` sends their stored bytes to the device and dequantises there."""
+
+    def __init__(self, values: torch.Tensor, scales: torch.Tensor | None, kind: str):
+        self.values, self.scales, self.kind = values, scales, kind
+
+    def wait(self, device: torch.device) -> torch.Tensor:
+        raw = self.values.to(device)
         if self.kind != "fp8":
             return raw.float()
-        values = e4m3_to_float(raw)
-        scales = e8m0_to_float(torch.from_numpy(np.ascontiguousarray(self.scales[local_rows])).to(device))
-        return values * scales.repeat_interleave(ROW_SCALE_BLOCK, dim=-1)[..., : values.shape[-1]]
+        return dequant_fp8_rows(raw, self.scales.to(device))
+
+
+class _ShardSource:
+    """A shard file's rows `[base, base + n)` behind the `_RowSource` interface."""
+
+    def __init__(self, rows: ShardRows, base: int):
+        self.rows, self.base, self.n_rows = rows, base, rows.n_rows
+
+    def submit(self, local_rows: np.ndarray):
+        return self.rows.submit(local_rows)
+
+
+class PendingRows:
+    """One `EngramTable.submit`: `wait(device)` gives float32 `[*row_ids.shape, head_dim]`."""
+
+    def __init__(self, pending, shape: tuple[int, ...], head_dim: int, device: torch.device):
+        self._pending, self._shape, self._head_dim, self.device = pending, shape, head_dim, device
+
+    def wait(self, device: torch.device | str | None = None) -> torch.Tensor:
+        device = self.device if device is None else torch.device(device)
+        return self._pending.wait(device).reshape(*self._shape, self._head_dim)
 
 
 class EngramTable:
@@ -68,7 +98,7 @@ class EngramTable:
         self.head_dim = constants.head_dim
         self.where = where
         self._source = source
-        n_source = source.values.shape[0]
+        n_source = source.n_rows
         if source.base > self.lo or source.base + n_source < self.hi:
             raise CheckpointError(f"{where}: holds rows [{source.base}, {source.base + n_source}) of layer "
                                   f"{layer_id}, rank {rank}/{world} needs [{self.lo}, {self.hi})")
@@ -105,49 +135,40 @@ class EngramTable:
 
     @classmethod
     def from_shard_file(cls, path: str | Path, layer_id: int, config, rank: int = 0, world: int = 1,
-                        constants: EngramConstants | None = None) -> "EngramTable":
-        """From a packed `engram-l{L}-r{rank}of{world}.bin` file; every header field is checked."""
+                        constants: EngramConstants | None = None, pool: ReadPool | None = None,
+                        direct: bool = True) -> "EngramTable":
+        """From a packed `engram-l{L}-r{rank}of{world}.bin` file: every header field and the size are checked
+        here; rows are then read with O_DIRECT on `pool` (`reader`), never mapped."""
         constants = constants or EngramConstants.from_config(config)
-        path = Path(path)
-        li = constants.layer_index(layer_id)
-        lo, hi = constants.row_range(layer_id, *head_shard(constants.n_cols, rank, world))
-        row_bytes = fp8_row_bytes(constants.head_dim)
-        expected = {"layer": layer_id, "lo": lo, "hi": hi, "total rows": constants.num_rows[li],
-                    "row bytes": row_bytes}
-        header = read_shard_header(path)
-        for field, want in expected.items():
-            if header[field] != want:
-                raise CheckpointError(f"{path}: header field '{field}' is {header[field]}, expected {want} "
-                                      f"(layer {layer_id}, rank {rank} of {world})")
-        size = path.stat().st_size
-        want_size = SHARD_HEADER_BYTES + (hi - lo) * row_bytes
-        if size != want_size:
-            raise CheckpointError(f"{path}: file is {size} bytes, expected {want_size} "
-                                  f"({hi - lo} rows of {row_bytes} bytes after the {SHARD_HEADER_BYTES}-byte header)")
-        with open(path, "rb") as handle:
-            mm = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        rows = np.ndarray((hi - lo, row_bytes), dtype=np.uint8, buffer=mm, offset=SHARD_HEADER_BYTES)
-        source = _RowSource(rows[:, : constants.head_dim], rows[:, constants.head_dim:], "fp8", base=lo,
-                            keepalive=mm)
-        return cls(layer_id, constants, source, rank, world, where=str(path))
+        header = check_shard_file(path, layer_id, constants, rank, world)
+        rows = ShardRows(path, header["hi"] - header["lo"], header["row bytes"], constants.head_dim, pool=pool,
+                         direct=direct)
+        return cls(layer_id, constants, _ShardSource(rows, header["lo"]), rank, world, where=str(path))
 
     # --- lookup -----------------------------------------------------------------------------------------------
-    def gather(self, row_ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
-        """Rows for this rank's hash columns: `row_ids` `[T, n_cols]` (all columns, as the hasher gives them)
-        or `[T, c1-c0]` (already restricted) -> float32 `[T, c1-c0, head_dim]` on `device` (default: the row
-        ids' device). The ids may live on any device; they are read on the host, where the table is."""
+    def submit(self, row_ids: torch.Tensor) -> PendingRows:
+        """Start reading the rows for this rank's hash columns: `row_ids` `[T, n_cols]` (all columns, as the
+        hasher gives them) or `[T, c1-c0]` (already restricted). `wait(device)` on the result gives float32
+        `[T, c1-c0, head_dim]` on `device` (default: the row ids' device). The ids may live on any device; they
+        are read on the host, where the table is."""
         c0, c1 = self.cols
         row_ids = torch.as_tensor(row_ids)
-        device = row_ids.device if device is None else torch.device(device)
+        device = row_ids.device
         row_ids = row_ids.to(device="cpu", dtype=torch.int64)
         if row_ids.shape[-1] == self.constants.n_cols and (c1 - c0) != self.constants.n_cols:
             row_ids = row_ids[..., c0:c1]
         if row_ids.shape[-1] != c1 - c0:
             raise ValueError(f"row ids have {row_ids.shape[-1]} columns, expected {self.constants.n_cols} or {c1 - c0}")
         if row_ids.numel() and (int(row_ids.min()) < self.lo or int(row_ids.max()) >= self.hi):
-            raise ValueError(f"{self.where}: row id outside this rank's rows [{self.lo}, {self.hi})")
+            bad = row_ids[(row_ids < self.lo) | (row_ids >= self.hi)][0]
+            raise ValueError(f"{self.where}: row id {int(bad)} outside this rank's rows [{self.lo}, {self.hi}) "
+                             f"(layer {self.layer_id}, rank {self.rank} of {self.world})")
         flat = (row_ids.reshape(-1) - self._source.base).numpy()
-        return self._source.read(flat, device).reshape(*row_ids.shape, self.head_dim)
+        return PendingRows(self._source.submit(flat), tuple(row_ids.shape), self.head_dim, device)
+
+    def gather(self, row_ids: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+        """`submit(row_ids).wait(device)`: the rows, read now."""
+        return self.submit(row_ids).wait(device)
 
 
 def _tensor_lookup(source) -> Callable[[str], "TensorInfo"]:

@@ -8,9 +8,10 @@ Tensor parallelism (EXL3-ENGRAM.md §5.3): the hash columns of a layer are split
 per rank (`head_shard`). A rank gathers only its columns' rows, multiplies them by its slice of `wkv`'s input
 rows (row-parallel), and the partial `kv` vectors are summed over ranks before the gate.
 
-Devices: the tables live in host memory and the hash runs on the CPU; the row ids may arrive on any device.
-`EngramLayer.forward` asks the table for its rows on the streams' device, and everything after that is computed
-on that device.
+Devices: the tables live in host memory or on local NVMe and the hash runs on the CPU; the row ids may arrive on
+any device. `EngramLayer.forward` asks the table for its rows on the streams' device, and everything after that is
+computed on that device. `EngramLayer.prefetch` starts that read early (the ids depend only on the tokens), so a
+shard file's reads run under the layers before this one.
 """
 
 from __future__ import annotations
@@ -98,12 +99,27 @@ class EngramLayer:
         self.q_weight, self.k_weight = q_weight, k_weight
         self.eps = eps
         self.sum_partials = sum_partials or (lambda x: x)
+        self._pending = None  # (row ids, PendingRows) of the last `prefetch`
+
+    def prefetch(self, row_ids: torch.Tensor) -> None:
+        """Start reading the rows of `row_ids` `[T, n_cols]` now (as soon as the tokens are known); the `forward`
+        with the same ids then only waits for them. A prefetch that no forward uses is dropped by the next one."""
+        self._pending = (torch.as_tensor(row_ids).cpu(), self.table.submit(row_ids))
+
+    def _rows(self, row_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            ids, read = pending
+            rows = read.wait(device)  # waited on even when unused, so its buffer goes back and errors surface
+            if torch.equal(ids, torch.as_tensor(row_ids).cpu()):
+                return rows
+        return self.table.gather(row_ids, device=device)
 
     def forward(self, streams: torch.Tensor, row_ids: torch.Tensor, live: torch.Tensor | None = None
                 ) -> torch.Tensor:
         """streams `[T, hc, d]`, this layer's row ids `[T, n_cols]` (on any device) -> updated streams, on the
         streams' device."""
-        rows = self.table.gather(row_ids, device=streams.device)
+        rows = self._rows(row_ids, streams.device)
         kv = self.sum_partials(engram_project(rows, self.wkv, streams.dtype))
         return engram_mix(streams, kv, self.q_weight.to(streams.device), self.k_weight.to(streams.device),
                           self.eps, live)

@@ -73,10 +73,13 @@ class WeightReader:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                fake_quant: bool = True, rank: int = 0, world: int = 1, comm: Comm | None = None,
-               dspark: bool | None = None, progress: Callable[[int, int, str], None] | None = None) -> Model:
+               dspark: bool | None = None, progress: Callable[[int, int, str], None] | None = None,
+               engram_dir: str | Path | None = None) -> Model:
     """Load the checkpoint folder for this rank. `progress(done, total, "layers")` is called as layers load (the
     server turns it into systemd STATUS / EXTEND_TIMEOUT_USEC lines). `dspark`: load the drafter (True), skip it
-    (False), or load it when the checkpoint has `mtp.*` tensors (None; HF exports drop them)."""
+    (False), or load it when the checkpoint has `mtp.*` tensors (None; HF exports drop them). `engram_dir`: the
+    folder of this rank's packed Engram shard files (`dsv41 engram pack`); without it the tables come from shard
+    files in the model folder or from the checkpoint's own tensors."""
     path = Path(path)
     cfg = ModelConfig.from_file(path)
     device = torch.device(device)
@@ -108,7 +111,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
 
     engram, hasher = {}, None
     if cfg.engram_layer_ids:
-        engram, hasher = _load_engram(reader, cfg, path, tokenizer, rank, world, comm)
+        engram, hasher = _load_engram(reader, cfg, path, tokenizer, rank, world, comm, engram_dir)
 
     model = Model(cfg, blocks, vocab, final_norm, engram=engram, engram_hasher=hasher, dtype=dtype, device=device,
                   comm=comm, tokenizer=tokenizer)
@@ -268,7 +271,8 @@ def load_dspark(reader: WeightReader, cfg: ModelConfig, tables, rank: int, world
     )
 
 
-def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, rank: int, world: int, comm: Comm):
+def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, rank: int, world: int, comm: Comm,
+                 engram_dir: str | Path | None = None):
     if tokenizer is None:
         raise CheckpointError(f"{path}: tokenizer.json is required to hash Engram n-grams")
     constants = EngramConstants.from_config(cfg)
@@ -276,8 +280,12 @@ def _load_engram(reader: WeightReader, cfg: ModelConfig, path: Path, tokenizer, 
     hc, d = cfg.hc_mult, cfg.hidden_size
     layers = {}
     for L in cfg.engram_layer_ids:
-        shard = path / shard_file_name(L, rank, world)
+        shard = Path(engram_dir or path) / shard_file_name(L, rank, world)
         name = f"layers.{L}.engram.embed.weight"
+        if engram_dir is not None and not shard.is_file():
+            raise CheckpointError(f"{engram_dir}: Engram shard file {shard.name} (layer {L}, rank {rank} of {world}) "
+                                  f"is missing; write it with `dsv41 engram pack --src ORIGINAL_CHECKPOINT --out "
+                                  f"{engram_dir} --rank {rank} --tp {world}`")
         if shard.is_file():
             table = EngramTable.from_shard_file(shard, L, cfg, rank, world, constants=constants)
         elif reader.ckpt.has(name):
