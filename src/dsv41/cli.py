@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny)
 
-    for module in ("server.cli", "ops.cli"):
+    for module in ("server.cli", "ops.cli", "engram.cli"):
         _register_optional(module, sub)
     return parser
 
