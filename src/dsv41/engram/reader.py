@@ -145,7 +145,7 @@ class ShardRows:
         return fd, 1, False
 
     def close(self) -> None:
-        if self.fd >= 0:
+        if getattr(self, "fd", -1) >= 0:
             os.close(self.fd)
             self.fd = -1
 
