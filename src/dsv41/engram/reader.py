@@ -219,8 +219,9 @@ class PendingRead:
         host = torch.empty((n_unique, rb), dtype=torch.uint8,
                            pin_memory=device.type == "cuda" and torch.cuda.is_available())
         if n_unique:  # each row's bytes out of the read buffer: a sliding-window view, rows picked by offset
-            window = torch.frombuffer(self._buf, dtype=torch.uint8, count=self._plan.total).unfold(0, rb, 1)
-            torch.index_select(window, 0, torch.from_numpy(self._plan.row_pos), out=host)
+            window = np.lib.stride_tricks.sliding_window_view(
+                np.frombuffer(self._buf, dtype=np.uint8, count=self._plan.total), rb)
+            host.numpy()[:] = window[self._plan.row_pos]  # numpy: no intra-op threads to wake on a busy host
             del window
         src._give_buffer(self._buf)
         self._buf = None
