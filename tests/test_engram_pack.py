@@ -21,22 +21,13 @@ from dsv41.engram.shards import dequant_fp8_rows, shard_file_name, shard_header
 from dsv41.engram.source import OriginalCheckpoint
 from dsv41.engram.tables import EngramTable
 from dsv41.errors import CheckpointError
-from test_engram_pack_source import make_original, original, run_cli  # noqa: F401 (fixture)
+from test_engram_pack_source import original, packed, run_cli  # noqa: F401 (fixtures)
 
 
 def expected_file(src: OriginalCheckpoint, tables, layer_id: int, rank: int, world: int) -> bytes:
     c = src.constants
     lo, hi = c.row_range(layer_id, *head_shard(c.n_cols, rank, world))
     return shard_header(layer_id, lo, hi, tables[layer_id].shape[0], 264) + tables[layer_id][lo:hi].tobytes()
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory, original):
-    """The synthetic original packed for TP=2, both ranks, in one folder."""
-    folder, tables = original
-    out = tmp_path_factory.mktemp("packed")
-    reports = [pack_rank(folder, out, rank, 2, chunk_rows=10_000, progress=False) for rank in range(2)]
-    return out, reports
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -66,7 +57,7 @@ def test_every_row_equals_the_source(tmp_path, original, world):
 
 
 def test_a_second_run_leaves_complete_files_alone(packed, original):
-    out, _ = packed
+    out = packed[2]
     before = {p: p.stat().st_mtime_ns for p in out.glob("*.bin")}
     report = pack_rank(original[0], out, 0, 2, progress=False)
     assert not report.files and len(report.skipped) == 2 and report.bytes_written == 0
@@ -80,7 +71,7 @@ def test_a_foreign_file_under_the_final_name_is_refused(tmp_path, original):
 
 
 def test_check_passes_on_the_packed_files(packed, original):
-    out, _ = packed
+    out = packed[2]
     report = check_pack(original[0], out, full=True)
     assert report.ok and len(report.passed) == 4, report.problems
     proc = run_cli("pack", "--src", str(original[0]), "--check", str(out), "--rank", "1", "--tp", "2")
@@ -89,7 +80,7 @@ def test_check_passes_on_the_packed_files(packed, original):
 
 
 def corrupt_copy(tmp_path, packed, name: str, offset: int, flip: int = 0x01):
-    data = bytearray((packed[0] / name).read_bytes())
+    data = bytearray((packed[2] / name).read_bytes())
     data[offset] ^= flip
     (tmp_path / name).write_bytes(bytes(data))
     return tmp_path / name
@@ -125,7 +116,7 @@ def test_check_names_a_corrupted_header(tmp_path, packed, original, offset, mess
 
 def test_check_names_missing_and_wrong_size_files(tmp_path, packed, original):
     name = shard_file_name(1, 0, 2)
-    (tmp_path / name).write_bytes((packed[0] / name).read_bytes() + b"\0")
+    (tmp_path / name).write_bytes((packed[2] / name).read_bytes() + b"\0")
     problems = check_pack(original[0], tmp_path, rank=0, world=2).problems
     assert any(p.endswith(f"{shard_file_name(4, 0, 2)}: missing") for p in problems)
     assert any("bytes, expected" in p and name in p for p in problems)

@@ -70,6 +70,18 @@ def original(tmp_path_factory):
     return folder, make_original(folder)
 
 
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory, original):
+    """The synthetic original packed for TP=2, both ranks, in one folder: (source, tables, folder)."""
+    from dsv41.engram.pack import pack_rank
+
+    folder, tables = original
+    out = tmp_path_factory.mktemp("packed")
+    for rank in range(2):
+        pack_rank(folder, out, rank, 2, chunk_rows=10_000, progress=False)
+    return OriginalCheckpoint(folder), tables, out
+
+
 def run_cli(*args: str, check: bool = False) -> subprocess.CompletedProcess:
     """`dsv41 engram ...` in a fresh process."""
     proc = subprocess.run([sys.executable, "-m", "dsv41.cli", "engram", *args], capture_output=True, text=True,

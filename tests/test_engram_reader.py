@@ -12,23 +12,12 @@ import torch
 
 from dsv41.engram import reader as reader_mod
 from dsv41.engram.hashing import head_shard
-from dsv41.engram.pack import pack_rank
 from dsv41.engram.reader import ReadPool, ShardRows, plan_reads
 from dsv41.engram.shards import dequant_fp8_rows, shard_file_name
-from dsv41.engram.source import OriginalCheckpoint
 from dsv41.engram.tables import EngramTable
 from dsv41.errors import CheckpointError
 from dsv41.model.engram import EngramLayer
-from test_engram_pack_source import original  # noqa: F401 (fixture)
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory, original):
-    folder, tables = original
-    out = tmp_path_factory.mktemp("packed")
-    for rank in range(2):
-        pack_rank(folder, out, rank, 2, progress=False)
-    return OriginalCheckpoint(folder), tables, out
+from test_engram_pack_source import original, packed  # noqa: F401 (fixtures)
 
 
 def source_rows(table: np.ndarray, rows) -> torch.Tensor:
