@@ -240,6 +240,24 @@ def test_failed_first_deploy_stops_the_ranks():
     assert "systemctl stop dsv41@rank1.service" in nodes.commands(WORKER)[-1]
 
 
+def test_dsv41_deploy_is_the_deploy_program():
+    """`dsv41 deploy` (a subcommand like the other ops commands) prints the same dry run as the program behind
+    `nix run .#deploy --`, and has its own --help."""
+    argv = ["--head", HEAD, "--worker", WORKER, "--config", str(EXAMPLE), "--flake", "/src", "--dry-run"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+
+    def run(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", *cmd], capture_output=True, text=True, env=env, timeout=60)
+
+    sub, program = run("dsv41.cli", "deploy", *argv), run("dsv41.ops.deploy", *argv)
+    assert sub.returncode == 0 and program.returncode == 0, sub.stderr + program.stderr
+    assert sub.stdout == program.stdout and sub.stdout.rstrip().endswith("dry run: nothing was run")
+    usage = run("dsv41.cli", "deploy", "--help")
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: dsv41 deploy") and "--dry-run" in usage.stdout
+    same = run("dsv41.cli", "deploy", "--head", HEAD, "--worker", HEAD)
+    assert same.returncode == 2 and same.stderr == "dsv41: error: --head and --worker must be different hosts\n"
+
+
 # ------------------------------------------------------------------------------------------ the Nix app wrapper
 
 def test_nix_app_wrapper_runs_the_deploy_program(tmp_path):
@@ -269,7 +287,7 @@ def test_example_maps_to_serve_flags():
     env = parse_env_file(EXAMPLE)
     assert unknown_keys(env) == []
     assert serve_argv(env, 1) == [
-        "--model", "/srv/dsv41/model", "--host", "127.0.0.1", "--port", "8000",
+        "--model", "/srv/dsv41/model", "--engram-dir", "/srv/dsv41/engram", "--host", "127.0.0.1", "--port", "8000",
         "--served-name", "DeepSeek-V4.1-Flash", "--alias", "deepseek-v4.1-flash",
         "--drain-timeout", "20", "--request-log", "/var/lib/dsv41/requests.jsonl",
         "--tp", "2", "--master", "10.0.0.1:29571", "--tp-backend", "nccl", "--tp-deadline", "900",

@@ -246,6 +246,7 @@ def test_serve_notifies_systemd(notify_socket, tmp_path):
             missing.append("STOPPING=1 on SIGTERM")
         assert proc.wait(timeout=120) == 0
         assert not missing, f"dsv41 serve did not send: {'; '.join(missing)} (loading messages: {loading})"
+        assert "loading:" not in (tmp_path / "serve.log").read_text()  # no progress bar when stderr is no terminal
     finally:
         if proc.poll() is None:
             proc.kill()

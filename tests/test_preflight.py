@@ -345,6 +345,15 @@ def test_canary_server_down():
     assert rc == 1 and lines[-1].startswith("canary: FAILED:") and "/health not ok after 1 s" in lines[-1]
 
 
+def test_canary_names_the_unreachable_address():
+    port = free_port()
+    result = subprocess.run([PY, "-m", "dsv41.cli", "canary", "--url", f"http://127.0.0.1:{port}"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.startswith(f"dsv41: error: cannot reach the server: http://127.0.0.1:{port}/health: ")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 def tiny_server_available() -> str | None:
     import importlib.util
 

@@ -38,6 +38,13 @@ def test_models_health_and_auth(server, client):
     assert near.status_code == 401
 
 
+def test_version_endpoint_needs_no_key(server):
+    import importlib.metadata
+
+    reply = httpx.get(f"{server.url}/version")
+    assert reply.status_code == 200 and reply.json() == {"version": importlib.metadata.version("dsv41")}
+
+
 def test_chat_non_stream_thinking_default(client):
     resp = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=12, seed=1)
     assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")

@@ -20,20 +20,65 @@ def _model_dir(arg: str | None) -> Path:
     return default_model_dir()
 
 
+def resolve_device(name: str):
+    """`--device` as a torch.device (`auto`: cuda when available, else cpu). A CUDA device this host does not have
+    is a one-line DSV41Error before anything loads, not a torch traceback from deep inside the load."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise DSV41Error(f"--device {name}: not a torch device (cpu, cuda, cuda:N or auto)") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DSV41Error(f"--device {name}: CUDA is not available on this host ({why}; torch {torch.__version__})")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise DSV41Error(f"--device {name}: this host has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
+
+
+class LoadBar:
+    """A progress bar on stderr while a model loads (the loader's `progress(done, total, what)` callback), drawn only
+    when stderr is a terminal: under systemd the server reports STATUS= lines instead, and pipes (tests, journald)
+    get nothing."""
+
+    def __init__(self, stream=None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty()
+        self._bar = None
+
+    def update(self, done: int, total: int, what: str) -> None:
+        if not self.enabled:
+            return
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="loading", unit=f" {what}", file=self.stream)
+        self._bar.total = total
+        self._bar.update(done - self._bar.n)
+        if done >= total:
+            self._bar.close()
+            self._bar = None
+
+
 def _load(args, dspark: bool = False):
     import torch
 
     from .model.loader import load_model
     dtype = getattr(torch, args.dtype)
-    return load_model(_model_dir(args.model), dtype=dtype, device=args.device, fake_quant=not args.no_fake_quant,
-                      dspark=dspark)
+    return load_model(_model_dir(args.model), dtype=dtype, device=resolve_device(args.device),
+                      fake_quant=not args.no_fake_quant, dspark=dspark, progress=LoadBar().update)
 
 
 def _model_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     p.add_argument("--model", metavar="DIR", required=model_required,
                    help="checkpoint folder" + ("" if model_required else " (default: the built-in tiny model)"))
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default float32)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, auto (default cpu)")
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and index fake quantisation everywhere (diagnosis)")
 
@@ -156,7 +201,9 @@ def cmd_make_tiny(args) -> int:
 # ------------------------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     from dsv41.tiny.model import DEFAULT_FORMAT, FORMATS
+    from . import __version__
     parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference appliance")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", help="continue a prompt and print tokens/s")
@@ -213,6 +260,8 @@ def _register_optional(module: str, sub) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", None) is not None:  # generate, score, bench, serve: refused before any load
+            resolve_device(args.device)
         return args.func(args) or 0
     except DSV41Error as e:
         print(f"dsv41: error: {e}", file=sys.stderr)

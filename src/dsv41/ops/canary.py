@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from dsv41.errors import ConfigError
+from dsv41.errors import ConfigError, DSV41Error
 from dsv41.ops.health import Reply, base_url, health, request
 
 WEATHER_TOOL = {
@@ -209,12 +209,13 @@ def run_canary(env: Mapping[str, str], url: str | None = None, api_key_file: str
             api_key = Path(key_file).read_text().strip()
         except OSError as exc:
             raise ConfigError(f"api key file {key_file}: {exc.strerror}") from None
-    if wait_s > 0:
-        reply = wait_healthy(base, wait_s)
-        if not reply.ok:
-            out(f"canary: FAILED: {base}/health not ok after {wait_s:.0f} s "
-                f"(HTTP {reply.status or 'no reply'} {reply.error})".rstrip())
-            return 1
+    reply = wait_healthy(base, wait_s)  # one look at /health when not waiting
+    if wait_s > 0 and not reply.ok:
+        out(f"canary: FAILED: {base}/health not ok after {wait_s:.0f} s "
+            f"(HTTP {reply.status or 'no reply'} {reply.error})".rstrip())
+        return 1
+    if reply.status == 0:  # nothing listens there: one line naming the address, not five failed probes
+        raise DSV41Error(f"cannot reach the server: {reply.error}")
     canary = Canary(base, model or resolve_model(base, api_key, env), api_key, level)
     results = canary.run()
     for r in results:

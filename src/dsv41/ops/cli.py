@@ -124,6 +124,13 @@ def _run_warm(args) -> int:
     return warm(args.instance, load_env(args.env_file))
 
 
+def _run_deploy(args) -> int:
+    from dsv41.ops import host_commands
+    from dsv41.ops.deploy import Deploy, options
+
+    return Deploy(options(args), host_commands.run).execute()
+
+
 def _run_driver_tmpfiles(args) -> int:
     from dsv41.ops.driver import tmpfiles_text
 
@@ -132,7 +139,9 @@ def _run_driver_tmpfiles(args) -> int:
 
 
 def register(subparsers) -> None:
-    """Add preflight, watchdog, status, canary, render-units and the unit helpers to `dsv41`'s subparsers."""
+    """Add preflight, watchdog, status, canary, deploy, render-units and the unit helpers to `dsv41`'s subparsers."""
+    from dsv41.ops import deploy  # argparse and the stdlib only
+
     p = subparsers.add_parser("preflight", help="check both nodes are ready to start (files, ports, GPUs, RoCE, memory)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
     p.add_argument("--local", action="store_true", help="check this node only (no ssh to the worker)")
@@ -159,6 +168,13 @@ def register(subparsers) -> None:
                    help="first wait up to S seconds for /health to be ok")
     _env_arg(p)
     p.set_defaults(func=_run_canary)
+
+    p = subparsers.add_parser("deploy", help="install dsv41 on both Sparks (what `nix run .#deploy --` runs)",
+                              description="Install dsv41 on both Sparks: build the closure, copy it, switch the "
+                                          "profile, restart the pair, gate on the canary, roll back on failure "
+                                          "(docs/OPERATIONS.md section 2).")
+    deploy.add_arguments(p)
+    p.set_defaults(func=_run_deploy)
 
     p = subparsers.add_parser("render-units", help="render the systemd units for a profile prefix")
     p.add_argument("--prefix", default=PROFILE, help=f"installed dsv41 profile (default {PROFILE})")

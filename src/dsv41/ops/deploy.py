@@ -252,8 +252,8 @@ class Deploy:
                  else "deploy FAILED: the gate did not pass; the ranks are stopped")
 
 
-def parse_args(argv: list[str] | None) -> Options:
-    p = argparse.ArgumentParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """deploy's options: on its own parser (`nix run .#deploy --`) and on `dsv41 deploy`."""
     p.add_argument("--head", required=True, help="ssh destination of the head (rank 0), e.g. root@spark-a")
     p.add_argument("--worker", required=True, help="ssh destination of the worker (rank 1), e.g. root@spark-b")
     p.add_argument("--config", type=Path, help="env file installed as /etc/dsv41/dsv41.env on both nodes")
@@ -268,12 +268,24 @@ def parse_args(argv: list[str] | None) -> Options:
                    help="seconds to wait for /health before the canary (default 900)")
     p.add_argument("--canary-level", choices=("full", "structural"), default="full")
     p.add_argument("--restart", action="store_true", help="restart even when nothing changed")
-    args = p.parse_args(argv)
+
+
+def options(args: argparse.Namespace) -> Options:
     if args.head == args.worker:
-        p.error("--head and --worker must be different hosts")
+        raise ConfigError("--head and --worker must be different hosts")
     return Options(head=args.head, worker=args.worker, flake=args.flake, config=args.config, dry_run=args.dry_run,
                    build_on=args.build_on, system=args.system, driver_libdir=args.driver_libdir,
                    ready_timeout=args.ready_timeout, canary_level=args.canary_level, force_restart=args.restart)
+
+
+def parse_args(argv: list[str] | None) -> Options:
+    p = argparse.ArgumentParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return options(args)
+    except ConfigError as exc:
+        p.error(str(exc))
 
 
 def main(argv: list[str] | None = None, run: CommandRunner = host_commands.run) -> int:

@@ -3,7 +3,8 @@
 systemd reads the file through `EnvironmentFile=`, so the service process sees the knobs as environment variables;
 `dsv41 launch rankN` turns them into the exact `dsv41 serve` command line (one knob = one flag, no hidden
 defaults: an empty or unset knob passes no flag, and serve's own default applies). Ops knobs are read only by the
-ops commands (watchdog, preflight, deploy) and never reach serve.
+ops commands (watchdog, preflight, warm, deploy); serve ignores them. Preflight and warm read some serve knobs too
+(DSV41_MODEL, DSV41_ENGRAM_DIR, DSV41_PORT, ...).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class OpsKnob:
 
 SERVE_KNOBS: tuple[ServeKnob, ...] = (
     ServeKnob("DSV41_MODEL", "--model", "model folder (config.json, tokenizer, safetensors); byte-identical on both nodes"),
+    ServeKnob("DSV41_ENGRAM_DIR", "--engram-dir", "this node's packed Engram shards engram-l{L}-r{R}of{W}.bin (also "
+              "checked by preflight and warm)"),
     ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)"),
     ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0"),
     ServeKnob("DSV41_SERVED_NAME", "--served-name", "model id reported by /v1/models"),
@@ -63,7 +66,6 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
 )
 
 OPS_KNOBS: tuple[OpsKnob, ...] = (
-    OpsKnob("DSV41_ENGRAM_DIR", "", "this node's packed Engram shards engram-l{L}-r{R}of{W}.bin (preflight, warm)"),
     OpsKnob("DSV41_WORKER_SSH", "", "ssh destination of the worker (rank 1) as seen from the head, e.g. root@10.0.0.2"),
     OpsKnob("DSV41_LOCAL_RANKS", "", "ranks this node runs (rank0 on the head, rank1 on the worker); written by deploy"),
     OpsKnob("DSV41_RDMA_PORTS", "", "RoCE devices/ports that must be ACTIVE, e.g. rocep1s0f1:1 roceP2p1s0f1:1"),

@@ -267,6 +267,12 @@ async def health(ctx: ServerContext, request: Request) -> Response:
     return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
 
+async def version(ctx: ServerContext, request: Request) -> Response:
+    from .. import __version__
+
+    return JSONResponse({"version": __version__})
+
+
 async def metrics(ctx: ServerContext, request: Request) -> Response:
     stats = ctx.engine.stats()
     ctx.metrics.engine_gauges(stats.running, stats.waiting)
@@ -296,6 +302,7 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Starlette:
         Route("/health", _endpoint("health", health, guarded=False), methods=["GET"]),
         Route("/v1/health", _endpoint("health", health, guarded=False), methods=["GET"]),
         Route("/metrics", _endpoint("metrics", metrics, guarded=False), methods=["GET"]),
+        Route("/version", _endpoint("version", version, guarded=False), methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager

@@ -3,8 +3,9 @@
 With `--tp N` (options from `dsv41.parallel.args`) the process runs one rank of a tensor-parallel group through
 `dsv41.parallel.launch.run_rank`; rank 0 serves HTTP with the group's leader model, the others follow it.
 
-Order (PLATFORM.md §4.3): load model, tokenizer and grammar compiler first (extending systemd's start timeout),
-bind the socket, start hypercorn, run one warm-up token, then report READY=1 and /health 200. SIGTERM/SIGINT
+Order (PLATFORM.md §4.3): check the arguments and bind the HTTP socket (not yet listening: a taken port is a
+one-line error at once, not after the load), load model, tokenizer and grammar compiler (extending systemd's start
+timeout), listen, start hypercorn, run one warm-up token, then report READY=1 and /health 200. SIGTERM/SIGINT
 start a drain: STOPPING=1, /health 503, new requests 503, in-flight requests get --drain-timeout seconds, the
 rest end with an error event; then hypercorn stops.
 """
@@ -15,8 +16,10 @@ import argparse
 import asyncio
 import logging
 import signal
+import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DSV41Error
@@ -50,6 +53,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and index fake quantisation (diagnosis; results then differ from the "
                         "release's forward)")
+    p.add_argument("--engram-dir", metavar="DIR",
+                   help="folder of this rank's packed Engram shards engram-l{L}-r{R}of{W}.bin (default: "
+                        "$DSV41_ENGRAM_DIR, as preflight reads it; unset: the tables in the model folder)")
     from dsv41.parallel.args import register_tp_args  # argparse only: no torch import here
 
     register_tp_args(p)
@@ -70,6 +76,8 @@ def _api_key(path: str | None) -> str | None:
 
 
 def _bind(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound but not listening: it holds the port while the model loads, and a client that
+    connects meanwhile is refused at once instead of waiting in the backlog. `serve_model` listens."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -78,8 +86,6 @@ def _bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise DSV41Error(f"cannot bind {host}:{port}: {exc.strerror}") from None
-    sock.listen(512)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -94,6 +100,31 @@ def _model_folder(args) -> Path:
     return default_model_dir()
 
 
+def _engram_dir(args) -> Path | None:
+    if args.engram_dir:
+        value, name = args.engram_dir, "--engram-dir"
+    else:
+        value, name = os.environ.get("DSV41_ENGRAM_DIR", "").strip(), "DSV41_ENGRAM_DIR"
+    if not value:
+        return None
+    if not Path(value).is_dir():
+        raise DSV41Error(f"{name} {value}: no such folder")
+    return Path(value)
+
+
+@dataclass
+class Startup:
+    """What `serve` checks before it binds or loads anything (each a one-line error when wrong)."""
+
+    folder: Path
+    api_key: str | None
+    engram_dir: Path | None
+
+    @classmethod
+    def check(cls, args) -> "Startup":
+        return cls(_model_folder(args), _api_key(args.api_key_file), _engram_dir(args))
+
+
 def _set_threads(args) -> None:
     if args.cpu_threads:
         import torch
@@ -106,34 +137,49 @@ def model_placement(args):
     plain `cuda` is this rank's device."""
     import torch
 
-    device = getattr(args, "device", "auto")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(args, "dtype", "auto")
+    from ..cli import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = args.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    return torch.device(device), getattr(torch, dtype)
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return device, getattr(torch, dtype)
 
 
-def build_server(args, model=None, progress=None):
-    """Load everything the server needs (before any socket is bound) and return the ServerContext.
+def load_progress(notifier, terminal: bool = True):
+    """The loader's progress callback: systemd STATUS= lines (ops.notify.LoadProgress) and, when stderr is a
+    terminal, a progress bar."""
+    from ..cli import LoadBar
+    from ..ops.notify import LoadProgress
 
-    `model`: an already-loaded model (the TP leader on rank 0); by default the folder's model is loaded here.
-    """
+    sinks = [LoadProgress(notifier).update] + ([LoadBar().update] if terminal else [])
+
+    def report(done: int, total: int, what: str) -> None:
+        for sink in sinks:
+            sink(done, total, what)
+
+    return report
+
+
+def load_serving_model(args, startup: Startup, progress, **tp):
+    """This rank's model (`tp`: rank, world, comm under tensor parallelism). The drafter stays unloaded until the
+    scheduler drafts (it would only cost memory and time per token)."""
+    from ..model.loader import load_model
+
+    _set_threads(args)
+    device, dtype = model_placement(args)
+    return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant, dspark=False,
+                      progress=progress, engram_dir=startup.engram_dir, **tp)
+
+
+def build_server(args, startup: Startup, model):
+    """The ServerContext around a loaded model (the folder's, or the TP leader on rank 0)."""
     from dsv41.structured.grammar import Grammars
     from ..engine.serial import SerialEngine
-    from ..model.loader import load_model
     from ..tokenizer import Tokenizer
     from .context import ServerConfig, ServerContext
 
-    _set_threads(args)
-    folder = _model_folder(args)
-    api_key = _api_key(args.api_key_file)
-    if model is None:
-        device, dtype = model_placement(args)
-        # the drafter stays unloaded until the scheduler drafts (it would only cost memory and time per token)
-        model = load_model(folder, dtype=dtype, device=device, fake_quant=not getattr(args, "no_fake_quant", False),
-                           dspark=False, progress=progress)
+    folder = startup.folder
     model_config = getattr(model, "config", None) or model.cfg
     tokenizer = Tokenizer.from_dir(folder)
     limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
@@ -143,55 +189,52 @@ def build_server(args, model=None, progress=None):
     grammars = Grammars(folder / "tokenizer.json", vocab_size=engine.vocab_size, stop_token_ids=[tokenizer.eos_id])
     config = ServerConfig(
         served_name=args.served_name or folder.name, aliases=tuple(args.alias), max_model_len=max_model_len,
-        max_body_bytes=args.max_body_bytes, api_key=api_key, drain_timeout_s=args.drain_timeout,
+        max_body_bytes=args.max_body_bytes, api_key=startup.api_key, drain_timeout_s=args.drain_timeout,
         request_log=args.request_log)
     return ServerContext(config, engine, tokenizer, grammars)
 
 
 def run_serve(args) -> int:
     """`dsv41 serve`: TP=1 in this process, or one rank of a tensor-parallel group (rank 0 serves HTTP)."""
-    tp, rank = getattr(args, "tp", 1) or 1, getattr(args, "rank", None)
+    tp, rank = args.tp or 1, args.rank
     if tp == 1 and rank not in (None, 0):
         raise DSV41Error(f"--rank {rank} is outside --tp 1 (ranks are 0..tp-1)")
-    if tp > 1:  # TP=1 with --rank 0 (what a single-node unit passes) is the plain server
-        from dsv41.parallel.launch import run_rank
+    startup = Startup.check(args)
+    sock = _bind(args.host, args.port) if rank in (None, 0) else None  # only rank 0 serves HTTP
+    if tp == 1:  # TP=1 with --rank 0 (what a single-node unit passes) is the plain server
+        return serve_model(args, startup, sock)
+    from dsv41.parallel.launch import run_rank
 
-        _api_key(args.api_key_file)  # refuse a bad key file before any rank starts
-        folder = _model_folder(args)
+    from ..ops.notify import Notifier
+    notifier = Notifier()
+    notifier.extend_timeout(600, status="joining the tensor-parallel group")
+    progress = load_progress(notifier, terminal=rank in (None, 0))  # one bar per terminal: rank 0's
 
-        def load(rank: int, world: int, comm):
-            from ..model.loader import load_model
+    def load(rank: int, world: int, comm):
+        return load_serving_model(args, startup, progress, rank=rank, world=world, comm=comm)
 
-            _set_threads(args)
-            device, dtype = model_placement(args)
-            return load_model(folder, dtype=dtype, device=device, rank=rank, world=world, comm=comm,
-                              fake_quant=not args.no_fake_quant, dspark=False,
-                              progress=LoadProgress(notifier).update)
-
-        from ..ops.notify import LoadProgress, Notifier
-        notifier = Notifier()
-        notifier.extend_timeout(600, status="joining the tensor-parallel group")
-        return run_rank(args, load=load, serve=lambda leader: serve_model(args, leader), on_ready=notifier.ready,
-                        watchdog=notifier.watchdog)
-    return serve_model(args)
+    return run_rank(args, load=load, serve=lambda leader: serve_model(args, startup, sock, leader),
+                    on_ready=notifier.ready, watchdog=notifier.watchdog)
 
 
-def serve_model(args, model=None) -> int:
-    """Serve HTTP until SIGTERM/SIGINT (with `model` already loaded, or loading the folder's)."""
+def serve_model(args, startup: Startup, sock: socket.socket, model=None) -> int:
+    """Serve HTTP on `sock` until SIGTERM/SIGINT (with `model` already loaded, or loading the folder's)."""
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
     from ..ops.journal import setup_logging
-    from ..ops.notify import LoadProgress, Notifier, WatchdogPinger
+    from ..ops.notify import Notifier, WatchdogPinger
     from .app import build_app
 
     setup_logging()
     notifier = Notifier()
-    notifier.extend_timeout(600, status="loading model")
-    ctx = build_server(args, model, progress=LoadProgress(notifier).update)
+    if model is None:
+        notifier.extend_timeout(600, status="loading model")
+        model = load_serving_model(args, startup, load_progress(notifier))
+    ctx = build_server(args, startup, model)
     # WATCHDOG=1 only while the engine loop makes progress, not merely while this process is alive
     pinger = WatchdogPinger(notifier, ctx.engine.healthy)
-    sock = _bind(args.host, args.port)
+    sock.listen(512)
     host, port = sock.getsockname()[:2]
 
     hc = Config()
