@@ -70,8 +70,8 @@ def test_load_progress_bar_on_a_terminal():
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a pty starts 0 columns wide
     try:
-        result = dsv41("generate", "--prompt", "hi", "--max-tokens", "1", "--model", str(model_dir()), stdout=subprocess.PIPE,
-                       stderr=slave)
+        result = dsv41("generate", "--prompt", "hi", "--max-tokens", "1", "--model", str(model_dir()),
+                       stdout=subprocess.PIPE, stderr=slave)
         os.close(slave)
         slave = None
         assert result.returncode == 0
