@@ -1,4 +1,4 @@
-"""EXL3 Triton kernels (dsv41.kernels) against the pure-torch reference (dsv41.weights.exl3) and the golden layers.
+"""EXL3 Triton kernels (dsv41.kernels.exl3) against the pure-torch reference (dsv41.weights.exl3) and the golden layers.
 
 CPU part: the kernels run in Triton's interpreter. TRITON_INTERPRET must be set before the kernels are decorated,
 and setting it in this process would turn every other Triton kernel of the test session into an interpreted one,
@@ -23,6 +23,16 @@ FIXTURES = REPO.parent / "shared" / "fixtures" / "exl3"
 # Integer-K golden layers (the kernels take integer K; half-integer K stays on the reference path).
 FIXTURE_NAMES = sorted(p.stem for p in FIXTURES.glob("*.safetensors") if "p5" not in p.stem)
 CODEBOOKS = ("3inst", "mcg", "mul1")
+PACK_SHAPES = [
+    # (k, n, K): expert gate/up K=3 and K=2, expert down, shared expert K=5, wq_b, wo_b, head slice (K=6)
+    (5120, 2304, 3),
+    (5120, 2304, 2),
+    (2304, 5120, 3),
+    (5120, 2304, 5),
+    (1280, 32768, 5),
+    (8192, 5120, 5),
+    (5120, 16384, 6),
+]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,35 +112,33 @@ def _worker_random(results: dict) -> None:
             results[f"random/{cb}/K{K}"] = {"matmul_rel_fp64": _rel(y, y64), "matmul_max_elem_fp64": _max_elem(y, y64)}
 
 
-def _worker_row_invariance(results: dict) -> None:
+def _worker_rows_in_other_batches(results: dict) -> None:
+    """Rows run in other batches (alone, in subsets, reordered, beside other rows, with the input pre-rotated):
+    the largest per-row error against fp64. The bits are not compared here: the interpreter's tl.dot is numpy's
+    BLAS, whose kernels (and so the fp32 summation order of a row) depend on the shape, the row's place in the
+    block and the CPU. Bitwise row invariance is asserted on the GPU, where it is defined."""
     from dsv41.kernels.exl3.matmul import MatmulConfig, fused_matmul
     from dsv41.kernels.exl3.layout import Exl3Tensor
+    from dsv41.weights import exl3
 
     gen = torch.Generator().manual_seed(7)
     for cb, K in (("mul1", 3), ("3inst", 5)):
         trellis, suh, svh = _random_group(gen, 256, 256, K)
         w = Exl3Tensor.from_group(trellis, suh, svh, cb)
-        cfg = MatmulConfig(splits=2)
+        w64 = exl3.effective_weight(trellis, suh, svh, cb, torch.float64)
         x = torch.randn(20, 256, generator=gen).half()
-        full = fused_matmul(x, w, config=cfg)
-        mismatches = []
-        for rows in ([5], [0, 3], [15, 2, 9, 4, 11, 7, 1], list(range(16)), [19, 16, 0]):
-            part = fused_matmul(x[rows], w, config=cfg)
-            if not torch.equal(part.view(torch.int32), full[rows].view(torch.int32)):
-                mismatches.append(rows)
-        # The same row in a batch of other, different rows.
         other = torch.randn(20, 256, generator=gen).half()
-        other[4] = x[4]
-        if not torch.equal(fused_matmul(other, w, config=cfg)[4].view(torch.int32), full[4].view(torch.int32)):
-            mismatches.append("row 4 among other rows")
-        # The pre-rotated variant (input rotation in its own launch) must give the very same bits.
-        pre = fused_matmul(x, w, config=MatmulConfig(splits=2, prerotate=True))
-        if not torch.equal(pre.view(torch.int32), full.view(torch.int32)):
-            mismatches.append("prerotate differs from the fused rotation")
-        pre_rows = fused_matmul(x[[19, 3]], w, config=MatmulConfig(splits=2, prerotate=True))
-        if not torch.equal(pre_rows.view(torch.int32), full[[19, 3]].view(torch.int32)):
-            mismatches.append("prerotate rows [19, 3]")
-        results[f"row_invariance/{cb}/K{K}"] = {"mismatches": [str(m) for m in mismatches]}
+        other[4] = x[4]  # the same row among other, different rows
+        batches = [(x[rows], rows) for rows in ([5], [0, 3], [15, 2, 9, 4, 11, 7, 1], list(range(16)), [19, 16, 0])]
+        batches += [(x, list(range(20))), (other[[4]], [4])]
+        rel, elem = 0.0, 0.0
+        for prerotate in (False, True):
+            for xb, rows in batches:
+                y = fused_matmul(xb, w, config=MatmulConfig(splits=2, prerotate=prerotate))
+                y64 = xb.double() @ w64
+                for i in range(len(rows)):
+                    rel, elem = max(rel, _rel(y[i], y64[i])), max(elem, _max_elem(y[i], y64[i]))
+        results[f"rows/{cb}/K{K}"] = {"row_rel_fp64": rel, "row_max_elem_fp64": elem}
 
 
 def _moe_reference(x, ids, weights, groups, cb, limit):
@@ -182,34 +190,20 @@ def _worker_moe(results: dict) -> None:
     cfg = MoeConfig(splits_gate_up=2, splits_down=2)
     y = moe_forward(x, ids, weights, w1, w3, w2, config=cfg)
     ref = _moe_reference(x, ids, weights, groups, "mul1", 10.0)
+    # row 2 alone: its experts' blocks hold only it (bitwise equality with the batch is a GPU test, as above)
     alone = moe_forward(x[2:3], ids[2:3], weights[2:3], w1, w3, w2, config=cfg)
     results["moe/mul1/K3"] = {
         "rel_fp64": _rel(y, ref),
         "max_elem_fp64": _max_elem(y, ref),
-        "row2_alone_equal": bool(torch.equal(alone[0].view(torch.int32), y[2].view(torch.int32))),
+        "row2_alone_rel_fp64": _rel(alone[0], ref[2]),
+        "row2_alone_max_elem_fp64": _max_elem(alone[0], ref[2]),
         "shared_experts": int(T * topk - len(set(ids.flatten().tolist()))),
-    }
-
-
-def _worker_dispatch(results: dict) -> None:
-    from dsv41.kernels.exl3.linear import FUSED_MAX_ROWS, exl3_linear
-    from dsv41.kernels.exl3.matmul import fused_matmul
-    from dsv41.kernels.exl3.reconstruct import prefill_matmul
-    from dsv41.kernels.exl3.layout import Exl3Tensor
-
-    gen = torch.Generator().manual_seed(9)
-    w = Exl3Tensor.from_group(*_random_group(gen, 128, 128, 4), "mul1")
-    small = torch.randn(2, 8, 128, generator=gen).half()  # 16 rows in a batched shape
-    large = torch.randn(FUSED_MAX_ROWS + 1, 128, generator=gen).half()
-    results["dispatch"] = {
-        "small_is_fused": bool(torch.equal(exl3_linear(small, w).reshape(16, 128), fused_matmul(small.reshape(16, 128), w))),
-        "large_is_prefill": bool(torch.equal(exl3_linear(large, w), prefill_matmul(large, w))),
     }
 
 
 def _interp_worker(out_path: str) -> None:
     results: dict = {}
-    for part in (_worker_fixtures, _worker_random, _worker_row_invariance, _worker_moe, _worker_dispatch):
+    for part in (_worker_fixtures, _worker_random, _worker_rows_in_other_batches, _worker_moe):
         try:
             part(results)
         except Exception as exc:  # report, so every test shows the worker's error instead of a bare failure
@@ -280,8 +274,12 @@ def test_interpreted_matmul_random_trellis(interp, cb, K):
 
 
 @pytest.mark.parametrize("case", ["mul1/K3", "3inst/K5"])
-def test_interpreted_row_invariance_bitwise(interp, case):
-    assert interp[f"row_invariance/{case}"]["mismatches"] == []
+def test_interpreted_rows_in_any_batch_stay_within_fp16_rounding(interp, case):
+    # The bounds of the whole-matrix checks above, per row (its own norm and RMS): a row that picked up another
+    # row's values or lost part of its k slices would be off by far more.
+    r = interp[f"rows/{case}"]
+    assert r["row_rel_fp64"] <= 1e-3, r
+    assert r["row_max_elem_fp64"] <= 4e-3, r
 
 
 def test_interpreted_moe(interp):
@@ -290,44 +288,99 @@ def test_interpreted_moe(interp):
     # Two fp16 roundings of activations (input, h) and two fp16-weight products.
     assert r["rel_fp64"] <= 2e-3, r
     assert r["max_elem_fp64"] <= 1e-2, r
-    assert r["row2_alone_equal"], "a row's MoE output changed when it ran alone"
+    assert r["row2_alone_rel_fp64"] <= 2e-3 and r["row2_alone_max_elem_fp64"] <= 1e-2, r
 
 
-def test_interpreted_linear_dispatch(interp):
-    assert interp["dispatch"] == {"small_is_fused": True, "large_is_prefill": True}
+# ---------------------------------------------------------------------------------------------------------------
+# CPU tests of the host side (no kernel runs): launch shapes, dispatch, the layout's checks, imports
+# ---------------------------------------------------------------------------------------------------------------
 
 
-def test_bad_groups_raise_checkpoint_error_naming_the_tensor():
-    from dsv41.errors import CheckpointError
-    from dsv41.kernels.exl3.layout import Exl3Tensor
+def _zero_layout(k, n, K=3, cb="mul1", experts=None):
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor
 
-    trellis = torch.zeros(8, 8, 48, dtype=torch.int16)
-    suh, svh = torch.ones(128, dtype=torch.float16), torch.ones(128, dtype=torch.float16)
-    with pytest.raises(CheckpointError, match=r"layers\.0\.w1\.trellis"):
-        Exl3Tensor.from_group(trellis.float(), suh, svh, "mul1", "layers.0.w1")
-    with pytest.raises(CheckpointError, match=r"half-integer"):
-        Exl3Tensor.from_group(torch.zeros(8, 8, 40, dtype=torch.int16), suh, svh, "mul1", "x")
-    with pytest.raises(CheckpointError, match=r"x\.svh"):
-        Exl3Tensor.from_group(trellis, suh, svh[:64], "mul1", "x")
-    with pytest.raises(CheckpointError, match=r"multiples of 128"):
-        Exl3Tensor.from_group(torch.zeros(4, 8, 48, dtype=torch.int16), suh[:64], svh, "mul1", "x")
+    lead = () if experts is None else (experts,)
+    group = (torch.zeros(*lead, k // 16, n // 16, 16 * K, dtype=torch.int16),
+             torch.ones(*lead, k, dtype=torch.float16), torch.ones(*lead, n, dtype=torch.float16))
+    return Exl3Tensor.from_group(*group, cb) if experts is None else Exl3ExpertStack.from_stacked(*group, cb)
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: records each launch's grid and arguments instead of running it."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append((tuple(grid), args, meta))
+
+
+def test_triton_matmul_launch_treats_every_row_alike_at_any_m(monkeypatch):
+    """What makes a row's bits independent of the batch on the GPU (a tensor core computes each row of its product
+    on its own): for every m the launch has the same column blocks, k splits and compile-time shape, and row r is
+    row r % 16 of row block r // 16 (the last block masked, never narrower)."""
+    from dsv41.kernels.exl3 import matmul
+
+    spy = _LaunchSpy()
+    monkeypatch.setattr(matmul, "_exl3_matmul_kernel", spy)
+    for k, n, K in PACK_SHAPES[:2] + [(256, 384, 5)]:
+        w = _zero_layout(k, n, K)
+        for m in range(1, 41):
+            matmul.fused_matmul(torch.zeros(m, k, dtype=torch.float16), w)
+        grids = [launch[0] for launch in spy.launches]
+        shapes = {(launch[1][11:], tuple(sorted(launch[2].items()))) for launch in spy.launches}  # after M, k, n
+        assert {g[:2] for g in grids} == {(n // 128, matmul.default_config(w).splits)}, (k, n)
+        assert [g[2] for g in grids] == [-(-m // matmul.BLOCK_M) for m in range(1, 41)] and matmul.BLOCK_M == 16
+        assert [launch[1][8] for launch in spy.launches] == list(range(1, 41))  # M: the mask of the last block
+        assert len(shapes) == 1, shapes  # strides, split count, K, codebook, BK, warps, stages: one launch shape
+        spy.launches.clear()
+
+
+def test_triton_moe_launches_depend_on_the_matrices_not_on_the_window(monkeypatch):
+    """The two MoE launches: only the number of expert programs (and the routing table's scan width) follows the
+    window; column blocks, k splits and the compile-time shape of the arithmetic do not."""
+    from dsv41.kernels.exl3 import moe
+
+    spies = {name: _LaunchSpy() for name in ("_moe_gate_up_kernel", "_moe_down_kernel")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(moe, name, spy)
+    w1, w3, w2 = _zero_layout(256, 384, experts=8), _zero_layout(256, 384, experts=8), _zero_layout(384, 256, experts=8)
+    gen = torch.Generator().manual_seed(3)
+    for T in (1, 2, 5, 16, 17):
+        ids = torch.stack([torch.randperm(8, generator=gen)[:3] for _ in range(T)])
+        moe.moe_forward(torch.zeros(T, 256, dtype=torch.float16), ids, torch.rand(T, 3, generator=gen), w1, w3, w2)
+    for name, spy in spies.items():
+        assert len({launch[0][1:] for launch in spy.launches}) == 1, name
+        meta = {tuple((key, v) for key, v in sorted(launch[2].items()) if key != "SLOTS") for launch in spy.launches}
+        assert len(meta) == 1, (name, meta)
+        assert all(launch[0][0] <= min(3 * 16, 8) for launch in spy.launches), name
+
+
+def test_linear_takes_the_fused_kernel_up_to_its_row_limit_and_reconstruct_above(monkeypatch):
+    from dsv41.kernels.exl3 import linear
+
+    calls = []
+
+    def path(name):
+        def run(rows, weight, out_dtype):
+            calls.append((name, tuple(rows.shape)))
+            return rows[:, :1].float().expand(-1, weight.n)  # each output row carries its input row's first value
+        return run
+
+    monkeypatch.setattr(linear, "fused_matmul", path("fused"))
+    monkeypatch.setattr(linear, "prefill_matmul", path("prefill"))
+    w = _zero_layout(128, 256)
+    small = torch.arange(16 * 128, dtype=torch.float16).reshape(2, 8, 128)  # 16 rows in a batched shape
+    large = torch.arange((linear.FUSED_MAX_ROWS + 1) * 128, dtype=torch.float32).reshape(-1, 128)
+    y = linear.exl3_linear(small, w)
+    assert y.shape == (2, 8, 256) and torch.equal(y[..., 3], small[..., 0].float())
+    assert linear.exl3_linear(large, w).shape == (linear.FUSED_MAX_ROWS + 1, 256)
+    assert calls == [("fused", (16, 128)), ("prefill", (linear.FUSED_MAX_ROWS + 1, 128))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPU tests: the pack's real shapes, compiled kernels (inline PTX on and off)
 # ---------------------------------------------------------------------------------------------------------------
-
-PACK_SHAPES = [
-    # (k, n, K): expert gate/up K=3 and K=2, expert down, shared expert K=5, wq_b, wo_b, head slice (K=6)
-    (5120, 2304, 3),
-    (5120, 2304, 2),
-    (2304, 5120, 3),
-    (5120, 2304, 5),
-    (1280, 32768, 5),
-    (8192, 5120, 5),
-    (5120, 16384, 6),
-]
-
 
 def _need_cuda():
     if not torch.cuda.is_available():
@@ -386,13 +439,20 @@ def test_gpu_pack_shapes_matmul_decode_and_row_invariance(k, n, K, asm_mode, pre
     assert _rel(y, y64) <= 1e-3 and _max_elem(y, y64) <= 6e-3
     yp = prefill_matmul(torch.randn(200, k, device="cuda").half(), w)
     assert torch.isfinite(yp).all()
-    # Row invariance, bitwise: every m in 1..16, rows in another order, and a deterministic repeat.
+    # Row invariance of the Triton kernel, bitwise (the CPU tests can only bound it): every m in 1..16, rows in
+    # another order, a row among other rows, 40 rows as 16 + 16 + 8, a deterministic repeat; and the input rotated
+    # in its own launch gives the bits of the fused rotation.
     assert torch.equal(fused_matmul(x, w, config=cfg).view(torch.int32), y.view(torch.int32)), "repeat differs: race?"
     perm = torch.randperm(16, generator=gen)
     for m in range(1, 17):
         rows = perm[:m].cuda()
         part = fused_matmul(x[rows], w, config=cfg)
         assert torch.equal(part.view(torch.int32), y[rows].view(torch.int32)), f"m={m}"
+    other = torch.randn(40, k, generator=gen).half().cuda()
+    other[[4, 21, 37]] = x[[4, 5, 6]]
+    assert torch.equal(fused_matmul(other, w, config=cfg)[[4, 21, 37]].view(torch.int32), y[4:7].view(torch.int32))
+    twin = MatmulConfig(cfg.splits, cfg.block_k, cfg.num_warps, prerotate=not cfg.prerotate)
+    assert torch.equal(fused_matmul(x, w, config=twin).view(torch.int32), y.view(torch.int32)), "prerotate"
 
 
 @pytest.mark.gpu
@@ -413,8 +473,9 @@ def test_gpu_prefill_matches_fp64():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 4, 16])
 def test_gpu_moe_real_shapes(T, asm_mode):
+    """The Triton MoE (a config selects it; the CUDA one: tests/test_exl3_cuda.py), rows bitwise as alone."""
     _need_cuda()
-    from dsv41.kernels.exl3.moe import moe_forward
+    from dsv41.kernels.exl3.moe import MoeConfig, moe_forward
 
     gen = torch.Generator().manual_seed(13 + T)
     experts, topk = 24, 6
@@ -422,12 +483,13 @@ def test_gpu_moe_real_shapes(T, asm_mode):
     x = torch.randn(T, 5120, generator=gen).half().cuda()
     ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(T)]).cuda()
     weights = torch.rand(T, topk, generator=gen).cuda()
-    y = moe_forward(x, ids, weights, w1, w3, w2)
+    cfg = MoeConfig()
+    y = moe_forward(x, ids, weights, w1, w3, w2, config=cfg)
     ref = _moe_reference(x, ids, weights, groups, "mul1", 10.0)
     assert _rel(y, ref) <= 2e-3 and _max_elem(y, ref) <= 1e-2
-    assert torch.equal(moe_forward(x, ids, weights, w1, w3, w2).view(torch.int32), y.view(torch.int32))
+    assert torch.equal(moe_forward(x, ids, weights, w1, w3, w2, config=cfg).view(torch.int32), y.view(torch.int32))
     for t in range(T):
-        alone = moe_forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w1, w3, w2)
+        alone = moe_forward(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w1, w3, w2, config=cfg)
         assert torch.equal(alone[0].view(torch.int32), y[t].view(torch.int32)), f"row {t}"
 
 

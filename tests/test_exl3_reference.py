@@ -3,8 +3,13 @@ literal re-readings of the format notes (spec/EXL3-ENGRAM.md §1-2)."""
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +19,8 @@ from safetensors import safe_open
 from dsv41.errors import CheckpointError
 from dsv41.weights import exl3
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "exl3"
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "fixtures" / "exl3"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.safetensors"))
 
 
@@ -217,3 +223,103 @@ def test_expert_sized_decode_is_fast():
     print(f"5120x2304 K=3 decode: {elapsed:.3f} s")
     assert w_q.shape == (5120, 2304)
     assert elapsed < 10.0  # ~0.2 s on an idle core: this only catches a return to a per-element Python loop
+
+
+# ---- the one group check: the loader (checkpoint entries) and the kernels' layout (tensors) ---------------------
+
+
+def _entry(t: torch.Tensor) -> SimpleNamespace:
+    """A checkpoint entry as Checkpoint.info gives it: a shape and a safetensors dtype name."""
+    names = {torch.int16: "I16", torch.float16: "F16", torch.float32: "F32"}
+    return SimpleNamespace(shape=tuple(t.shape), dtype=names[t.dtype])
+
+
+@pytest.mark.parametrize("case", ["good", "half-K", "float trellis", "K=4.5", "2-d", "short suh", "fp32 svh", "k=64"])
+def test_check_group_says_the_same_of_tensors_and_checkpoint_entries(case):
+    trellis = torch.zeros(16, 8, 48, dtype=torch.int16)
+    suh, svh = torch.ones(256, dtype=torch.float16), torch.ones(128, dtype=torch.float16)
+    group = {
+        "good": (trellis, suh, svh), "half-K": (trellis[..., :40], suh, svh),
+        "float trellis": (trellis.float(), suh, svh), "K=4.5": (torch.zeros(16, 8, 72, dtype=torch.int16), suh, svh),
+        "2-d": (trellis[0], suh, svh), "short suh": (trellis, suh[:128], svh), "fp32 svh": (trellis, suh, svh.float()),
+        "k=64": (trellis[:4], suh[:64], svh),
+    }[case]
+
+    def outcome(parts):
+        try:
+            return exl3.check_group("layers.1.ffn.w2", *parts)
+        except CheckpointError as e:
+            return str(e)
+
+    from_tensors = outcome(group)
+    assert from_tensors == outcome([_entry(t) for t in group])
+    if case in ("good", "half-K"):
+        assert from_tensors == ((3.0 if case == "good" else 2.5), 256, 128)
+    else:
+        assert from_tensors.startswith("tensor 'layers.1.ffn.w2."), from_tensors
+
+
+def test_kernel_codebook_ids_follow_the_reference_codebooks():
+    from dsv41.kernels.cuda_build import CODEBOOK_IDS
+
+    assert tuple(CODEBOOK_IDS) == exl3.CODEBOOKS and list(CODEBOOK_IDS.values()) == [0, 1, 2]
+
+
+def test_bad_groups_raise_checkpoint_error_naming_the_tensor():
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor
+
+    trellis = torch.zeros(8, 8, 48, dtype=torch.int16)
+    suh, svh = torch.ones(128, dtype=torch.float16), torch.ones(128, dtype=torch.float16)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.w1\.trellis"):
+        Exl3Tensor.from_group(trellis.float(), suh, svh, "mul1", "layers.0.w1")
+    # half-integer K is a valid group (the reference decodes it) without a kernel path
+    half = torch.zeros(8, 8, 40, dtype=torch.int16)
+    assert exl3.check_group("x", half, suh, svh, "mul1") == (2.5, 128, 128)
+    with pytest.raises(CheckpointError, match=r"'x\.trellis': half-integer K=2\.5 has no kernel path"):
+        Exl3Tensor.from_group(half, suh, svh, "mul1", "x")
+    with pytest.raises(CheckpointError, match=r"x\.svh"):
+        Exl3Tensor.from_group(trellis, suh, svh[:64], "mul1", "x")
+    with pytest.raises(CheckpointError, match=r"multiples of 128"):
+        Exl3Tensor.from_group(torch.zeros(4, 8, 48, dtype=torch.int16), suh[:64], svh, "mul1", "x")
+    with pytest.raises(CheckpointError, match=r"x: unknown EXL3 codebook '2mad'"):
+        Exl3Tensor.from_group(trellis, suh, svh, "2mad", "x")
+    # a stack: the same check with the expert dimension in front
+    stack = (trellis.expand(3, -1, -1, -1), suh.expand(3, -1), svh.expand(3, -1))
+    w = Exl3ExpertStack.from_stacked(*stack, "mcg", "layers.2.ffn.w1")
+    assert (w.experts, w.K, w.k, w.n, w.codebook_id, tuple(w.words.shape)) == (3, 3, 128, 128, 1, (3, 8, 8, 24))
+    with pytest.raises(CheckpointError, match=r"'layers\.2\.ffn\.w1\.suh': shape \[2, 128\], expected \[3, 128\]"):
+        Exl3ExpertStack.from_stacked(stack[0], suh.expand(2, -1), stack[2], "mcg", "layers.2.ffn.w1")
+    with pytest.raises(CheckpointError, match=r"4-d \[E, k/16, n/16, 16K\]"):
+        Exl3ExpertStack.from_stacked(trellis, suh, svh, "mcg", "layers.2.ffn.w1")
+
+
+def test_reference_and_layout_import_neither_triton_nor_each_other_in_a_circle():
+    """weights/ and the kernels' layout, backend choice and CUDA launchers load without Triton; no import between
+    dsv41.kernels modules (deferred ones inside functions included) closes a circle."""
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "import dsv41.weights.linear, dsv41.kernels.exl3.layout, dsv41.kernels.exl3.backend\n"
+            "import dsv41.kernels.exl3.cuda, dsv41.kernels.exl3.warmup")
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    src = REPO / "src"
+    paths = {".".join(p.relative_to(src).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (src / "dsv41" / "kernels").rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        graph[module] = sorted(names & paths.keys() - {module})
+
+    def visit(module, stack):
+        assert module not in stack, " -> ".join(stack + [module])
+        for dep in graph[module]:
+            visit(dep, stack + [module])
+
+    for module in graph:
+        visit(module, [])

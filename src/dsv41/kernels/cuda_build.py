@@ -21,6 +21,9 @@ from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cuda"
 EXL3_SOURCE = SOURCE_DIR / "exl3_fused.cu"
+# The kernels' codebook numbering (EXL3_CB here, the CODEBOOK constant of the Triton kernels through
+# kernels/exl3/layout.py), in the order of dsv41.weights.exl3.CODEBOOKS; spelled out because the Nix build runs
+# this file with a bare python3 (no torch, no dsv41 on the path).
 CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 # Compile-time options of the EXL3 kernels (docs/perf/exl3.md): 3 cp.async stages of one 128-deep block each, a
 # register budget for 4 blocks per SM, and one for 2 in the linear kernel that launches of at most 2 blocks per SM

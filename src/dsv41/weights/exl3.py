@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
 from dsv41.errors import CheckpointError
 
-CODEBOOKS = ("3inst", "mcg", "mul1")
+CODEBOOKS = ("3inst", "mcg", "mul1")  # in the order of the kernels' codebook ids (kernels/cuda_build.py)
 
 # Marker tensors hold the codebook multiplier's bit pattern as a signed int32 (§1.1).
 MARKER_VALUES = {"mcg": -877912083, "mul1": -2082680531}  # 0xCBAC1FED, 0x83DCD12D
@@ -79,14 +80,24 @@ def _check_k(K: float) -> float:
     raise CheckpointError(f"EXL3 trellis with unsupported bits per weight K={K:g} (need 1..8 or 1.5/2.5/3.5)")
 
 
+def _trellis_k(shape: tuple[int, ...], lead: int, what: str) -> float:
+    """K of a trellis of `shape` `[lead..., k/16, n/16, 16K]`; `what` names it in the error."""
+    if len(shape) != 3 + lead:
+        layout = "[E, k/16, n/16, 16K]" if lead else "[k/16, n/16, 16K]"
+        raise CheckpointError(f"{what} must be {3 + lead}-d {layout}, got shape {list(shape)}")
+    K = shape[-1] / 16
+    try:
+        return _check_k(K)
+    except CheckpointError:
+        raise CheckpointError(f"{what}: last dim {shape[-1]} = 16*K for K={K:g}, not a supported K "
+                              "(1..8 or 1.5/2.5/3.5)") from None
+
+
 def bits_per_weight(trellis: torch.Tensor) -> float:
     """K of a trellis tensor `[k/16, n/16, 16K]` (the last dim is 16·K int16 words)."""
-    if trellis.dim() != 3:
-        raise CheckpointError(f"EXL3 trellis must be 3-d [k/16, n/16, 16K], got shape {list(trellis.shape)}")
-    words = trellis.shape[-1]
-    if words % 8 != 0:
-        raise CheckpointError(f"EXL3 trellis last dim {words} is not 16*K for a supported K")
-    return _check_k(words / 16)
+    return _trellis_k(tuple(trellis.shape), 0, "EXL3 trellis")
+
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,3 +273,53 @@ def codebook_from_group(tensors: dict, name: str = "EXL3 group") -> str:
             f"(0x{MARKER_VALUES[codebook] & _MASK32:08X})"
         )
     return codebook
+
+
+# --------------------------------------------------------------------------------------------------------------
+# §1.1-1.3 a group's tensors: the one check the loader and the kernels' layout share
+# --------------------------------------------------------------------------------------------------------------
+
+
+class GroupDims(NamedTuple):
+    """What one EXL3 group's tensors say about it: bits per weight and the matrix `[k, n]`."""
+
+    K: float
+    k: int
+    n: int
+
+
+# safetensors dtype names, so that tensors and checkpoint entries (TensorInfo) are checked alike
+_DTYPE_NAMES = {torch.int16: "I16", torch.int32: "I32", torch.float16: "F16", torch.bfloat16: "BF16",
+                torch.float32: "F32", torch.float64: "F64"}
+
+
+def _shape_and_dtype(t) -> tuple[tuple[int, ...], str]:
+    if isinstance(t, torch.Tensor):
+        return tuple(t.shape), _DTYPE_NAMES.get(t.dtype, str(t.dtype).removeprefix("torch."))
+    return tuple(t.shape), t.dtype
+
+
+def check_group(name: str, trellis, suh, svh, codebook: str | None = None, lead: int = 0) -> GroupDims:
+    """The one check of an EXL3 group: trellis `[lead..., k/16, n/16, 16K]` int16, suh `[lead..., k]` and svh
+    `[lead..., n]` fp16, k and n whole 128-wide Hadamard blocks, K in 1..8 or 1.5/2.5/3.5, a known codebook.
+
+    Takes tensors or checkpoint entries (anything with `.shape` and a safetensors `.dtype` name), so the loader
+    checks a group before reading it and the kernels' layout (kernels/exl3/layout.py) checks what it is given,
+    with the same rules and messages; every error is a CheckpointError naming the tensor `name.part`.
+    """
+    if codebook is not None and codebook not in CODEBOOKS:
+        raise CheckpointError(f"{name}: unknown EXL3 codebook {codebook!r}; expected one of {CODEBOOKS}")
+    shape, dtype = _shape_and_dtype(trellis)
+    if dtype != "I16":
+        raise CheckpointError(f"tensor '{name}.trellis': dtype {dtype}, expected I16")
+    K = _trellis_k(shape, lead, f"tensor '{name}.trellis'")
+    k, n = shape[-3] * 16, shape[-2] * 16
+    if k % 128 or n % 128:
+        raise CheckpointError(f"tensor '{name}.trellis': k={k}, n={n} must both be multiples of 128 (Hadamard blocks)")
+    for part, t, size in (("suh", suh, k), ("svh", svh, n)):
+        got, dtype = _shape_and_dtype(t)
+        if got != shape[:lead] + (size,):
+            raise CheckpointError(f"tensor '{name}.{part}': shape {list(got)}, expected {list(shape[:lead]) + [size]}")
+        if dtype != "F16":
+            raise CheckpointError(f"tensor '{name}.{part}': dtype {dtype}, expected F16")
+    return GroupDims(K, k, n)

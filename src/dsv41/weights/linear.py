@@ -198,20 +198,12 @@ def detect_format(ckpt: Checkpoint, prefix: str) -> str:
 def _full_shape(ckpt: Checkpoint, prefix: str, fmt: str) -> tuple[int, int]:
     """(out, in) of the whole layer, checking that all tensors of the group agree."""
     if fmt == "exl3":
-        t = ckpt.expect(f"{prefix}.trellis", dtypes=("I16",))
-        if len(t.shape) != 3:
-            raise CheckpointError(f"tensor {t.name!r}: shape {list(t.shape)}, expected [in/16, out/16, 16K]")
-        try:
-            exl3._check_k(t.shape[2] / 16)
-        except CheckpointError as e:
-            raise CheckpointError(f"tensor {t.name!r}: {e}") from None
-        k, n = t.shape[0] * 16, t.shape[1] * 16
-        ckpt.expect(f"{prefix}.suh", shape=(k,), dtypes=("F16",))
-        ckpt.expect(f"{prefix}.svh", shape=(n,), dtypes=("F16",))
+        # the stored [in, out] = [k, n]; the same check as the kernels' layout, on the entries before any read
+        dims = exl3.check_group(prefix, *(ckpt.info(f"{prefix}.{part}") for part in ("trellis", "suh", "svh")))
         for marker in ("mul1", "mcg"):
             if ckpt.has(f"{prefix}.{marker}"):
                 ckpt.expect(f"{prefix}.{marker}", shape=(), dtypes=("I32",))
-        return n, k
+        return dims.n, dims.k
     w = ckpt.info(f"{prefix}.weight")
     if len(w.shape) != 2:
         raise CheckpointError(f"tensor {w.name!r}: shape {list(w.shape)} is not 2-d")

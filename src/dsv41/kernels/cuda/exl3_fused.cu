@@ -42,8 +42,8 @@ typedef unsigned short u16;
 #define EXL3_ABLATE 0
 #endif
 // Blocks per SM the register budget must allow (launch bounds): without it ptxas squeezes the kernels to 48
-// registers by recomputing the lanes' loop-invariant offsets in the k loop (~9 more instructions per tile);
-// 4 x 256 threads leaves 64 registers, enough to keep them.
+// registers by recomputing the lanes' loop-invariant offsets in the k loop (more instructions per tile);
+// 4 x 256 threads leaves 64 registers, enough to keep them (docs/perf/exl3.md, "Numbers behind the code").
 #ifndef EXL3_MIN_BLOCKS
 #define EXL3_MIN_BLOCKS 4
 #endif
@@ -73,8 +73,8 @@ typedef unsigned short u16;
 #define EXL3_ROWS_WARP_UNITS 4
 #endif
 // MoE blocks whose units fit 2 per warp (every block of an expert that one token picked) rotate their input by warp
-// like the linear's one-row launches (item 31 of docs/perf/exl3.md; item 34: one token 75.7 -> 71.9 us, 4 tokens
-// 257.7 -> 246.4 on the H200). 0 for A/B runs.
+// like the linear's one-row launches: no block barrier between the loads and the rotation (docs/perf/exl3.md,
+// "Numbers behind the code"). 0 for A/B runs.
 #ifndef EXL3_MOE_ONE_ROW
 #define EXL3_MOE_ONE_ROW 1
 #endif
@@ -452,7 +452,7 @@ __device__ __forceinline__ bool rotate_slice(u16* xs, int xs_stride, int rows, c
                                              F&& meanwhile) {
     const int units = rows * nkb;
     if (units <= 2 * WARPS) {
-        // its own instance: one-row launches measured 0.8-1.2 us slower through the MAXU-unit one (item 35)
+        // its own instance: one-row launches ran slower through the MAXU-unit one (docs/perf/exl3.md)
         rotate_by_warp<2, true>(xs, xs_stride, rows, x, ldx, x_dtype, src, suh, k0, nkb, warp, lane, meanwhile);
         return true;
     }
@@ -853,8 +853,8 @@ __device__ __forceinline__ void finish_column_block(const Smem& sm, uint2 sv, vo
 // splits x WARPS warps sums the partials in split order, rotates and writes y. No block barrier: a warp that
 // finishes its k slice early does not wait for the others (the block epilogue stashes the whole block's result
 // in shared memory first). The partials are the same fp32 values, so the bits are those of finish_column_block.
-// (With more rows the one last warp's row-by-row reduction costs more than the barrier saves: m=8 expert 20.1 us
-// against 10.3.)
+// (With more rows the one last warp's row-by-row reduction costs more than the barrier saves: docs/perf/exl3.md,
+// "Numbers behind the code".)
 template <int BATCH>
 __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 sv, void* y, int ldy, int y_dtype,
                                                        float* part, int* counters, int m, int n, int cb, int sp,
@@ -996,7 +996,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r16(LINEAR_ARGS) { linear_body<16, 4, false>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
 // 2..8 rows: the input rotated by warp up to EXL3_WARP_UNITS units per warp. Its own kernel because the code of
-// that path made one-row launches 0.5-0.7 us slower in the kernel above (item 35 of docs/perf/exl3.md).
+// that path made one-row launches slower in the kernel above (its register allocation; docs/perf/exl3.md).
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_rows_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE, EXL3_WARP_UNITS>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
 

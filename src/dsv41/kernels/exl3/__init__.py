@@ -1,1 +1,2 @@
-"""EXL3 kernels: the layout type and its one validator, Triton and CUDA paths, dispatch by phase (kernels/README.md)."""
+"""EXL3 kernels: the layout type (checked by the reference's group validator), the backend choice, the Triton and
+CUDA paths, dispatch by phase (kernels/README.md)."""

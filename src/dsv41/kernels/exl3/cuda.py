@@ -45,13 +45,6 @@ DTYPE_CODES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 FEW_BLOCKS_PER_SM = 2
 
 
-def cuda_path_available(device: torch.device) -> bool:
-    """NVIDIA GPU of sm_80 or newer (mma.sync m16n8k16, cp.async)."""
-    if device.type != "cuda" or torch.version.hip is not None or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
 def kernels_for(device: torch.device, K: int, codebook: str, tune: dict | None = None) -> dict:
     return load_kernels(SOURCE, exl3_defines(K, codebook, tune or TUNING), KERNELS, device)
 
@@ -85,8 +78,8 @@ def max_cluster(device: torch.device) -> int:
 
 def use_clusters(device: torch.device) -> bool:
     """Split-K reduction through a cluster's shared memory (sm_90+), opt-in with DSV41_EXL3_CLUSTER=1: correct,
-    but no faster on the H200, even with 16-block clusters, and it gives up the head's column-block loop
-    (docs/perf/exl3.md)."""
+    but no faster, even with 16-block clusters, and it gives up the head's column-block loop (docs/perf/exl3.md,
+    "Numbers behind the code")."""
     if os.environ.get("DSV41_EXL3_CLUSTER", "0") in ("0", ""):
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
@@ -123,10 +116,8 @@ def default_splits(k: int, n: int, sm_count: int, blocks_per_sm: float = FEW_BLO
 
     Wide matrices (at least one 128-column block per SM) take the fewest splits the shared-memory bound allows.
     Narrower ones take as many as keep every block resident at `blocks_per_sm` (2) per SM, which is where a launch
-    runs the linear kernel with the larger register budget. Measured on the H200 (docs/perf/exl3.md, item 26):
-    expert 5120x2304 14 splits 8.8 us against 9.0 at 13 and 10.3 at 15 (past 2 per SM: the 4-block kernel); down
-    2304x5120 6 splits 8.3 against 9.0 at 5 and 9.7 at 7; wo_b 8192x5120 6 splits 18.4 against 19.1 at 13; the head
-    3 splits (slices of 14 blocks) 197-200 against 204-208 at 4.
+    runs the linear kernel with the larger register budget: more splits shorten the k slices until a launch leaves
+    that kernel, fewer leave SMs idle (the sweeps: docs/perf/exl3.md, "Numbers behind the code").
     """
     k_blocks, col_blocks = k // 128, n // 128
     fewest = math.ceil(k_blocks / max_slice)
@@ -242,7 +233,8 @@ ROWS_WARP_UNITS = 4
 def _linear_kind(few: bool, variant: int, rows: int, k: int, splits: int, tune: dict | None) -> str:
     """Which linear kernel of a variant: 2..8 rows go to the kernels that rotate their input by warp for more
     units than a one-row launch has (the larger-register one always; the 4-blocks one where the longest k slice's
-    units fit), as their code made one-row launches slower (docs/perf/exl3.md, item 35). Same bits either way."""
+    units fit), as their code made one-row launches slower (docs/perf/exl3.md, "Numbers behind the code").
+    Same bits either way."""
     if few:
         return "few_rows_" if variant == 8 and rows > 1 else "few_"
     units = rows * _longest_slice(k, splits)
@@ -266,14 +258,14 @@ def persistent_enabled() -> bool:
     return os.environ.get("DSV41_EXL3_PERSIST", "1") not in ("0", "")
 
 
-# The column-block loop pays off from 3 rows on (head, H200: m=4 212 vs 223 us, m=8 233 vs 275, m=16 287 vs 440;
-# m=1 206 vs 199, m=2 equal): with more rows each block's input rotation and reduction cost more.
+# The column-block loop pays off from 3 rows on: with more rows each block's input rotation and reduction cost
+# more, which the loop does once per resident block (docs/perf/exl3.md, "Numbers behind the code").
 PERSIST_MIN_ROWS = 3
 
 
 def _column_grid(kernel, shared: int, col_blocks: int, splits: int, sm_count: int, rows: int) -> int:
     """Blocks per split of a linear launch. Normally one per 128-column block; when the launch has more than twice
-    the blocks the GPU holds at once (the head: 4,040 against 528) and at least PERSIST_MIN_ROWS rows, only as many
+    the blocks the GPU holds at once (the head) and at least PERSIST_MIN_ROWS rows, only as many
     as stay resident, which then take column blocks from a counter until none is left (the same column blocks'
     work either way, so the same bits)."""
     if rows < PERSIST_MIN_ROWS or not persistent_enabled():
@@ -310,8 +302,8 @@ MOE_MAX_SLICE_BLOCKS = 14
 def default_moe_config(k_gate_up: int, k_down: int, max_slice_gate_up: int = MOE_MAX_SLICE_BLOCKS,
                        max_slice_down: int = MOE_MAX_SLICE_BLOCKS) -> MoeCudaConfig:
     """Split counts from the input widths of the gate/up (hidden) and down (intermediate) projections: 3 and 2 for
-    the pack's 5120/2304 (one token 80 us vs 84 with 4 and 2, 4 tokens 278 vs 284; docs/perf/exl3.md), more where
-    the device's shared memory (slice_limit) asks for shorter k slices."""
+    the pack's 5120/2304 (the fastest in the sweeps: docs/perf/exl3.md, "Numbers behind the code"), more where the
+    device's shared memory (slice_limit) asks for shorter k slices."""
     return MoeCudaConfig(
         splits_gate_up=max(math.ceil((k_gate_up // 128) / max_slice_gate_up), min(3, k_gate_up // 128)),
         splits_down=max(math.ceil((k_down // 128) / max_slice_down), min(2, k_down // 128)),

@@ -12,48 +12,14 @@ the codebook arithmetic and one fp16 rounding. No table lookups, no repack of th
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-
-CODEBOOK_IDS = {"3inst": 0, "mcg": 1, "mul1": 2}
 
 # MUL1 affine map constants: fp16 bit patterns 0x1EEE and 0xC931 (§2.1), exact in fp32.
 MUL1_SCALE = tl.constexpr(0.00676727294921875)
 MUL1_BIAS = tl.constexpr(-10.3828125)
 INV_SQRT128 = tl.constexpr(0.08838834764831845)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def use_inline_asm(device: torch.device, codebook: str) -> bool:
-    """Inline PTX (dp4a + fp16 FMA, MUL1 only) on a real NVIDIA GPU; the interpreter has no PTX.
-
-    DSV41_EXL3_NO_ASM=1 selects the portable pure-Triton decode (what runs on non-NVIDIA backends too).
-    """
-    if codebook != "mul1" or interpreting() or device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return os.environ.get("DSV41_EXL3_NO_ASM", "0") in ("", "0")
-
-
-def use_cuda_backend(device: torch.device) -> bool:
-    """The CUDA kernels (exl3/cuda.py) where they can run; DSV41_EXL3_BACKEND=triton forces the Triton ones."""
-    choice = os.environ.get("DSV41_EXL3_BACKEND", "auto")
-    if choice not in ("auto", "cuda", "triton"):
-        raise ValueError(f"DSV41_EXL3_BACKEND={choice!r}: expected auto, cuda or triton")
-    if choice == "triton" or interpreting():
-        return False
-    from dsv41.kernels.exl3.cuda import cuda_path_available
-
-    available = cuda_path_available(device)
-    if choice == "cuda" and not available:
-        raise RuntimeError(f"DSV41_EXL3_BACKEND=cuda but {device} cannot run the CUDA kernels (NVIDIA sm_80+ needed)")
-    return available
 
 
 _HADAMARD_CACHE: dict[tuple[str, torch.dtype], torch.Tensor] = {}
@@ -250,8 +216,8 @@ def accumulate_kslice_prerotated(
     """accumulate_kslice for an input already rotated (rotate_input_kernel): one dynamic loop over BK-deep slices.
 
     Nothing but the decode offsets is loop-invariant here, and no sub-block loop is unrolled, so the compiler
-    cannot hoist a 128x128 Hadamard tile or several sub-blocks' loads into registers (sm_90 compile: 122
-    registers at BK=32 / 8 warps against 255 for accumulate_kslice).
+    cannot hoist a 128x128 Hadamard tile or several sub-blocks' loads into registers: about half the registers of
+    accumulate_kslice (docs/perf/exl3.md, "Numbers behind the code").
     """
     cols = tl.arange(0, 128)
     sub_rows = tl.arange(0, BK)

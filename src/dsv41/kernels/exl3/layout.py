@@ -1,67 +1,66 @@
 """What the EXL3 kernels take: one quantized matrix (or a stack of experts) checked once, viewed as uint32 words.
 
 The stored trellis is used as is (no repack): `[k/16, n/16, 16K]` int16 read as `[k/16, n/16, 8K]` int32 is
-exactly the little-endian uint32 word view of §1.3, so a prepared folder needs no extra kernel layout.
+exactly the little-endian uint32 word view of §1.3, so a prepared folder needs no extra kernel layout. The group
+is checked by the reference's own validator (`dsv41.weights.exl3.check_group`); the kernels add one rule, an
+integer K. Torch only: importing this module loads neither Triton nor a CUDA module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from dsv41.errors import CheckpointError
-from dsv41.kernels.exl3.decode import CODEBOOK_IDS
+from dsv41.kernels.cuda_build import CODEBOOK_IDS
+from dsv41.weights.exl3 import check_group
 
 
-def _check_group(name: str, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, lead: int) -> tuple:
-    if trellis.dtype != torch.int16:
-        raise CheckpointError(f"{name}.trellis: dtype {trellis.dtype}, expected int16")
-    if trellis.dim() != 3 + lead:
-        raise CheckpointError(f"{name}.trellis: shape {list(trellis.shape)} is not [k/16, n/16, 16K]")
-    words = trellis.shape[-1]
-    if words % 16 != 0 or not 1 <= words // 16 <= 8:
-        raise CheckpointError(
-            f"{name}.trellis: last dim {words} is not 16*K for an integer K in 1..8 "
-            "(half-integer K has no kernel path; use dsv41.weights.exl3 reference decode)"
-        )
-    K = words // 16
-    k, n = trellis.shape[-3] * 16, trellis.shape[-2] * 16
-    if k % 128 or n % 128:
-        raise CheckpointError(f"{name}.trellis: k={k}, n={n} must both be multiples of 128 (Hadamard blocks)")
-    lead_shape = list(trellis.shape[:lead])
-    if list(suh.shape) != lead_shape + [k] or suh.dtype != torch.float16:
-        raise CheckpointError(f"{name}.suh: {suh.dtype} {list(suh.shape)}, expected float16 {lead_shape + [k]}")
-    if list(svh.shape) != lead_shape + [n] or svh.dtype != torch.float16:
-        raise CheckpointError(f"{name}.svh: {svh.dtype} {list(svh.shape)}, expected float16 {lead_shape + [n]}")
-    return K, k, n
+def kernel_k(K: float, name: str) -> int:
+    """K as the kernels take it (compiled per integer K in 1..8)."""
+    if not float(K).is_integer():
+        raise CheckpointError(f"tensor '{name}.trellis': half-integer K={K:g} has no kernel path "
+                              "(valid for the reference decode, dsv41.weights.exl3)")
+    return int(K)
 
 
 @dataclass(frozen=True)
-class Exl3Tensor:
-    """One EXL3 linear `[k, n]` (y = x @ W) on one device."""
+class Exl3Layout:
+    """The kernels' view of an EXL3 group: uint32 trellis words, the fp16 scales, codebook, K and `[k, n]`."""
 
-    words: torch.Tensor  # int32 [k/16, n/16, 8K]
-    suh: torch.Tensor  # fp16 [k]
-    svh: torch.Tensor  # fp16 [n]
+    words: torch.Tensor  # int32 [lead..., k/16, n/16, 8K]
+    suh: torch.Tensor  # fp16 [lead..., k]
+    svh: torch.Tensor  # fp16 [lead..., n]
     codebook: str
     K: int
     k: int
     n: int
+    LEAD: ClassVar[int] = 0  # leading (expert) dimensions
 
     @classmethod
-    def from_group(
-        cls, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, name: str = "EXL3 group"
-    ) -> Exl3Tensor:
-        if codebook not in CODEBOOK_IDS:
-            raise CheckpointError(f"{name}: unknown codebook {codebook!r}")
-        K, k, n = _check_group(name, trellis, suh, svh, lead=0)
+    def from_group(cls, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
+                   name: str = "EXL3 group"):
+        """The group's tensors, checked (`check_group`, then an integer K) and viewed as words; nothing copied
+        unless a tensor is not contiguous."""
+        dims = check_group(name, trellis, suh, svh, codebook, cls.LEAD)
         words = trellis.contiguous().view(torch.int32)
-        return cls(words, suh.contiguous(), svh.contiguous(), codebook, K, k, n)
+        return cls(words, suh.contiguous(), svh.contiguous(), codebook, kernel_k(dims.K, name), dims.k, dims.n)
+
+    @property
+    def codebook_id(self) -> int:
+        """The kernels' CODEBOOK constant (the EXL3_CB define of the CUDA source)."""
+        return CODEBOOK_IDS[self.codebook]
 
     @property
     def device(self) -> torch.device:
         return self.words.device
+
+
+@dataclass(frozen=True)
+class Exl3Tensor(Exl3Layout):
+    """One EXL3 linear `[k, n]` (y = x @ W) on one device: words `[k/16, n/16, 8K]`, suh `[k]`, svh `[n]`."""
 
     @property
     def nbytes(self) -> int:
@@ -70,46 +69,19 @@ class Exl3Tensor:
 
 
 @dataclass(frozen=True)
-class Exl3ExpertStack:
+class Exl3ExpertStack(Exl3Layout):
     """E experts of one projection, stacked: trellis `[E, k/16, n/16, 16K]`, suh `[E, k]`, svh `[E, n]`."""
 
-    words: torch.Tensor  # int32 [E, k/16, n/16, 8K]
-    suh: torch.Tensor
-    svh: torch.Tensor
-    codebook: str
-    K: int
-    k: int
-    n: int
+    LEAD: ClassVar[int] = 1
 
     @classmethod
-    def from_stacked(
-        cls, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str, name: str = "experts"
-    ) -> Exl3ExpertStack:
-        if codebook not in CODEBOOK_IDS:
-            raise CheckpointError(f"{name}: unknown codebook {codebook!r}")
-        K, k, n = _check_group(name, trellis, suh, svh, lead=1)
-        return cls(trellis.contiguous().view(torch.int32), suh.contiguous(), svh.contiguous(), codebook, K, k, n)
-
-    @classmethod
-    def from_groups(cls, groups: list[tuple], codebook: str, name: str = "experts") -> Exl3ExpertStack:
-        """Stack per-expert (trellis, suh, svh) groups (the checkpoint stores experts one by one, §4.4)."""
-        if not groups:
-            raise CheckpointError(f"{name}: no experts to stack")
-        return cls.from_stacked(
-            torch.stack([g[0] for g in groups]),
-            torch.stack([g[1] for g in groups]),
-            torch.stack([g[2] for g in groups]),
-            codebook,
-            name,
-        )
+    def from_stacked(cls, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: str,
+                     name: str = "experts") -> Exl3ExpertStack:
+        return cls.from_group(trellis, suh, svh, codebook, name)
 
     @property
     def experts(self) -> int:
         return self.words.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.words.device
 
     @property
     def expert_nbytes(self) -> int:
@@ -121,7 +93,8 @@ def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
     """The routed-expert kernels' inputs agree: x [T, hidden], top-k tables [T, topk], stacks that chain."""
     T, hidden = x.shape
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} vs x {list(x.shape)}")
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} "
+                         f"vs x {list(x.shape)}")
     if w1.k != hidden or w3.k != hidden or w2.n != hidden or w1.n != w3.n or w2.k != w1.n:
         raise ValueError("expert stacks do not chain: need w1/w3 [hidden, inter] and w2 [inter, hidden]")
     if w1.K != w3.K or w1.codebook != w3.codebook:

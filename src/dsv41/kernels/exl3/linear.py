@@ -1,20 +1,20 @@
 """One entry point for an EXL3 linear: the fused kernel for decode/verify windows, reconstruct + GEMM above.
 
-Crossover measured on the H200 (docs/perf/exl3.md): the fused kernel's time grows with every 16-row block while
-reconstruct + cuBLAS is flat. The CUDA fused kernel still wins at 32 rows on the expert and wo_b shapes (38.8 vs
-46.5 us, 79.6 vs 156.2 us) and ties at 64, so up to 32 rows take it; the Triton kernel already lost at 32, so it
-keeps 16. Row invariance holds within each path; a row's bits can differ between the two paths (different
-accumulation order), which is why the threshold is a fixed constant per backend.
+The fused kernel's time grows with every 16-row block while reconstruct + cuBLAS is flat, so each backend has a
+crossover (docs/perf/exl3.md, "Numbers behind the code"): the CUDA fused kernel still wins at 32 rows and ties at
+64, so up to 32 rows take it; the Triton kernel already loses at 32, so it keeps 16. Row invariance holds within
+each path; a row's bits can differ between the two paths (different accumulation order), which is why the
+threshold is a fixed constant per backend, never a function of the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv41.kernels.exl3.decode import use_cuda_backend
+from dsv41.kernels.exl3.backend import use_cuda_backend
+from dsv41.kernels.exl3.layout import Exl3Tensor
 from dsv41.kernels.exl3.matmul import fused_matmul
 from dsv41.kernels.exl3.reconstruct import prefill_matmul
-from dsv41.kernels.exl3.layout import Exl3Tensor
 
 FUSED_MAX_ROWS = 16  # Triton fused kernel
 FUSED_MAX_ROWS_CUDA = 32

@@ -18,17 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv41.kernels.exl3.backend import use_cuda_backend, use_inline_asm
+from dsv41.kernels.exl3.cuda import fused_matmul_cuda
 from dsv41.kernels.exl3.decode import (
-    CODEBOOK_IDS,
     accumulate_kslice,
     accumulate_kslice_prerotated,
     hadamard_signs,
     rotate_input_kernel,
     rotate_rows_fp32,
-    use_cuda_backend,
-    use_inline_asm,
 )
-from dsv41.kernels.exl3.cuda import fused_matmul_cuda
 from dsv41.kernels.exl3.layout import Exl3Tensor
 
 BLOCK_M = 16
@@ -57,6 +55,12 @@ def default_config(weight: Exl3Tensor, sm_count: int = 132) -> MatmulConfig:
         return MatmulConfig(splits=min(2, k_blocks), block_k=32, num_warps=4)
     splits = max(1, min(k_blocks // 2, round(sm_count / col_blocks)))
     return MatmulConfig(splits=splits, block_k=64, num_warps=8)
+
+
+def launch_grid(weight: Exl3Tensor, m: int, cfg: MatmulConfig) -> tuple[int, int, int]:
+    """Programs of one launch: (128-column block, k split, block of BLOCK_M rows). Row r of x is row r % BLOCK_M of
+    row block r // BLOCK_M; the column blocks, the k splits and the config do not depend on m (row invariance)."""
+    return weight.n // 128, cfg.splits, triton.cdiv(m, BLOCK_M)
 
 
 @triton.jit
@@ -198,14 +202,14 @@ def fused_matmul(
         out = torch.empty((m, weight.n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out
-    row_blocks = triton.cdiv(m, BLOCK_M)
+    grid = launch_grid(weight, m, cfg)
+    row_blocks = grid[2]
     part, count = _WORKSPACE.get(x.device, cfg.splits, row_blocks, weight.n)
     had = hadamard_signs(x.device, torch.float16)
     if cfg.prerotate:
         xh = torch.empty((m, weight.k), dtype=torch.float16, device=x.device)
         rotate_input_kernel[(row_blocks, weight.k // 128)](x, weight.suh, had, xh, m, x.stride(0), xh.stride(0))
         x = xh
-    grid = (weight.n // 128, cfg.splits, row_blocks)
     _exl3_matmul_kernel[grid](
         x,
         weight.suh,
@@ -222,7 +226,7 @@ def fused_matmul(
         out.stride(0),
         cfg.splits,
         K=weight.K,
-        CODEBOOK=CODEBOOK_IDS[weight.codebook],
+        CODEBOOK=weight.codebook_id,
         BK=cfg.block_k,
         USE_ASM=use_inline_asm(x.device, weight.codebook),
         PREROTATED=cfg.prerotate,

@@ -21,15 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3.decode import (
-    CODEBOOK_IDS,
-    accumulate_kslice,
-    hadamard_signs,
-    rotate_rows_fp32,
-    use_cuda_backend,
-    use_inline_asm,
-)
+from dsv41.kernels.exl3.backend import use_cuda_backend, use_inline_asm
 from dsv41.kernels.exl3.cuda import moe_forward_cuda
+from dsv41.kernels.exl3.decode import accumulate_kslice, hadamard_signs, rotate_rows_fp32
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, check_moe_inputs
 
 MAX_ROWS = 16
@@ -37,7 +31,7 @@ MAX_ROWS = 16
 
 @dataclass(frozen=True)
 class MoeConfig:
-    # (64, 8) measured 12-16% faster than (32, 4) on the H200 (bench/results/exl3_kernels.json, moe_all_configs).
+    # (block_k, num_warps) = (64, 8): the faster launch shape (docs/perf/exl3.md, "Numbers behind the code").
     splits_gate_up: int = 4
     splits_down: int = 2
     block_k: int = 64
@@ -303,6 +297,14 @@ def moe_forward(
     return out
 
 
+def launch_grids(w1: Exl3ExpertStack, w2: Exl3ExpertStack, n_slots: int, cfg: MoeConfig) -> tuple[tuple, tuple]:
+    """Grids of the gate/up and down launches: (expert program, 128-column block, k split). Only the number of
+    expert programs follows the window (at most one per distinct expert of its slots; each finds its expert in the
+    routing table); the column blocks, the k splits and the config depend on the matrices alone."""
+    programs = min(n_slots, w1.experts)
+    return (programs, w1.n // 128, cfg.splits_gate_up), (programs, w2.n // 128, cfg.splits_down)
+
+
 def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeConfig) -> None:
     T, topk = topk_ids.shape
     n_slots = T * topk
@@ -313,19 +315,19 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeConfi
     ws = _WORKSPACE.get(x.device, n_slots, w1.n, w2.n, cfg)
     had = hadamard_signs(x.device, torch.float16)
     use_asm = use_inline_asm(x.device, w1.codebook)
-    max_unique = min(n_slots, w1.experts)
-    _moe_gate_up_kernel[(max_unique, w1.n // 128, cfg.splits_gate_up)](
+    grid_gate_up, grid_down = launch_grids(w1, w2, n_slots, cfg)
+    _moe_gate_up_kernel[grid_gate_up](
         x, x.stride(0), ids, route, n_slots,
         w1.words, w1.suh, w1.svh, w3.words, w3.suh, w3.svh, had,
         ws["h"], ws["part_a"], ws["count_a"], w1.k, w1.n, float(limit),
-        TOPK=topk, SLOTS=slots_pow2, K=w1.K, CODEBOOK=CODEBOOK_IDS[w1.codebook],
+        TOPK=topk, SLOTS=slots_pow2, K=w1.K, CODEBOOK=w1.codebook_id,
         SPLITS=cfg.splits_gate_up, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     use_asm = use_inline_asm(x.device, w2.codebook)
-    _moe_down_kernel[(max_unique, w2.n // 128, cfg.splits_down)](
+    _moe_down_kernel[grid_down](
         ws["h"], ids, n_slots, T,
         w2.words, w2.suh, w2.svh, had,
         ws["y"], out, out.stride(0), ws["part_b"], ws["count_b"], ws["count_out"], w2.k, w2.n,
-        TOPK=topk, SLOTS=slots_pow2, K=w2.K, CODEBOOK=CODEBOOK_IDS[w2.codebook],
+        TOPK=topk, SLOTS=slots_pow2, K=w2.K, CODEBOOK=w2.codebook_id,
         SPLITS=cfg.splits_down, BK=cfg.block_k, USE_ASM=use_asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -12,13 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3.decode import (
-    CODEBOOK_IDS,
-    decode_words,
-    hadamard_signs,
-    tile_word_offsets,
-    use_inline_asm,
-)
+from dsv41.kernels.exl3.backend import use_inline_asm
+from dsv41.kernels.exl3.decode import decode_words, hadamard_signs, tile_word_offsets
 from dsv41.kernels.exl3.layout import Exl3Tensor
 
 
@@ -75,7 +70,7 @@ def reconstruct(weight: Exl3Tensor, dtype: torch.dtype = torch.float16, rotate: 
         out,
         n,
         K=weight.K,
-        CODEBOOK=CODEBOOK_IDS[weight.codebook],
+        CODEBOOK=weight.codebook_id,
         ROTATE=rotate,
         USE_ASM=use_inline_asm(weight.device, weight.codebook),
         num_warps=8,

@@ -13,15 +13,17 @@ import os
 
 import torch
 
+from dsv41.kernels.exl3.backend import cuda_path_available
+from dsv41.weights.exl3 import CODEBOOKS
+
 log = logging.getLogger(__name__)
-CODEBOOKS = ("3inst", "mcg", "mul1")
 
 
 def warm(cache_dir: str | None = None, ks: tuple[int, ...] = tuple(range(1, 9))) -> int:
     """Builds and loads the CUDA kernels for every K in `ks` and codebook; returns how many variants are ready."""
     if cache_dir:
         os.environ.setdefault("TRITON_CACHE_DIR", cache_dir)
-    from dsv41.kernels.exl3.cuda import cuda_path_available, kernels_for
+    from dsv41.kernels.exl3.cuda import kernels_for
 
     if not torch.cuda.is_available() or not cuda_path_available(torch.device("cuda")):
         log.info("CUDA kernels: skipped (no NVIDIA GPU of sm_80 or newer here)")
