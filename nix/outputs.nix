@@ -54,7 +54,7 @@ in
         inputsFrom = [ pkgs.dsv41 ];
         packages = [
           (pkgs.python3.withPackages (ps: with ps; [
-            torch numpy safetensors tokenizers starlette hypercorn pydantic prometheus-client xgrammar sdnotify
+            torch numpy safetensors tokenizers starlette hypercorn pydantic prometheus-client xgrammar sdnotify tqdm
             pytest pytest-timeout openai httpx jsonschema psutil
           ]))
           pkgs.systemd # systemd-analyze for the unit tests

@@ -1,6 +1,6 @@
 # The dsv41 Python package (server, engine, ops commands) with the unit templates, env example and docs.
 { lib, buildPythonPackage, setuptools, wheel, torch, numpy, safetensors, tokenizers, starlette, hypercorn, pydantic
-, prometheus-client, xgrammar, sdnotify }:
+, prometheus-client, xgrammar, sdnotify, tqdm }:
 let
   root = ../.;
 in
@@ -21,7 +21,7 @@ buildPythonPackage {
   };
   build-system = [ setuptools wheel ];
   dependencies = [
-    torch numpy safetensors tokenizers starlette hypercorn pydantic prometheus-client xgrammar sdnotify
+    torch numpy safetensors tokenizers starlette hypercorn pydantic prometheus-client xgrammar sdnotify tqdm
   ];
   postInstall = ''
     install -Dm644 -t "$out/share/dsv41/systemd" systemd/*.in
