@@ -159,27 +159,26 @@ class ShardRows:
         unique, inverse = np.unique(rows, return_inverse=True)
         plan = plan_reads(unique, self.row_bytes, self.align, self.merge_gap, self.max_extent)
         buf = self._take_buffer(plan.total)
-        n_ext = plan.starts.size
-        per_task = max(1, -(-n_ext // (2 * self.pool.threads)))
-        futures = [self.pool.executor.submit(self._read_extents, buf, plan, i, min(i + per_task, n_ext))
-                   for i in range(0, n_ext, per_task)]
+        extents = list(zip(plan.starts.tolist(), plan.lengths.tolist(), plan.buf_starts.tolist()))
+        per_task = max(1, -(-len(extents) // (2 * self.pool.threads)))
+        futures = [self.pool.executor.submit(self._read_extents, buf, extents[i:i + per_task])
+                   for i in range(0, len(extents), per_task)]
         return PendingRead(self, futures, buf, plan, inverse)
 
-    def _read_extents(self, buf: mmap.mmap, plan: ReadPlan, i0: int, i1: int) -> None:
-        view = memoryview(buf)
-        for i in range(i0, i1):
-            start, length, at = int(plan.starts[i]), int(plan.lengths[i]), int(plan.buf_starts[i])
-            need = min(start + length, self.size) - start  # the last sector may run past the end of the file
+    def _read_extents(self, buf: mmap.mmap, extents: list[tuple[int, int, int]]) -> None:
+        view, fd, size = memoryview(buf), self.fd, self.size
+        for start, length, at in extents:
+            need = min(start + length, size) - start  # the last sector may run past the end of the file
             try:
-                got = os.preadv(self.fd, [view[at:at + length]], start)
+                got = os.preadv(fd, [view[at:at + length]], start)
             except OSError as exc:
                 raise CheckpointError(f"{self.path}: read of {length} bytes at offset {start} failed "
                                       f"({exc.strerror})") from None
             if got < need:
                 raise CheckpointError(f"{self.path}: short read at offset {start}: {got} of {need} bytes "
-                                      f"(file {os.fstat(self.fd).st_size} bytes, expected {self.size})")
+                                      f"(file {os.fstat(fd).st_size} bytes, expected {size})")
             if not self.direct:
-                os.posix_fadvise(self.fd, start, length, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
 
     def _take_buffer(self, nbytes: int) -> mmap.mmap:
         """A page-aligned buffer of at least `nbytes` (O_DIRECT needs aligned memory), reused across steps."""
@@ -205,16 +204,20 @@ class PendingRead:
         self._rows, self._futures, self._buf, self._plan, self._inverse = rows, futures, buf, plan, inverse
         self._done = False
 
+    def wait_io(self) -> None:
+        """Block until every read has finished; the first failure is raised (naming file and offset)."""
+        for future in self._futures:
+            exc = future.exception()
+            if exc is not None:
+                raise exc  # the buffer is dropped, not reused: the failed frame may still reference it
+
     def wait(self, device: torch.device | str = "cpu") -> torch.Tensor:
         if self._done:
             raise RuntimeError("PendingRead.wait called twice")
         self._done = True
         device = torch.device(device)
         src, rb = self._rows, self._rows.row_bytes
-        for future in self._futures:  # every read has finished (or failed) before the buffer is touched
-            exc = future.exception()
-            if exc is not None:
-                raise exc  # the buffer is dropped, not reused: the failed frame may still reference it
+        self.wait_io()  # every read has finished before the buffer is touched
         n_unique = self._plan.row_pos.size
         host = torch.empty((n_unique, rb), dtype=torch.uint8,
                            pin_memory=device.type == "cuda" and torch.cuda.is_available())
