@@ -3,12 +3,20 @@
 Special-token ids are never hard-coded: the release, the tiny model and the test fixtures number them
 differently, so every id is read from `tokenizer.json` (and `tokenizer_config.json` where it names the
 BOS/EOS/pad tokens). `encode` adds nothing: V4.1 prompts carry their own BOS in the text.
+
+Text from a client must not become control tokens (a user message spelling `<｜Assistant｜>` would forge a
+turn): `encode_pieces` takes a rendered prompt as template/content pieces (dsv41.chat.pieces) and recognises
+added tokens in template text only; `encode_literal` takes all of its text as plain text. Both tokenize in
+`encode_batch`, which releases the GIL, so a long prompt does not stall the server's event loop.
 """
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import json
+import re
+import threading
 from functools import lru_cache
 from pathlib import Path
 
@@ -59,6 +67,11 @@ class Tokenizer:
         # computed once: every streamed request builds an IncrementalDecoder from these
         self.added_tokens = backend.get_added_tokens_decoder()
         self.byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        contents = sorted({tok.content for tok in self.added_tokens.values() if tok.content}, key=len, reverse=True)
+        # any added token's spelling (longest first, so a match is the leftmost-longest one, as the tokenizer's)
+        self._control = re.compile("|".join(map(re.escape, contents))) if contents else None
+        self._literal: BackendTokenizer | None = None
+        self._literal_lock = threading.Lock()
         for name in REQUIRED_SPECIAL:
             self.special(name)  # fails early, naming the missing token
 
@@ -79,6 +92,57 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; special tokens written in the text become their ids, nothing is added."""
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_pieces(self, pieces) -> list[int]:
+        """Ids of a rendered prompt given as `(text, is_content)` pieces.
+
+        The whole text is tokenized at once, so the ids equal `encode(text)` unless content spells an added
+        token. Only then is each stretch between two template control tokens that holds such a spelling
+        tokenized again as plain text: the template's control tokens stay, the content's become text."""
+        text, content, at = [], [], 0
+        for piece, is_content in pieces:
+            if is_content:
+                if content and content[-1][1] == at:
+                    content[-1] = (content[-1][0], at + len(piece))
+                else:
+                    content.append((at, at + len(piece)))
+            text.append(piece)
+            at += len(piece)
+        return self._encode_guarded("".join(text), content)
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Ids of `text` with no control token: an added token's spelling is tokenized as plain text."""
+        return self._encode_guarded(text, [(0, len(text))])
+
+    def _encode_guarded(self, text: str, content: list[tuple[int, int]]) -> list[int]:
+        encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        ids = encoding.ids
+        if self._control is None or not any(_overlaps(content, m.start(), m.end())
+                                             for m in self._control.finditer(text)):
+            return ids
+        # control tokens: the template's (kept, and where the text is split) and the content's (forged)
+        marks = [(i, *encoding.token_to_chars(i)) for i, token in enumerate(ids) if token in self.added_tokens]
+        kept = [(i, start, end) for i, start, end in marks if not _overlaps(content, start, end)]
+        out, prev_index, prev_end = [], -1, 0
+        for index, start, end in [*kept, (len(ids), len(text), len(text))]:
+            stretch = ids[prev_index + 1:index]
+            if any(t in self.added_tokens for t in stretch):  # a forged control token: the stretch is text
+                stretch = self._literal_ids(text[prev_end:start])
+            out += stretch
+            if index < len(ids):
+                out.append(ids[index])
+            prev_index, prev_end = index, end
+        return out
+
+    def _literal_ids(self, text: str) -> list[int]:
+        if not text:
+            return []
+        with self._literal_lock:
+            if self._literal is None:
+                config = json.loads(self.backend.to_str())
+                config["added_tokens"] = []  # the model's vocabulary alone: no spelling is a control token
+                self._literal = BackendTokenizer.from_str(json.dumps(config))
+        return self._literal.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -131,6 +195,15 @@ class Tokenizer:
 
     def incremental_decoder(self, skip_special_tokens: bool = False) -> "IncrementalDecoder":
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+def _overlaps(spans: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether [start, end) meets one of the sorted, disjoint `spans`."""
+    i = bisect.bisect_right(spans, (start, float("inf"))) - 1
+    for j in (i, i + 1):
+        if 0 <= j < len(spans) and spans[j][0] < end and start < spans[j][1]:
+            return True
+    return False
 
 
 def _special_texts_from_config(path: Path) -> dict[str, str]:

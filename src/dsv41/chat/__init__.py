@@ -5,7 +5,7 @@ See docs/CHAT.md. The server uses `build_chat_prompt` (request -> prompt text) a
 are the official encoder/parser reproduced exactly.
 """
 
-from .encoding import encode_messages, resolve_effort
+from .encoding import encode_messages, encode_pieces, resolve_effort
 from .errors import ChatError, EncodingError, ParseError, RequestError
 from .parser import parse_completion
 from .request_mapping import ChatPrompt, build_chat_prompt, effort_to_mode
@@ -15,7 +15,7 @@ from . import tokens
 
 __all__ = [
     "ChatError", "EncodingError", "ParseError", "RequestError",
-    "encode_messages", "resolve_effort", "parse_completion",
+    "encode_messages", "encode_pieces", "resolve_effort", "parse_completion",
     "ChatPrompt", "build_chat_prompt", "effort_to_mode",
     "StreamParser", "parse_output", "new_call_id", "CompletionResult",
     "ReasoningDelta", "ContentDelta", "ToolCallStart", "ToolCallArgumentsDelta", "ToolCallEnd", "Finished",

@@ -7,9 +7,14 @@ switch drop_thinking off, unknown roles before the last user turn vanish in thin
 A conversation is a list of OpenAI-style dicts. Roles: system, user, assistant, tool, latest_reminder.
 Turn structure: user, tool and mid-conversation system messages are "user turns"; the generation header
 `<｜Assistant｜>` + think token belongs to the user turn, never to the assistant message that follows.
+
+`encode_pieces` returns the same text split into template and content pieces (chat/pieces.py): what the
+request supplied (message content, reasoning, tool schemas, call names and arguments) is content, so the
+tokenizer keeps a control token spelled there as plain text.
 """
 
 from .errors import EncodingError
+from .pieces import Pieces
 from .tokens import (ASSISTANT, BOS, EOS, IMAGE, LATEST_REMINDER, SYSTEM, TASK_TOKENS, THINK_END, THINK_START,
                      USER, USER_TASKS, ASSISTANT_TASKS)
 from .tools_text import render_calls, system_text
@@ -48,6 +53,13 @@ def encode_messages(messages, thinking_mode, context=None, drop_thinking=True, a
     are rendered and no BOS is added. reasoning_effort: None (75), 'low'/'high'/'max' or an int 1..100.
     Raises EncodingError where the reference raises (or crashes).
     """
+    return encode_pieces(messages, thinking_mode, context, drop_thinking, add_default_bos_token,
+                         reasoning_effort).text
+
+
+def encode_pieces(messages, thinking_mode, context=None, drop_thinking=True, add_default_bos_token=True,
+                  reasoning_effort=None) -> Pieces:
+    """`encode_messages` as template and content pieces (their text joined is `encode_messages`'s result)."""
     if thinking_mode not in THINKING_MODES:
         raise EncodingError(f"thinking_mode must be 'chat' or 'thinking', got {thinking_mode!r}")
     effort = resolve_effort(reasoning_effort)
@@ -117,22 +129,26 @@ def _sort_tool_results(conversation: list) -> list:
     return result
 
 
-def _text_parts(content, *, role: str, index: int, keep_unknown: bool) -> str:
+def _text_parts(content, *, role: str, index: int, keep_unknown: bool) -> Pieces:
     """Content as text: a string as is; list parts joined by a blank line, images as the placeholder."""
     if isinstance(content, str):
-        return content
+        return Pieces().c(content)
     if not isinstance(content, list):
         raise EncodingError(f"message {index} ({role}): content must be a string or a list of parts")
-    pieces = []
+    out, first = Pieces(), True
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text":
-            pieces.append(part.get("text") or "")
+            piece = Pieces().c(part.get("text") or "")
         elif kind in IMAGE_PART_TYPES:
-            pieces.append(IMAGE)
+            piece = Pieces().t(IMAGE)
         elif keep_unknown:
-            pieces.append(f"[Unsupported {kind}]")
-    return TURN_JOINER.join(pieces)
+            piece = Pieces().c(f"[Unsupported {kind}]")
+        else:
+            continue
+        out.t("" if first else TURN_JOINER).add(piece)
+        first = False
+    return out
 
 
 class _Renderer:
@@ -145,11 +161,11 @@ class _Renderer:
         self.effort = effort
         self.last_user = _last_user_index(conversation)
 
-    def render(self, first_new: int, with_bos: bool) -> str:
-        out = [BOS] if with_bos else []
+    def render(self, first_new: int, with_bos: bool) -> Pieces:
+        out = Pieces().t(BOS if with_bos else "")
         for index in range(first_new, len(self.conversation)):
-            out.append(self._message(index))
-        return "".join(out)
+            out.add(self._message(index))
+        return out
 
     # -- neighbours -------------------------------------------------------------------------------------------
     def _role(self, index: int) -> str | None:
@@ -172,44 +188,44 @@ class _Renderer:
         return ASSISTANT + (THINK_START if opens_thinking else THINK_END)
 
     # -- messages -----------------------------------------------------------------------------------------------
-    def _message(self, index: int) -> str:
+    def _message(self, index: int) -> Pieces:
         message = self.conversation[index]
         role = message.get("role")
         if index == 0 and self.thinking:
-            prefix = SYSTEM + effort_line(self.effort) + "\n\n"
+            prefix = Pieces().t(SYSTEM + effort_line(self.effort) + "\n\n")
         elif index == 0 and role == "system":
-            prefix = SYSTEM
+            prefix = Pieces().t(SYSTEM)
         else:
-            prefix = ""
+            prefix = Pieces()
         if role == "system":
-            return prefix + self._system(index, message)
+            return prefix.add(self._system(index, message))
         if role == "user":
-            return prefix + self._user(index, message)
+            return prefix.add(self._user(index, message))
         if role == "tool":
-            return prefix + self._tool(index, message)
+            return prefix.add(self._tool(index, message))
         if role == "assistant":
-            return prefix + self._assistant(index, message)
+            return prefix.add(self._assistant(index, message))
         if role == "latest_reminder":
-            return prefix + LATEST_REMINDER + self._plain_content(index, message)
+            return prefix.t(LATEST_REMINDER).add(self._plain_content(index, message))
         raise EncodingError(f"message {index}: unsupported role {role!r} (V4.1 knows {', '.join(KNOWN_ROLES)})")
 
-    def _plain_content(self, index: int, message: dict) -> str:
+    def _plain_content(self, index: int, message: dict) -> Pieces:
         content = message.get("content")
         if content is None:
-            return ""
+            return Pieces()
         return _text_parts(content, role=message.get("role"), index=index, keep_unknown=False)
 
-    def _system(self, index: int, message: dict) -> str:
+    def _system(self, index: int, message: dict) -> Pieces:
         text = system_text(self._plain_content(index, message), message.get("tools"),
                            message.get("response_format"))
         if index == 0:
             return text  # the caller already wrote <｜System｜> (and the effort line)
-        out = SYSTEM + text
+        out = Pieces().t(SYSTEM).add(text)
         if self._turn_ends_with_header(index):
-            out += self._header(index)
+            out.t(self._header(index))
         return out
 
-    def _user(self, index: int, message: dict) -> str:
+    def _user(self, index: int, message: dict) -> Pieces:
         content = message.get("content")
         if content is None:
             raise EncodingError(f"message {index} (user): content must not be null")
@@ -219,40 +235,41 @@ class _Renderer:
         if any(IMAGE in t for t in typed_text):
             # Images are placed only through image parts; a typed placeholder would desync them.
             raise EncodingError(f"message {index} (user): the image placeholder {IMAGE} may not appear in text")
-        out = (TURN_JOINER if self._joins_previous_turn(index) else USER) + text
+        out = Pieces().t(TURN_JOINER if self._joins_previous_turn(index) else USER).add(text)
         task = message.get("task")
         if task:
             if task not in USER_TASKS:
                 raise EncodingError(f"message {index} (user): unknown task {task!r}, expected one of {USER_TASKS}")
             if task == "action":
-                return out + self._header(index) + TASK_TOKENS[task]
-            return out + TASK_TOKENS[task]
+                return out.t(self._header(index) + TASK_TOKENS[task])
+            return out.t(TASK_TOKENS[task])
         if self._turn_ends_with_header(index):
-            out += self._header(index)
+            out.t(self._header(index))
         return out
 
-    def _tool(self, index: int, message: dict) -> str:
+    def _tool(self, index: int, message: dict) -> Pieces:
         result = self._plain_content(index, message)
-        out = (TURN_JOINER if self._joins_previous_turn(index) else USER) + f"<tool_result>{result}</tool_result>"
+        out = Pieces().t(TURN_JOINER if self._joins_previous_turn(index) else USER)
+        out.t("<tool_result>").add(result).t("</tool_result>")
         if self._turn_ends_with_header(index):
-            out += self._header(index)
+            out.t(self._header(index))
         return out
 
-    def _assistant(self, index: int, message: dict) -> str:
+    def _assistant(self, index: int, message: dict) -> Pieces:
         previous = self.conversation[index - 1] if index > 0 else {}
         after_task = bool(previous.get("task"))
         keeps_reasoning = self.thinking and not after_task and (not self.drop or index > self.last_user)
-        out = ""
+        out = Pieces()
         if keeps_reasoning:
-            out += (message.get("reasoning_content") or "") + THINK_END
-        out += self._plain_content(index, message)
+            out.c(message.get("reasoning_content") or "").t(THINK_END)
+        out.add(self._plain_content(index, message))
         if message.get("tool_calls"):
-            out += render_calls(message["tool_calls"])
+            out.add(render_calls(message["tool_calls"]))
         if not message.get("wo_eos"):
-            out += EOS
+            out.t(EOS)
         task = message.get("task")
         if task:
             if task not in ASSISTANT_TASKS:
                 raise EncodingError(f"message {index} (assistant): unknown task {task!r}, expected 'title'")
-            out += TASK_TOKENS[task]
+            out.t(TASK_TOKENS[task])
         return out

@@ -17,7 +17,7 @@ message-level `tools`) are not passed through.
 import json
 from dataclasses import dataclass, field
 
-from .encoding import encode_messages
+from .encoding import encode_pieces
 from .errors import EncodingError, RequestError
 from .stream_parser import StreamParser
 from .tools_text import qualify
@@ -36,6 +36,7 @@ class ChatPrompt:
     thinking_mode: str                   # "thinking" or "chat"
     reasoning_effort: int                # the effort number given to the encoder (shown only when thinking)
     prompt: str                          # encode_messages(...) of the above
+    pieces: list = field(default_factory=list)  # the same text as template/content pieces (for the tokenizer)
     tools: list = field(default_factory=list)   # tools offered to the model ([] when none or tool_choice none)
     tool_choice: str | dict = "auto"     # "none" | "auto" | "required" | {"type": "function", "function": {...}}
     response_format: dict | None = None  # the json_schema / json_object object, None for text
@@ -79,10 +80,11 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
             messages[0]["response_format"] = response_format
     mode = "thinking" if thinking else "chat"
     try:
-        prompt = encode_messages(messages, mode, reasoning_effort=effort)
+        pieces = encode_pieces(messages, mode, reasoning_effort=effort)
     except EncodingError as error:
         raise RequestError(str(error), param="messages") from error
-    return ChatPrompt(messages=messages, thinking_mode=mode, reasoning_effort=effort, prompt=prompt,
+    return ChatPrompt(messages=messages, thinking_mode=mode, reasoning_effort=effort, prompt=pieces.text,
+                      pieces=pieces,
                       tools=offered, tool_choice=tool_choice, response_format=response_format,
                       parallel_tool_calls=parallel is not False,
                       continue_final_message=bool(continuing))

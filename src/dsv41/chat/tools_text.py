@@ -1,9 +1,13 @@
 """Tool-related text of the V4.1 prompt: the `## Tools` section, the Response Format section, namespaces and
-the DSML rendering of an assistant's tool calls (ENCODING.md §2, "System block" and "Tool calls")."""
+the DSML rendering of an assistant's tool calls (ENCODING.md §2, "System block" and "Tool calls").
+
+The renderers return `Pieces`: the fixed text as template, everything taken from the request (tool schemas,
+the response format, call names, parameter names and values) as content."""
 
 import json
 
 from .errors import EncodingError
+from .pieces import Pieces
 from .tokens import CALLS_CLOSE, CALLS_OPEN, DSML, INVOKE_CLOSE
 
 TOOLS_PREAMBLE = (
@@ -100,22 +104,25 @@ def tool_schema_line(tool: dict) -> str:
     return dumps(schema)
 
 
-def tools_section(tools: list) -> str:
-    return TOOLS_PREAMBLE + "\n".join(tool_schema_line(t) for t in tools) + TOOLS_EPILOGUE
+def tools_section(tools: list) -> Pieces:
+    out = Pieces().t(TOOLS_PREAMBLE)
+    for i, tool in enumerate(tools):
+        out.t("\n" if i else "").c(tool_schema_line(tool))
+    return out.t(TOOLS_EPILOGUE)
 
 
-def response_format_section(response_format) -> str:
-    return RESPONSE_FORMAT_HEADER + dumps(response_format)
+def response_format_section(response_format) -> Pieces:
+    return Pieces().t(RESPONSE_FORMAT_HEADER).c(dumps(response_format))
 
 
-def system_text(content: str, tools, response_format) -> str:
+def system_text(content: Pieces, tools, response_format) -> Pieces:
     """System content followed by the optional tools and response-format sections."""
-    text = content
+    out = Pieces().add(content)
     if tools:
-        text += SECTION_JOINER + tools_section(tools)
+        out.t(SECTION_JOINER).add(tools_section(tools))
     if response_format:
-        text += SECTION_JOINER + response_format_section(response_format)
-    return text
+        out.t(SECTION_JOINER).add(response_format_section(response_format))
+    return out
 
 
 def call_arguments(raw) -> dict:
@@ -134,23 +141,29 @@ def call_arguments(raw) -> dict:
     return value if isinstance(value, dict) else {"arguments": raw}
 
 
-def render_parameter(name: str, value) -> str:
+def render_parameter(name: str, value) -> Pieces:
+    out = Pieces().t(f'<{DSML} parameter name="').c(name)
     if isinstance(value, str):
-        return f'<{DSML} parameter name="{name}" string="true">{value}</{DSML} parameter>'
-    return f'<{DSML} parameter name="{name}" string="false">{dumps(value)}</{DSML} parameter>'
+        return out.t('" string="true">').c(value).t(f"</{DSML} parameter>")
+    return out.t('" string="false">').c(dumps(value)).t(f"</{DSML} parameter>")
 
 
-def render_invoke(call: dict) -> str:
+def render_invoke(call: dict) -> Pieces:
     if not isinstance(call, dict):
         raise EncodingError(f"each tool call must be an object, got {type(call).__name__}")
     function = call.get("function", call)
     if not isinstance(function, dict) or "name" not in function:
         raise EncodingError("each tool call needs function.name")
     name, _ = qualify(function["name"], call.get("namespace"), function.get("namespace"))
-    params = "\n".join(render_parameter(k, v) for k, v in call_arguments(function.get("arguments")).items())
+    out = Pieces().t(f'<{DSML} invoke name="').c(name).t('">\n')
+    for i, (key, value) in enumerate(call_arguments(function.get("arguments")).items()):
+        out.t("\n" if i else "").add(render_parameter(key, value))
     # A call without arguments still gets its (empty) parameter line.
-    return f'<{DSML} invoke name="{name}">\n{params}\n{INVOKE_CLOSE}'
+    return out.t(f"\n{INVOKE_CLOSE}")
 
 
-def render_calls(calls: list) -> str:
-    return f"\n\n{CALLS_OPEN}\n" + "\n".join(render_invoke(c) for c in calls) + f"\n{CALLS_CLOSE}"
+def render_calls(calls: list) -> Pieces:
+    out = Pieces().t(f"\n\n{CALLS_OPEN}\n")
+    for i, call in enumerate(calls):
+        out.t("\n" if i else "").add(render_invoke(call))
+    return out.t(f"\n{CALLS_CLOSE}")
