@@ -12,7 +12,7 @@ from .interface import (
     RequestStream,
     TokenEvent,
 )
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 __all__ = [
     "Engine",

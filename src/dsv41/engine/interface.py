@@ -3,8 +3,9 @@
 A request goes in as token ids plus sampling/stopping rules; what comes back is a `RequestStream`, an async
 iterator of `TokenEvent`s ending with one `FinishEvent`. The consumer may `cancel()` at any time (client gone,
 stop string matched); the engine then frees the request's state. Engine failures surface as `EngineFailure`
-raised from the iterator. Today `SerialEngine` runs one request at a time; a batching scheduler implements the
-same `Engine` class later, so the server does not change.
+raised from the iterator. `SerialEngine` (engine/serial.py) runs one request at a time over the reference model;
+`AsyncEngine` (engine/async_engine.py) batches requests over the paged KV pool behind the same class, so the
+server does not change (docs/ENGINE.md).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from .sampling import SamplingParams
+from .params import SamplingParams
 
 
 class EngineFailure(Exception):
@@ -41,6 +42,7 @@ class GenerationRequest:
     prompt_logprobs: int | None = None  # same, for every prompt token (one PromptLogprobsEvent before any token)
     grammar: Any = None  # an xgrammar CompiledGrammar; the engine masks every step with a matcher over it
     request_id: str = ""
+    background: bool = False  # the batched engine admits foreground requests first (FIFO within each class)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    tag: str = ""  # the approximate engine settings the reply was computed under ("" = exact; docs/ENGINE.md)
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class EngineStats:
     live_sequences: int  # model states allocated and not yet freed
     prompt_tokens_total: int
     generation_tokens_total: int
+    detail: dict = field(default_factory=dict)  # engine-specific figures (pool, rounds, ...) for /health
 
 
 _ids = itertools.count()

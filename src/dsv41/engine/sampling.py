@@ -12,28 +12,14 @@ top-k/top-p need the whole vocab row; a TP runner gathers the filtered threshold
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
-
 import torch
 
+from .params import GREEDY_BELOW, SamplingParams, derive_seed
+
+__all__ = ["GREEDY_BELOW", "SamplingParams", "derive_seed", "keyed_uniform", "keyed_gumbel", "filter_logits",
+           "sample_token", "token_logprobs"]
+
 _M32 = 0xFFFFFFFF
-GREEDY_BELOW = 1e-5  # temperatures under this are treated as greedy (T=0 would divide by zero)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """What a request asks of the sampler. `seed=None` means: derive it from the prompt (see `derive_seed`)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
 
 
 def _mul32(x, c: int):
@@ -73,12 +59,6 @@ def keyed_uniform(seed: int, step: int, token_ids: torch.Tensor) -> torch.Tensor
 def keyed_gumbel(seed: int, step: int, token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise keyed by (seed, step, token id)."""
     return -torch.log(-torch.log(keyed_uniform(seed, step, token_ids)))
-
-
-def derive_seed(prompt_ids: list[int]) -> int:
-    """The seed of a request that gave none: a digest of its prompt, so identical requests replay identically."""
-    digest = hashlib.sha256(b"dsv41-seed\0" + b",".join(str(int(t)).encode() for t in prompt_ids)).digest()
-    return int.from_bytes(digest[:8], "little")
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -76,11 +76,12 @@ def append_window(cache: WindowCache, kv: torch.Tensor, window: int) -> torch.Te
 
 
 def window_slots(win: torch.Tensor, positions: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each query's window keys [T, window, hd]: slot j holds position p - window + 1 + j (live when >= 0).
-    `win` holds the consecutive positions ending at the chunk's last one."""
+    """Each query's window keys [T, window, hd]: slot j holds position p - window + 1 + j (live when it is in
+    `win`). `win` holds the consecutive positions ending at the chunk's last one; a sequence's own window starts
+    at position 0 or covers the whole span, a truncated one (CED bounded replay) at the replay segment's start."""
     first = int(positions[-1]) + 1 - win.shape[0]
     key_pos = positions[:, None] + torch.arange(1 - window, 1, device=win.device)[None, :]
-    ok = key_pos >= 0
+    ok = key_pos >= first
     return win[(key_pos - first).clamp(min=0)], ok
 
 

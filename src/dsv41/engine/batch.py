@@ -1,0 +1,82 @@
+"""What crosses from the engine to the runtime each step (docs/ENGINE.md §2): plain dataclasses, no tensors.
+
+A `Row` is one sequence's share of a step: the token ids it absorbs (a prefill chunk, the one token of a decode
+step, or a token plus the text a grammar forces), where they go (`start_pos`, its ring `slot`, its `page_ids`),
+and what to bring back (a sampled token, logprobs of given next tokens). A row carries everything the runtime
+needs; the runtime keeps no per-request policy state. The same `Batch` is what rank 0 sends to every rank
+(parallel/plan.py encodes it), so every rank runs the same `ModelRunner.execute(batch)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+
+
+@dataclass(slots=True)
+class RowSampling:
+    """The keyed draw of one token: `sample_token(logits, params(seed), seed, step)` on the row's last logits."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    step: int  # the request's generation step: the keyed noise of token v is a function of (seed, step, v)
+    logprobs: int | None = None  # None: no logprob; k: the chosen token's and the k most likely
+    mask: bytes | None = None  # allowed ids: int32 words, bit v % 32 of word v // 32 (xgrammar's bitmask)
+
+
+@dataclass(slots=True)
+class Row:
+    seq_id: int
+    slot: int  # ring slot: window KV, open compressor groups, DSpark rings
+    token_ids: list[int]  # absorbed at positions start_pos, start_pos + 1, ...
+    start_pos: int
+    page_ids: list[int]  # the sequence's page table (every growing store: compressed KV, index keys)
+    phase: str = DECODE
+    lookback: list[int] = field(default_factory=list)  # the ids just before start_pos (Engram n-grams)
+    sample: RowSampling | None = None  # draw a token from the last row's logits
+    scores: list[tuple[int, int, int]] = field(default_factory=list)  # (row offset, next id, top): logprobs
+    replay_start: int = 0  # CED bounded replay: the decoder layers see positions >= this only
+    n_draft: int = 0
+
+    def logit_offsets(self) -> list[int]:
+        """The rows of this chunk whose logits the step needs, ascending (scored rows, then the sampled one)."""
+        wanted = {offset for offset, _, _ in self.scores}
+        if self.sample is not None:
+            wanted.add(len(self.token_ids) - 1)
+        return sorted(wanted)
+
+
+@dataclass(slots=True)
+class Batch:
+    step: int
+    rows: list[Row]
+    freed_slots: list[int] = field(default_factory=list)  # released since the last step (all ranks see it)
+    freed_pages: list[int] = field(default_factory=list)
+    knobs_tag: str = ""  # the approximate settings every rank runs under ("" = exact)
+    stop: bool = False  # followers leave their loop
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r.token_ids) for r in self.rows)
+
+
+@dataclass(slots=True)
+class RowOutput:
+    seq_id: int
+    token: int | None = None
+    logprob: float | None = None
+    top: list[tuple[int, float]] = field(default_factory=list)
+    scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # one per Row.scores entry
+    accepted: int = 0  # verify rows: drafts accepted
+    error: str | None = None  # this row alone failed (e.g. its grammar allows no token)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    step: int
+    rows: list[RowOutput] = field(default_factory=list)
+    free_bytes: int | None = None  # the device's (or host's) free memory after the step, for the memory floor

@@ -1,0 +1,209 @@
+"""The batched engine loop, torch-free: `step()` = schedule -> executor.execute(batch) -> postprocess -> events.
+
+Every reply is the one its request gets alone (docs/ENGINE.md §4): a row's bits never depend on the other rows,
+a prompt cut into chunks absorbs exactly as in one piece, and the keyed sampler draws token p from (seed, p,
+logits) only. So this loop is free to batch, chunk and interleave as it likes; it decides only *when* rows run.
+
+Events go out through each sequence's `emit` (the async bridge hands them to the request's stream): a
+`PromptLogprobsEvent` once the prompt is in (when asked for), a `TokenEvent` per output token, then one
+`FinishEvent` (after the request's slot and pages are back in the pool) or an `EngineFailure`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .batch import DECODE, PREFILL, Batch, Row, RowOutput, RowSampling
+from .block_manager import BlockManager
+from .interface import EngineFailure, FinishEvent, PromptLogprobsEvent, TokenEvent
+from .request import Sequence, Status
+from .scheduler import Scheduler, SchedulerConfig
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    prefill_mode: str = "full"  # "full" (exact) | "replay" (CED bounded replay: approximate, tagged)
+    window: int = 128  # the model's sliding window (the replay segment)
+    lookback: int = 0  # token ids before a chunk that the Engram n-grams need
+    knobs_tag: str = ""  # every approximate setting in force ("" = exact)
+
+
+class LLMEngine:
+    def __init__(self, executor, blocks: BlockManager, config: EngineConfig, clock=time.monotonic):
+        if config.prefill_mode not in ("full", "replay"):
+            raise ValueError(f"prefill mode must be full or replay, got {config.prefill_mode!r}")
+        self.executor, self.blocks, self.config, self.clock = executor, blocks, config, clock
+        self.scheduler = Scheduler(config.scheduler, blocks, getattr(executor, "free_bytes", lambda: None), clock)
+        self._freed_slots: list[int] = []
+        self._freed_pages: list[int] = []
+        self.step_no = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.prefill_rows_total = 0
+        self.decode_rows_total = 0
+        self.round_seconds_total = 0.0
+        self.last_round_s = 0.0
+        self.rows_hist = {b: 0 for b in ROW_BUCKETS}
+
+    # ------------------------------------------------------------------ requests
+    def add(self, seq: Sequence) -> None:
+        if not seq.prompt or seq.limit < 1:
+            raise ValueError("a sequence needs a prompt token and room for one output token")
+        if seq.reserve_tokens > self.config.max_model_len + 1 or not self.blocks.fits_alone(seq.reserve_tokens):
+            raise ValueError(f"{seq.prompt_len} prompt + {seq.limit} output tokens do not fit the pool")
+        if self.config.prefill_mode == "replay" and seq.prompt_logprobs is None:
+            seq.replay_start = max(0, seq.prompt_len - self.config.window)
+        self._extend_forced(seq)  # text a grammar forces before the first sampled token
+        self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Cancel at any stage: queued, prefilling or decoding; everything it holds is freed at once."""
+        if seq.status is Status.FINISHED:
+            return
+        self._finish(seq, "cancelled")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> bool:
+        """Run one step; False when there was nothing to run. An executor failure fails the step's requests and
+        is raised again (the caller decides whether the engine goes on)."""
+        for seq in self.scheduler.admit():
+            seq.emit(EngineFailure(f"cannot admit the request: free memory stays under the floor "
+                                   f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running"))
+        work = self.scheduler.schedule()
+        if not work:
+            return False
+        rows = [self._row(seq, n) for seq, n in work]
+        batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag)
+        self._freed_slots, self._freed_pages = [], []
+        self.step_no += 1
+        started = self.clock()
+        try:
+            out = self.executor.execute(batch)
+        except BaseException as exc:
+            for seq, _ in work:
+                self._fail(seq, f"{type(exc).__name__}: {exc}")
+            raise
+        seconds = self.clock() - started
+        prefill = sum(len(r.token_ids) for r in rows if r.phase == PREFILL)
+        self.scheduler.observe(prefill, len(rows) - sum(r.phase == PREFILL for r in rows), seconds)
+        self._account(rows, prefill, seconds)
+        for (seq, n), row, result in zip(work, rows, out.rows):
+            self._postprocess(seq, n, row, result)
+        return True
+
+    def _row(self, seq: Sequence, n: int) -> Row:
+        a = seq.num_computed
+        end = a + n
+        sample = None
+        if end == len(seq.tokens) and seq.produced < seq.limit:
+            p = seq.sampling
+            sample = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.produced, seq.logprobs,
+                                 seq.constraint.mask() if seq.constraint is not None else None)
+        scores = []
+        for j, nxt in enumerate(range(a + 1, min(end + 1, len(seq.tokens)))):
+            top = seq.prompt_logprobs if nxt < seq.prompt_len else seq.logprobs
+            if top is not None:
+                scores.append((j, seq.tokens[nxt], top))
+        L = self.config.lookback
+        return Row(seq.seq_id, seq.slot, seq.tokens[a:end], a, seq.pages, PREFILL if a < seq.prompt_len else DECODE,
+                   seq.tokens[max(0, a - L):a] if L else [], sample, scores, seq.replay_start)
+
+    def _postprocess(self, seq: Sequence, n: int, row: Row, out: RowOutput) -> None:
+        if out.error is not None:
+            self._fail(seq, out.error)
+            return
+        a = seq.num_computed
+        seq.num_computed += n
+        scored = dict(zip((j for j, _, _ in row.scores), out.scored))
+        if seq.prompt_logprobs is not None:
+            seq.prompt_scores += [(lp, tuple(top)) for j, (lp, top) in sorted(scored.items()) if a + j + 1 < seq.prompt_len]
+        if a < seq.prompt_len <= seq.num_computed:
+            self.prompt_tokens_total += seq.prompt_len
+            if seq.prompt_logprobs is not None:
+                seq.emit(PromptLogprobsEvent(((None, ()), *seq.prompt_scores)))
+                seq.prompt_scores = []
+        # forced text this step absorbed: after the prompt, or after the sampled token this step started with
+        for q in range(seq.prompt_len if a < seq.prompt_len else a + 1, seq.num_computed):
+            logprob, top = scored.get(q - a - 1, (None, ()))  # row q - 1 predicts position q
+            self._report(seq, seq.unreported.popleft(), logprob, top)
+        if out.token is not None:
+            seq.tokens.append(out.token)
+            seq.produced += 1
+            self._report(seq, out.token, out.logprob, out.top)
+            if seq.constraint is not None and seq.constraint.accept(out.token):
+                return self._finish(seq, "stop")
+            if out.token in seq.stop_ids and not seq.ignore_eos:
+                return self._finish(seq, "stop")
+            if seq.produced >= seq.limit:
+                return self._finish(seq, "length")
+            self._extend_forced(seq)
+        elif not seq.prefilling and seq.pending == 0 and seq.produced >= seq.limit:
+            self._finish(seq, "length")  # forced text filled the budget
+
+    def _report(self, seq: Sequence, token: int, logprob, top) -> None:
+        self.generation_tokens_total += 1
+        if seq.logprobs is not None:
+            seq.emit(TokenEvent(token, logprob, tuple(tuple(t) for t in top)))
+        else:
+            seq.emit(TokenEvent(token))
+
+    def _extend_forced(self, seq: Sequence) -> None:
+        while seq.constraint is not None and seq.produced < seq.limit:
+            forced = seq.constraint.forced(seq.limit - seq.produced)
+            if not forced:
+                return
+            seq.tokens += forced
+            seq.unreported.extend(forced)
+            seq.produced += len(forced)
+
+    # ------------------------------------------------------------------ ending
+    def _release(self, seq: Sequence) -> None:
+        slot = seq.slot
+        freed = self.scheduler.remove(seq)
+        if slot is not None:
+            self._freed_slots.append(slot)
+        self._freed_pages += freed
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq)  # the finish event goes out after the slot and pages are back
+        seq.emit(FinishEvent(reason=reason, prompt_tokens=seq.prompt_len,
+                             completion_tokens=seq.produced - len(seq.unreported), tag=self.config.knobs_tag))
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        if seq.status is not Status.FINISHED:
+            self._release(seq)
+            seq.emit(EngineFailure(message))
+
+    def fail_all(self, message: str) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.waiting_bg):
+            self._fail(seq, message)
+
+    # ------------------------------------------------------------------ figures
+    def _account(self, rows: list[Row], prefill: int, seconds: float) -> None:
+        self.prefill_rows_total += prefill
+        self.decode_rows_total += sum(len(r.token_ids) for r in rows if r.phase != PREFILL)
+        self.round_seconds_total += seconds
+        self.last_round_s = seconds
+        n = sum(len(r.token_ids) for r in rows)
+        self.rows_hist[next((b for b in ROW_BUCKETS if n <= b), ROW_BUCKETS[-1])] += 1
+
+    def stats(self) -> dict:
+        b, s = self.blocks, self.scheduler
+        return {
+            "slots_busy": b.num_used_slots, "slots_total": b.num_slots,
+            "pages_used": b.num_used_pages, "pages_total": b.num_pages, "page_tokens": b.page_tokens,
+            "queue": s.num_waiting, "running": len(s.running),
+            "prefill_tokens_total": self.prefill_rows_total, "decode_tokens_total": self.decode_rows_total,
+            "rounds": self.step_no, "round_seconds_total": round(self.round_seconds_total, 6),
+            "last_round_s": round(self.last_round_s, 6),
+            "rows_per_round": {str(k): v for k, v in self.rows_hist.items() if v},
+            "prefill_mode": self.config.prefill_mode, "tag": self.config.knobs_tag,
+        }

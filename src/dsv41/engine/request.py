@@ -1,0 +1,81 @@
+"""One request inside the batched engine: its tokens, how far the cache has absorbed them, where it lives.
+
+`tokens` is the prompt followed by every output token decided so far (sampled, or forced by a grammar); the
+cache holds the first `num_computed` of them. The next step absorbs `tokens[num_computed:]` (a prefill chunk, or
+the last sampled token plus any forced text) and, when that reaches the end, samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .params import SamplingParams, derive_seed
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt: list[int]
+    limit: int  # most output tokens (max_tokens capped by the context)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    constraint: Any = None  # grammar: .mask() -> bytes | None, .accept(token) -> ended, .forced(budget) -> ids
+    background: bool = False
+    emit: Callable[[Any], None] = lambda event: None  # TokenEvent / PromptLogprobsEvent / FinishEvent / error
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = 0.0
+    # ---- engine state
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    produced: int = 0  # output tokens decided (sampled + forced)
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    replay_start: int = 0
+    unreported: deque = field(default_factory=deque)  # forced ids decided, emitted once their step has run
+    prompt_scores: list = field(default_factory=list)
+    in_flight: bool = False  # part of the step being executed
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        self.seed = self.sampling.seed if self.sampling.seed is not None else derive_seed(self.prompt)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens decided but not yet in the cache."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def reserve_tokens(self) -> int:
+        """Positions the page table must cover: every absorbed token (the last sampled one never is)."""
+        return self.prompt_len + self.limit
+
+    def rollback(self, n: int) -> None:
+        """Forget the last `n` absorbed tokens (rejected drafts; the caller appends the corrected one): the ring's
+        write head and the pages' length move back with `num_computed`; nothing is copied."""
+        if not 0 <= n <= self.num_computed - self.prompt_len:
+            raise ValueError(f"cannot roll back {n} of {self.num_computed} tokens")
+        self.num_computed -= n
+        del self.tokens[self.num_computed:]

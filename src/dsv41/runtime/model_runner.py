@@ -1,0 +1,81 @@
+"""`ModelRunner.execute(batch) -> StepOutput`: one step of many sequences over the KV pool, then the keyed sampler.
+
+The runner owns the pool and a forward (`forward.execute(rows, pool) -> per row the fp32 logits of
+row.logit_offsets()`: `PoolForward` on the CPU, the fast path where it is built). It keeps no per-request state:
+everything a row needs travels in the `Row`. On every rank of a TP group the same `execute` runs (the forward's
+collectives keep the ranks in step); only the driver (rank 0) samples and reports.
+
+Per row: the sampled token from the last row's logits (its grammar mask applied first), the sampled token's
+logprob and top logprobs, and the logprob (+ top) of each `scores` entry: the prompt's next tokens (prompt
+logprobs) or a grammar's forced text. Logprobs are those of the raw model distribution, as `SerialEngine` reports
+them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.batch import Batch, Row, RowOutput, StepOutput
+from ..engine.sampling import SamplingParams, sample_token, token_logprobs
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory left for new work: free device memory, or the host's MemAvailable on the CPU and on unified-memory
+    GPUs (GB10: the GPU allocates from host memory, so the host's figure is the one that runs out)."""
+    if device.type == "cuda" and not torch.cuda.get_device_properties(device).is_integrated:
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def allowed_ids(mask: bytes, vocab: int, device) -> torch.Tensor:
+    """bool [vocab] from an xgrammar bitmask (int32 words, bit v % 32 of word v // 32; ids past it disallowed)."""
+    words = torch.frombuffer(bytearray(mask), dtype=torch.int32).to(device)
+    ids = torch.arange(vocab, device=device)
+    inside = ids < words.numel() * 32
+    bits = (words[(ids // 32).clamp(max=max(words.numel() - 1, 0))] >> (ids % 32)) & 1
+    return inside & bits.bool()
+
+
+class ModelRunner:
+    def __init__(self, forward, pool, *, driver: bool = True, knobs_tag: str = ""):
+        self.forward, self.pool, self.driver, self.knobs_tag = forward, pool, driver, knobs_tag
+        self.device = getattr(pool, "device", torch.device("cpu"))
+
+    def free_bytes(self) -> int:
+        return free_bytes(self.device)
+
+    def execute(self, batch: Batch) -> StepOutput:
+        if batch.knobs_tag != self.knobs_tag:
+            raise RuntimeError(f"step {batch.step} was planned under {batch.knobs_tag!r}, this runner runs "
+                               f"{self.knobs_tag!r}")
+        logits = self.forward.execute(batch.rows, self.pool)
+        if not self.driver:
+            return StepOutput(batch.step)
+        return StepOutput(batch.step, [self._row(row, lg) for row, lg in zip(batch.rows, logits)])
+
+    @torch.inference_mode()
+    def _row(self, row: Row, logits: torch.Tensor | None) -> RowOutput:
+        out = RowOutput(row.seq_id)
+        at = {offset: i for i, offset in enumerate(row.logit_offsets())}
+        for offset, token, top in row.scores:
+            logprob, best = token_logprobs(logits[at[offset]], token, top)
+            out.scored.append((logprob, best))
+        s = row.sample
+        if s is None:
+            return out
+        raw = logits[at[len(row.token_ids) - 1]]
+        masked = raw
+        if s.mask is not None:
+            masked = raw.float().masked_fill(~allowed_ids(s.mask, raw.shape[-1], raw.device), float("-inf"))
+            if not torch.isfinite(masked).any():
+                out.error = "the grammar allows no token at this point"
+                return out
+        params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.seed)
+        out.token = sample_token(masked, params, s.seed, s.step)
+        if s.logprobs is not None:
+            out.logprob, out.top = token_logprobs(raw, out.token, s.logprobs)
+        return out
