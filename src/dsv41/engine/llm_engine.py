@@ -54,7 +54,7 @@ class LLMEngine:
     def add(self, seq: Sequence) -> None:
         if not seq.prompt or seq.limit < 1:
             raise ValueError("a sequence needs a prompt token and room for one output token")
-        if seq.reserve_tokens > self.config.max_model_len + 1 or not self.blocks.fits_alone(seq.reserve_tokens):
+        if not self.blocks.fits_alone(seq.reserve_tokens):
             raise ValueError(f"{seq.prompt_len} prompt + {seq.limit} output tokens do not fit the pool")
         if self.config.prefill_mode == "replay" and seq.prompt_logprobs is None:
             seq.replay_start = max(0, seq.prompt_len - self.config.window)

@@ -6,11 +6,12 @@
 - Every running sequence with a token to absorb gets its decode row in every step.
 - Prompts are prefilled in chunks, oldest first, at most `prefill_chunk` rows a step in all. While streams are
   decoding, prefill gets at most `prefill_share` of the engine's time (measured: the time of a step beyond a
-  decode-only step's, decayed over the last few dozen steps), so running streams keep flowing.
+  decode-only step's, over the last few seconds), so running streams keep flowing.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -19,8 +20,6 @@ from typing import Callable
 from .block_manager import BlockManager
 from .request import Sequence, Status
 
-DECAY = 0.95  # per step: the prefill share is measured over roughly the last 20-60 steps
-
 
 @dataclass
 class SchedulerConfig:
@@ -28,6 +27,7 @@ class SchedulerConfig:
     prefill_share: float = 0.5
     mem_floor_bytes: int = 0
     admit_timeout_s: float = 30.0
+    share_window_s: float = 5.0  # the prefill share is measured over about this much recent time
 
 
 class Scheduler:
@@ -118,9 +118,10 @@ class Scheduler:
         return work
 
     def observe(self, prefill_rows: int, decode_rows: int, seconds: float) -> None:
-        """Account one executed step (for the prefill share)."""
-        self._prefill_s *= DECAY
-        self._total_s *= DECAY
+        """Account one executed step (for the prefill share): time-weighted, older time fading with e^-t/window."""
+        fade = math.exp(-seconds / self.config.share_window_s)
+        self._prefill_s *= fade
+        self._total_s *= fade
         self._total_s += seconds
         if prefill_rows == 0:
             previous = self._decode_step_s

@@ -30,6 +30,7 @@ from .interface import (
     RequestStream,
     TokenEvent,
 )
+from .constraint import GrammarConstraint
 from .sampling import derive_seed, sample_token, token_logprobs
 
 
@@ -180,7 +181,7 @@ class SerialEngine(Engine):
         prompt_len = len(req.prompt_ids)
         limit = min(req.max_tokens, self.max_model_len - prompt_len)
         seed = req.sampling.seed if req.sampling.seed is not None else derive_seed(req.prompt_ids)
-        grammar = _GrammarMask(req.grammar, self.vocab_size) if req.grammar is not None else None
+        grammar = GrammarConstraint(req.grammar, self.vocab_size) if req.grammar is not None else None
         ids = torch.tensor(req.prompt_ids, dtype=torch.long)
         logits = None
         scored: list = [(None, ())]  # prompt token 0 has no context
@@ -226,7 +227,7 @@ class SerialEngine(Engine):
                 if produced >= limit:
                     return "length", produced
                 continue
-            masked = grammar.mask(row) if grammar is not None else row
+            masked = grammar.mask_row(row) if grammar is not None else row
             token = sample_token(masked, req.sampling, seed, produced)
             produced += 1
             self._generation_tokens_total += 1
@@ -238,44 +239,3 @@ class SerialEngine(Engine):
             if produced >= limit:
                 return "length", produced
             row = self._forward(state, torch.tensor([token], dtype=torch.long))[-1]
-
-
-class _GrammarMask:
-    """Per-request xgrammar matcher: masks disallowed ids to -inf and follows the accepted tokens."""
-
-    def __init__(self, compiled, vocab_size: int):
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self.matcher = xgr.GrammarMatcher(compiled)
-        self.vocab_size = vocab_size
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-
-    def mask(self, row: torch.Tensor) -> torch.Tensor:
-        if not self.matcher.fill_next_token_bitmask(self.bitmask, 0):
-            return row
-        masked = row.to(device="cpu", dtype=torch.float32).clone().unsqueeze(0)  # the bitmask lives on the CPU
-        self._xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab_size)
-        if not torch.isfinite(masked).any():
-            raise EngineFailure("the grammar allows no token at this point")
-        return masked[0]
-
-    def forced_tokens(self, encode: Callable[[str], list[int]], budget: int) -> list[int]:
-        """Token ids of the text the grammar forces next (accepted into the matcher), or [] to sample."""
-        text = self.matcher.find_jump_forward_string()
-        if not text or budget <= 0:
-            return []
-        ids = encode(text)[:budget]
-        for accepted, token in enumerate(ids):
-            if not self.matcher.accept_token(token):
-                # the tokenizer split the forced text in a way the grammar does not follow: sample instead
-                if accepted:
-                    self.matcher.rollback(accepted)
-                return []
-        return ids
-
-    def accept(self, token: int) -> bool:
-        """Advance; True once the grammar has ended (its stop token accepted)."""
-        if not self.matcher.accept_token(token):
-            raise EngineFailure(f"grammar rejected token {token} that its own mask allowed")
-        return self.matcher.is_terminated()

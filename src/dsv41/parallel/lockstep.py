@@ -15,13 +15,13 @@ otherwise disagree on what comes next.
 
 from __future__ import annotations
 
-import queue
 import threading
 import traceback
 import weakref
 
 import torch
 
+from dsv41.parallel.executor import RoundWorker, describe as _describe
 from dsv41.parallel.failfast import FailureInjector, TPAborted
 from dsv41.parallel.plan import Call, PlanChannel, RoundPlan, StateRef, encode_plan
 
@@ -49,51 +49,6 @@ class StateHandle:
         return len(self._state)
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _current_cuda_device() -> int | None:
-    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-
-class _RoundWorker:
-    """One long-lived thread that runs rank 0's rounds, so that the calling (engine) thread can stop waiting
-    when the group aborts: a worker stuck in a collective with a dead peer cannot be interrupted."""
-
-    def __init__(self):
-        # the rank's GPU was chosen by init_tp in the main thread; the current device is per thread
-        self._device = _current_cuda_device()
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="dsv41-tp-round", daemon=True)
-        self._thread.start()
-
-    def _loop(self):
-        if self._device is not None:
-            torch.cuda.set_device(self._device)
-        while True:
-            fn, box, done, grad, inference = self._jobs.get()
-            try:
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    box["result"] = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                box["error"] = exc
-            finally:
-                done.set()
-
-    def run(self, fn, failfast, poll_s: float = 0.02):
-        """`fn()`'s result or exception, or TPAborted as soon as the group is aborted."""
-        done, box = threading.Event(), {}
-        # grad mode is per thread: carry the caller's over
-        self._jobs.put((fn, box, done, torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
-        while not done.wait(poll_s):
-            if failfast.aborted.is_set():
-                raise TPAborted(f"tensor-parallel group aborted during a round: {failfast.reason}")
-        if "error" in box:
-            raise box["error"]
-        return box["result"]
-
-
 class LeaderModel:
     """Rank 0's model as the engine sees it (see module docstring)."""
 
@@ -102,7 +57,7 @@ class LeaderModel:
         self._mirrored = frozenset(mirrored)
         self._injector = injector or FailureInjector(rank=0)
         self._lock = threading.Lock()
-        self._worker = _RoundWorker()
+        self._worker = RoundWorker()
         self._round = 0
         self._next_slot = 0
         self._pending: list[Call] = []

@@ -1,4 +1,6 @@
-"""Round plans: what rank 0 decided for one round, in a compact binary form, and the channel that carries it.
+"""Round plans and step batches: what rank 0 decided for one round, in a compact binary form, and the channel
+that carries it. The batched engine sends one `engine.batch.Batch` per step (`encode_batch`); the method-name
+plans below are what the reference engine's lockstep proxy sends.
 
 A plan is a list of model calls (method name, arguments) plus the decode-state slots to free. Arguments are
 restricted to plain data (None, bool, int, float, str, bytes, lists/tuples, str-keyed dicts, CPU tensors) and
@@ -13,6 +15,7 @@ behind; keys older than a few rounds are deleted.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import struct
 import time
@@ -27,6 +30,7 @@ _DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 KEEP_ROUNDS = 8
 MAGIC = b"DSP1"
+BATCH_MAGIC = b"DSB1"
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,11 @@ def _enc(value, out: bytearray) -> None:
         out += b"N"
     elif value is True or value is False:
         out += b"T" if value else b"F"
-    elif isinstance(value, int):
+    elif isinstance(value, int) and -(1 << 63) <= value < (1 << 63):
         out += b"i" + struct.pack("<q", value)
+    elif isinstance(value, int):  # e.g. a 64-bit unsigned seed
+        raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        out += b"I" + struct.pack("<I", len(raw)) + raw
     elif isinstance(value, float):
         out += b"f" + struct.pack("<d", value)
     elif isinstance(value, str):
@@ -104,6 +111,9 @@ def _dec(buf: memoryview, pos: int):
         return (v if tag == b"i" else StateRef(v)), pos + 8
     if tag == b"f":
         return struct.unpack_from("<d", buf, pos)[0], pos + 8
+    if tag == b"I":
+        (n,) = struct.unpack_from("<I", buf, pos)
+        return int.from_bytes(bytes(buf[pos + 4:pos + 4 + n]), "little", signed=True), pos + 4 + n
     if tag in (b"s", b"b"):
         (n,) = struct.unpack_from("<I", buf, pos)
         raw = bytes(buf[pos + 4:pos + 4 + n])
@@ -153,6 +163,35 @@ def decode_plan(data: bytes) -> RoundPlan:
     return RoundPlan(number=number, calls=[Call(m, a, k, s) for m, a, k, s in calls], freed=freed, stop=stop)
 
 
+# ---- step batches (the batched engine: one Batch per step, engine/batch.py) ----------------------------------
+
+def _wire(obj):
+    """A Batch / Row / RowSampling as nested lists of its fields (declaration order)."""
+    if dataclasses.is_dataclass(obj):
+        return [_wire(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    if isinstance(obj, list):
+        return [_wire(v) for v in obj]
+    return obj
+
+
+def encode_batch(number: int, batch) -> bytes:
+    out = bytearray(BATCH_MAGIC)
+    _enc([number, _wire(batch)], out)
+    return bytes(out)
+
+
+def decode_batch(data: bytes):
+    """(round number, Batch) from `encode_batch`'s bytes."""
+    from dsv41.engine.batch import Batch, Row, RowSampling
+
+    if data[:4] != BATCH_MAGIC:
+        raise ValueError("corrupt step batch: bad magic")
+    (number, (step, rows, *rest)), _ = _dec(memoryview(data), 4)
+    at = [f.name for f in dataclasses.fields(Row)].index("sample")
+    rows = [Row(*f[:at], RowSampling(*f[at]) if f[at] is not None else None, *f[at + 1:]) for f in rows]
+    return number, Batch(step, rows, *rest)
+
+
 # ---- channel ---------------------------------------------------------------------------------------------------
 
 class PlanChannel:
@@ -176,6 +215,12 @@ class PlanChannel:
             self.store.delete_key(f"tp/plan/{number - KEEP_ROUNDS}")
 
     def receive(self, number: int) -> RoundPlan:
+        plan = decode_plan(self.receive_bytes(number))
+        if plan.number != number:
+            raise ValueError(f"round plan tp/plan/{number} carries round {plan.number}")
+        return plan
+
+    def receive_bytes(self, number: int) -> bytes:
         key = f"tp/plan/{number}"
         if not self._timeout_set:
             self.store.set_timeout(datetime.timedelta(seconds=self.poll_s))
@@ -189,7 +234,4 @@ class PlanChannel:
             except Exception as exc:  # noqa: BLE001 - a slice ran out (or the store is gone: the monitor decides)
                 if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                     time.sleep(1.0)
-        plan = decode_plan(data)
-        if plan.number != number:
-            raise ValueError(f"round plan {key} carries round {plan.number}")
-        return plan
+        return data

@@ -1,0 +1,128 @@
+"""The composition root: `dsv41 serve`'s engine options, and the engine they describe (docs/ENGINE.md).
+
+`build_runner(args, model, max_model_len)` runs on every rank: the KV pool sized from the options and measured
+free memory, the forward over it, the runner. `build_engine(args, model, ...)` runs on rank 0 and returns what
+the server drives: `SerialEngine` (`--engine reference`, the exact one-request-at-a-time engine over model/) or
+`AsyncEngine` over `LLMEngine` over an executor (`--engine batched`, the default). Torch is imported only inside
+the builders: registering the options must stay cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+GIB = 1 << 30
+
+
+def register_engine_args(parser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--engine", choices=("batched", "reference"), default="batched",
+                   help="batched: many requests over one paged KV pool (default); reference: one request at a "
+                        "time over the reference model (exact by construction)")
+    g.add_argument("--parallel", type=int, default=4, metavar="N", help="request slots (default 4)")
+    g.add_argument("--pool-tokens", type=int, default=None, metavar="N",
+                   help="KV pool positions shared by all slots (default: parallel x context, capped by free "
+                        "memory above the floor)")
+    g.add_argument("--page-tokens", type=int, default=256, metavar="N", help="positions per pool page (256)")
+    g.add_argument("--prefill-chunk", type=int, default=2048, metavar="N",
+                   help="most prompt rows prefilled in one step (default 2048)")
+    g.add_argument("--prefill-share", type=float, default=0.5, metavar="F",
+                   help="most share of the engine's time prefill takes while others decode (default 0.5)")
+    g.add_argument("--prefill", choices=("full", "replay"), default="full",
+                   help="full: exact prefill (default); replay: CED bounded replay (approximate, tagged)")
+    g.add_argument("--mem-floor-gib", type=float, default=0.0, metavar="G",
+                   help="admit nothing new while free memory (MemAvailable on unified memory) is below this")
+    g.add_argument("--admit-timeout", type=float, default=30.0, metavar="S",
+                   help="a request that cannot be admitted with nothing else running fails after this long")
+    g.add_argument("--expert-topp", type=float, default=None, metavar="P",
+                   help="routed-expert pruning: keep the experts holding this much of the routing mass "
+                        "(approximate, tagged; default off)")
+    g.add_argument("--expert-min-k", type=int, default=3, metavar="K",
+                   help="with --expert-topp: never fewer experts than this (default 3)")
+
+
+def engine_defaults(**overrides) -> argparse.Namespace:
+    """The engine options as `dsv41 serve` parses them by default, with `overrides` (tests, benches)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    register_engine_args(parser)
+    args = parser.parse_args([])
+    for key, value in overrides.items():
+        if not hasattr(args, key):
+            raise TypeError(f"no engine option {key!r}")
+        setattr(args, key, value)
+    return args
+
+
+def knobs_tag(args) -> str:
+    """Every approximate setting in force, as carried by the results it produced ("" = exact)."""
+    parts = []
+    if args.prefill == "replay":
+        parts.append("prefill=replay")
+    if args.expert_topp is not None:
+        parts.append(f"expert_topp={args.expert_topp:g},min_k={args.expert_min_k}")
+    return ";".join(parts)
+
+
+def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=None):
+    """This rank's `ModelRunner` over a pool for `--parallel` slots of `max_model_len` positions."""
+    from ..runtime.kv_pool import pool_for_model
+    from ..runtime.model_runner import ModelRunner, free_bytes
+    from ..runtime.pool_forward import PoolForward
+
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    if args.parallel < 1 or args.page_tokens < 1:
+        raise ValueError("--parallel and --page-tokens must be >= 1")
+    context_pages = -(-(max_model_len + 1) // args.page_tokens)
+    verify = model.cfg.dspark_block_size + 1 if model.dspark is not None else 0
+    probe = pool_for_model(model, num_slots=1, num_pages=1, page_tokens=args.page_tokens, verify_rows=verify)
+    if args.pool_tokens is not None:
+        pages = -(-args.pool_tokens // args.page_tokens)
+    else:
+        pages = args.parallel * context_pages
+        room = free_bytes(model.device) - int(args.mem_floor_gib * GIB) - args.parallel * probe.bytes_per_slot
+        pages = max(min(pages, int(0.9 * room) // max(probe.bytes_per_page, 1)), context_pages)
+    pool = pool_for_model(model, num_slots=args.parallel, num_pages=pages, page_tokens=args.page_tokens,
+                          verify_rows=verify)
+    d = pool.describe()
+    log(f"dsv41 engine: KV pool {d['slots']} slots x {d['bytes_per_slot']} B + {d['pages']} pages x "
+        f"{args.page_tokens} tokens ({d['bytes_per_token']} B/token), {d['bytes_total'] / GIB:.3f} GiB; "
+        f"stores {d['stores']}")
+    forward = PoolForward(model, replay=args.prefill == "replay", expert_topp=args.expert_topp,
+                          expert_min_k=args.expert_min_k)
+    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args))
+
+
+def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None):
+    """The server's `Engine`. `model`: the loaded reference model, or (under TP) rank 0's `LeaderExecutor`."""
+    if args.engine == "reference":
+        from .serial import SerialEngine
+
+        if hasattr(model, "execute"):
+            raise ValueError("--engine reference runs at --tp 1 only")
+        return SerialEngine(model, max_model_len=max_model_len, max_waiting=args.max_waiting,
+                            encode_text=encode_text)
+    from .async_engine import AsyncEngine
+    from .block_manager import BlockManager
+    from .llm_engine import EngineConfig, LLMEngine
+    from .scheduler import SchedulerConfig
+
+    if hasattr(model, "execute"):
+        executor = model
+    else:
+        from dsv41.parallel.executor import LocalExecutor
+
+        executor = LocalExecutor(build_runner(args, model, max_model_len, log=log))
+    runner = executor.runner
+    pool, cfg = runner.pool, runner.forward.model.cfg
+    hasher = runner.forward.model.engram_hasher
+    config = EngineConfig(
+        max_model_len=max_model_len,
+        scheduler=SchedulerConfig(prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
+                                  mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
+        prefill_mode=args.prefill, window=cfg.sliding_window,
+        lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args))
+    core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
+    return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
+                       max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,
+                       describe={"pool": pool.describe()})

@@ -1,0 +1,169 @@
+"""Executors: how the engine's `Batch` of each step reaches every rank's `ModelRunner.execute` (docs/ENGINE.md §1).
+
+- `LocalExecutor`: TP=1, the runner in this process.
+- `LeaderExecutor` (rank 0): sends the step's `Batch` (with the slots and pages freed since the last one) to
+  every rank over the plan channel, then runs the same `execute` itself; the forward's collectives keep the ranks
+  in step. The round runs on a worker thread so that the engine thread is released with `TPAborted` the moment
+  the group fails (a collective with a dead peer cannot be interrupted).
+- `follow_batches` (every other rank): receive the next `Batch`, run `execute`, until the stop batch.
+
+Fail-fast is the group's (parallel/failfast.py): any exception in a round, on any rank, aborts the group (the
+ranks would otherwise disagree on what comes next); the heartbeat notices a vanished peer. The test hook
+`DSV41_TEST_FAIL_AT_ROUND` counts these rounds (round 0 = the first step).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import traceback
+
+import torch
+
+from dsv41.parallel.failfast import FailureInjector, TPAborted
+from dsv41.parallel.plan import PlanChannel, decode_batch, encode_batch
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def current_cuda_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+class RoundWorker:
+    """One long-lived thread that runs rank 0's rounds, so that the calling (engine) thread can stop waiting
+    when the group aborts: a worker stuck in a collective with a dead peer cannot be interrupted."""
+
+    def __init__(self):
+        # the rank's GPU was chosen by init_tp in the main thread; the current device is per thread
+        self._device = current_cuda_device()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="dsv41-tp-round", daemon=True)
+        self._thread.start()
+
+    def _loop(self):
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        while True:
+            fn, box, done, grad, inference = self._jobs.get()
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    box["result"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box["error"] = exc
+            finally:
+                done.set()
+
+    def run(self, fn, failfast, poll_s: float = 0.02):
+        """`fn()`'s result or exception, or TPAborted as soon as the group is aborted."""
+        done, box = threading.Event(), {}
+        # grad mode is per thread: carry the caller's over
+        self._jobs.put((fn, box, done, torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+        while not done.wait(poll_s):
+            if failfast.aborted.is_set():
+                raise TPAborted(f"tensor-parallel group aborted during a round: {failfast.reason}")
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+
+class LocalExecutor:
+    def __init__(self, runner):
+        self.runner = runner
+
+    def execute(self, batch):
+        return self.runner.execute(batch)
+
+    def free_bytes(self) -> int | None:
+        return self.runner.free_bytes()
+
+    def close(self) -> None:
+        pass
+
+
+class LeaderExecutor:
+    def __init__(self, runner, channel: PlanChannel, failfast, injector=None):
+        self.runner, self._channel, self._failfast = runner, channel, failfast
+        self._injector = injector or FailureInjector(rank=0)
+        self._worker = RoundWorker()
+        self._lock = threading.Lock()
+        self.rounds = 0
+
+    def execute(self, batch):
+        self._failfast.check()
+        with self._lock:
+            self._failfast.check()
+            round_no = self.rounds
+            data = encode_batch(round_no, batch)  # a TypeError here sent nothing: the group is still in step
+            self.rounds += 1
+            try:
+                self._channel.send_encoded(round_no, data)
+            except Exception as exc:  # noqa: BLE001 - the store is ours: failing to write it is fatal
+                self._failfast.abort(f"cannot send step batch {round_no}: {describe(exc)}")
+                raise TPAborted(f"cannot send step batch {round_no}: {describe(exc)}") from exc
+
+            def work():
+                try:
+                    self._channel.trim(round_no)
+                except Exception:  # noqa: BLE001 - a stale key costs memory only; the monitor watches the store
+                    pass
+                self._injector.at_round(round_no)
+                return self.runner.execute(batch)
+
+            try:
+                return self._worker.run(work, self._failfast)
+            except TPAborted:
+                raise
+            except BaseException as exc:
+                self._failfast.abort(f"round {round_no} failed: {describe(exc)}")
+                raise TPAborted(f"round {round_no} failed on rank 0: {describe(exc)}") from exc
+
+    def free_bytes(self) -> int | None:
+        """The tightest rank's free memory (every rank's monitor reports it about once a second)."""
+        reports = self._failfast.memory_reports()
+        reports[0] = {"free": self.runner.free_bytes()}
+        return min(int(r.get("free", 0)) for r in reports.values())
+
+    def memory_reports(self) -> dict[int, dict]:
+        return self._failfast.memory_reports()
+
+    def close(self) -> None:
+        """Tell the followers to leave their loop (normal shutdown)."""
+        from dsv41.engine.batch import Batch
+
+        with self._lock:
+            if not self._failfast.aborted.is_set():
+                self._channel.send_encoded(self.rounds, encode_batch(self.rounds, Batch(-1, [], stop=True)))
+                self.rounds += 1
+
+
+def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=None,
+                   device: int | None = None) -> int:
+    """A follower's main loop: run rank 0's step batches until the stop batch. Returns the rounds run.
+
+    Any failure aborts the group (the monitor then ends this process with status 70)."""
+    injector = injector or FailureInjector(rank=channel.rank)
+    if device is not None:
+        torch.cuda.set_device(device)
+    number = 0
+    try:
+        with torch.inference_mode():
+            while True:
+                got, batch = decode_batch(channel.receive_bytes(number))
+                if got != number:
+                    raise ValueError(f"step batch tp/plan/{number} carries round {got}")
+                if batch.stop:
+                    return number
+                injector.at_round(number)
+                runner.execute(batch)
+                number += 1
+    except TPAborted:
+        failfast.aborted.wait()
+        raise
+    except BaseException as exc:
+        if log is not None:
+            log(traceback.format_exc())
+        failfast.abort(f"round {number} failed: {describe(exc)}")
+        raise TPAborted(f"round {number} failed on rank {channel.rank}: {describe(exc)}") from exc
