@@ -15,7 +15,7 @@ from server_harness import API_KEY, server  # noqa: F401 (pytest fixture)
 def post_in_pieces(url: str, path: str, body: bytes, pieces: int) -> tuple[int, dict]:
     host, port = url.split("//")[1].split(":")
     with socket.create_connection((host, int(port)), timeout=20) as sock:
-        sock.sendall((f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall((f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n"
                       "Connection: close\r\n\r\n").encode())
         step = -(-len(body) // pieces)

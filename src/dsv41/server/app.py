@@ -1,9 +1,12 @@
 """The Starlette application: routes, auth, limits, error mapping, health, metrics, drain.
 
 Every API endpoint runs through `_endpoint`, which checks the bearer key (constant-time compare), refuses work
-while loading or draining (503 + Retry-After), reads the body under the size limit, maps every failure to an
-OpenAI error object, and races non-streaming handlers against the client's disconnect so a departed client
-cancels its engine request. Streaming responses settle their own bookkeeping when they end.
+while loading, draining or after the TP group failed (503 + Retry-After), takes JSON bodies only (415), reads
+the body under the size limit and deadline (server/body.py), maps every failure to an OpenAI error object, and
+races non-streaming handlers against the client's disconnect so a departed client cancels its engine request
+(499, never an error). Parsing, rendering and tokenizing run in `ctx.run_cpu`, off the event loop, so a large
+request does not hold up /health. Streaming responses settle their own bookkeeping when they end. `server/gate.py`
+wraps the app (Host allow-list, trailing slashes); `server/framing.py` gives hypercorn's own 400/431 a body.
 """
 
 from __future__ import annotations
@@ -24,19 +27,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..engine import EngineFailure, GenerationRequest
+from . import framing
+from .body import ClientGone, check_json_content_type, parse_json, read_body
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion, prompt_ids
 from .context import ServerContext
 from .errors import APIError, bad_request, engine_failed, from_validation_error, unavailable
-from .generation import Generation, ServerDraining
+from .gate import Gate
+from .generation import Generation, ServerDraining, new_id
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .streaming import GenerationStream
 
 log = logging.getLogger("dsv41.server")
-
-
-class ClientGone(Exception):
-    """The client disconnected before a non-streaming reply was ready."""
+GROUP_FAILED_RETRY_S = 10  # the watchdog restarts both ranks after a fail-fast exit
 
 
 def _check_auth(ctx: ServerContext, request: Request) -> None:
@@ -45,42 +48,13 @@ def _check_auth(ctx: ServerContext, request: Request) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
-    ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
+    # Starlette decodes header bytes as latin-1: back to the bytes the client sent, against the key's UTF-8
+    # (strip only blanks: str.strip() would also eat U+00A0, the last byte of a UTF-8 "à")
+    ok = scheme.lower() == "bearer" and hmac.compare_digest(given.strip(" \t").encode("latin-1"),
+                                                            key.encode("utf-8"))
     if not ok:
         raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
                        code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-
-async def _read_body(ctx: ServerContext, request: Request) -> bytes:
-    """The whole body (at most max_body_bytes), read once and kept on the request.
-
-    It must be read before the disconnect watcher starts listening: both would take messages from the same
-    receive channel, and a body arriving in several pieces would lose some of them to the watcher."""
-    if hasattr(request.state, "body"):
-        return request.state.body
-    limit = ctx.config.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes is larger than the limit of {limit} bytes",
-                       code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body is larger than the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    request.state.body = b"".join(chunks)
-    return request.state.body
-
-
-async def _read_json(ctx: ServerContext, request: Request) -> dict:
-    try:
-        data = json.loads(await _read_body(ctx, request))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object")
-    return data
 
 
 def _parse(model, body: dict):
@@ -90,9 +64,22 @@ def _parse(model, body: dict):
         raise from_validation_error(exc) from None
 
 
+def _parse_body(model, raw: bytes) -> tuple[dict, object]:
+    """(the JSON object, the validated request) of a body; blocking: run it through `ctx.run_cpu`."""
+    body = parse_json(raw)
+    return body, _parse(model, body)
+
+
+def _internal_error(what: str) -> APIError:
+    """A bug: the details go to the log under an id, the client gets the id only."""
+    error_id = new_id("err")
+    log.exception("unhandled error %s (%s)", what, error_id)
+    return engine_failed(f"internal server error ({error_id}); the server log has the details")
+
+
 async def _until_disconnect(request: Request, work: Awaitable):
     """Run `work`; if the client disconnects first, cancel it. The caller has read the body already (see
-    `_read_body`): from here on the receive channel carries nothing but the disconnect."""
+    `body.read_body`): from here on the receive channel carries nothing but the disconnect."""
     task = asyncio.ensure_future(work)
 
     async def watch():
@@ -137,12 +124,16 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
         try:
             if guarded:
                 _check_auth(ctx, request)
+                if ctx.group_failure is not None:
+                    raise unavailable("the tensor-parallel group failed; the server is restarting",
+                                      retry_after_s=GROUP_FAILED_RETRY_S)
                 if ctx.status == "loading":
                     raise unavailable("the model is loading")
                 if ctx.status == "draining":
                     raise unavailable("the server is shutting down")
             if request.method == "POST":
-                await _read_body(ctx, request)
+                check_json_content_type(request)
+                await read_body(ctx, request)
             response = await _until_disconnect(request, handler(ctx, request))
             status = response.status_code
             if isinstance(response, GenerationStream):
@@ -158,9 +149,8 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
         except ClientGone:
             status = 499  # nginx's "client closed request": nobody reads this response
             return Response(status_code=499)
-        except Exception as exc:  # a bug: answer 500 instead of dropping the connection
-            log.exception("unhandled error in %s", name)
-            error = engine_failed(f"internal error: {type(exc).__name__}: {exc}")
+        except Exception:  # a bug: answer 500 instead of dropping the connection
+            error = _internal_error(f"in {name}")
             status = error.status
             return error.response()
         finally:
@@ -190,9 +180,8 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
     except ServerDraining as exc:
         error = unavailable(str(exc))
         gen.fail(error)
-    except Exception as exc:  # a bug while building the reply: counted as a 500, not as a client disconnect
-        log.exception("unhandled error while generating")
-        error = engine_failed(f"internal error: {type(exc).__name__}: {exc}")
+    except Exception:  # a bug while building the reply: counted as a 500, not as a client disconnect
+        error = _internal_error("while generating")
         gen.fail(error)
     finally:
         gen.close()  # after gen.fail: the log line carries the error status
@@ -202,36 +191,42 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
 
 # ---------------------------------------------------------------------------- handlers
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
-    body = await _read_json(ctx, request)
-    req = _parse(ChatCompletionRequest, body)
+    body, req = await ctx.run_cpu(_parse_body, ChatCompletionRequest, request.state.body)
     gen, reply = await create_chat_completion(ctx, req, body)
     return await _generate(ctx, gen, reply, req.stream)
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
-    req = _parse(CompletionRequest, await _read_json(ctx, request))
+    _, req = await ctx.run_cpu(_parse_body, CompletionRequest, request.state.body)
     gen, reply = await create_completion(ctx, req)
     return await _generate(ctx, gen, reply, req.stream)
 
 
-async def tokenize(ctx: ServerContext, request: Request) -> Response:
-    body = await _read_json(ctx, request)
-    req = _parse(TokenizeRequest, body)
+def _tokenize(ctx: ServerContext, raw: bytes) -> bytes:
+    body, req = _parse_body(TokenizeRequest, raw)
     if req.prompt is not None:
-        ids = prompt_ids(ctx, req.prompt, req.add_special_tokens)
+        ids, _ = prompt_ids(ctx, req.prompt, req.add_special_tokens)
     else:
         _, ids = render_chat(ctx, body)
-    return JSONResponse({"count": len(ids), "max_model_len": ctx.config.max_model_len, "tokens": ids,
-                         "token_strs": None})
+    return json.dumps({"count": len(ids), "max_model_len": ctx.config.max_model_len, "tokens": ids,
+                       "token_strs": None}, separators=(",", ":")).encode()
 
 
-async def detokenize(ctx: ServerContext, request: Request) -> Response:
-    req = _parse(DetokenizeRequest, await _read_json(ctx, request))
+async def tokenize(ctx: ServerContext, request: Request) -> Response:
+    return Response(await ctx.run_cpu(_tokenize, ctx, request.state.body), media_type="application/json")
+
+
+def _detokenize(ctx: ServerContext, raw: bytes) -> bytes:
+    _, req = _parse_body(DetokenizeRequest, raw)
     for i, token in enumerate(req.tokens):
         if not 0 <= token < ctx.vocab_size:
             raise bad_request(f"tokens[{i}] = {token} is not a token id (0 <= id < {ctx.vocab_size})",
                               param="tokens")
-    return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens)})
+    return json.dumps({"prompt": ctx.tokenizer.decode(req.tokens)}, ensure_ascii=False).encode()
+
+
+async def detokenize(ctx: ServerContext, request: Request) -> Response:
+    return Response(await ctx.run_cpu(_detokenize, ctx, request.state.body), media_type="application/json")
 
 
 async def models(ctx: ServerContext, request: Request) -> Response:
@@ -245,10 +240,11 @@ async def models(ctx: ServerContext, request: Request) -> Response:
 
 async def health(ctx: ServerContext, request: Request) -> Response:
     stats = ctx.engine.stats()
-    ok = ctx.status == "ready"
+    failure = ctx.group_failure
+    ok = ctx.status == "ready" and failure is None
     body = {
         "ok": ok,
-        "status": ctx.status,
+        "status": "failed" if failure is not None else ctx.status,
         "model": ctx.config.served_name,
         "uptime_s": round(time.monotonic() - ctx.started, 3),
         "inflight": ctx.inflight - 1,  # not counting this health request itself
@@ -263,7 +259,7 @@ async def health(ctx: ServerContext, request: Request) -> Response:
                    "generation_tokens_total": stats.generation_tokens_total},
         **ctx.config.extra_health,
     }
-    headers = {} if ok else {"Retry-After": "5"}
+    headers = {} if ok else {"Retry-After": str(GROUP_FAILED_RETRY_S if failure is not None else 5)}
     return JSONResponse(body, status_code=200 if ok else 503, headers=headers)
 
 
@@ -288,7 +284,7 @@ async def _not_found(request: Request, exc: HTTPException) -> Response:
                     code="not_found" if exc.status_code == 404 else None).response()
 
 
-def build_app(ctx: ServerContext, *, warmup: bool = True) -> Starlette:
+def build_app(ctx: ServerContext, *, warmup: bool = True) -> Gate:
     api = [
         ("chat", ["/v1/chat/completions", "/chat/completions"], chat_completions, ["POST"]),
         ("completions", ["/v1/completions", "/completions"], completions, ["POST"]),
@@ -317,11 +313,14 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Starlette:
         finally:
             await ctx.engine.shutdown()
             ctx.request_log.close()
+            ctx.close()
 
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={404: _not_found, 405: _not_found})
+    app.router.redirect_slashes = False  # its redirect is built from the Host header; Gate strips the slash
     app.state.ctx = ctx
-    return app
+    framing.install()
+    return Gate(app, ctx.config.allowed_hosts)
 
 
 async def _warm_up(ctx: ServerContext) -> None:

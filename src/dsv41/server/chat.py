@@ -8,7 +8,6 @@ the visible answer only, never reasoning or tool-call text.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from ..chat import (
@@ -57,13 +56,16 @@ def _refuse_images(body: dict) -> None:
 
 
 def render_chat(ctx: ServerContext, body: dict):
-    """(ChatPrompt, prompt ids) exactly as a chat request renders them (also used by /tokenize)."""
+    """(ChatPrompt, prompt ids) exactly as a chat request renders them (also used by /tokenize).
+
+    Blocking work (a long conversation): run it through `ctx.run_cpu`. Message content is tokenized as plain
+    text, so a control token spelled in it cannot forge a turn (Tokenizer.encode_pieces)."""
     _refuse_images(body)
     try:
         prompt = build_chat_prompt(body)
     except RequestError as exc:
         raise bad_request(str(exc), param=exc.param) from None
-    return prompt, ctx.tokenizer.encode(prompt.prompt)
+    return prompt, ctx.tokenizer.encode_pieces(prompt.pieces)
 
 
 def _tool_grammar(ctx: ServerContext, req: ChatCompletionRequest, prompt, thinking: bool):
@@ -79,13 +81,13 @@ def _tool_grammar(ctx: ServerContext, req: ChatCompletionRequest, prompt, thinki
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, body: dict):
-    prompt, ids = render_chat(ctx, body)
+    prompt, ids = await ctx.run_cpu(render_chat, ctx, body)
     # the reply starts in reasoning only when the prompt ends in <think> (a continued answer is past </think>)
     thinking = prompt.thinking_mode == "thinking" and not prompt.continue_final_message
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = completion_budget(ctx, len(ids), req.completion_limit, "messages", limit_param)
     # compiling a grammar can take a while for a big schema: keep it off the event loop
-    grammar = await asyncio.to_thread(
+    grammar = await ctx.run_cpu(
         lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
     top = req.top_logprobs or 0
     engine_request = GenerationRequest(

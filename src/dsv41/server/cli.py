@@ -33,6 +33,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", help="model folder (default: the built-in tiny model)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--allowed-hosts", metavar="NAME", nargs="+", action="extend", default=[],
+                   help="Host header names served besides the loopback ones ('*': any); on a loopback bind "
+                        "other names get 421 (DNS rebinding), elsewhere the list applies only when given")
     p.add_argument("--served-name", metavar="NAME", help="model id reported by /v1/models (default: folder name)")
     p.add_argument("--alias", metavar="NAME", nargs="+", action="extend", default=[],
                    help="more model ids accepted and listed")
@@ -40,6 +43,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, metavar="N",
                    help=f"prompt + completion limit in tokens (default min(model, {DEFAULT_MAX_MODEL_LEN}))")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, metavar="N", help="request body limit (8 MiB)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client has to send its whole request body, else 408 (default 30)")
+    p.add_argument("--prompt-special-tokens", choices=("parse", "text"), default="parse",
+                   help="/v1/completions text prompts: parse control-token spellings as control tokens "
+                        "(default, as vLLM) or keep them plain text (chat message content is always text)")
     p.add_argument("--drain-timeout", type=float, default=20.0, metavar="S",
                    help="seconds in-flight requests get after SIGTERM (default 20)")
     p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request to FILE")
@@ -112,6 +120,40 @@ def _engram_dir(args) -> Path | None:
     return Path(value)
 
 
+def _model_positions(folder: Path) -> int | None:
+    """max_position_embeddings from the folder's config.json (None if it does not say)."""
+    import json
+
+    try:
+        value = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None  # the loader reports a missing or broken config.json itself
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def check_limits(args, folder: Path) -> None:
+    """Nonsense limits are one line at start, not a server that refuses everything (or a traceback later)."""
+    def positive(name: str, value, allow_zero: bool = False) -> None:
+        if value is not None and (value < 0 or (value == 0 and not allow_zero) or value != value):
+            raise DSV41Error(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value:g}")
+
+    if not 0 <= args.port <= 65535:
+        raise DSV41Error(f"--port must be 0..65535, got {args.port}")
+    positive("--max-model-len", args.max_model_len)
+    positive("--max-body-bytes", args.max_body_bytes)
+    positive("--max-waiting", args.max_waiting)
+    positive("--cpu-threads", args.cpu_threads)
+    positive("--drain-timeout", args.drain_timeout, allow_zero=True)
+    positive("--body-timeout", args.body_timeout)
+    for name, value in (("--drain-timeout", args.drain_timeout), ("--body-timeout", args.body_timeout)):
+        if value == float("inf"):
+            raise DSV41Error(f"{name} must be finite, got {value}")
+    positions = _model_positions(folder)
+    if args.max_model_len is not None and positions is not None and args.max_model_len > positions:
+        raise DSV41Error(f"--max-model-len {args.max_model_len} is beyond the model's {positions} positions "
+                         f"({folder / 'config.json'}: max_position_embeddings)")
+
+
 @dataclass
 class Startup:
     """What `serve` checks before it binds or loads anything (each a one-line error when wrong)."""
@@ -122,7 +164,18 @@ class Startup:
 
     @classmethod
     def check(cls, args) -> "Startup":
-        return cls(_model_folder(args), _api_key(args.api_key_file), _engram_dir(args))
+        folder = _model_folder(args)
+        check_limits(args, folder)
+        return cls(folder, _api_key(args.api_key_file), _engram_dir(args))
+
+
+def apply_http_options(config, args) -> None:
+    """The HTTP-side options onto a ServerConfig (Host allow-list, body deadline, prompt tokenization)."""
+    from .gate import allowed_hosts
+
+    config.allowed_hosts = allowed_hosts(args.host, args.allowed_hosts)
+    config.body_timeout_s = args.body_timeout
+    config.prompt_special_tokens = args.prompt_special_tokens
 
 
 def _set_threads(args) -> None:
@@ -232,6 +285,7 @@ def serve_model(args, startup: Startup, sock: socket.socket, model=None) -> int:
         notifier.extend_timeout(600, status="loading model")
         model = load_serving_model(args, startup, load_progress(notifier))
     ctx = build_server(args, startup, model)
+    apply_http_options(ctx.config, args)
     # WATCHDOG=1 only while the engine loop makes progress, not merely while this process is alive
     pinger = WatchdogPinger(notifier, ctx.engine.healthy)
     sock.listen(512)
@@ -256,11 +310,17 @@ def serve_model(args, startup: Startup, sock: socket.socket, model=None) -> int:
             await ctx.drain()
             stop.set()
 
+        async def abort_then_stop() -> None:
+            await ctx.abort_now()  # every stream still ends with an error event and [DONE]
+            stop.set()
+
         def on_signal() -> None:
             if not draining:
                 draining.append(loop.create_task(drain_then_stop()))
-            else:  # a second signal: stop now, in-flight streams are cut
-                print("dsv41: second signal, stopping without waiting for the drain", file=sys.stderr, flush=True)
+            elif len(draining) == 1:  # a second signal: end in-flight requests now, without the grace
+                print("dsv41: second signal, ending in-flight requests now", file=sys.stderr, flush=True)
+                draining.append(loop.create_task(abort_then_stop()))
+            else:  # a third: stop at once
                 stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
@@ -21,24 +20,28 @@ from .protocol import CompletionRequest
 from .stop import StopMatcher
 
 
-def prompt_ids(ctx: ServerContext, prompt, add_special_tokens: bool) -> list[int]:
+def prompt_ids(ctx: ServerContext, prompt, add_special_tokens: bool) -> tuple[list[int], bool]:
+    """(ids, whether the server put a BOS in front). Text is tokenized per --prompt-special-tokens: "parse"
+    (vLLM's behaviour: control-token spellings become control tokens) or "text" (plain text, like chat
+    content). Blocking work: run it through `ctx.run_cpu`."""
     tokenizer = ctx.tokenizer
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt)
+        literal = ctx.config.prompt_special_tokens == "text"
+        ids = tokenizer.encode_literal(prompt) if literal else tokenizer.encode_pieces([(prompt, False)])
         if add_special_tokens and (not ids or ids[0] != tokenizer.bos_id):
-            ids = [tokenizer.bos_id] + ids
-        return ids
+            return [tokenizer.bos_id] + ids, True
+        return ids, False
     vocab = ctx.vocab_size
     for i, token in enumerate(prompt):
         if not 0 <= token < vocab:
             raise bad_request(f"prompt[{i}] = {token} is not a token id (0 <= id < {vocab})", param="prompt")
-    return list(prompt)
+    return list(prompt), False
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple[Generation, object]:
-    ids = prompt_ids(ctx, req.prompt, req.add_special_tokens)
+    ids, added_bos = await ctx.run_cpu(prompt_ids, ctx, req.prompt, req.add_special_tokens)
     budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
-    grammar = await asyncio.to_thread(structured_grammar, ctx, req, thinking=False)
+    grammar = await ctx.run_cpu(lambda: structured_grammar(ctx, req, thinking=False))
     eos = ctx.tokenizer.eos_id
     engine_request = GenerationRequest(
         prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req), stop_token_ids=frozenset({eos}),
@@ -47,7 +50,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
     gen = Generation(ctx, "completions", engine_request, stream=req.stream)
     reply = _Reply(ctx, gen, req)
     # a BOS the server put in front of a text prompt is not part of the echoed text, so it is not scored either
-    reply.hidden_prefix = 1 if isinstance(req.prompt, str) and ids[:1] != ctx.tokenizer.encode(req.prompt)[:1] else 0
+    reply.hidden_prefix = 1 if added_bos else 0
     return gen, (reply.chunks() if req.stream else reply)
 
 

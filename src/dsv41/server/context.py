@@ -7,7 +7,9 @@ It imports no handler module (app, chat, completions, generation, streaming): th
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..engine import Engine, EngineClosed, EngineOverloaded, GenerationRequest, RequestStream
@@ -24,9 +26,15 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     api_key: str | None = None
     drain_timeout_s: float = 20.0
+    body_timeout_s: float = 30.0
     request_log: str | None = None
     owned_by: str = "dsv41"
     extra_health: dict = field(default_factory=dict)
+    # Host header allow-list (None: any Host); see server/gate.py
+    allowed_hosts: frozenset[str] | None = None
+    # /v1/completions text prompts: "parse" turns control-token text into control tokens (vLLM's behaviour),
+    # "text" tokenizes it as plain text like chat message content
+    prompt_special_tokens: str = "parse"
 
 
 class ServerContext:
@@ -49,6 +57,22 @@ class ServerContext:
         self.active: set = set()  # the live server.generation.Generation objects
         self.metrics = Metrics(config.served_name)
         self.request_log = RequestLog(config.request_log)
+        self.body_reads: set = set()  # asyncio.Timeout scopes of bodies being read (a drain expires them)
+        # parsing, rendering and tokenizing run here, never on the event loop (/health must stay quick)
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv41-prepare")
+
+    async def run_cpu(self, fn, *args):
+        """`fn(*args)` in the request-preparation threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def group_failure(self) -> str | None:
+        """The tensor-parallel group's abort reason while fail-fast's grace runs (the process exits 70 next)."""
+        failfast = sys.modules.get("dsv41.parallel.failfast")  # never imported: no TP group, nothing failed
+        return failfast.abort_reason() if failfast is not None else None
 
     @property
     def model_names(self) -> list[str]:
@@ -71,12 +95,31 @@ class ServerContext:
             return
         self.status = "draining"
         self.engine.begin_drain()
+        self.cut_body_reads()
         deadline = time.monotonic() + self.config.drain_timeout_s
         while (self.active or self.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for gen in list(self.active):
             gen.abort_for_drain()
         # give the aborted responses a moment to write their error event and [DONE]
-        deadline = time.monotonic() + 2.0
+        await self._let_errors_out(2.0)
+
+    def cut_body_reads(self) -> None:
+        now = asyncio.get_running_loop().time()
+        for scope in list(self.body_reads):
+            scope.reschedule(now)
+
+    async def abort_now(self) -> None:
+        """A second SIGTERM: end every generation at once (error event + [DONE], or 503), without the grace."""
+        self.status = "draining"
+        self.engine.begin_drain()
+        self.cut_body_reads()
+        for gen in list(self.active):
+            gen.abort_for_drain()
+        await self._let_errors_out(1.0)
+
+    async def _let_errors_out(self, seconds: float) -> None:
+        # give the aborted responses a moment to write their error event and [DONE]
+        deadline = time.monotonic() + seconds
         while (self.active or self.inflight) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)

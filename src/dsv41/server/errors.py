@@ -1,14 +1,17 @@
 """Errors as OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` with the right status.
 
 `code` is OpenAI's string identifier where one applies (`context_length_exceeded`, ...) and null otherwise.
-Status mapping: 400 validation, 401 bad key, 404 unknown route, 405 wrong method, 413 body too large,
-429 queue full and 503 loading/draining (both with Retry-After), 500 engine failure (`x-should-retry: false`,
-so the official client does not repeat deterministic work).
+Status mapping: 400 validation, 401 bad key, 404 unknown route, 405 wrong method, 408 body not sent in time,
+413 body too large, 415 not JSON, 421 foreign Host header, 429 queue full and 503 loading/draining/TP group
+failed (both with Retry-After), 500 engine failure (`x-should-retry: false`, so the official client does not
+repeat deterministic work). Messages never carry exception text from libraries: `public_text` strips source
+paths (torch/xgrammar build trees) from the engine's reasons.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from starlette.responses import Response
 
@@ -17,7 +20,10 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "server_error",
@@ -63,7 +69,16 @@ def overloaded(message: str, retry_after_s: int = 1) -> APIError:
 
 
 def engine_failed(message: str) -> APIError:
-    return APIError(500, message[:500], code="engine_error")
+    return APIError(500, public_text(message)[:500], code="engine_error")
+
+
+# "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534]", "/project/cpp/x.cc:52: ", "File "/usr/x.py", line 3"
+_SOURCE_PATH = re.compile(r'\[?(?:File ")?(?:/[^\s"\]:]+)+\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py)"?(?::\d+|, line \d+)?\]?:? ?')
+
+
+def public_text(text: str) -> str:
+    """`text` without source-file paths and line numbers (build trees of torch, gloo, xgrammar)."""
+    return _SOURCE_PATH.sub("", text).strip()
 
 
 def from_validation_error(exc) -> APIError:

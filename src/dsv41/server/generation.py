@@ -77,7 +77,7 @@ def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking
                     raise bad_request("response_format.json_schema must be an object",
                                       param="response_format.json_schema")
                 schema = envelope.get("schema", {})
-                grammars.check_schema(schema, "response_format.json_schema.schema")
+                schema = grammars.check_schema(schema, "response_format.json_schema.schema")
                 return grammars.json(schema, thinking=thinking)
             if kind in (None, "text"):
                 if kind is None:
@@ -102,7 +102,7 @@ def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking
                     json_schema = json.loads(json_schema)
                 except ValueError:
                     raise bad_request("the JSON schema is not valid JSON", param="guided_json") from None
-            grammars.check_schema(json_schema, "structured_outputs.json")
+            json_schema = grammars.check_schema(json_schema, "structured_outputs.json")
             return grammars.json(json_schema, thinking=thinking)
         regex = so.get("regex") if "regex" in chosen else fields.guided_regex
         choice = so.get("choice") if "choice" in chosen else fields.guided_choice

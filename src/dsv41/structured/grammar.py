@@ -8,7 +8,11 @@ vocab width so the bitmask matches the logits. Compiled grammars are handed to t
 Output shapes the server asks for:
 - JSON (a schema, or any object) — after `</think>` when the prompt ends in `<think>` (thinking mode);
 - DSML tool calls for `tool_choice` required / named — dsml_grammar.py (the encoder's exact layout).
-A schema xgrammar cannot compile raises `GrammarError`, which the server answers with 400.
+A schema xgrammar cannot compile, or compiles without enforcing (schema_check.py), raises `GrammarError`, which
+the server answers with 400; so does a grammar that provably admits no output at all (a regex whose
+character class matches nothing, a string pattern no text can match): `_refuse_empty` walks the token masks
+from the start and refuses when every path dead-ends before the grammar can end (bounded; a grammar with many
+paths is not explored to the end, and is accepted).
 """
 
 from __future__ import annotations
@@ -16,15 +20,19 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from dsv41.errors import DSV41Error
+from dsv41.structured.schema_check import SchemaRefused, enforceable
 
 THINK_END = "</think>"
 _THINK_MARKERS = ["<think>", "</think>"]
 # runs of whitespace are capped so a random or confused model cannot pad JSON forever
 MAX_WHITESPACE = 4
+# the emptiness probe: at most this many tokens tried, this deep, for this long
+PROBE_NODES, PROBE_DEPTH, PROBE_S = 256, 48, 0.25
 
 
 class GrammarError(DSV41Error):
@@ -71,6 +79,7 @@ class Grammars:
             add_prefix_space=False,
         )
         self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_limit_bytes=256 << 20)
         self._lock = threading.Lock()
 
@@ -82,36 +91,51 @@ class Grammars:
             json_schema=schema if schema is not None else {"type": "object"},
             max_whitespace_cnt=MAX_WHITESPACE,
         )
-        return self._compile(self._after_reasoning(body, thinking), what="response_format schema")
+        return self._body(body, thinking, what="response_format schema")
 
     def regex(self, pattern: str, *, thinking: bool) -> Any:
         body = self._xgr.structural_tag.RegexFormat(pattern=pattern)
-        return self._compile(self._after_reasoning(body, thinking), what="regex")
+        return self._body(body, thinking, what="regex")
 
     def choice(self, options: list[str], *, thinking: bool) -> Any:
         fmt = self._xgr.structural_tag
         body = fmt.OrFormat(elements=[fmt.ConstStringFormat(value=o) for o in options])
-        return self._compile(self._after_reasoning(body, thinking), what="choice")
+        return self._body(body, thinking, what="choice")
 
     def tool_calls(self, tools: list[dict], tool_choice: Any, *, parallel: bool, thinking: bool) -> Any:
-        """DSML tool calls in the encoder's exact layout: tool_choice "required" or a named function."""
+        """DSML tool calls in the encoder's exact layout: tool_choice "required" or a named function. Every
+        enforced tool's parameters pass the same schema check as a response_format schema."""
         from dsv41.structured.dsml_grammar import dsml_tool_call_tag
 
+        checked = []
+        for i, tool in enumerate(tools):
+            function = dict(tool["function"])
+            if function.get("parameters") is not None:
+                function["parameters"] = self.check_schema(function["parameters"],
+                                                           f"tools[{i}].function.parameters")
+            checked.append({**tool, "function": function})
         try:
-            tag = dsml_tool_call_tag(tools, tool_choice, parallel=parallel, thinking=thinking)
+            tags = [dsml_tool_call_tag(checked, tool_choice, parallel=parallel, thinking=t)
+                    for t in ([False, True] if thinking else [False])]
         except Exception as exc:
             raise GrammarError(f"tools cannot be enforced: {_first_line(exc)}") from None
-        return self._compile(tag, what="tools")
+        compiled = self._compile(tags[0], what="tools")
+        self._refuse_empty(compiled, "tools")
+        return self._compile(tags[-1], what="tools") if thinking else compiled
 
-    def check_schema(self, schema: Any, what: str) -> None:
-        """Refuse a schema xgrammar cannot enforce (compiled on its own, so the error names `what`)."""
-        if not isinstance(schema, dict | bool):
-            raise GrammarError(f"{what} must be a JSON object")
+    def check_schema(self, schema: Any, what: str) -> Any:
+        """The schema to compile, or GrammarError naming `what` if the grammar cannot enforce it (keywords
+        xgrammar ignores, see schema_check.py; or one it refuses to compile)."""
+        try:
+            schema = enforceable(schema, what)
+        except SchemaRefused as exc:
+            raise GrammarError(str(exc)) from None
         try:
             with self._lock:
                 self.compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=MAX_WHITESPACE)
         except Exception as exc:
             raise GrammarError(f"{what} cannot be enforced: {_first_line(exc)}") from None
+        return schema
 
     # ------------------------------------------------------------------ helpers
     def _after_reasoning(self, body, thinking: bool):
@@ -120,6 +144,49 @@ class Grammars:
             return fmt.StructuralTag(format=body)
         reasoning = fmt.TagFormat(begin="", content=fmt.AnyTextFormat(excludes=_THINK_MARKERS), end=THINK_END)
         return fmt.StructuralTag(format=fmt.SequenceFormat(elements=[reasoning, body]))
+
+    def _body(self, body, thinking: bool, what: str):
+        """Compile `body` (after the reasoning when thinking), refusing a grammar that admits no output."""
+        fmt = self._xgr.structural_tag
+        plain = self._compile(fmt.StructuralTag(format=body), what=what)
+        self._refuse_empty(plain, what)
+        return self._compile(self._after_reasoning(body, True), what=what) if thinking else plain
+
+    def _refuse_empty(self, compiled, what: str) -> None:
+        """GrammarError if, walking the token masks from the start, every path dead-ends before the grammar
+        may end. Bounded (PROBE_*): when the walk runs out first, the grammar is accepted."""
+        import numpy as np
+
+        xgr = self._xgr
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        budget = {"nodes": PROBE_NODES, "until": time.monotonic() + PROBE_S}
+
+        def allowed() -> list[int]:
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            bits = np.unpackbits(bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+            return np.flatnonzero(bits).tolist()
+
+        def walk(depth: int) -> str:  # "ends" | "empty" | "unknown"
+            ids = allowed()
+            if self.stop_token_ids.intersection(ids) or matcher.is_terminated():
+                return "ends"
+            if not ids:
+                return "empty"
+            if depth >= PROBE_DEPTH or len(ids) > budget["nodes"] or time.monotonic() > budget["until"]:
+                return "unknown"
+            budget["nodes"] -= len(ids)
+            for token in ids:
+                if not matcher.accept_token(token):
+                    continue
+                outcome = walk(depth + 1)
+                matcher.rollback(1)
+                if outcome != "empty":
+                    return outcome
+            return "empty"
+
+        if walk(0) == "empty":
+            raise GrammarError(f"{what} cannot be enforced: no output can satisfy it")
 
     def _compile(self, tag, what: str):
         try:
