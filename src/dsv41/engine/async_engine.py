@@ -97,20 +97,24 @@ class AsyncEngine(Engine):
             except RuntimeError:  # the loop is gone (shutdown): nobody is listening
                 pass
 
+        stream.seq = self.make_sequence(request, emit)
+        with self._pending_lock:
+            self._pending_adds += 1
+        self._commands.put(("add", stream.seq))
+        self._wake.set()
+        return stream
+
+    def make_sequence(self, request: GenerationRequest, emit) -> Sequence:
+        """The engine's view of a request: its output budget within the context, its grammar as a constraint."""
         constraint = None
         if request.grammar is not None:
             from .constraint import GrammarConstraint
 
             constraint = GrammarConstraint(request.grammar, self.vocab_size, self.encode_text)
         limit = max(1, min(request.max_tokens, self.max_model_len - len(request.prompt_ids)))
-        stream.seq = Sequence(list(request.prompt_ids), limit, request.sampling, request.stop_token_ids,
-                              request.ignore_eos, request.logprobs, request.prompt_logprobs, constraint,
-                              request.background, emit)
-        with self._pending_lock:
-            self._pending_adds += 1
-        self._commands.put(("add", stream.seq))
-        self._wake.set()
-        return stream
+        return Sequence(list(request.prompt_ids), limit, request.sampling, request.stop_token_ids,
+                        request.ignore_eos, request.logprobs, request.prompt_logprobs, constraint,
+                        request.background, emit)
 
     def _cancel(self, stream: RequestStream) -> None:
         self._commands.put(("abort", stream.seq))

@@ -58,7 +58,9 @@ class Scheduler:
             freed = self.blocks.free(seq.slot, seq.pages)
             seq.slot, seq.pages = None, []
         elif seq.status is Status.WAITING:
-            (self.waiting_bg if seq.background else self.waiting).remove(seq)
+            queue = self.waiting_bg if seq.background else self.waiting
+            if seq in queue:  # (a sequence never added has nothing to give back)
+                queue.remove(seq)
         seq.status = Status.FINISHED
         return freed
 
