@@ -1,4 +1,5 @@
-"""`dsv41 preflight [--json]`: is this pair ready to start? Each check is independent and prints one line.
+"""`dsv41 preflight [--json]`: is this pair ready to start? Each check is independent and prints one line (a
+failing check one line per problem).
 
 Status per check: pass, fail (start would fail or hurt) or skip (not configured / not applicable, with the
 reason). The head runs its checks locally and the worker's through `ssh worker dsv41 preflight --local --json`,
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
+import os
+import re
 import socket
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -19,9 +22,6 @@ from dsv41.ops import host_commands
 from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.knobs import PROFILE, ops_number, ops_value
 
-ENGRAM_MAGIC = b"DSV41EN1"
-ENGRAM_HEADER = 4096
-ENGRAM_ROW_BYTES = 264
 MODEL_FILES_HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
 
 
@@ -88,55 +88,211 @@ def engram_layers(env: Mapping[str, str]) -> list[int] | None:
     return [int(layer) for layer in config.get("engram_layer_ids") or []]
 
 
-def read_engram_header(path: Path) -> dict:
-    """Validate an engram-l{L}-r{R}of{W}.bin header and size (EXL3-ENGRAM.md §5.4); raises ValueError."""
-    with path.open("rb") as handle:
-        header = handle.read(48)
-    if len(header) < 48:
-        raise ValueError(f"{path.name}: {len(header)} bytes, shorter than the 48-byte header")
-    magic, layer, lo, hi, total, row_bytes = struct.unpack("<8s5Q", header)
-    if magic != ENGRAM_MAGIC:
-        raise ValueError(f"{path.name}: magic {magic!r}, expected {ENGRAM_MAGIC!r}")
-    if row_bytes != ENGRAM_ROW_BYTES:
-        raise ValueError(f"{path.name}: row bytes {row_bytes}, expected {ENGRAM_ROW_BYTES}")
-    if not lo < hi <= total:
-        raise ValueError(f"{path.name}: row range [{lo}, {hi}) not inside 0..{total}")
-    size, expected = path.stat().st_size, ENGRAM_HEADER + (hi - lo) * row_bytes
-    if size != expected:
-        raise ValueError(f"{path.name}: {size} bytes, expected {expected} for rows [{lo}, {hi})")
-    return {"layer": layer, "lo": lo, "hi": hi, "total": total}
+# Filesystem types that are not a local block device. tmpfs/ramfs hold their files in memory, which on GB10 is the
+# memory the model lives in; the others put a network (or a FUSE process) under every row read.
+MEMORY_FS_TYPES = frozenset({"tmpfs", "ramfs", "devtmpfs"})
+NETWORK_FS_TYPES = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "virtiofs", "sshfs", "ceph", "glusterfs",
+                              "lustre", "gpfs", "afs", "davfs", "beegfs", "orangefs", "ocfs2", "gfs2"})
+PAGE_CACHE_NOTE = "the reader would fall back to the page cache, which on GB10 is the memory the model lives in"
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One line of /proc/self/mountinfo: where it is mounted, the filesystem type, the source, the super options."""
+
+    mount_point: str
+    fstype: str
+    source: str
+    options: str
+
+
+def _unescape(field_text: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field_text)
+
+
+def parse_mountinfo(text: str) -> list[Mount]:
+    """`ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS` per line."""
+    mounts = []
+    for line in text.splitlines():
+        head, sep, tail = line.partition(" - ")
+        fields, rest = head.split(), tail.split()
+        if not sep or len(fields) < 5 or not rest:
+            continue
+        mounts.append(Mount(_unescape(fields[4]), rest[0], _unescape(rest[1]) if len(rest) > 1 else "",
+                            rest[2] if len(rest) > 2 else ""))
+    return mounts
+
+
+def mount_of(path: str | Path, mounts: list[Mount]) -> Mount | None:
+    """The mount a (resolved) path lies on: the longest mount point above it; of stacked mounts, the last."""
+    path = str(path)
+    best = None
+    for mount in mounts:
+        mp = mount.mount_point
+        if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) >= len(best.mount_point):
+                best = mount
+    return best
+
+
+def fs_problem(mount: Mount, mounts: list[Mount], _seen: tuple[Mount, ...] = ()) -> str | None:
+    """Why the filesystem of `mount` is not a local block device for the Engram reader, or None when it is.
+
+    An overlay is judged by the mounts its upper and lower folders lie on (where those are visible here)."""
+    kind = mount.fstype
+    where = f"{kind} ({mount.source}, mounted at {mount.mount_point})"
+    if kind.split(".")[0] in ("fuse", "fuseblk"):
+        return f"on {where}: a FUSE filesystem, not a local block device (every read goes through a process)"
+    if kind in NETWORK_FS_TYPES:
+        return f"on {where}: a network filesystem, not a local block device (every row read crosses the network)"
+    if kind in MEMORY_FS_TYPES:
+        return f"on {where}: in memory, not on a disk (on GB10 that is the memory the model lives in)"
+    if kind == "overlay":
+        layers = re.findall(r"(?:^|,)(?:upperdir|lowerdir)=([^,]*)", mount.options)
+        for folder in (part for value in layers for part in value.split(":") if part):
+            under = mount_of(_unescape(folder), mounts)
+            if under is not None and under.mount_point != mount.mount_point and under not in _seen:
+                problem = fs_problem(under, mounts, (*_seen, mount))
+                if problem:
+                    return f"on overlay (mounted at {mount.mount_point}) over {folder}, which is {problem}"
+    return None
+
+
+def direct_read_problem(path: Path, nbytes: int = 4096) -> str | None:
+    """None when `path` opens with O_DIRECT and its first `nbytes` (a multiple of any sector size) read into an
+    aligned buffer, as the Engram reader does; else why not."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return f"{path}: this system has no O_DIRECT; {PAGE_CACHE_NOTE}"
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError as exc:
+        return f"{path}: the filesystem refuses an O_DIRECT open ({exc.strerror}); {PAGE_CACHE_NOTE}"
+    buf = mmap.mmap(-1, nbytes)  # page-aligned
+    try:
+        got = os.preadv(fd, [buf], 0)
+    except OSError as exc:
+        return f"{path}: an aligned O_DIRECT read of {nbytes} bytes failed ({exc.strerror}); {PAGE_CACHE_NOTE}"
+    finally:
+        buf.close()
+        os.close(fd)
+    if got != nbytes:
+        return f"{path}: an O_DIRECT read of {nbytes} bytes returned {got}; {PAGE_CACHE_NOTE}"
+    return None
+
+
+def room_problem(folder: Path, still_to_write: Mapping[str, int], free: int) -> str | None:
+    """`still_to_write`: file name -> bytes its pack has still to write; a problem line when they exceed `free`."""
+    need = sum(still_to_write.values())
+    if need <= free:
+        return None
+    gib = 2 ** 30
+    return (f"{folder}: {need / gib:.2f} GiB still to write for {', '.join(sorted(still_to_write))}, only "
+            f"{free / gib:.2f} GiB free")
+
+
+def _free_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
 
 
 def check_engram(node: Node) -> Check:
+    """Each local rank's `engram-l{L}-r{rank}of{world}.bin` for every Engram layer: there, header and size matching
+    the model's config (`engram.shards.check_shard_file`), no leftovers of an unfinished pack, on a local block
+    device that takes O_DIRECT reads, with room for the files still missing. One problem per line of the detail."""
     layers = engram_layers(node.env)
     if layers is None:
         return Check("engram", "skip", "the model config is unreadable (see the model check)")
     if not layers:
         return Check("engram", "skip", "the model config lists no Engram layers")
-    folder = ops_value_or(node.env, "DSV41_ENGRAM_DIR")
-    if not folder:
+    folder_text = ops_value_or(node.env, "DSV41_ENGRAM_DIR")
+    if not folder_text:
         return Check("engram", "fail", f"the model has Engram layers {layers} but DSV41_ENGRAM_DIR is empty")
     world = int(ops_value_or(node.env, "DSV41_TP") or 1)
     ranks = [int(r.removeprefix("rank")) for r in ops_value(node.env, "DSV41_LOCAL_RANKS").split()] or [0]
-    problems, found = [], []
+    folder = Path(folder_text)
+    pack_hint = f"`dsv41 engram pack --src ORIGINAL_CHECKPOINT --out {folder} --rank {{rank}} --tp {world}`"
+
+    # the format's one implementation, imported here so that the other checks stay light (no torch)
+    try:
+        from dsv41.config import ModelConfig
+        from dsv41.engram.hashing import EngramConstants
+        from dsv41.engram.pack import PARTIAL_SUFFIX, STATE_SUFFIX
+        from dsv41.engram.shards import check_shard_file, expected_shard_header, shard_file_bytes, shard_file_name
+        from dsv41.errors import DSV41Error
+    except ImportError as exc:  # an ops-only install (no torch): the engine's hosts have it
+        return Check("engram", "skip", f"the Engram shard format is not importable here ({exc})")
+
+    config_path = Path(ops_value_or(node.env, "DSV41_MODEL")) / "config.json"
+    try:
+        constants = EngramConstants.from_config(ModelConfig.from_file(config_path))
+    except DSV41Error as exc:
+        return Check("engram", "fail", f"{config_path}: {exc}")
+    bad_ranks = [rank for rank in ranks if not 0 <= rank < world]
+    if bad_ranks:
+        return Check("engram", "fail", f"rank(s) {bad_ranks} outside a tensor-parallel world of {world} (DSV41_TP)")
+    if not folder.is_dir():
+        return Check("engram", "fail", f"{folder}: no such folder; write the files with "
+                                       + ", ".join(pack_hint.format(rank=rank) for rank in ranks))
+
+    problems, found, present, still = [], [], [], {}
     for rank in ranks:
         for layer in layers:
-            path = Path(folder) / f"engram-l{layer}-r{rank}of{world}.bin"
+            path = folder / shard_file_name(layer, rank, world)
+            partial = path.with_name(path.name + PARTIAL_SUFFIX)
+            leftovers = [p.name for p in (partial, path.with_name(path.name + STATE_SUFFIX)) if p.exists()]
+            if leftovers:
+                problems.append(f"{folder}/{', '.join(leftovers)}: left by an unfinished `dsv41 engram pack`; rerun "
+                                f"the pack to resume: {pack_hint.format(rank=rank)}")
             if not path.is_file():
-                problems.append(f"{path}: missing")
+                problems.append(f"{path}: missing (layer {layer}, rank {rank} of {world}); write it with "
+                                f"{pack_hint.format(rank=rank)}")
+                header = expected_shard_header(layer, constants, rank, world)
+                size = shard_file_bytes(header["lo"], header["hi"], header["row bytes"])
+                done = partial.stat().st_size if partial.is_file() else 0
+                still[path.name] = max(0, size - done)
                 continue
+            present.append(path)
             try:
-                header = read_engram_header(path)
-            except (OSError, ValueError) as exc:
+                check_shard_file(path, layer, constants, rank, world)
+            except DSV41Error as exc:
                 problems.append(str(exc))
                 continue
-            if header["layer"] != layer:
-                problems.append(f"{path.name}: header says layer {header['layer']}")
+            problem = direct_read_problem(path)
+            if problem:
+                problems.append(problem)
                 continue
             found.append(path.name)
+
+    disk = "the disk is not checked"
+    mountinfo = node.proc / "self" / "mountinfo"
+    try:
+        mounts = parse_mountinfo(mountinfo.read_text())
+    except OSError as exc:
+        problems.append(f"{mountinfo}: unreadable ({exc.strerror}): cannot tell whether {folder} is on a local disk")
+    else:
+        judged = set()  # the folder's mount, and any other a file reaches through a link
+        for where in (folder, *present):
+            mount = mount_of(where.resolve(), mounts)
+            if mount is None:
+                problems.append(f"{where}: no mount in {mountinfo} holds it: cannot tell whether it is on a local disk")
+                continue
+            if where == folder:
+                disk = f"{mount.fstype} on {mount.source}"
+            if mount not in judged:
+                judged.add(mount)
+                problem = fs_problem(mount, mounts)
+                if problem:
+                    problems.append(f"{where}: {problem}")
+    if still:
+        problem = room_problem(folder, still, _free_bytes(folder))
+        if problem:
+            problems.append(problem)
+    data = {"files": found, "fs": disk}
     if problems:
-        return Check("engram", "fail", "; ".join(problems))
-    return Check("engram", "pass", f"{', '.join(found)}: headers and sizes ok")
+        return Check("engram", "fail", "\n".join(problems), data)
+    return Check("engram", "pass", f"{', '.join(found)}: headers and sizes match the model config for rank(s) "
+                                   f"{', '.join(map(str, ranks))} of {world}; {disk}, O_DIRECT reads ok", data)
 
 
 def _port_free(host: str, port: int) -> str | None:
@@ -268,7 +424,8 @@ def run_preflight(env: Mapping[str, str], remote: bool = True, run: CommandRunne
 
 
 def format_results(results: list[Check]) -> str:
-    lines = [f"{c.status.upper():4} {c.name}: {c.detail}" for c in results]
+    # a detail of several lines (one problem each) prints each under the check's status and name
+    lines = [f"{c.status.upper():4} {c.name}: {line}" for c in results for line in c.detail.splitlines() or [""]]
     failed = [c.name for c in results if c.status == "fail"]
     lines.append(f"preflight: {'FAILED: ' + ', '.join(failed) if failed else 'ok'}")
     return "\n".join(lines)
