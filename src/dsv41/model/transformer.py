@@ -115,6 +115,9 @@ class Model:
         if self.engram_hasher is not None:
             row_ids = self.engram_hasher.hash(ids.cpu(), state.engram)  # [T, n_layers, n_cols]
             live = self.engram_hasher.live(ids.cpu())  # image-span tokens get no Engram term
+            # the ids depend only on the tokens: start every Engram layer's reads now, under the layers before it
+            for L, layer in self.engram.items():
+                layer.prefetch(row_ids[:, cfg.engram_layer_ids.index(L)])
 
         h = self.embed(ids)
         if trace is not None:
