@@ -20,3 +20,21 @@ def register_tp_args(parser) -> None:
                        help="a rank without heartbeat for this long is lost: the group exits 70 (default 3)")
     group.add_argument("--tp-collective-timeout", type=float, default=300.0, metavar="S",
                        help="upper bound on any single collective (default 300)")
+
+
+def check_tp_args(args) -> None:
+    """One-line refusals for tensor-parallel options that cannot work (before anything binds or loads)."""
+    from dsv41.errors import DSV41Error
+
+    if args.tp < 1:
+        raise DSV41Error(f"--tp must be a positive integer, got {args.tp}")
+    if args.rank is not None and not 0 <= args.rank < args.tp:
+        raise DSV41Error(f"--rank {args.rank} is outside --tp {args.tp} (ranks are 0..{args.tp - 1})")
+    for flag, value in (("--tp-deadline", args.tp_deadline), ("--tp-peer-timeout", args.tp_peer_timeout),
+                        ("--tp-collective-timeout", args.tp_collective_timeout)):
+        if not 0 < value < float("inf"):
+            raise DSV41Error(f"{flag} must be a positive number of seconds, got {value:g}")
+    if args.tp > 1 and args.master is not None:
+        from dsv41.parallel.rendezvous import resolve_secret  # imports torch: only when TP is asked for
+
+        resolve_secret(args.master, local_mode=False)  # HOST:PORT syntax, and the secret across hosts

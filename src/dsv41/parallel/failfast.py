@@ -15,10 +15,17 @@ deliberate: the main thread may sit inside a collective that no Python exception
 
 The monitor also carries the memory side channel: each rank publishes `tp/mem/{rank}` about once a second and
 rank 0 keeps the latest reports for admission control.
+
+An abort is signed with the group's secret (`TPGroup.secret`, rendezvous.py): the store is plain TCP, so a
+`tp/abort` written by anything else that reaches it is logged once and ignored. `abort_reason()` tells the HTTP
+server (without importing this module unless TP is in use) that the group failed, so it answers 503 +
+Retry-After while the grace runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -33,8 +40,29 @@ ABORT_KEY = "tp/abort"
 INJECT_ENV = "DSV41_TEST_FAIL_AT_ROUND"
 
 
+_ABORTED: list[str] = []  # this process's group failure reason, once there is one
+
+
 class TPAborted(RuntimeError):
     """The tensor-parallel group failed; the message says which rank and why. The process exits 70 shortly."""
+
+
+def abort_reason() -> str | None:
+    """Why this process's tensor-parallel group failed (the process exits 70 after the grace), or None."""
+    return _ABORTED[0] if _ABORTED else None
+
+
+def sign_abort(secret: bytes, message: str) -> str:
+    mac = hmac.new(secret, b"dsv41-tp-abort|" + message.encode(), hashlib.sha256).hexdigest()
+    return f"{message}\n{mac}"
+
+
+def verify_abort(secret: bytes, value: str) -> str | None:
+    """The reason in a signed `tp/abort` value, or None when the signature is missing or wrong."""
+    message, _, mac = value.rpartition("\n")
+    if not message or not hmac.compare_digest(sign_abort(secret, message), value):
+        return None
+    return message
 
 
 def _stderr(message: str) -> None:
@@ -65,6 +93,8 @@ class FailFast:
     def __init__(self, group, peer_timeout_s: float = 3.0, interval_s: float = 0.1, grace_s: float = 1.0,
                  memory_every_s: float = 1.0, exit_fn=os._exit, log=_stderr):
         self.rank, self.world, self.master = group.rank, group.world, group.master
+        self._secret = getattr(group, "secret", b"")
+        self._ignored_abort: bytes | None = None
         self.peer_timeout_s, self.interval_s, self.grace_s = peer_timeout_s, interval_s, grace_s
         self.memory_every_s = memory_every_s
         self._exit, self._log = exit_fn, log
@@ -95,7 +125,7 @@ class FailFast:
         message = f"rank {self.rank}: {reason}"
         try:
             with self._store_lock:
-                self._store.set(ABORT_KEY, message)
+                self._store.set(ABORT_KEY, sign_abort(self._secret, message))
         except Exception:  # noqa: BLE001 - the store may be what failed; the peers then notice us missing
             pass
         self._trigger(message)
@@ -119,6 +149,7 @@ class FailFast:
                 return
             self.reason = reason
             self.aborted.set()
+            _ABORTED.append(reason)
         self._log(f"dsv41 tp: rank {self.rank} aborting the tensor-parallel group: {reason}; exit {EXIT_CODE} "
                   f"in {self.grace_s:.1f} s")
         threading.Thread(target=self._exit_after_grace, name="dsv41-failfast-exit", daemon=True).start()
@@ -138,8 +169,7 @@ class FailFast:
             try:
                 with self._store_lock:
                     self._store.add(f"tp/hb/{self.rank}", 1)
-                    if self._store.check([ABORT_KEY]):
-                        self._trigger(f"peer failure: {self._store.get(ABORT_KEY).decode()}")
+                    if self._store.check([ABORT_KEY]) and self._peer_abort():
                         return
                     counts = {r: self._store.add(f"tp/hb/{r}", 0) for r in peers}
                     if now >= next_memory:
@@ -159,6 +189,19 @@ class FailFast:
                     self._trigger(f"lost rank {r}: no heartbeat for {now - since:.1f} s")
                     return
             time.sleep(self.interval_s)
+
+    def _peer_abort(self) -> bool:
+        """Act on a signed abort (True); log an unsigned one once and carry on (False)."""
+        value = self._store.get(ABORT_KEY)
+        reason = verify_abort(self._secret, value.decode("utf-8", "replace"))
+        if reason is not None:
+            self._trigger(f"peer failure: {reason}")
+            return True
+        if value != self._ignored_abort:
+            self._ignored_abort = value
+            self._log(f"dsv41 tp: rank {self.rank} ignores a write to {ABORT_KEY} at {self.master} that no rank "
+                      "signed (something else reaches the TP store)")
+        return False
 
     def _exchange_memory(self, peers) -> None:
         self._store.set(f"tp/mem/{self.rank}", json.dumps(memory_snapshot()))

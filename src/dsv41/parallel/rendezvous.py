@@ -4,13 +4,25 @@ Ranks start in any order (systemd starts the two Sparks independently), so every
 deadline and says what it waits for; past the deadline it raises `RendezvousError` naming the address or the
 missing ranks. The store stays up for the life of rank 0: the fail-fast monitor, the round plans and the memory
 reports all travel through it.
+
+Exposure: rank 0 binds the store to the `--master` address only (torch's own TCPStore server would listen on
+every interface), so local ranks (127.0.0.1) are unreachable from the network and two hosts meet on the link
+address. The ranks prove to each other that they hold the same secret (`DSV41_TP_SECRET`, from the env file;
+required when the master address is not loopback): rank 0 and each rank exchange fresh nonces and HMAC-SHA256
+proofs over them, and a rank with another secret is refused with a message naming it (host, pid) on both
+sides. The secret also signs `tp/abort` (failfast.py). Without a configured secret, local mode generates one
+for its children; separately started ranks on one host then run unauthenticated, on loopback.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
+import ipaddress
 import json
 import os
+import secrets
 import socket
 import sys
 import time
@@ -23,6 +35,8 @@ from dsv41.errors import DSV41Error
 from dsv41.parallel.torch_comm import TorchComm
 
 LOG_EVERY_S = 5.0
+SECRET_ENV = "DSV41_TP_SECRET"
+MIN_SECRET_CHARS = 16
 
 
 class RendezvousError(DSV41Error):
@@ -56,6 +70,7 @@ class TPGroup:
     store: dist.TCPStore
     comm: TorchComm
     peers: dict = field(default_factory=dict)  # rank -> the hello record it published (host, pid, ...)
+    secret: bytes = b""  # shared by the ranks (proofs at join, signed aborts)
 
     def store_client(self, timeout_s: float) -> dist.TCPStore:
         """A second connection to rank 0's store, for a thread that must not share the main one."""
@@ -82,15 +97,67 @@ def _probe(host: str, port: int, timeout_s: float) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def is_loopback_host(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def resolve_secret(master: str, local_mode: bool) -> bytes:
+    """The ranks' shared secret: DSV41_TP_SECRET; required across hosts; generated for local children."""
+    value = os.environ.get(SECRET_ENV, "").strip()
+    host, _ = parse_master(master)
+    if not value:
+        if not is_loopback_host(host):
+            raise RendezvousError(f"{SECRET_ENV} is not set: ranks on different hosts (--master {master}) must "
+                                  f"share a secret; put the same {SECRET_ENV}=<random, e.g. `openssl rand -hex "
+                                  "32`> in the env file of every host")
+        if not local_mode:
+            return b""  # separately started ranks on one host: loopback only, unauthenticated
+        value = secrets.token_hex(32)
+        os.environ[SECRET_ENV] = value  # the local ranks are started from this environment
+    elif len(value) < MIN_SECRET_CHARS:
+        raise RendezvousError(f"{SECRET_ENV} is too short ({len(value)} characters; use at least "
+                              f"{MIN_SECRET_CHARS}, e.g. `openssl rand -hex 32`)")
+    return value.encode("utf-8")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket on exactly host:port, for the store's server to use."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise RendezvousError(f"rank 0 cannot resolve the --master host {host!r} ({exc.strerror})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise RendezvousError(f"rank 0 cannot listen on {format_master(host, port)} ({exc.strerror}); --master "
+                              "must be this host's own address (its IP on the link to the other ranks)") from None
+    return sock
+
+
 def _open_store(rank: int, world: int, master: str, deadline: float, log) -> dist.TCPStore:
     host, port = parse_master(master)
     if port == 0 and rank != 0:
         raise RendezvousError(f"rank {rank} needs rank 0's real port in --master, got {master!r}")
     if rank == 0:
+        sock = _listen(host, port)
         try:
-            return dist.TCPStore(host, port, world, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+            store = dist.TCPStore(host, sock.getsockname()[1], world, True, datetime.timedelta(seconds=60),
+                                  wait_for_workers=False, master_listen_fd=sock.fileno())
         except Exception as exc:  # noqa: BLE001 - torch raises several types here; all mean the same to the user
-            raise RendezvousError(f"rank 0 cannot host the TP store on port {port} ({master}): {exc}") from exc
+            sock.close()
+            raise RendezvousError(f"rank 0 cannot host the TP store on port {port} ({master}): "
+                                  f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        sock.detach()  # the store's server owns the descriptor now
+        return store
     last_log = 0.0
     while True:
         left = deadline - time.monotonic()
@@ -129,8 +196,19 @@ def _wait_for_ranks(store, rank: int, world: int, master: str, deadline: float, 
         time.sleep(0.05)
 
 
-def _handshake(store, rank: int, world: int, backend: str, master: str, deadline: float, log) -> dict:
+def _proof(secret: bytes, rank: int, nonce0: str, nonce: str) -> str:
+    return hmac.new(secret, f"dsv41-tp|{rank}|{nonce0}|{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def _who(peer: dict) -> str:
+    return f"host {peer.get('host', '?')}, pid {peer.get('pid', '?')}"
+
+
+def _handshake(store, rank: int, world: int, backend: str, master: str, deadline: float, log,
+               secret: bytes = b"") -> dict:
     if rank == 0:
+        nonce0 = secrets.token_hex(16)
+        store.set("tp/nonce/0", nonce0)
         store.set("tp/world", str(world))
     else:
         store.set_timeout(datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -138,16 +216,44 @@ def _handshake(store, rank: int, world: int, backend: str, master: str, deadline
         if rank0_world != world:
             raise RendezvousError(f"rank {rank} was started with --tp {world} but rank 0 at {master} with "
                                   f"--tp {rank0_world}")
+        nonce0 = store.get("tp/nonce/0").decode()
     if store.add(f"tp/claim/{rank}", 1) != 1:
         raise RendezvousError(f"two processes were started as rank {rank} against {master}; each --rank once")
     hello = {"host": socket.gethostname(), "pid": os.getpid(), "backend": backend}
+    if rank != 0:
+        hello["nonce"] = secrets.token_hex(16)
+        hello["proof"] = _proof(secret, rank, nonce0, hello["nonce"])
     store.set(f"tp/hello/{rank}", json.dumps(hello))
     _wait_for_ranks(store, rank, world, master, deadline, log)
     peers = {r: json.loads(store.get(f"tp/hello/{r}")) for r in range(world)}
+    _authenticate(store, rank, world, master, peers, nonce0, secret, deadline)
     backends = {r: p["backend"] for r, p in peers.items()}
     if len(set(backends.values())) != 1:
         raise RendezvousError(f"ranks disagree on the backend: {backends}")
     return peers
+
+
+def _authenticate(store, rank: int, world: int, master: str, peers: dict, nonce0: str, secret: bytes,
+                  deadline: float) -> None:
+    """Rank 0 checks every rank's proof and answers each with its own (or a refusal); a rank checks rank 0's."""
+    if rank == 0:
+        for r in range(1, world):
+            peer = peers[r]
+            expected = _proof(secret, r, nonce0, str(peer.get("nonce", "")))
+            if not hmac.compare_digest(expected, str(peer.get("proof", ""))):
+                store.set(f"tp/auth/{r}", "refused")
+                raise RendezvousError(f"rank 0 refused rank {r} ({_who(peer)}) at {master}: it does not hold this "
+                                      f"group's secret ({SECRET_ENV} differs between the hosts)")
+            store.set(f"tp/auth/{r}", _proof(secret, 0, nonce0, peer["nonce"]))
+        return
+    store.set_timeout(datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    answer = store.get(f"tp/auth/{rank}").decode()
+    if answer == "refused":
+        raise RendezvousError(f"rank 0 at {master} ({_who(peers[0])}) refused rank {rank}: this rank's secret "
+                              f"({SECRET_ENV}) differs from rank 0's")
+    if not hmac.compare_digest(answer, _proof(secret, 0, nonce0, peers[rank]["nonce"])):
+        raise RendezvousError(f"the rank 0 at {master} ({_who(peers[0])}) does not hold this group's secret "
+                              f"({SECRET_ENV} differs between the hosts); not joining it")
 
 
 def init_tp(rank: int, world: int, master: str, deadline_s: float = 120.0, backend: str | None = None,
@@ -169,15 +275,16 @@ def init_tp(rank: int, world: int, master: str, deadline_s: float = 120.0, backe
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(device_index if device_index is not None else rank % torch.cuda.device_count())
+    secret = resolve_secret(master, local_mode=on_listening is not None)
     deadline = time.monotonic() + deadline_s
     store = _open_store(rank, world, master, deadline, log)
     if rank == 0:
         master = format_master(parse_master(master)[0], store.port)
         if on_listening is not None:
             on_listening(master)
-    peers = _handshake(store, rank, world, backend, master, deadline, log)
+    peers = _handshake(store, rank, world, backend, master, deadline, log, secret)
     store.set_timeout(datetime.timedelta(seconds=60))
     dist.init_process_group(backend, store=dist.PrefixStore("tp/pg", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
     return TPGroup(rank=rank, world=world, master=master, backend=backend, store=store, comm=TorchComm(),
-                   peers=peers)
+                   peers=peers, secret=secret)

@@ -64,8 +64,10 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--engram-dir", metavar="DIR",
                    help="folder of this rank's packed Engram shards engram-l{L}-r{R}of{W}.bin (default: "
                         "$DSV41_ENGRAM_DIR, as preflight reads it; unset: the tables in the model folder)")
-    from dsv41.parallel.args import register_tp_args  # argparse only: no torch import here
+    from dsv41.engine.build import register_engine_args  # argparse only: no torch import here
+    from dsv41.parallel.args import register_tp_args
 
+    register_engine_args(p)
     register_tp_args(p)
     p.set_defaults(func=run_serve)
     return p
@@ -125,7 +127,10 @@ def _model_positions(folder: Path) -> int | None:
     import json
 
     try:
-        value = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("max_position_embeddings")
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        text = config.get("text_config")
+        value = config.get("max_position_embeddings", text.get("max_position_embeddings")
+                           if isinstance(text, dict) else None)
     except (OSError, ValueError, AttributeError):
         return None  # the loader reports a missing or broken config.json itself
     return value if isinstance(value, int) and value > 0 else None
@@ -148,6 +153,9 @@ def check_limits(args, folder: Path) -> None:
     for name, value in (("--drain-timeout", args.drain_timeout), ("--body-timeout", args.body_timeout)):
         if value == float("inf"):
             raise DSV41Error(f"{name} must be finite, got {value}")
+    from dsv41.parallel.args import check_tp_args
+
+    check_tp_args(args)
     positions = _model_positions(folder)
     if args.max_model_len is not None and positions is not None and args.max_model_len > positions:
         raise DSV41Error(f"--max-model-len {args.max_model_len} is beyond the model's {positions} positions "
@@ -225,26 +233,32 @@ def load_serving_model(args, startup: Startup, progress, **tp):
                       progress=progress, engram_dir=startup.engram_dir, **tp)
 
 
+def serving_max_model_len(args, model) -> int:
+    """--max-model-len, or the model's positions capped at DEFAULT_MAX_MODEL_LEN (`model`: a model or an executor)."""
+    model_config = getattr(model, "config", None) or model.cfg
+    limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
+    return args.max_model_len or min(int(limit), DEFAULT_MAX_MODEL_LEN)
+
+
 def build_server(args, startup: Startup, model):
     """The ServerContext around a loaded model (the folder's, or the TP leader on rank 0)."""
     from dsv41.structured.grammar import Grammars
-    from ..engine.serial import SerialEngine
+    from ..engine.build import attach_server_stats, build_engine
     from ..tokenizer import Tokenizer
     from .context import ServerConfig, ServerContext
 
     folder = startup.folder
-    model_config = getattr(model, "config", None) or model.cfg
     tokenizer = Tokenizer.from_dir(folder)
-    limit = getattr(model_config, "max_position_embeddings", None) or DEFAULT_MAX_MODEL_LEN
-    max_model_len = args.max_model_len or min(int(limit), DEFAULT_MAX_MODEL_LEN)
-    engine = SerialEngine(model, max_model_len=max_model_len, max_waiting=args.max_waiting,
-                          encode_text=tokenizer.encode)
+    max_model_len = serving_max_model_len(args, model)
+    engine = build_engine(args, model, max_model_len=max_model_len, encode_text=tokenizer.encode)
     grammars = Grammars(folder / "tokenizer.json", vocab_size=engine.vocab_size, stop_token_ids=[tokenizer.eos_id])
     config = ServerConfig(
         served_name=args.served_name or folder.name, aliases=tuple(args.alias), max_model_len=max_model_len,
         max_body_bytes=args.max_body_bytes, api_key=startup.api_key, drain_timeout_s=args.drain_timeout,
         request_log=args.request_log)
-    return ServerContext(config, engine, tokenizer, grammars)
+    ctx = ServerContext(config, engine, tokenizer, grammars)
+    attach_server_stats(ctx)
+    return ctx
 
 
 def run_serve(args) -> int:
@@ -264,7 +278,12 @@ def run_serve(args) -> int:
     progress = load_progress(notifier, terminal=rank in (None, 0))  # one bar per terminal: rank 0's
 
     def load(rank: int, world: int, comm):
-        return load_serving_model(args, startup, progress, rank=rank, world=world, comm=comm)
+        model = load_serving_model(args, startup, progress, rank=rank, world=world, comm=comm)
+        if args.engine == "reference":
+            return model  # the lockstep proxy replays SerialEngine's model calls
+        from ..engine.build import build_runner
+
+        return build_runner(args, model, serving_max_model_len(args, model), driver=rank == 0)
 
     return run_rank(args, load=load, serve=lambda leader: serve_model(args, startup, sock, leader),
                     on_ready=notifier.ready, watchdog=notifier.watchdog)
