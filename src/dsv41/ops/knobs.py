@@ -32,6 +32,15 @@ class ServeKnob:
 
 
 @dataclass(frozen=True)
+class EnvKnob:
+    """An env var `dsv41 serve` reads from its own environment, never as a flag (a secret must not show in
+    the process list)."""
+
+    env: str
+    doc: str
+
+
+@dataclass(frozen=True)
 class OpsKnob:
     """An env var read only by the ops commands; `default` applies when it is unset or empty."""
 
@@ -46,6 +55,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               "checked by preflight and warm)"),
     ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)"),
     ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0"),
+    ServeKnob("DSV41_ALLOWED_HOSTS", "--allowed-hosts", "Host header names served besides loopback ones "
+              "(space-separated; '*' = any)", many=True),
     ServeKnob("DSV41_SERVED_NAME", "--served-name", "model id reported by /v1/models"),
     ServeKnob("DSV41_ALIASES", "--alias", "extra model ids accepted and listed (space-separated)", many=True),
     ServeKnob("DSV41_API_KEY_FILE", "--api-key-file", "file holding the bearer key; empty = no auth"),
@@ -63,6 +74,11 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
     ServeKnob("DSV41_TP_DEADLINE_S", "--tp-deadline", "seconds to wait for all ranks to join and load"),
     ServeKnob("DSV41_TP_PEER_TIMEOUT_S", "--tp-peer-timeout", "a peer silent this long is lost (fail-fast, exit 70)"),
     ServeKnob("DSV41_TP_COLLECTIVE_TIMEOUT_S", "--tp-collective-timeout", "upper bound on any single collective"),
+)
+
+ENV_KNOBS: tuple[EnvKnob, ...] = (
+    EnvKnob("DSV41_TP_SECRET", "shared secret of the tensor-parallel ranks (same on every host; required when "
+            "--master is not loopback)"),
 )
 
 OPS_KNOBS: tuple[OpsKnob, ...] = (
@@ -148,5 +164,5 @@ def ops_number(env: Mapping[str, str], name: str) -> float:
 
 def unknown_keys(env: Mapping[str, str]) -> list[str]:
     """Keys in an env file that no knob or passthrough prefix claims (typos such as DSV41_PROT)."""
-    known = {k.env for k in SERVE_KNOBS} | {k.env for k in OPS_KNOBS}
+    known = {k.env for k in SERVE_KNOBS} | {k.env for k in OPS_KNOBS} | {k.env for k in ENV_KNOBS}
     return sorted(k for k in env if k not in known and not k.startswith(PASSTHROUGH_PREFIXES))
