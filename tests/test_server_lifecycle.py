@@ -95,7 +95,7 @@ def test_startup_refuses_bad_arguments_in_one_line(tmp_path):
 
 
 def test_full_queue_answers_429_with_retry_after(tmp_path):
-    server = ServerProcess(tmp_path, "--max-waiting", "1")
+    server = ServerProcess(tmp_path, "--max-waiting", "1", "--parallel", "1")  # one slot: the second request waits
     try:
         running, waiting = {}, {}
         body = {"prompt": "busy", "max_tokens": 8000, "ignore_eos": True}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Mapping
 
 GIB = 1 << 30
 
@@ -126,3 +127,63 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,
                        describe={"pool": pool.describe()})
+
+
+# ---------------------------------------------------------------------------------------------------- server
+class EngineDetail(Mapping):
+    """The batched engine's figures as `/health`'s extra `batching` block (read live at every request)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __getitem__(self, key):
+        if key != "batching" or not self.engine.stats().detail:
+            raise KeyError(key)
+        return self.engine.stats().detail
+
+    def __iter__(self):
+        return iter(["batching"] if self.engine.stats().detail else [])
+
+    def __len__(self):
+        return len(list(iter(self)))
+
+
+class EngineCollector:
+    """Prometheus figures of the batched engine: slots, pages, queue, tokens, rounds, rows and time per round."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        d = self.engine.stats().detail
+        if not d:
+            return
+        for name, key, text in (("slots_busy", "slots_busy", "Request slots in use"),
+                                ("slots", "slots_total", "Request slots"),
+                                ("pages_used", "pages_used", "KV pool pages in use"),
+                                ("pages", "pages_total", "KV pool pages"),
+                                ("queue", "queue", "Requests waiting for a slot, pages or memory"),
+                                ("last_round_seconds", "last_round_s", "Duration of the last round")):
+            yield GaugeMetricFamily(f"dsv41_engine_{name}", text, value=d[key])
+        for name, key, text in (("prefill_tokens", "prefill_tokens_total", "Prompt rows prefilled"),
+                                ("decode_tokens", "decode_tokens_total", "Decode rows run"),
+                                ("rounds", "rounds", "Engine rounds (steps)"),
+                                ("round_seconds", "round_seconds_total", "Time spent in rounds")):
+            yield CounterMetricFamily(f"dsv41_engine_{name}", text, value=d[key])
+        hist = HistogramMetricFamily("dsv41_engine_rows_per_round", "Rows (tokens) per round")
+        counts = {int(k): v for k, v in d["rows_per_round"].items()}
+        buckets, running = [], 0
+        for bound in sorted(counts):
+            running += counts[bound]
+            buckets.append((str(bound), running))
+        hist.add_metric([], buckets + [("+Inf", running)], sum_value=d["prefill_tokens_total"]
+                        + d["decode_tokens_total"])
+        yield hist
+
+
+def attach_server_stats(ctx) -> None:
+    """Expose the engine's figures on `/health` (the `batching` block) and `/metrics` (`dsv41_engine_*`)."""
+    ctx.config.extra_health = EngineDetail(ctx.engine)
+    ctx.metrics.registry.register(EngineCollector(ctx.engine))

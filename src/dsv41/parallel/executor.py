@@ -73,6 +73,11 @@ class LocalExecutor:
     def __init__(self, runner):
         self.runner = runner
 
+    @property
+    def cfg(self):
+        """The model configuration the runner runs (what the server sizes its limits from)."""
+        return self.runner.forward.model.cfg
+
     def execute(self, batch):
         return self.runner.execute(batch)
 
@@ -90,6 +95,8 @@ class LeaderExecutor:
         self._worker = RoundWorker()
         self._lock = threading.Lock()
         self.rounds = 0
+
+    cfg = LocalExecutor.cfg
 
     def execute(self, batch):
         self._failfast.check()

@@ -24,6 +24,7 @@ import time
 import torch
 
 from dsv41.errors import DSV41Error
+from dsv41.parallel.executor import LeaderExecutor, follow_batches
 from dsv41.parallel.failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
 from dsv41.parallel.lockstep import LeaderModel, follow
 from dsv41.parallel.plan import PlanChannel
@@ -99,7 +100,8 @@ def _follower_signals(rank: int, failfast: FailFast) -> None:
         pass
 
 
-def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector, watchdog=None) -> bool:
+def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector, watchdog=None,
+                      batched: bool = False) -> bool:
     """Run the follower loop in a thread and keep the main thread free: it sits in a store call for as long as
     the server is idle, and Python runs signal handlers (SIGTERM) only in the main thread. True on a stop plan."""
     done, outcome = threading.Event(), {}
@@ -107,8 +109,9 @@ def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector,
 
     def run():
         try:
-            follow(model, channel, failfast, injector=injector, log=lambda m: print(m, file=sys.stderr, flush=True),
-                   device=device)
+            (follow_batches if batched else follow)(model, channel, failfast, injector=injector,
+                                                    log=lambda m: print(m, file=sys.stderr, flush=True),
+                                                    device=device)
             outcome["stopped"] = True
         except BaseException:  # noqa: BLE001 - follow() already aborted the group with the reason
             outcome["stopped"] = False
@@ -133,8 +136,10 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
              grace_s: float = 1.0, on_ready=None, watchdog=None) -> int:
     """Run this process as one rank of `dsv41 serve --tp N`; returns the exit status.
 
-    `load(rank, world, comm)` builds this rank's model (e.g. `load_model(path, ..., rank=rank, world=world,
-    comm=comm)`); `serve(model)` serves HTTP with it on rank 0 and returns at shutdown. In local mode (no
+    `load(rank, world, comm)` builds this rank's `ModelRunner` (the batched engine: rank 0's `serve` gets a
+    `LeaderExecutor`, the others run `follow_batches`) or its model (e.g. `load_model(path, ..., rank=rank,
+    world=world, comm=comm)`, for the reference engine: rank 0's `serve` gets the lockstep `LeaderModel`, the
+    others replay its calls); `serve(leader)` serves HTTP with it on rank 0 and returns at shutdown. In local mode (no
     `--rank`) `argv` (default `sys.argv[1:]`) is handed to the children, run as `child_cmd` (default: the dsv41
     CLI with this Python). `on_ready()` runs on ranks other than 0 once every rank has loaded (e.g. systemd
     READY=1; rank 0's `serve` notifies for itself when it accepts connections); `watchdog()` runs there about
@@ -172,17 +177,18 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         failfast.abort(f"loading failed: {type(exc).__name__}: {exc}")
         return _die_with_group(failfast)
 
+    batched = hasattr(model, "execute")  # a ModelRunner: one Batch per step; else a model behind the proxy
     if rank != 0:
         _follower_signals(rank, failfast)
         if on_ready is not None:
             on_ready()
-        if not _follow_in_thread(model, channel, failfast, injector, watchdog):
+        if not _follow_in_thread(model, channel, failfast, injector, watchdog, batched):
             return _die_with_group(failfast)
         failfast.stop()
         group.store.set(f"tp/bye/{rank}", "1")
         return 0
 
-    leader = LeaderModel(model, channel, failfast, injector=injector)
+    leader = (LeaderExecutor if batched else LeaderModel)(model, channel, failfast, injector=injector)
     try:
         serve(leader)
     except BaseException as exc:  # noqa: BLE001
