@@ -185,10 +185,7 @@ def fused_matmul_cuda(
     k, n, K = weight.k, weight.n, weight.K
     clustered = use_clusters(x.device)
     if splits is None:
-        max_slice = slice_limit(K, _shared_limit(x.device), MAX_SLICE_BLOCKS, tuning)
-        splits = default_splits(k, n, _sm_count(x.device), few_blocks(tuning), max_slice=max_slice)
-        if clustered:
-            splits = max(math.ceil((k // 128) / max_slice), min(splits, max_cluster(x.device)))
+        splits = linear_splits(k, n, K, x.device, tuning)
     if not 1 <= splits <= k // 128:
         raise ValueError(f"splits={splits} does not fit k={k} (1..{k // 128})")
     # (longer k slices than default_splits makes need more shared memory; the launch names the size if it is refused)
@@ -224,6 +221,16 @@ def fused_matmul_cuda(
             cluster=(1, splits, 1) if clustered else None,
         )
     return out
+
+
+def linear_splits(k: int, n: int, K: int, device: torch.device, tuning: dict | None = None) -> int:
+    """The split-K count `fused_matmul_cuda` takes for a `[k, n]` K-bit matrix on `device` when none is given:
+    from the shape, K and the device only (the runtime resolves it once per matrix at build)."""
+    max_slice = slice_limit(K, _shared_limit(device), MAX_SLICE_BLOCKS, tuning)
+    splits = default_splits(k, n, _sm_count(device), few_blocks(tuning), max_slice=max_slice)
+    if use_clusters(device):
+        splits = max(math.ceil((k // 128) / max_slice), min(splits, max_cluster(device)))
+    return splits
 
 
 # (row, 128-block) units per warp up to which exl3_linear_rows_r8 rotates its input by warp (EXL3_ROWS_WARP_UNITS)
@@ -310,6 +317,15 @@ def default_moe_config(k_gate_up: int, k_down: int, max_slice_gate_up: int = MOE
     )
 
 
+def moe_config(w1: Exl3ExpertStack, w2: Exl3ExpertStack, device: torch.device,
+               tuning: dict | None = None) -> MoeCudaConfig:
+    """The split counts `moe_forward_cuda` takes for these stacks on `device` when no config is given (resolved
+    once per layer by the runtime)."""
+    limit = _shared_limit(device)
+    return default_moe_config(w1.k, w2.k, slice_limit(w1.K, limit, MOE_MAX_SLICE_BLOCKS, tuning),
+                              slice_limit(w2.K, limit, MOE_MAX_SLICE_BLOCKS, tuning))
+
+
 def moe_forward_cuda(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -333,11 +349,7 @@ def moe_forward_cuda(
     topk = topk_ids.shape[1]
     if MAX_ROWS * topk > THREADS:
         raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
-    if config is None:
-        limit = _shared_limit(x.device)
-        config = default_moe_config(w1.k, w2.k, slice_limit(w1.K, limit, MOE_MAX_SLICE_BLOCKS, tuning),
-                                    slice_limit(w2.K, limit, MOE_MAX_SLICE_BLOCKS, tuning))
-    cfg = config
+    cfg = config or moe_config(w1, w2, x.device, tuning)
     out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
     x = _vector_ready(x)
     for start in range(0, T, MAX_ROWS):

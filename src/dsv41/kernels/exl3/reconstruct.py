@@ -56,11 +56,18 @@ def _reconstruct_kernel(
         tl.store(out_ptr + out_offsets, w)
 
 
-def reconstruct(weight: Exl3Tensor, dtype: torch.dtype = torch.float16, rotate: bool = True) -> torch.Tensor:
-    """Dense `[k, n]` matrix: W_eff (rotate=True, in `dtype`) or the decoded rotated-domain W_q (fp16)."""
+def reconstruct(weight: Exl3Tensor, dtype: torch.dtype = torch.float16, rotate: bool = True,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense `[k, n]` matrix: W_eff (rotate=True, in `dtype`) or the decoded rotated-domain W_q (fp16).
+
+    `out`: a contiguous `[k, n]` tensor of that dtype to write into (the runtime's reused prefill workspace)."""
     k, n = weight.k, weight.n
     out_dtype = dtype if rotate else torch.float16
-    out = torch.empty((k, n), dtype=out_dtype, device=weight.device)
+    if out is None:
+        out = torch.empty((k, n), dtype=out_dtype, device=weight.device)
+    elif out.shape != (k, n) or out.dtype != out_dtype or not out.is_contiguous() or out.device != weight.device:
+        raise ValueError(f"out must be a contiguous [{k}, {n}] {out_dtype} tensor on {weight.device}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")
     grid = (k // 128, n // 128)
     _reconstruct_kernel[grid](
         weight.words,

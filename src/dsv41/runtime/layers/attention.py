@@ -1,0 +1,213 @@
+"""Attention of one layer on the fast path: projections over the whole row batch, state work per sequence.
+
+The rows of a step come from several sequences (`Segment`: one sequence's consecutive rows). Every projection
+(wq_a, wq_b, wkv, the compressor's, the indexer's, wo_a, wo_b) runs once over all rows through the fast linears;
+norms, RoPE and the fake quantisers run over the row bucket. What reads or writes a sequence's state — window
+append, compressor pooling and its entries, index scores, candidate blocks, top-k, the core softmax — runs per
+sequence with the reference's own functions (`model.attention`), so a row's bits depend only on its sequence.
+The index keys of every group closed in the step are projected in one launch (the kernel is row-invariant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dsv41.config import LayerRole, ModelConfig
+from dsv41.model.attention import Attention, AttentionParams, Shared, append_window, compressed_slots
+from dsv41.model.norm import rms_norm
+from dsv41.model.quant import fp4_block_e4m3, fp4_block_ue8m0, fp8_block_ue8m0
+from dsv41.model.rope import RopeTable
+from dsv41.model.rowwise import row_blocks
+from dsv41.model.state import SequenceState
+
+from ..sections import section
+
+
+@dataclass
+class Segment:
+    """One sequence's rows [start, start + T) of a step, at positions pos .. pos + T - 1."""
+
+    state: SequenceState
+    start: int
+    T: int
+    pos: int
+    shared: Shared = field(default_factory=Shared)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.T)
+
+
+@dataclass
+class AttnWeights:
+    wq_a: object
+    q_norm: torch.Tensor
+    wq_b: object  # column-parallel: this rank's heads
+    wkv: object
+    kv_norm: torch.Tensor
+    sink: torch.Tensor  # [local heads]
+    wo_a: Sequence  # one per local output group
+    wo_b: object  # row-parallel
+    comp_wkv: object | None = None
+    comp_norm: torch.Tensor | None = None
+    comp_wgate: object | None = None
+    index_wk: object | None = None
+    index_k_norm: torch.Tensor | None = None
+    idx_wq_b: object | None = None
+    idx_weights_proj: object | None = None
+
+
+def window_slots(win: torch.Tensor, s: Segment, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model.attention.window_slots` with the segment's positions known on the host (no device read)."""
+    first = s.pos + s.T - win.shape[0]
+    key_pos = (torch.arange(s.pos, s.pos + s.T, device=win.device)[:, None]
+               + torch.arange(1 - window, 1, device=win.device)[None, :])
+    return win[(key_pos - first).clamp(min=0)], key_pos >= 0
+
+
+class FastAttention:
+    def __init__(self, cfg: ModelConfig, role: LayerRole, w: AttnWeights, rope: RopeTable, *, local_heads: int,
+                 fake_quant: bool = True):
+        self.cfg, self.role, self.w = cfg, role, w
+        self.heads = local_heads
+        self.fq = fake_quant
+        # the reference layer without projections: its RoPE, candidate blocks, top-k and core are reused as they are
+        self.ref = Attention(cfg, role, AttentionParams(None, w.q_norm, None, None, w.kv_norm, w.sink, [], None),
+                             rope, local_heads=local_heads, fake_quant=fake_quant)
+
+    def forward(self, x: torch.Tensor, n: int, P: torch.Tensor, segs: Sequence[Segment], phase: str,
+                trace: dict | None = None) -> torch.Tensor:
+        """x: normed attention input [B, d] (first n rows real), P: positions [B]. Returns this rank's partial
+        output [B, d] (wo_b is row-parallel)."""
+        cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
+        B = x.shape[0]
+        rope = self.ref._rope
+        qa, kva = w.wq_a(x, n, phase), w.wkv(x, n, phase)
+        with section("norms"):
+            qr = rms_norm(qa, w.q_norm, eps)
+        qb = w.wq_b(qr, n, phase)
+        with section("norms"):
+            q = rope(qb.view(B, self.heads, cfg.head_dim), P)
+            kv = fp8_block_ue8m0(rope(rms_norm(kva, w.kv_norm, eps), P), 32, self.fq)
+        proj = self._compressor_inputs(x, n, phase) if role.compresses else {}
+        iq = iw = None
+        if role.scores:
+            ib, wp = w.idx_wq_b(qr, n, phase), w.idx_weights_proj(x, n, phase)
+            with section("indexer"):
+                iq = fp4_block_ue8m0(rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P), 32, self.fq)
+                iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        with section("attention"):
+            wins = [append_window(s.state.window(role.index), kv[s.rows], cfg.sliding_window) for s in segs]
+            closed = [self._pool(s, proj, x.dtype) for s in segs] if role.compresses else []
+        if any(c is not None for c in closed):
+            self._append_entries(segs, closed, phase)
+        o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32, device=x.device)
+        for s, win in zip(segs, wins):
+            with section("attention"):
+                keys, ok = window_slots(win, s, cfg.sliding_window)
+            if not role.swa_only:
+                src = s.state.source(role.kv_source)
+                with section("indexer"):
+                    ids = self._topk(s, P[s.rows], iq, iw, src, trace)
+                with section("attention"):
+                    comp, comp_ok = compressed_slots(src, ids, cfg.index_topk, s.T, cfg.head_dim, x.device)
+                    keys, ok = torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
+            with section("attention"):
+                o[s.rows] = self.ref._core(q[s.rows], keys, ok)
+        with section("norms"):
+            o = rope(o.to(x.dtype), P, inverse=True)
+        groups = o.reshape(B, len(w.wo_a), -1)
+        u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
+        return w.wo_b(u, n, phase)
+
+    # ------------------------------------------------------------------ compressor
+    def _compressor_inputs(self, x, n, phase) -> dict:
+        w = self.w
+        if self.role.compress_ratio == 1:
+            latent = w.comp_wkv(x, n, phase)
+            with section("norms"):
+                return {"latent": rms_norm(latent, w.comp_norm, self.cfg.rms_norm_eps)}
+        # ratio > 1 pools in fp32 (the reference feeds x.float(); the kernels round either to fp16 alike)
+        return {"v": w.comp_wkv(x, n, phase, out_dtype=torch.float32),
+                "s": w.comp_wgate(x, n, phase, out_dtype=torch.float32)}
+
+    def _pool(self, s: Segment, proj: dict, dtype: torch.dtype):
+        """The groups this segment closes: (latent [g, hd], entry positions [g]) or None; keeps the open group."""
+        r = self.role.compress_ratio
+        src = s.state.source(self.role.kv_source)
+        if r == 1:
+            latent, first = proj["latent"][s.rows], s.pos
+        else:
+            v, g = proj["v"][s.rows], proj["s"][s.rows]
+            if src.open_v is not None:
+                v, g = torch.cat((src.open_v, v)), torch.cat((src.open_s, g))
+            first = s.pos - (0 if src.open_v is None else src.open_v.shape[0])
+            n_groups = v.shape[0] // r
+            done = n_groups * r
+            src.open_v, src.open_s = (v[done:].clone(), g[done:].clone()) if done < v.shape[0] else (None, None)
+            if n_groups == 0:
+                return None
+            pooled = (torch.softmax(g[:done].view(n_groups, r, -1), dim=1) * v[:done].view(n_groups, r, -1)).sum(1)
+            latent = rms_norm(pooled.to(dtype), self.w.comp_norm, self.cfg.rms_norm_eps)
+        g0 = first // r
+        return latent, (torch.arange(latent.shape[0], device=latent.device) + g0) * r
+
+    def _append_entries(self, segs, closed, phase) -> None:
+        """Entries (RoPE at the group's first token, FP4) and index keys of every closed group, appended per
+        sequence; the index-key projection runs once over all of them."""
+        w, cfg = self.w, self.cfg
+        keys = None
+        if w.index_wk is not None:
+            latents = torch.cat([c[0] for c in closed if c is not None])
+            keys = w.index_wk(latents, None, phase)
+        at = 0
+        with section("attention"):
+            for s, c in zip(segs, closed):
+                if c is None:
+                    continue
+                latent, entry_pos = c
+                src = s.state.source(self.role.kv_source)
+                kv = fp4_block_e4m3(self.ref._rope(latent, entry_pos), 16, self.fq)
+                src.kv = kv if src.kv is None else torch.cat((src.kv, kv))
+                if keys is not None:
+                    k = rms_norm(keys[at:at + latent.shape[0]], w.index_k_norm, cfg.rms_norm_eps)
+                    k = fp4_block_ue8m0(self.ref._rope(k, entry_pos), 32, self.fq)
+                    src.index_k = k if src.index_k is None else torch.cat((src.index_k, k))
+                at += latent.shape[0]
+
+    # ------------------------------------------------------------------ indexer
+    def _topk(self, s: Segment, positions, iq, iw, src, trace: dict | None):
+        cfg, role = self.cfg, self.role
+        C = src.entries
+        if not role.scores:
+            return s.shared.topk.get(role.index_source)
+        scores = None
+        if C == 0:
+            ids = torch.empty(s.T, 0, dtype=torch.long, device=positions.device)
+        else:
+            n_visible = torch.div(positions + 1, role.compress_ratio, rounding_mode="floor")
+            visible = torch.arange(C, device=positions.device)[None, :] < n_visible[:, None]
+            scores = self._scores(iq[s.rows], iw[s.rows], src, visible)
+            if role.is_candidate_source:
+                s.shared.candidates = self.ref._candidate_mask(scores, n_visible)
+            elif role.uses_candidates:
+                scores = scores.masked_fill(~s.shared.candidates, float("-inf"))
+            ids = self.ref._select(scores, min(cfg.index_topk, C))
+        s.shared.topk[role.index] = ids
+        if trace is not None:
+            trace.setdefault("index_ids", []).append(ids)
+            trace.setdefault("index_scores", []).append(scores)
+        return ids
+
+    @staticmethod
+    def _scores(q: torch.Tensor, w: torch.Tensor, src, visible: torch.Tensor) -> torch.Tensor:
+        """The reference's index scores for one sequence's rows from their (quantised) index queries and weights."""
+        keys = src.index_k.float()
+        scores = torch.empty(q.shape[0], keys.shape[0], device=q.device)
+        for rows in row_blocks(q.shape[0]):
+            per_head = torch.relu((q[rows].float()[:, :, None, :] * keys[None, None]).sum(dim=-1))
+            scores[rows] = (w[rows][:, :, None] * per_head).sum(dim=1)
+        return scores.masked_fill(~visible, float("-inf"))

@@ -1,0 +1,184 @@
+"""Linear layers of the fast path: every matrix in its stored form on the device, the path chosen by phase.
+
+- `Exl3Linear`: the trellis, suh and svh as the checkpoint stores them (`kernels.exl3.layout.Exl3Tensor`, no
+  repack). Decode and verify rows always take the fused row-invariant kernel, whatever their count (CUDA on NVIDIA
+  sm_80+, Triton elsewhere and in the CPU interpreter); its launch decisions (backend, split count or Triton config)
+  are resolved once when the layer is built (`Exl3Launch`). Prefill rows reconstruct W_eff into the one reused
+  `PrefillWorkspace` and run one GEMM (fp16 operands, fp32 accumulation).
+- `DequantLinear`: FP8 + 32x32 scales, MXFP4 + 1x32 scales, or native floats (the release's layouts, which have no
+  kernels yet): dequantised per call into a temporary of one matrix, then one matmul, exactly the reference's math.
+
+Calls take `x` `[B, in]` with the `n` real rows first (`B` is the decode bucket on the fused path, ENGINE.md §5) and
+return `[B, out]`: the kernels compute the real rows only, the padding rows of the result are left unwritten (every
+op after them is row-wise, so they never reach a real row). Column- and row-parallel layers are plain slices made
+by the reader (`weights.linear.Linear.from_checkpoint`); the caller sums row-parallel partials in rank order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv41.kernels.exl3.backend import interpreting, use_cuda_backend
+from dsv41.kernels.exl3.layout import Exl3Tensor
+from dsv41.weights import formats
+
+PHASES = ("prefill", "decode", "verify")
+
+
+def is_fused(phase: str) -> bool:
+    """True for decode and verify rows (the fused kernels), False for prefill rows (reconstruct + GEMM)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    return phase != "prefill"
+
+
+@dataclass(frozen=True)
+class Exl3Launch:
+    """How one EXL3 matrix launches on the fused path, fixed at build: never a function of the row count."""
+
+    backend: str  # "cuda" | "triton"
+    splits: int | None = None  # CUDA split-K count (kernels.exl3.cuda.linear_splits)
+    config: object | None = None  # Triton MatmulConfig
+
+    @classmethod
+    def resolve(cls, weight: Exl3Tensor) -> "Exl3Launch":
+        if use_cuda_backend(weight.device):
+            from dsv41.kernels.exl3.cuda import linear_splits
+
+            return cls("cuda", splits=linear_splits(weight.k, weight.n, weight.K, weight.device))
+        from dsv41.kernels.exl3.matmul import MatmulConfig, default_config
+
+        # the interpreter pays per program: one split (any fixed split count keeps rows invariant)
+        return cls("triton", config=MatmulConfig(splits=1) if interpreting() else default_config(weight))
+
+    def run(self, x: torch.Tensor, weight: Exl3Tensor, out: torch.Tensor) -> None:
+        if self.backend == "cuda":
+            from dsv41.kernels.exl3.cuda import fused_matmul_cuda
+
+            fused_matmul_cuda(x, weight, out_dtype=out.dtype, splits=self.splits, out=out)
+        else:
+            from dsv41.kernels.exl3.matmul import fused_matmul
+
+            fused_matmul(x, weight, out_dtype=out.dtype, config=self.config, out=out)
+
+
+def _gemm_for(device: torch.device):
+    """`(x16 [T, k], w16 [k, n]) -> fp32 [T, n]` with fp16 operands and fp32 accumulation, chosen once per device:
+    cuBLAS with an fp32 output where torch offers it, else fp16 output widened; fp32 products of the fp16 values on
+    the CPU (exact products, fp32 sums)."""
+    if device.type != "cuda":
+        return lambda x16, w16: x16.float() @ w16.float()
+    a = torch.zeros(16, 16, dtype=torch.float16, device=device)
+    try:
+        torch.mm(a, a, out_dtype=torch.float32)
+        return lambda x16, w16: torch.mm(x16, w16, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return lambda x16, w16: torch.mm(x16, w16).float()
+
+
+class PrefillWorkspace:
+    """The one dense buffer of a rank: each prefill matrix is reconstructed into it right before its GEMM, one
+    matrix at a time (stream order keeps the uses apart). Sized at build for the largest matrix that can take the
+    prefill path; the only dense form of a quantised matrix the fast path ever holds."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.numel = 0
+        self.buf: torch.Tensor | None = None
+        self.gemm = _gemm_for(self.device)
+
+    def reserve(self, k: int, n: int) -> None:
+        if self.buf is not None and k * n > self.buf.numel():
+            raise RuntimeError(f"prefill workspace already allocated for {self.buf.numel()} values, needs {k * n}")
+        self.numel = max(self.numel, k * n)
+
+    def allocate(self) -> None:
+        if self.buf is None:
+            self.buf = torch.empty(self.numel, dtype=torch.float16, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * 2
+
+    def matrix(self, k: int, n: int) -> torch.Tensor:
+        self.allocate()
+        return self.buf[: k * n].view(k, n)
+
+    def matmul(self, x: torch.Tensor, weight: Exl3Tensor) -> torch.Tensor:
+        """`x @ W_eff` through the workspace: fp32 `[T, n]`."""
+        from dsv41.kernels.exl3.reconstruct import reconstruct
+
+        w = self.matrix(weight.k, weight.n)
+        reconstruct(weight, torch.float16, out=w)
+        return self.gemm(x.to(torch.float16), w)
+
+
+class Exl3Linear:
+    """One EXL3 linear (or this rank's slice of it): `y = x @ W_eff`, `W_eff` `[in, out]` as stored."""
+
+    def __init__(self, weight: Exl3Tensor, workspace: PrefillWorkspace, name: str = "", fused_only: bool = False):
+        self.weight = weight
+        self.name = name
+        self.in_features, self.out_features = weight.k, weight.n
+        self.workspace = workspace
+        self.launch = Exl3Launch.resolve(weight)
+        self.fused_only = fused_only  # the head: its rows are sampling rows, on the fused kernel in every phase
+        if not fused_only:
+            workspace.reserve(weight.k, weight.n)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor, n: int | None = None, phase: str = "decode",
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        if self.fused_only or is_fused(phase):
+            n = x.shape[0] if n is None else n
+            out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype, device=x.device)
+            if n:
+                self.launch.run(x[:n], self.weight, out[:n])
+            return out
+        return self.workspace.matmul(x, self.weight).to(out_dtype)
+
+
+class DequantLinear:
+    """An FP8, MXFP4 or native linear `[out, in]` (torch convention, as stored): dequantised per call."""
+
+    def __init__(self, fmt: str, tensors: dict[str, torch.Tensor], in_features: int, out_features: int,
+                 name: str = ""):
+        if fmt not in ("native", "fp8", "mxfp4"):
+            raise ValueError(f"{name}: DequantLinear takes native, fp8 or mxfp4 weights, not {fmt!r}")
+        self.fmt, self.tensors, self.name = fmt, tensors, name
+        self.in_features, self.out_features = in_features, out_features
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self.tensors
+        if self.fmt == "native":
+            return t["weight"].to(dtype)
+        if self.fmt == "fp8":
+            return formats.dequant_fp8_block(t["weight"], t["scale"], dtype)
+        return formats.dequant_mxfp4(t["weight"], t["scale"], dtype)
+
+    def __call__(self, x: torch.Tensor, n: int | None = None, phase: str = "decode",
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        # on the fused path x is the whole decode bucket: one fixed-shape product, so a row's bits stand alone
+        is_fused(phase)
+        y = x @ self.dense(x.dtype).T
+        return y if out_dtype is None else y.to(out_dtype)
+
+
+def fast_linear(lin, workspace: PrefillWorkspace, device: torch.device | None = None, fused_only: bool = False):
+    """The fast layer for a reference `weights.linear.Linear` holding its stored tensors (moved to `device`); the
+    Linear itself is dropped (it would cache a dense copy on first use)."""
+    t = {k: v if device is None else v.to(device) for k, v in lin.tensors.items()}
+    if lin.fmt == "exl3":
+        weight = Exl3Tensor.from_group(t["trellis"], t["suh"], t["svh"], lin.codebook, lin.name)
+        return Exl3Linear(weight, workspace, lin.name, fused_only=fused_only)
+    return DequantLinear(lin.fmt, t, lin.in_features, lin.out_features, lin.name)

@@ -1,0 +1,132 @@
+"""Mixture of experts on the fast path: the router in fp32 as the reference computes it, routed experts by phase.
+
+The router is the reference's (MODEL.md §8: sqrtsoftplus scores, the bias picks experts and never weighs them,
+top-k with ties to the lower expert id, renormalised and scaled), with its product over the whole row bucket in
+one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the kernels' MoE
+(`kernels.exl3.moe`, two launches, routing read in-kernel, slots summed in order), with the split counts resolved
+once at build; prefill rows loop over the experts they picked, in ascending id as the reference does, each expert's
+matrices reconstructed into the rank's one prefill workspace. Experts stored in another format (the release's
+MXFP4) take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs
+one rank-ordered reduction per layer (the caller's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dsv41.kernels.exl3.backend import interpreting, use_cuda_backend
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor
+from dsv41.model.moe import Expert, swiglu_clamped
+from dsv41.model.rowwise import f64
+from dsv41.model.topk import topk_lowest_index_ties
+
+from ..sections import section
+from .linear import PrefillWorkspace, is_fused
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """The routed-expert launches of one layer, fixed at build."""
+
+    backend: str  # "cuda" | "triton"
+    config: object  # MoeCudaConfig | MoeConfig
+
+    @classmethod
+    def resolve(cls, w1: Exl3ExpertStack, w2: Exl3ExpertStack) -> "MoeLaunch":
+        if use_cuda_backend(w1.device):
+            from dsv41.kernels.exl3.cuda import moe_config
+
+            return cls("cuda", moe_config(w1, w2, w1.device))
+        from dsv41.kernels.exl3.moe import MoeConfig
+
+        return cls("triton", MoeConfig(splits_gate_up=1, splits_down=1) if interpreting() else MoeConfig())
+
+    def run(self, x, ids, weights, w1, w3, w2, limit: float) -> torch.Tensor:
+        if self.backend == "cuda":
+            from dsv41.kernels.exl3.cuda import moe_forward_cuda
+
+            return moe_forward_cuda(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config)
+        from dsv41.kernels.exl3.moe import moe_forward
+
+        return moe_forward(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config)
+
+
+class StackedExperts:
+    """The routed experts of one layer as three stacks (gate, up, down), built once per layer and projection."""
+
+    def __init__(self, w1: Exl3ExpertStack, w3: Exl3ExpertStack, w2: Exl3ExpertStack,
+                 workspace: PrefillWorkspace):
+        self.w1, self.w3, self.w2 = w1, w3, w2
+        self.workspace = workspace
+        self.launch = MoeLaunch.resolve(w1, w2)
+        for s in (w1, w3, w2):
+            workspace.reserve(s.k, s.n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.words.numel() * 4 + s.suh.numel() * 2 + s.svh.numel() * 2 for s in (self.w1, self.w3, self.w2))
+
+    def expert(self, e: int) -> Expert:
+        """Expert `e` for the prefill loop: each projection reconstructed into the workspace, then one GEMM."""
+        return Expert(*(partial(self._matmul, s, e) for s in (self.w1, self.w2, self.w3)))
+
+    def _matmul(self, stack: Exl3ExpertStack, e: int, x: torch.Tensor) -> torch.Tensor:
+        one = Exl3Tensor(stack.words[e], stack.suh[e], stack.svh[e], stack.codebook, stack.K, stack.k, stack.n)
+        return self.workspace.matmul(x, one).to(x.dtype)
+
+
+class FusedMoE:
+    def __init__(self, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None, experts, shared: Sequence,
+                 *, topk: int, route_scale: float, renorm: bool, swiglu_limit: float, gate_temp: float = 1.0):
+        """`experts`: a `StackedExperts` or a list of (w1, w3, w2) fast linears (any other storage format);
+        `shared`: (w1, w3, w2) fast linears of the shared experts."""
+        self.gate_t = gate_weight.float().t()  # [d, E] fp32, as the reference's router reads it
+        self.gate_bias = None if gate_bias is None else gate_bias.float()
+        self.experts = experts
+        self.shared = list(shared)
+        self.topk, self.route_scale, self.renorm = topk, route_scale, renorm
+        self.limit, self.gate_temp = swiglu_limit, gate_temp
+
+    def route(self, x: torch.Tensor):
+        """(ids [B, k], weights [B, k] fp32, logits [B, E] fp32, select [B, E] fp32) of every row of the bucket."""
+        logits = (x.float() @ self.gate_t) / self.gate_temp
+        scores = f64(lambda z: torch.sqrt(F.softplus(z)), logits)
+        select = scores + self.gate_bias if self.gate_bias is not None else scores
+        ids = topk_lowest_index_ties(select, self.topk)
+        w = scores.gather(1, ids)
+        if self.renorm and self.topk > 1:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, w * self.route_scale, logits, select
+
+    def _expert(self, e: int) -> Expert:
+        if isinstance(self.experts, StackedExperts):
+            return self.experts.expert(e)
+        w1, w3, w2 = self.experts[e]
+        return Expert(w1=partial(w1, phase="prefill"), w2=partial(w2, phase="prefill"), w3=partial(w3, phase="prefill"))
+
+    def partial(self, x: torch.Tensor, n: int, phase: str, trace: dict | None = None) -> torch.Tensor:
+        """This rank's fp32 share of the MoE output for the bucket x [B, d] whose first n rows are real."""
+        with section("router"):
+            ids, weights, logits, select = self.route(x)
+        if trace is not None:
+            trace.update(router_ids=ids[:n], router_logits=logits[:n], router_select=select[:n])
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for w1, w3, w2 in self.shared:
+            y += swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
+                                          w3=partial(w3, n=n, phase=phase)), self.limit, None)
+        with section("moe"):
+            if is_fused(phase) and isinstance(self.experts, StackedExperts):
+                s = self.experts
+                y[:n] += s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit)
+            else:
+                # experts in ascending id, rows in ascending order (the reference's summation order)
+                ids, weights = ids[:n], weights[:n]
+                for e in torch.unique(ids).tolist():
+                    rows, slot = (ids == e).nonzero(as_tuple=True)
+                    y.index_add_(0, rows, swiglu_clamped(x[rows], self._expert(e), self.limit, weights[rows, slot]))
+        return y

@@ -1,0 +1,245 @@
+"""FastModel: the second forward (ENGINE.md §1), over rows of several sequences at once, weights in stored form.
+
+`FastModel.forward(segments, phase)` absorbs one chunk of token ids per sequence (`(state, ids)` pairs, at most one
+per sequence) and returns fp32 logits. The phase picks the matmul path (ENGINE.md §4), never the row count:
+- "decode" / "verify": every EXL3 matrix through the fused row-invariant kernels, routed experts through the
+  kernels' MoE. The rows are laid out in a fixed bucket of `BUCKET` rows (real rows first, the rest mirroring
+  row 0), so every torch op between the kernels runs on one shape whatever the number of real rows: a row's
+  logits are the same bits alone and among up to BUCKET - 1 others. Larger batches run in buckets one after
+  another; a sequence's rows stay in one bucket (at most BUCKET of them).
+- "prefill": the reconstruct-into-the-workspace + GEMM path, all rows in one pass.
+The head takes the fused kernel in every phase: its rows are sampling rows (`logits="last"`: one per sequence).
+
+The rest of the forward is the reference's math (`model/`): mHC, norms, attention, indexer, compressor and Engram on
+per-sequence `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its
+drafter absorb/draft stays the reference's for now); taps are not collected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Sequence
+
+import torch
+
+from dsv41.config import ModelConfig
+from dsv41.engram.hashing import EngramHasher
+from dsv41.model import mhc
+from dsv41.model.engram import engram_mix, engram_project
+from dsv41.model.norm import rms_norm
+from dsv41.model.rowwise import f64
+from dsv41.model.state import SequenceState
+from dsv41.parallel.comm import Comm, LocalComm
+
+from .layers.attention import FastAttention, Segment
+from .layers.linear import PrefillWorkspace, is_fused
+from .layers.moe import FusedMoE
+from .sections import section
+
+_NOT_HELD = ("cfg", "workspace", "ref", "rope", "constants", "launch")
+BUCKET = 16  # rows of a decode/verify bucket: the kernels' row block, and the bitwise guarantee's reach
+
+
+@dataclass
+class HC:
+    """One mHC site: the reference's HCParams with the mixing matrix transposed once."""
+
+    fn_t: torch.Tensor  # [hc * d, (2 + hc) * hc] fp32
+    base: torch.Tensor
+    scale: torch.Tensor
+
+
+def hc_coefficients(x: torch.Tensor, p: HC, hc: int, norm_eps: float, hc_eps: float, iters: int):
+    """`mhc.coefficients` with the mixing product over the whole bucket in one matmul."""
+    flat = x.float().reshape(x.shape[0], -1)
+    m = (flat @ p.fn_t) * f64(torch.rsqrt, flat.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
+    base, scale = p.base, p.scale
+    pre = f64(torch.sigmoid, m[:, :hc] * scale[0] + base[:hc]) + hc_eps
+    post = 2 * f64(torch.sigmoid, m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb_logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
+    return pre, post, mhc.sinkhorn(comb_logits, iters, hc_eps)
+
+
+@dataclass
+class FastBlock:
+    index: int
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    hc_attn: HC
+    hc_ffn: HC
+    attn: FastAttention
+    moe: FusedMoE
+
+
+@dataclass
+class FastEngram:
+    """The Engram before one layer: table rows (this rank's hash columns) -> wkv (row-parallel) -> sum -> gate."""
+
+    layer_id: int
+    table: object  # EngramTable (or a stand-in with its `gather`)
+    wkv: object
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x, rows, live, n, phase, comm: Comm):
+        """`rows`: this layer's gathered table rows `[B, cols, head_dim]` on the device (read at the step's start,
+        so no host copy waits inside the forward)."""
+        kv = comm.sum_partials(engram_project(rows, partial(self.wkv, n=n, phase=phase), x.dtype))
+        return engram_mix(x, kv, self.q_weight, self.k_weight, self.eps, live)
+
+
+@dataclass
+class FastModel:
+    cfg: ModelConfig
+    blocks: Sequence[FastBlock]
+    vocab_start: int
+    vocab_end: int
+    embed_rows: torch.Tensor  # [vocab_end - vocab_start, d]
+    head: object  # column-parallel over the vocabulary, fused in every phase
+    final_norm: torch.Tensor
+    workspace: PrefillWorkspace
+    engram: dict = field(default_factory=dict)  # layer id -> FastEngram
+    engram_hasher: EngramHasher | None = None
+    dtype: torch.dtype = torch.bfloat16
+    device: torch.device = torch.device("cpu")
+    comm: Comm = field(default_factory=LocalComm)
+    tokenizer: object | None = None
+    fake_quant: bool = True
+    held: list = field(default_factory=list)  # weights built but not run here (DSpark blocks of a synthetic rank)
+
+    def new_state(self) -> SequenceState:
+        state = SequenceState()
+        if self.engram_hasher is not None:
+            state.engram = self.engram_hasher.new_history()
+        return state
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
+                logits: str = "last", trace: dict | None = None) -> torch.Tensor:
+        """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
+        row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row)."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1)) for state, ids in segments]
+        if len({id(s) for s, _ in chunks}) != len(chunks):
+            raise ValueError("one chunk per sequence per forward")
+        if not is_fused(phase):
+            return self._forward(chunks, phase, logits, trace)
+        out, group, rows = [], [], 0
+        for state, ids in chunks:
+            if ids.numel() > BUCKET:
+                raise ValueError(f"a {phase} chunk has at most {BUCKET} rows, got {ids.numel()}")
+            if rows + ids.numel() > BUCKET:
+                out.append(self._forward(group, phase, logits, trace))
+                group, rows = [], 0
+            group.append((state, ids))
+            rows += ids.numel()
+        out.append(self._forward(group, phase, logits, trace))
+        return torch.cat(out)
+
+    __call__ = forward
+
+    def _forward(self, chunks, phase: str, logits: str, trace: dict | None) -> torch.Tensor:
+        cfg, dev = self.cfg, self.device
+        segs, at = [], 0
+        for state, ids in chunks:
+            segs.append(Segment(state, at, ids.numel(), state.pos))
+            at += ids.numel()
+        n = at
+        B = BUCKET if is_fused(phase) else n
+        ids = torch.cat([c[1] for c in chunks])
+        pos = torch.cat([torch.arange(s.pos, s.pos + s.T) for s in segs])
+        pad = torch.zeros(B - n, dtype=torch.long)
+        ids_b, pos_b = torch.cat((ids, pad + ids[0])), torch.cat((pos, pad + pos[0]))
+        P = pos_b.to(dev)
+        rows = live = None
+        if self.engram_hasher is not None:
+            with section("engram"):
+                row_ids = torch.cat([self.engram_hasher.hash(i, s.state.engram) for s, (_, i) in zip(segs, chunks)])
+                row_ids = torch.cat((row_ids, row_ids[:1].expand(B - n, *row_ids.shape[1:])))
+                live = self.engram_hasher.live(ids_b).to(dev)
+                rows = {L: e.table.gather(row_ids[:, cfg.engram_layer_ids.index(L)], device=dev)
+                        for L, e in self.engram.items()}
+        with section("embed"):
+            h = self._embed(ids_b.to(dev))
+        x = h[:, None, :].expand(B, cfg.hc_mult, h.shape[-1]).contiguous()
+        pre = torch.zeros(B, cfg.hc_mult, device=dev)
+        pre[:, 0] = 1.0
+        for block in self.blocks:
+            L = block.index
+            if L in self.engram:
+                with section("engram"):
+                    x = self.engram[L](x, rows[L], live, n, phase, self.comm)
+            layer_trace = {} if trace is not None else None
+            x, pre = self._block(block, x, pre, n, P, segs, phase, layer_trace)
+            if trace is not None:
+                trace.setdefault(L, []).append(layer_trace)
+        with section("norms"):
+            out = rms_norm(mhc.collapse(x, pre), self.final_norm, cfg.rms_norm_eps)
+        for s, (_, i) in zip(segs, chunks):
+            s.state.pos += s.T
+            s.state.ids.extend(i.tolist())
+        if logits == "all" or is_fused(phase):
+            return self._logits(out, n, phase)
+        last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
+        return self._logits(out[last], len(segs), phase)
+
+    def _block(self, block: FastBlock, x, pre_in, n, P, segs, phase, trace):
+        cfg, comm = self.cfg, self.comm
+        hc, eps, hc_eps, iters = cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+        with section("mhc"):
+            a_pre, a_post, a_comb = hc_coefficients(x, block.hc_attn, hc, eps, hc_eps, iters)
+            h = rms_norm(mhc.collapse(x, pre_in), block.attn_norm, eps)
+        y = block.attn.forward(h, n, P, segs, phase, trace)
+        with section("comm"):
+            y = comm.sum_partials(y.float()).to(x.dtype)
+        with section("mhc"):
+            x = mhc.expand(y, x, a_post, a_comb)
+            f_pre, f_post, f_comb = hc_coefficients(x, block.hc_ffn, hc, eps, hc_eps, iters)
+            h = rms_norm(mhc.collapse(x, a_pre), block.ffn_norm, eps)
+        y = block.moe.partial(h, n, phase, trace)
+        with section("comm"):
+            y = comm.sum_partials(y).to(x.dtype)
+        with section("mhc"):
+            return mhc.expand(y, x, f_post, f_comb), f_pre
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        v0, v1 = self.vocab_start, self.vocab_end
+        local = (ids >= v0) & (ids < v1)
+        rows = self.embed_rows[(ids - v0).clamp(0, v1 - v0 - 1)].float() * local[:, None]
+        with section("comm"):
+            return self.comm.sum_partials(rows).to(self.dtype)
+
+    def _logits(self, x: torch.Tensor, n: int, phase: str) -> torch.Tensor:
+        with section("head"):
+            local = self.head(x.float(), n, phase, out_dtype=torch.float32)[:n]
+        with section("comm"):
+            return self.comm.gather_cat(local, dim=-1)
+
+    # ------------------------------------------------------------------ accounting
+    def tensors(self):
+        """Every device tensor the model holds (weights, norms, tables; not the workspace), each once."""
+        seen, stack = set(), [self.blocks, self.head, self.embed_rows, self.final_norm, self.engram, self.held]
+        while stack:
+            obj = stack.pop()
+            if isinstance(obj, torch.Tensor):
+                if obj.device.type == self.device.type and id(obj) not in seen:
+                    seen.add(id(obj))
+                    yield obj
+            elif isinstance(obj, dict):
+                stack.extend(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                stack.extend(obj)
+            elif hasattr(obj, "__dict__") and not isinstance(obj, (ModelConfig, PrefillWorkspace, type)):
+                stack.extend(v for k, v in vars(obj).items() if k not in _NOT_HELD)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the tensors held (views of one storage counted once)."""
+        storages = {}
+        for t in self.tensors():
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
