@@ -77,6 +77,8 @@ def _enc(value, out: bytearray) -> None:
         out += b"b" + struct.pack("<I", len(value)) + bytes(value)
     elif isinstance(value, StateRef):
         out += b"r" + struct.pack("<q", value.slot)
+    elif isinstance(value, list) and value and all(type(v) is int and -(1 << 31) <= v < (1 << 31) for v in value):
+        out += b"L" + struct.pack("<I", len(value)) + struct.pack(f"<{len(value)}i", *value)  # token ids, pages
     elif isinstance(value, (list, tuple)):
         out += (b"l" if isinstance(value, list) else b"u") + struct.pack("<I", len(value))
         for item in value:
@@ -118,6 +120,9 @@ def _dec(buf: memoryview, pos: int):
         (n,) = struct.unpack_from("<I", buf, pos)
         raw = bytes(buf[pos + 4:pos + 4 + n])
         return (raw.decode() if tag == b"s" else raw), pos + 4 + n
+    if tag == b"L":
+        (n,) = struct.unpack_from("<I", buf, pos)
+        return list(struct.unpack_from(f"<{n}i", buf, pos + 4)), pos + 4 + 4 * n
     if tag in (b"l", b"u"):
         (n,) = struct.unpack_from("<I", buf, pos)
         pos += 4

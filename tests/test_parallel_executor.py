@@ -1,0 +1,108 @@
+"""The batched engine at TP=2 over gloo: rank 0's LeaderExecutor sends every step's Batch, rank 1 follows, both
+run the same ModelRunner.execute on their shards. Concurrent requests (different lengths, temperatures, seeds,
+budgets, start steps, logprobs) reply bit for bit as each does alone in the same group; the Batch codec keeps
+every field; the followers leave on the stop batch."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dsv41.engine.batch import Batch, Row, RowSampling
+from dsv41.parallel.plan import decode_batch, encode_batch
+
+
+def requests():
+    from dsv41.engine import GenerationRequest, SamplingParams
+
+    def prompt(k, n):
+        return [0] + [(i * 53 + 7 * k) % 500 + 7 for i in range(n - 1)]
+
+    return [GenerationRequest(prompt(0, 9), 7, SamplingParams(temperature=0.0), logprobs=1),
+            GenerationRequest(prompt(1, 26), 5, SamplingParams(temperature=0.7, seed=3)),
+            GenerationRequest(prompt(2, 14), 8, SamplingParams(temperature=0.7, seed=9, top_p=0.8), logprobs=0),
+            GenerationRequest(prompt(3, 4), 6, SamplingParams(temperature=0.0), prompt_logprobs=2)]
+
+
+def run_engine(engine, reqs, arrivals):
+    core = engine.core
+    events = [[] for _ in reqs]
+    seqs = [engine.make_sequence(r, events[i].append) for i, r in enumerate(reqs)]
+    step = 0
+    while True:
+        for i, at in enumerate(arrivals):
+            if at == step:
+                core.add(seqs[i])
+        if not core.step() and step > max(arrivals):
+            break
+        step += 1
+    assert core.blocks.empty()
+    return [[repr(e) for e in evs] for evs in events]
+
+
+def worker(rank: int, master: str, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    from dsv41.engine.build import build_engine, build_runner, engine_defaults
+    from dsv41.model.loader import load_model
+    from dsv41.parallel.executor import LeaderExecutor, follow_batches
+    from dsv41.parallel.failfast import FailFast
+    from dsv41.parallel.plan import PlanChannel
+    from dsv41.parallel.rendezvous import init_tp
+
+    group = init_tp(rank, 2, master, deadline_s=120, backend="gloo")
+    failfast = FailFast(group, peer_timeout_s=30.0).start()
+    channel = PlanChannel(group.store, rank, failfast.aborted)
+    model = load_model(model_dir, torch.float32, "cpu", rank=rank, world=2, comm=group.comm, dspark=False)
+    args = engine_defaults(prefill_chunk=11)  # the 26-token prompt is prefilled in three chunks
+    runner = build_runner(args, model, 256, driver=rank == 0, log=lambda line: None)
+    if rank == 1:
+        rounds = follow_batches(runner, channel, failfast)
+        group.store.set("test/bye", str(rounds))
+    else:
+        leader = LeaderExecutor(runner, channel, failfast)
+        engine = build_engine(args, leader, max_model_len=256, log=lambda line: None)
+        reqs = requests()
+        together = run_engine(engine, reqs, arrivals=[0, 0, 2, 5])
+        alone = [run_engine(engine, [r], arrivals=[0])[0] for r in reqs]
+        rounds = leader.rounds
+        leader.close()
+        followed = int(group.store.get("test/bye"))
+        Path(out).write_text(json.dumps({"together": together, "alone": alone, "rounds": rounds,
+                                         "followed": followed}))
+    failfast.stop()
+    group.close()
+
+
+def test_tp2_batched_equals_alone_bitwise(tmp_path, tiny_model_dir):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master = f"127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "rank0.json"
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), master, str(tiny_model_dir), str(out)])
+             for r in range(2)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    got = json.loads(out.read_text())
+    assert got["together"] == got["alone"]
+    assert all("TokenEvent" in evs[0] or "PromptLogprobsEvent" in evs[0] for evs in got["together"])
+    assert got["followed"] == got["rounds"]  # rank 1 ran every step and left on the stop batch
+    assert "logprob=-" in got["together"][0][0] and "PromptLogprobsEvent" in got["together"][3][0]
+
+
+def test_batch_codec_round_trip():
+    row = Row(7, 2, [5, 6, 7], 40, [3, 9], "prefill", [1, 2, 3],
+              RowSampling(0.7, 0.9, 20, 0.0, (1 << 64) - 1, 12, 2, b"\x00\xff\x01\x02"), [(0, 6, 1), (1, 7, 1)], 17)
+    batch = Batch(33, [row, Row(8, 0, [1], 3, [0])], [1], [4, 5], "prefill=replay")
+    number, back = decode_batch(encode_batch(5, batch))
+    assert number == 5 and back == batch
+    assert decode_batch(encode_batch(6, Batch(-1, [], stop=True)))[1].stop
+    decode = Row(1, 0, [42], 100, list(range(40)), sample=RowSampling(0.7, 1.0, 0, 0.0, 12345, 99))
+    assert len(encode_batch(0, Batch(1, [decode]))) < 400  # ids and page tables travel as packed int32
+
+
+if __name__ == "__main__":
+    worker(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
