@@ -135,3 +135,62 @@ def tokenizer():
     from dsv41.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(model_dir())
+
+
+# ---- raw HTTP probes (what httpx will not send: broken framing, half-sent bodies, odd Host headers) ----------
+def raw_exchange(url: str, data: bytes, *, half_close: bool = False, timeout_s: float = 30.0,
+                 pause_after: int | None = None, pause_s: float = 0.0) -> tuple[int | None, dict, bytes]:
+    """Send `data` as is over a new connection (optionally pausing after `pause_after` bytes, then shutting
+    down the write side), read until the server closes; (status or None, lower-case headers, body)."""
+    import socket
+
+    host, port = url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+        if pause_after is not None:
+            sock.sendall(data[:pause_after])
+            time.sleep(pause_s)
+            data = data[pause_after:]
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except (ConnectionResetError, TimeoutError):
+            pass
+    return parse_response(received)
+
+
+def parse_response(received: bytes) -> tuple[int | None, dict, bytes]:
+    head, _, body = received.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    if not lines or not lines[0].startswith("HTTP/"):
+        return None, {}, received
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        out, rest = b"", body
+        while rest:
+            size, _, rest = rest.partition(b"\r\n")
+            n = int(size or b"0", 16)
+            if n == 0:
+                break
+            out, rest = out + rest[:n], rest[n + 2:]
+        body = out
+    return int(lines[0].split(" ")[1]), headers, body
+
+
+def request_bytes(method: str, path: str, body: bytes = b"", *, host: str = "127.0.0.1",
+                  content_type: str | None = "application/json", api_key: str | None = API_KEY,
+                  extra: str = "", length: int | None = None) -> bytes:
+    head = f"{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+    if content_type is not None:
+        head += f"Content-Type: {content_type}\r\n"
+    if api_key is not None:
+        head += f"Authorization: Bearer {api_key}\r\n"
+    if body or length is not None:
+        head += f"Content-Length: {len(body) if length is None else length}\r\n"
+    return (head + extra + "\r\n").encode("latin-1") + body

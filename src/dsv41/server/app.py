@@ -146,9 +146,9 @@ def _endpoint(name: str, handler: Handler, *, guarded: bool = True):
                 ctx.request_log.write(id=None, endpoint=name, status=exc.status, error=exc.message,
                                       latency_s=round(time.monotonic() - started, 4))
             return exc.response()
-        except ClientGone:
-            status = 499  # nginx's "client closed request": nobody reads this response
-            return Response(status_code=499)
+        except ClientGone as gone:
+            status = 499  # nginx's "client closed request"; counted as such, never as an error
+            return gone.response()
         except Exception:  # a bug: answer 500 instead of dropping the connection
             error = _internal_error(f"in {name}")
             status = error.status

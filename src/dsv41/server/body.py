@@ -28,7 +28,23 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ClientGone(Exception):
-    """The client disconnected before its reply was ready (its body unfinished, or the reply not yet sent)."""
+    """The client disconnected before its reply was ready (its body unfinished, or the reply not yet sent).
+
+    Counted as 499 (nginx's "client closed request"), never as an error. A client that only half-closed
+    mid-body can still read the 400 `response()` explains; one that left reads nothing."""
+
+    def __init__(self, mid_body: bool = False):
+        super().__init__("client disconnected")
+        self.mid_body = mid_body
+
+    def response(self):
+        from starlette.responses import Response
+
+        if not self.mid_body:
+            return Response(status_code=499)
+        error = APIError(400, "the request body ended before its Content-Length (the client closed the "
+                              "connection)", code="incomplete_body", headers={"Connection": "close"})
+        return error.response()
 
 
 def check_json_content_type(request: Request) -> None:
@@ -68,7 +84,7 @@ async def read_body(ctx, request: Request) -> bytes:
         raise _closing(APIError(408, f"the request body did not arrive within {ctx.config.body_timeout_s:g} s",
                                 code="request_timeout")) from None
     except ClientDisconnect:
-        raise ClientGone() from None
+        raise ClientGone(mid_body=True) from None
     request.state.body = b"".join(chunks)
     return request.state.body
 

@@ -110,9 +110,12 @@ class Grammars:
         checked = []
         for i, tool in enumerate(tools):
             function = dict(tool["function"])
-            if function.get("parameters") is not None:
-                function["parameters"] = self.check_schema(function["parameters"],
-                                                           f"tools[{i}].function.parameters")
+            parameters = function.get("parameters")
+            if parameters is not None:
+                where = f"tools[{i}].function.parameters"
+                if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+                    raise GrammarError(f'{where} must be an object schema (type "object")')
+                function["parameters"] = self.check_schema(parameters, where)
             checked.append({**tool, "function": function})
         try:
             tags = [dsml_tool_call_tag(checked, tool_choice, parallel=parallel, thinking=t)
@@ -132,9 +135,10 @@ class Grammars:
             raise GrammarError(str(exc)) from None
         try:
             with self._lock:
-                self.compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=MAX_WHITESPACE)
+                compiled = self.compiler.compile_json_schema(json.dumps(schema), max_whitespace_cnt=MAX_WHITESPACE)
         except Exception as exc:
             raise GrammarError(f"{what} cannot be enforced: {_first_line(exc)}") from None
+        self._refuse_empty(compiled, what)
         return schema
 
     # ------------------------------------------------------------------ helpers
