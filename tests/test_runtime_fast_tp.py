@@ -1,0 +1,19 @@
+"""FastModel at TP=2 (two gloo ranks, each building only its slices) against the reference at TP=1, and rank ==
+rank bit for bit (every reduction sums in rank order on every rank). CPU: interpreted child processes on the
+slimmed tiny model (see test_runtime_fast.py); the same schedule and checks as TP=1."""
+
+from __future__ import annotations
+
+import torch
+
+from test_runtime_fast import LOGITS_TOL, check_choices, interpreted, lite_dir  # noqa: F401 (fixture)
+
+
+def test_interpreted_parity_tp2(lite_dir, tmp_path):  # noqa: F811
+    ranks = interpreted(lite_dir, False, tmp_path, world=2)
+    for res in ranks:
+        assert all(err <= LOGITS_TOL for _, err in res["errors"]), res["errors"]
+        assert res["argmax"] == 1.0
+    for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
+        assert torch.equal(a, b), "the ranks' logits differ"
+    check_choices(ranks[0], "CPU TP=2 fake quant off")
