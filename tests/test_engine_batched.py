@@ -184,3 +184,28 @@ def test_expert_pruning_is_exact_at_full_mass_and_tagged(model, reference):
     assert keep_all[0][-1].tag == "expert_topp=1,min_k=1"
     pruned, core = batched(model, REQUESTS[:2], arrivals=[0, 0], expert_topp=0.5, expert_min_k=1)
     assert all(e[-1].reason == "length" for e in pruned) and core.blocks.empty()
+
+
+def test_replay_prefill_is_chunk_invariant(model):
+    """Bounded replay is approximate but still exact under chunking: any cut of the prompt (across the replay
+    segment's start too) gives the bits of one shot."""
+    from dsv41.runtime.kv_pool import pool_for_model
+    from dsv41.runtime.pool_forward import PoolForward
+
+    ids = prompt(6, 70)
+    start = len(ids) - model.cfg.sliding_window
+    forward = PoolForward(model, replay=True)
+    results = []
+    for chunks in ([len(ids)], [7] * 10, [3, 30, 9, 1, 27]):
+        pool = pool_for_model(model, num_slots=1, num_pages=1, page_tokens=128)
+        pos, rows = 0, []
+        for n in chunks + [1, 1]:  # the prompt, then two decode steps
+            toks = ids[pos:pos + n] if pos < len(ids) else [5]
+            scores = [(j, 0, 0) for j in range(len(toks)) if pos + j >= start]
+            row = Row(0, 0, toks, pos, [0], "prefill", (ids + [5])[max(0, pos - 3):pos], None, scores, start)
+            out = forward.execute([row], pool)[0]
+            rows += [out] if out is not None and out.numel() else []
+            pos += len(toks)
+        results.append(torch.cat(rows))
+    assert results[0].shape[0] == model.cfg.sliding_window + 2
+    assert all(torch.equal(r, results[0]) for r in results[1:])

@@ -148,6 +148,9 @@ class PoolForward:
         if m.engram_hasher is not None:
             hashed = [m.engram_hasher.hash(r.lookback + r.token_ids)[len(r.lookback):] for r in rows]
             row_ids, live = torch.cat(hashed), m.engram_hasher.live(ids.cpu())
+            for L, layer in m.engram.items():  # the ids depend only on the tokens: start the reads now
+                if not self.replay or L < self.decoder_from:
+                    layer.prefetch(row_ids[:, cfg.engram_layer_ids.index(L)])
         prunable = torch.tensor([self.prune_prefill or r.phase != PREFILL for r in rows for _ in r.token_ids],
                                 dtype=torch.bool, device=dev)
         h = m.embed(ids)
