@@ -36,6 +36,10 @@ LITE = {"hidden_size": 128, "num_attention_heads": 2, "o_groups": 2, "q_lora_ran
 PROMPTS = ([0] + [(i * 37) % 500 + 5 for i in range(19)], [0] + [(i * 91) % 500 + 7 for i in range(14)])
 DECODE_STEPS = 2
 LOGITS_TOL = 1e-2  # fake quantisers off; measured ~2e-3 (CPU lite and GPU tiny)
+# near-tie bounds on the reference's margin at the cut, relative to the row's score scale (rms of the router's
+# select scores; largest index score): a-priori, 3-4x the drift measured with the fake quantisers off (router 2.7e-3;
+# index 1.3e-2: an index score is a product of two projections, q and k, each rounded by the kernels)
+CHOICE_TOL = {"router": 1e-2, "index": 4e-2}
 ARGMAX_MIN = 0.9  # fake quantisers on: the step functions amplify the fp16 input rounding
 
 
@@ -77,8 +81,8 @@ class _CaptureSelect:
         self.cls._select = self.orig
 
 
-def _router_choices(ref_layer: dict, bias, fast: dict, k: int) -> list[tuple[float, float, bool]]:
-    """(reference margin at the cut, drift of the fast select scores, flipped) per row."""
+def _router_choices(ref_layer: dict, bias, fast: dict, k: int) -> list[tuple[float, float, float, bool]]:
+    """(reference margin at the cut, drift of the fast select scores, scale of the row's scores, flipped) per row."""
     logits = ref_layer["router_logits"].double()
     select = torch.sqrt(torch.nn.functional.softplus(logits))
     select = select + bias.double().to(select.device) if bias is not None else select
@@ -86,7 +90,9 @@ def _router_choices(ref_layer: dict, bias, fast: dict, k: int) -> list[tuple[flo
     margin = s[:, k - 1] - s[:, k]
     drift = (fast["router_select"].double().to(select.device) - select).abs().amax(dim=-1)
     ref_ids, fast_ids = ref_layer["router_ids"].tolist(), fast["router_ids"].tolist()
-    return [(float(margin[r]), float(drift[r]), set(ref_ids[r]) != set(fast_ids[r])) for r in range(len(ref_ids))]
+    scale = select.pow(2).mean(dim=-1).sqrt()
+    return [(float(margin[r]), float(drift[r]), float(scale[r]), set(ref_ids[r]) != set(fast_ids[r]))
+            for r in range(len(ref_ids))]
 
 
 def _index_choices(ref_scores: torch.Tensor, ref_ids: torch.Tensor, fast_scores: torch.Tensor, fast_ids):
@@ -100,7 +106,7 @@ def _index_choices(ref_scores: torch.Tensor, ref_ids: torch.Tensor, fast_scores:
         top = s.sort(descending=True).values
         drift = float((fast_scores[r].double().to(s.device) - s)[finite].abs().max())
         flipped = set(ref_ids[r].tolist()) - {-1} != set(fast_ids[r].tolist()) - {-1}
-        out.append((float(top[k - 1] - top[k]), drift, flipped))
+        out.append((float(top[k - 1] - top[k]), drift, float(s[finite].abs().max()), flipped))
     return out
 
 
@@ -168,17 +174,21 @@ def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: i
     }
 
 
-def check_choices(result: dict, what: str) -> dict:
-    """Every flip sits where the reference's margin is within twice the drift that reached the cut."""
+def check_choices(result: dict, what: str, bounded: bool = True) -> dict:
+    """A near-tie is a reference margin at the cut within CHOICE_TOL of the row's score scale. When `bounded`,
+    every flip must be a near-tie; the drift that reached the scores is reported either way."""
     summary = {}
     for kind in ("router", "index"):
-        rows = result[kind]
-        flips = [(m, d) for m, d, f in rows if f]
-        near = sum(1 for m, d, _ in rows if m <= 2 * d)
-        summary[kind] = {"choices": len(rows), "near_ties": near, "flips": len(flips)}
-        bad = [(m, d) for m, d in flips if m > 2 * d + 1e-12]
-        assert not bad, f"{what}: {kind} flips away from a near-tie (margin, drift): {bad[:5]}"
+        rows, tol = result[kind], CHOICE_TOL[kind]
         assert rows, f"{what}: no {kind} choices were made"
+        near = [(m, d, sc) for m, d, sc, _ in rows if m <= tol * sc]
+        flips = [(m, d, sc) for m, d, sc, f in rows if f]
+        summary[kind] = {"choices": len(rows), "near_ties": len(near), "flips": len(flips),
+                         "flip_margins_rel": [round(m / sc, 6) for m, _, sc in flips[:8]],
+                         "max_drift_rel": max(d / sc for _, d, sc, _ in rows if sc > 0)}
+        if bounded:
+            bad = [(m, d, sc) for m, d, sc in flips if m > tol * sc]
+            assert not bad, f"{what}: {kind} flips away from a near-tie (margin, drift, scale): {bad[:5]}"
     print(f"{what}: {summary}")
     return summary
 
@@ -196,23 +206,26 @@ def _child(args: dict) -> None:
 
         group = init_tp(args["rank"], args["world"], args["master"], deadline_s=120, backend="gloo")
         comm = group.comm
-    res = run_parity(args["model"], "cpu", args["fake_quant"], args["rank"], args["world"], comm)
+    device = args.get("device", "cpu")
+    res = run_parity(args["model"], device, args["fake_quant"], args["rank"], args["world"], comm)
     torch.save(res.pop("logits"), args["out"] + ".pt")
     Path(args["out"]).write_text(json.dumps(res))
 
 
-def interpreted(model_dir: Path, fake_quant: bool, tmp_path: Path, world: int = 1) -> list[dict]:
-    """Run the parity schedule in `world` interpreted child processes (gloo ranks when world > 1)."""
+def interpreted(model_dir: Path, fake_quant: bool, tmp_path: Path, world: int = 1, device: str = "cpu"
+                ) -> list[dict]:
+    """Run the parity schedule in `world` child processes (gloo ranks when world > 1), interpreted on the CPU."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         master = f"127.0.0.1:{s.getsockname()[1]}"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"TRITON_INTERPRET": "1"} if device == "cpu" else {})}
     outs, procs = [], []
     for rank in range(world):
         out = str(tmp_path / f"parity-{world}-{rank}.json")
-        args = dict(model=str(model_dir), fake_quant=fake_quant, rank=rank, world=world, master=master, out=out)
+        args = dict(model=str(model_dir), fake_quant=fake_quant, rank=rank, world=world, master=master, out=out,
+                    device=device)
         procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(args)], env=env))
         outs.append(out)
     codes = [p.wait(timeout=900) for p in procs]
@@ -235,7 +248,7 @@ def test_fp8_release_layout_takes_the_dequant_path(tmp_path):
     model = make_tiny(tmp_path / "fp8", "fp8", seed=1, overrides=LITE)
     res = run_parity(model, "cpu", fake_quant=False)
     assert all(err <= 1e-4 for _, err in res["errors"]), res["errors"]
-    assert not any(f for _, _, f in res["router"] + res["index"])
+    assert not any(f for *_, f in res["router"] + res["index"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -251,7 +264,8 @@ def test_gpu_parity_tiny(tiny_model_dir, fake_quant):
     if not fake_quant:
         assert all(err <= LOGITS_TOL for _, err in res["errors"]), res["errors"]
     assert res["argmax"] >= (1.0 if not fake_quant else ARGMAX_MIN)
-    check_choices(res, f"GPU tiny fake quant {'on' if fake_quant else 'off'}")
+    # with the fake quantisers on an FP4 code flip moves a score by up to a third: flips are counted, not bounded
+    check_choices(res, f"GPU tiny fake quant {'on' if fake_quant else 'off'}", bounded=not fake_quant)
 
 
 def _prefilled(model, n: int):

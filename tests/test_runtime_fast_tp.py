@@ -4,16 +4,26 @@ slimmed tiny model (see test_runtime_fast.py); the same schedule and checks as T
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_runtime_fast import LOGITS_TOL, check_choices, interpreted, lite_dir  # noqa: F401 (fixture)
 
 
-def test_interpreted_parity_tp2(lite_dir, tmp_path):  # noqa: F811
-    ranks = interpreted(lite_dir, False, tmp_path, world=2)
+def _check_tp2(ranks, what):
     for res in ranks:
         assert all(err <= LOGITS_TOL for _, err in res["errors"]), res["errors"]
         assert res["argmax"] == 1.0
     for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.equal(a, b), "the ranks' logits differ"
-    check_choices(ranks[0], "CPU TP=2 fake quant off")
+    check_choices(ranks[0], what)
+
+
+def test_interpreted_parity_tp2(lite_dir, tmp_path):  # noqa: F811
+    _check_tp2(interpreted(lite_dir, False, tmp_path, world=2), "CPU TP=2 fake quant off")
+
+
+@pytest.mark.gpu
+def test_gpu_parity_tp2(tiny_model_dir, tmp_path):
+    """Both ranks on the one GPU (gloo), the built-in tiny model."""
+    _check_tp2(interpreted(tiny_model_dir, False, tmp_path, world=2, device="cuda"), "GPU TP=2 fake quant off")

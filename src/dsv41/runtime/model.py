@@ -123,7 +123,7 @@ class FastModel:
         row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
-        chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1)) for state, ids in segments]
+        chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
         if len({id(s) for s, _ in chunks}) != len(chunks):
             raise ValueError("one chunk per sequence per forward")
         if not is_fused(phase):

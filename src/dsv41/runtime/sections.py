@@ -9,7 +9,8 @@ import torch
 
 _NULL = contextlib.nullcontext()
 _on = False
-NAMES = ("embed", "engram", "mhc", "norms", "exl3", "attention", "indexer", "router", "moe", "head", "comm")
+NAMES = ("embed", "engram", "mhc", "norms", "exl3", "dense", "attention", "indexer", "router", "moe", "head", "comm",
+         "sampling")
 PREFIX = "dsv41::"
 
 

@@ -173,8 +173,9 @@ def _block(r: _Random, cfg: ModelConfig, role: LayerRole, rope: RopeTable, rank:
     shared_inter = inter * cfg.n_shared_experts
     s0, s1 = split_range(shared_inter, world, rank, _inter_block(shared_inter, world))
     Ks = K("shared")
-    shared = [(r.linear(d, s1 - s0, Ks, p + "ffn.shared_experts.w1"), r.linear(d, s1 - s0, Ks, p + "ffn.shared_experts.w3"),
-               r.linear(s1 - s0, d, Ks, p + "ffn.shared_experts.w2"))] if cfg.n_shared_experts else []
+    sp = p + "ffn.shared_experts."
+    shared = [(r.linear(d, s1 - s0, Ks, sp + "w1"), r.linear(d, s1 - s0, Ks, sp + "w3"),
+               r.linear(s1 - s0, d, Ks, sp + "w2"))] if cfg.n_shared_experts else []
     moe = FusedMoE(r.normal(E, d, std=2 * d ** -0.5), r.normal(E, std=0.3), experts, shared, topk=topk,
                    route_scale=cfg.routed_scaling_factor, renorm=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit,
                    gate_temp=cfg.gate_temp)

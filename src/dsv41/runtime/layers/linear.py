@@ -24,6 +24,8 @@ from dsv41.kernels.exl3.backend import interpreting, use_cuda_backend
 from dsv41.kernels.exl3.layout import Exl3Tensor
 from dsv41.weights import formats
 
+from ..sections import section
+
 PHASES = ("prefill", "decode", "verify")
 
 
@@ -135,13 +137,14 @@ class Exl3Linear:
     def __call__(self, x: torch.Tensor, n: int | None = None, phase: str = "decode",
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         out_dtype = out_dtype or x.dtype
-        if self.fused_only or is_fused(phase):
-            n = x.shape[0] if n is None else n
-            out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype, device=x.device)
-            if n:
-                self.launch.run(x[:n], self.weight, out[:n])
-            return out
-        return self.workspace.matmul(x, self.weight).to(out_dtype)
+        with section("head" if self.fused_only else "exl3"):
+            if self.fused_only or is_fused(phase):
+                n = x.shape[0] if n is None else n
+                out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype, device=x.device)
+                if n:
+                    self.launch.run(x[:n], self.weight, out[:n])
+                return out
+            return self.workspace.matmul(x, self.weight).to(out_dtype)
 
 
 class DequantLinear:
@@ -170,8 +173,9 @@ class DequantLinear:
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # on the fused path x is the whole decode bucket: one fixed-shape product, so a row's bits stand alone
         is_fused(phase)
-        y = x @ self.dense(x.dtype).T
-        return y if out_dtype is None else y.to(out_dtype)
+        with section("dense"):
+            y = x @ self.dense(x.dtype).T
+            return y if out_dtype is None else y.to(out_dtype)
 
 
 def fast_linear(lin, workspace: PrefillWorkspace, device: torch.device | None = None, fused_only: bool = False):
