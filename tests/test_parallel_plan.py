@@ -1,56 +1,43 @@
-"""Round plan codec: what rank 0 sends is what the followers get, and bad bytes are refused."""
+"""The step-message codec: what rank 0 sends is what the followers get, and bad bytes are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dsv41.parallel.plan import Call, RoundPlan, StateRef, decode_plan, encode_plan
+from dsv41.engine.batch import Batch, Row, RowSampling
+from dsv41.parallel.plan import decode_batch, decode_value, encode_batch, encode_value
 
 
-def test_round_trip_keeps_every_value_and_type():
-    ids = torch.tensor([0, 5, 129279, 2**40], dtype=torch.int64)
-    weights = torch.tensor([[0.5, -1.25], [3.0, 1e-30]], dtype=torch.bfloat16)
-    plan = RoundPlan(
-        number=17,
-        calls=[
-            Call("new_state", (), {}, result_slot=3),
-            Call("forward", (StateRef(3), ids), {"positions": torch.arange(4, dtype=torch.int32), "trace": None}),
-            Call("forward_batch", ([StateRef(1), StateRef(3)], (ids[:1], ids[1:])),
-                 {"sampling": {"seed": 2**63 - 1, "temperature": 0.7, "greedy": False, "name": "r\u00e9q"},
-                  "mask": torch.tensor([True, False]), "w": weights, "empty": torch.zeros(0, 3),
-                  "raw": b"\x00\xff"}),
-        ],
-        freed=[0, 2],
-    )
-    back = decode_plan(encode_plan(plan))
-    assert back.number == 17 and back.freed == [0, 2] and not back.stop
-    assert [c.method for c in back.calls] == ["new_state", "forward", "forward_batch"]
-    assert back.calls[0].result_slot == 3 and back.calls[1].result_slot is None
-    state, got_ids = back.calls[1].args
-    assert state == StateRef(3) and got_ids.dtype == torch.int64 and torch.equal(got_ids, ids)
-    assert torch.equal(back.calls[1].kwargs["positions"], torch.arange(4, dtype=torch.int32))
-    assert back.calls[1].kwargs["trace"] is None
-    states, chunks = back.calls[2].args
-    assert states == [StateRef(1), StateRef(3)] and isinstance(chunks, tuple)
-    kw = back.calls[2].kwargs
-    assert kw["sampling"] == {"seed": 2**63 - 1, "temperature": 0.7, "greedy": False, "name": "r\u00e9q"}
-    assert kw["w"].dtype == torch.bfloat16 and torch.equal(kw["w"], weights)
-    assert kw["mask"].dtype == torch.bool and kw["mask"].tolist() == [True, False]
-    assert kw["empty"].shape == (0, 3) and kw["raw"] == b"\x00\xff"
+def test_values_keep_their_type_and_value():
+    value = [None, True, False, 0, -1, 2**63 - 1, -(2**63), (1 << 64) - 1, -(1 << 70), 0.7, -1e-300, "r\u00e9q",
+             b"\x00\xff", [], (), [1, 2, 3], [2**31 - 1, -(2**31)], [2**31], [True, 1], (1, [2, (3,)]),
+             {"seed": 2**63, "name": "x", "ids": [5, 6]}]
+    back = decode_value(encode_value(value))
+    assert back == value
+    assert [type(v) for v in back] == [type(v) for v in value]
+    assert type(back[16][0]) is int and back[19] == (1, [2, (3,)])
 
 
-def test_stop_plan_and_size_is_compact():
-    data = encode_plan(RoundPlan(number=5, calls=[Call("forward", (StateRef(0), torch.tensor([42])))]))
-    assert decode_plan(encode_plan(RoundPlan(number=9, stop=True))).stop
-    assert len(data) < 120  # a decode round is a few dozen bytes, not a pickle of the objects
+def test_a_batch_round_trips_and_a_decode_row_is_small():
+    row = Row(7, 2, [5, 6, 7], 40, [3, 9], "prefill", [1, 2, 3],
+              RowSampling(0.7, 0.9, 20, 0.0, (1 << 64) - 1, 12, 2, b"\x00\xff\x01\x02"), [(0, 6, 1), (1, 7, 1)], 17)
+    batch = Batch(33, [row, Row(8, 0, [1], 3, [0])], [1], [4, 5], "prefill=replay")
+    number, back = decode_batch(encode_batch(5, batch))
+    assert number == 5 and back == batch
+    assert decode_batch(encode_batch(6, Batch(-1, [], stop=True)))[1].stop
+    decode = Row(1, 0, [42], 100, list(range(40)), sample=RowSampling(0.7, 1.0, 0, 0.0, 12345, 99))
+    assert len(encode_batch(0, Batch(1, [decode]))) < 400  # ids and page tables travel as packed int32
 
 
 def test_unsupported_values_and_corrupt_bytes_are_refused():
-    with pytest.raises(TypeError, match="cannot put a object"):
-        encode_plan(RoundPlan(number=0, calls=[Call("forward", (object(),))]))
+    for bad in (object(), torch.zeros(2), {1: "int key"}):
+        with pytest.raises(TypeError):
+            encode_value([bad])
     with pytest.raises(ValueError, match="bad magic"):
-        decode_plan(b"XXXX")
-    good = encode_plan(RoundPlan(number=1, calls=[Call("forward", (1,))]))
+        decode_batch(b"XXXX")
+    good = encode_batch(1, Batch(0, [Row(1, 0, [5], 0, [0])]))
     with pytest.raises(ValueError, match="unknown tag"):
-        decode_plan(good[:4] + b"?" + good[5:])
+        decode_batch(good[:4] + b"?" + good[5:])
+    with pytest.raises(ValueError, match="after the value"):
+        decode_value(encode_value(1) + b"N")

@@ -1,8 +1,8 @@
-"""`run_rank` end to end: real rank processes, the real engine (SerialEngine) on rank 0, the real tiny model.
+"""`run_rank` end to end: real rank processes, the real engine (the batched engine) on rank 0, the tiny model.
 
-The worker below is what `dsv41 serve --tp N` does minus HTTP: `run_rank` with a `serve` callback that submits
-greedy requests to a SerialEngine over the TP leader model and records the tokens (or the engine error, with its
-time). Checked here: TP=2 greedy generation equals TP=1 (spawned ranks and explicit --rank/--master ranks), and
+The worker below is what `dsv41 serve --tp N` does minus HTTP: `run_rank` with a `load` that builds each rank's
+ModelRunner and a `serve` callback that submits greedy requests to the engine over the TP leader executor and
+records the tokens (or the engine error, with its time). Checked here: TP=2 greedy generation equals TP=1 (spawned ranks and explicit --rank/--master ranks), and
 fail-fast (an exception injected on rank 1 at round 3, or rank 1 killed with SIGKILL) ends both ranks with status
 70 in time while rank 0's in-flight request receives an error.
 """
@@ -50,10 +50,12 @@ def worker(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def load(rank, world, comm):
+        from dsv41.engine.build import build_runner, engine_defaults
         from dsv41.model.loader import load_model
 
         # no fake quantisation: TP's summation order must not flip an FP4/FP8 code (docs/MODEL_NOTES.md)
-        return load_model(args.model, torch.float32, "cpu", rank=rank, world=world, comm=comm, fake_quant=False)
+        model = load_model(args.model, torch.float32, "cpu", rank=rank, world=world, comm=comm, fake_quant=False)
+        return build_runner(engine_defaults(), model, 4096, driver=rank == 0, log=lambda line: None)
 
     def serve(model):
         if args.idle_s:
@@ -68,11 +70,11 @@ def worker(argv: list[str]) -> int:
                     watchdog=lambda: marker.write_text(marker.read_text() + "."))
 
 
-async def generate(model, args) -> None:
+async def generate(leader, args) -> None:
     from dsv41.engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.engine.build import build_engine, engine_defaults
 
-    engine = SerialEngine(model, max_model_len=4096)
+    engine = build_engine(engine_defaults(), leader, max_model_len=4096)
     await engine.start()
     record = {"tokens": [], "memory": None}
     out = Path(args.out)
@@ -92,9 +94,9 @@ async def generate(model, args) -> None:
             out.write_text(json.dumps(record))
             return
         record["tokens"].append(tokens)
-    record["rounds"] = model.rounds
-    record["live_states"] = model.live_states
-    record["memory"] = {str(k): v for k, v in model.memory_reports().items()}
+    record["rounds"] = leader.rounds
+    record["live_states"] = engine.stats().live_sequences
+    record["memory"] = {str(k): v for k, v in leader.memory_reports().items()}
     await engine.shutdown()
     out.write_text(json.dumps(record))
 
@@ -163,7 +165,7 @@ def test_spawned_tp2_generation_equals_tp1(tiny_dir, tmp_path):
     assert codes == [0], err[-3000:]
     record = json.loads(out.read_text())
     assert record["tokens"] == tp1_greedy(tiny_dir)
-    assert record["rounds"] == len(PROMPTS) * MAX_TOKENS  # one prefill + MAX_TOKENS-1 decodes per prompt
+    assert record["rounds"] == len(PROMPTS) * MAX_TOKENS  # one prefill + MAX_TOKENS-1 decode steps per prompt
     assert record["live_states"] == 0  # finished requests' states were released on every rank
     assert set(record["memory"]) == {"0", "1"} and all(m["free"] > 0 for m in record["memory"].values())
 

@@ -94,7 +94,8 @@ class LeaderExecutor:
         self._injector = injector or FailureInjector(rank=0)
         self._worker = RoundWorker()
         self._lock = threading.Lock()
-        self.rounds = 0
+        self._closed = False
+        self.rounds = 0  # steps sent (the stop batch is not one)
 
     cfg = LocalExecutor.cfg
 
@@ -141,9 +142,9 @@ class LeaderExecutor:
         from dsv41.engine.batch import Batch
 
         with self._lock:
-            if not self._failfast.aborted.is_set():
+            if not self._failfast.aborted.is_set() and not self._closed:
                 self._channel.send_encoded(self.rounds, encode_batch(self.rounds, Batch(-1, [], stop=True)))
-                self.rounds += 1
+                self._closed = True
 
 
 def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=None,

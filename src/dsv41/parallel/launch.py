@@ -3,7 +3,7 @@
 Two ways in, both through `run_rank`:
 
 - `dsv41 serve --tp N --rank R --master HOST:PORT`: this process is rank R (what each Spark's systemd unit runs;
-  rank 0 also serves HTTP, the others replay rank 0's round plans);
+  rank 0 also serves HTTP, the others run rank 0's step batches);
 - `dsv41 serve --tp N` (no --rank): this process becomes rank 0 and starts ranks 1..N-1 on this host as child
   processes with the same arguments plus `--rank R --master 127.0.0.1:PORT` (PORT: any free one unless --master
   says otherwise). A child that exits aborts the group.
@@ -26,7 +26,6 @@ import torch
 from dsv41.errors import DSV41Error
 from dsv41.parallel.executor import LeaderExecutor, follow_batches
 from dsv41.parallel.failfast import EXIT_CODE, FailFast, FailureInjector, TPAborted
-from dsv41.parallel.lockstep import LeaderModel, follow
 from dsv41.parallel.plan import PlanChannel
 from dsv41.parallel.rendezvous import init_tp
 
@@ -86,7 +85,7 @@ def _wait_loaded(group, failfast: FailFast, deadline_s: float) -> None:
 
 
 def _follower_signals(rank: int, failfast: FailFast) -> None:
-    """SIGTERM/SIGINT on a follower: a local child ignores them (rank 0 drains and then sends the stop plan; a
+    """SIGTERM/SIGINT on a follower: a local child ignores them (rank 0 drains and then sends the stop batch; a
     terminal's Ctrl-C reaches the whole process group); a rank of its own (a systemd unit) takes the group down,
     naming itself, instead of leaving rank 0 to discover a missing heartbeat."""
     def stop(signum, frame):
@@ -100,20 +99,18 @@ def _follower_signals(rank: int, failfast: FailFast) -> None:
         pass
 
 
-def _follow_in_thread(model, channel: PlanChannel, failfast: FailFast, injector, watchdog=None,
-                      batched: bool = False) -> bool:
+def _follow_in_thread(runner, channel: PlanChannel, failfast: FailFast, injector, watchdog=None) -> bool:
     """Run the follower loop in a thread and keep the main thread free: it sits in a store call for as long as
-    the server is idle, and Python runs signal handlers (SIGTERM) only in the main thread. True on a stop plan."""
+    the server is idle, and Python runs signal handlers (SIGTERM) only in the main thread. True on the stop batch."""
     done, outcome = threading.Event(), {}
     device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def run():
         try:
-            (follow_batches if batched else follow)(model, channel, failfast, injector=injector,
-                                                    log=lambda m: print(m, file=sys.stderr, flush=True),
-                                                    device=device)
+            follow_batches(runner, channel, failfast, injector=injector,
+                           log=lambda m: print(m, file=sys.stderr, flush=True), device=device)
             outcome["stopped"] = True
-        except BaseException:  # noqa: BLE001 - follow() already aborted the group with the reason
+        except BaseException:  # noqa: BLE001 - follow_batches() already aborted the group with the reason
             outcome["stopped"] = False
         finally:
             done.set()
@@ -136,10 +133,9 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
              grace_s: float = 1.0, on_ready=None, watchdog=None) -> int:
     """Run this process as one rank of `dsv41 serve --tp N`; returns the exit status.
 
-    `load(rank, world, comm)` builds this rank's `ModelRunner` (the batched engine: rank 0's `serve` gets a
-    `LeaderExecutor`, the others run `follow_batches`) or its model (e.g. `load_model(path, ..., rank=rank,
-    world=world, comm=comm)`, for the reference engine: rank 0's `serve` gets the lockstep `LeaderModel`, the
-    others replay its calls); `serve(leader)` serves HTTP with it on rank 0 and returns at shutdown. In local mode (no
+    `load(rank, world, comm)` builds this rank's `ModelRunner` (e.g. `engine.build.build_runner` over
+    `load_model(path, ..., rank=rank, world=world, comm=comm)`); rank 0's `serve(leader)` gets a `LeaderExecutor`
+    over it, serves HTTP and returns at shutdown, the others run `follow_batches`. In local mode (no
     `--rank`) `argv` (default `sys.argv[1:]`) is handed to the children, run as `child_cmd` (default: the dsv41
     CLI with this Python). `on_ready()` runs on ranks other than 0 once every rank has loaded (e.g. systemd
     READY=1; rank 0's `serve` notifies for itself when it accepts connections); `watchdog()` runs there about
@@ -177,18 +173,17 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         failfast.abort(f"loading failed: {type(exc).__name__}: {exc}")
         return _die_with_group(failfast)
 
-    batched = hasattr(model, "execute")  # a ModelRunner: one Batch per step; else a model behind the proxy
     if rank != 0:
         _follower_signals(rank, failfast)
         if on_ready is not None:
             on_ready()
-        if not _follow_in_thread(model, channel, failfast, injector, watchdog, batched):
+        if not _follow_in_thread(model, channel, failfast, injector, watchdog):
             return _die_with_group(failfast)
         failfast.stop()
         group.store.set(f"tp/bye/{rank}", "1")
         return 0
 
-    leader = (LeaderExecutor if batched else LeaderModel)(model, channel, failfast, injector=injector)
+    leader = LeaderExecutor(model, channel, failfast, injector=injector)
     try:
         serve(leader)
     except BaseException as exc:  # noqa: BLE001
@@ -206,7 +201,7 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
 
 
 def _wait_bye(group, timeout_s: float) -> None:
-    """Keep the store (hosted here) up until every follower has read the stop plan."""
+    """Keep the store (hosted here) up until every follower has read the stop batch."""
     deadline = time.monotonic() + timeout_s
     keys = [f"tp/bye/{r}" for r in range(1, group.world)]
     while time.monotonic() < deadline and not all(group.store.check([k]) for k in keys):

@@ -266,6 +266,8 @@ def run_serve(args) -> int:
     tp, rank = args.tp or 1, args.rank
     if tp == 1 and rank not in (None, 0):
         raise DSV41Error(f"--rank {rank} is outside --tp 1 (ranks are 0..tp-1)")
+    if tp > 1 and args.engine == "reference":
+        raise DSV41Error("--engine reference runs at --tp 1 only (the batched engine runs every TP degree)")
     startup = Startup.check(args)
     sock = _bind(args.host, args.port) if rank in (None, 0) else None  # only rank 0 serves HTTP
     if tp == 1:  # TP=1 with --rank 0 (what a single-node unit passes) is the plain server
@@ -279,8 +281,6 @@ def run_serve(args) -> int:
 
     def load(rank: int, world: int, comm):
         model = load_serving_model(args, startup, progress, rank=rank, world=world, comm=comm)
-        if args.engine == "reference":
-            return model  # the lockstep proxy replays SerialEngine's model calls
         from ..engine.build import build_runner
 
         return build_runner(args, model, serving_max_model_len(args, model), driver=rank == 0)
