@@ -14,8 +14,8 @@ import sys
 import threading
 import time
 
-from .interface import (Engine, EngineClosed, EngineFailure, EngineOverloaded, EngineStats, FinishEvent,
-                        GenerationRequest, RequestStream)
+from .interface import (Engine, EngineFailure, EngineOverloaded, EngineStats, FinishEvent, GenerationRequest,
+                        RequestStream, check_submittable)
 from .llm_engine import LLMEngine
 from .request import Sequence
 
@@ -76,12 +76,7 @@ class AsyncEngine(Engine):
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestStream:
-        if not request.prompt_ids:
-            raise ValueError("a request needs at least one prompt token")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if self._state != "ready":
-            raise EngineClosed(f"engine is {self._state}")
+        check_submittable(request, self._state)
         waiting = self.core.scheduler.num_waiting + self._pending_adds
         if waiting >= self.max_waiting:
             raise EngineOverloaded(f"{waiting} requests already waiting")

@@ -124,6 +124,16 @@ class RequestStream:
                 self.cancel()
 
 
+def check_submittable(request: GenerationRequest, state: str) -> None:
+    """What every engine's `submit` refuses before queueing: no prompt token, max_tokens < 1, not ready."""
+    if not request.prompt_ids:
+        raise ValueError("a request needs at least one prompt token")
+    if request.max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if state != "ready":
+        raise EngineClosed(f"engine is {state}")
+
+
 class Engine(ABC):
     """What the server needs from an engine."""
 

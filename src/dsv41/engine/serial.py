@@ -20,7 +20,6 @@ import torch
 
 from .interface import (
     Engine,
-    EngineClosed,
     EngineFailure,
     EngineOverloaded,
     EngineStats,
@@ -29,6 +28,7 @@ from .interface import (
     PromptLogprobsEvent,
     RequestStream,
     TokenEvent,
+    check_submittable,
 )
 from .constraint import GrammarConstraint
 from .sampling import derive_seed, sample_token, token_logprobs
@@ -110,12 +110,7 @@ class SerialEngine(Engine):
 
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestStream:
-        if not request.prompt_ids:
-            raise ValueError("a request needs at least one prompt token")
-        if request.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {request.max_tokens}")
-        if self._state != "ready":
-            raise EngineClosed(f"engine is {self._state}")
+        check_submittable(request, self._state)
         if len(self._waiting) >= self.max_waiting:
             raise EngineOverloaded(f"{len(self._waiting)} requests already waiting")
         stream = RequestStream(request, self._cancel)
