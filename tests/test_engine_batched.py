@@ -209,3 +209,52 @@ def test_replay_prefill_is_chunk_invariant(model):
         results.append(torch.cat(rows))
     assert results[0].shape[0] == model.cfg.sliding_window + 2
     assert all(torch.equal(r, results[0]) for r in results[1:])
+
+
+def test_engine_figures_for_health_and_metrics(model):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dsv41.engine.build import EngineCollector, EngineDetail
+
+    engine = build_engine(engine_defaults(parallel=2), model, max_model_len=512, log=lambda line: None)
+    seq = engine.make_sequence(REQUESTS[0], lambda event: None)
+    engine.core.add(seq)
+    engine.core.step()
+    detail = dict(EngineDetail(engine))["batching"]
+    assert detail["slots_busy"] == 1 and detail["slots_total"] == 2 and detail["pages_used"] >= 1
+    assert detail["rounds"] == 1 and detail["rows_per_round"] == {"8": 1} and detail["pool"]["bytes_per_token"] > 0
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    text = generate_latest(registry).decode()
+    assert "dsv41_engine_slots_busy 1.0" in text and 'dsv41_engine_rows_per_round_bucket{le="8.0"} 1.0' in text
+    engine.core.abort(seq)
+    assert engine.stats().live_sequences == 0
+
+
+@pytest.mark.gpu
+def test_the_pool_on_cuda_gives_the_reference_engine_bits():
+    """The pool forward on a CUDA pool: a request alone in the batched engine replies bit for bit as SerialEngine
+    on CUDA (the same forwards' shapes, so this checks the pool's stores and loads on the device). Batched ==
+    alone across row counts is a property of the fast path's kernels: torch's CUDA reductions (the norms' and
+    mHC's means) may split a row differently for another row count, so the reference path on CUDA is exact per
+    forward shape only."""
+    from dsv41.engine.serial import SerialEngine
+    from dsv41.model.loader import load_model
+    from dsv41.tiny.model import default_model_dir
+
+    model = load_model(default_model_dir(), device="cuda", dspark=False)
+
+    async def serial():
+        engine = SerialEngine(model, max_model_len=512, prefill_chunk=2048)
+        await engine.start()
+        out = [[e async for e in engine.submit(r)] for r in REQUESTS]
+        await engine.shutdown()
+        return out
+
+    want = asyncio.run(serial())
+    for i, request in enumerate(REQUESTS):
+        events, core = batched(model, [request], arrivals=[0])
+        assert core.executor.runner.pool.buffer.is_cuda and core.blocks.empty()
+        assert events[0] == want[i], i
+    together, _ = batched(model, REQUESTS, arrivals=[0, 0, 1, 3, 6])
+    assert all(isinstance(e[-1], FinishEvent) for e in together)

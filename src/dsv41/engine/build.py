@@ -177,7 +177,7 @@ class EngineCollector:
         buckets, running = [], 0
         for bound in sorted(counts):
             running += counts[bound]
-            buckets.append((str(bound), running))
+            buckets.append((str(float(bound)), running))
         hist.add_metric([], buckets + [("+Inf", running)], sum_value=d["prefill_tokens_total"]
                         + d["decode_tokens_total"])
         yield hist
