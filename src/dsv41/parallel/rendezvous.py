@@ -128,7 +128,9 @@ def resolve_secret(master: str, local_mode: bool) -> bytes:
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket on exactly host:port, for the store's server to use."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # IPv4 first: a name like "localhost" resolves to both, and the ranks' clients try IPv4 first
+        family, kind, proto, _, address = sorted(found, key=lambda a: a[0] != socket.AF_INET)[0]
         sock = socket.socket(family, kind, proto)
     except OSError as exc:
         raise RendezvousError(f"rank 0 cannot resolve the --master host {host!r} ({exc.strerror})") from None
