@@ -258,3 +258,25 @@ def test_the_pool_on_cuda_gives_the_reference_engine_bits():
         assert events[0] == want[i], i
     together, _ = batched(model, REQUESTS, arrivals=[0, 0, 1, 3, 6])
     assert all(isinstance(e[-1], FinishEvent) for e in together)
+
+
+def test_dspark_rings_in_the_pool_hold_what_the_reference_absorbs():
+    """With the drafter loaded, every committed row seeds each stage's ring: the pool's DSpark rings (and the
+    window rows) after a chunked prefill are the reference state's, bit for bit."""
+    from dsv41.model.loader import load_model
+    from dsv41.runtime.kv_pool import pool_for_model
+    from dsv41.runtime.pool_forward import PoolForward
+    from dsv41.tiny.model import default_model_dir
+
+    model = load_model(default_model_dir(), dspark=True)
+    ids = prompt(5, 29)
+    state = model.new_state()
+    model.forward(state, torch.tensor(ids))
+    pool = pool_for_model(model, num_slots=2, num_pages=1, page_tokens=64, verify_rows=6)
+    forward = PoolForward(model)
+    for a, b in ((0, 5), (5, 12), (12, 29)):
+        forward.execute([Row(0, 1, ids[a:b], a, [0], "prefill", ids[max(0, a - 3):a])], pool)
+    window = model.cfg.sliding_window
+    for stage, cache in state.dspark_windows.items():
+        assert torch.equal(pool.read_ring("dspark", stage, 1, 29 - window, 29), cache.kv)
+    assert torch.equal(pool.read_ring("window", 3, 1, 29 - window, 29), state.windows[3].kv)

@@ -52,8 +52,7 @@ class FakeRunner:
 
 def make_engine(slots=4, pages=64, page_tokens=16, chunk=2048, share=1.0, runner=None, clock=None, **cfg):
     runner = runner or FakeRunner()
-    config = EngineConfig(max_model_len=4096, scheduler=SchedulerConfig(prefill_chunk=chunk, prefill_share=share,
-                                                                          **cfg))
+    config = EngineConfig(scheduler=SchedulerConfig(prefill_chunk=chunk, prefill_share=share, **cfg))
     kw = {"clock": clock} if clock else {}
     return LLMEngine(runner, BlockManager(pages, slots, page_tokens), config, **kw), runner
 

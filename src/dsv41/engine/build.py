@@ -118,7 +118,6 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
     pool, cfg = runner.pool, runner.forward.model.cfg
     hasher = runner.forward.model.engram_hasher
     config = EngineConfig(
-        max_model_len=max_model_len,
         scheduler=SchedulerConfig(prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,

@@ -25,7 +25,6 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 @dataclass
 class EngineConfig:
-    max_model_len: int
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefill_mode: str = "full"  # "full" (exact) | "replay" (CED bounded replay: approximate, tagged)
     window: int = 128  # the model's sliding window (the replay segment)

@@ -48,7 +48,6 @@ class Sequence:
     replay_start: int = 0
     unreported: deque = field(default_factory=deque)  # forced ids decided, emitted once their step has run
     prompt_scores: list = field(default_factory=list)
-    in_flight: bool = False  # part of the step being executed
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
