@@ -191,28 +191,26 @@ def classify(prof) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ steps
-def run_step(model, rows, mode):
-    logits = model.forward(rows, mode)
+def run_step(model, rows, mode, trace=None):
+    logits = model.forward(rows, mode, trace=trace)
     with sections.section("sampling"):
         tokens = logits.argmax(dim=-1)
     return tokens.tolist()
 
 
-def time_steps(model, rows_fn, mode, steps, device):
+def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
     rows = rows_fn()
     for _ in range(2):
         run_step(model, rows(), mode)
-    times = []
-    for _ in range(steps):
+    times, trace = [], {}
+    for i in range(steps):
         batch = rows()
         sync(device)
         t0 = time.perf_counter()
-        run_step(model, batch, mode)
+        run_step(model, batch, mode, trace if i == steps - 1 else None)  # the trace costs no device work
         times.append((time.perf_counter() - t0) * 1e3)
-    trace = {}
-    model.forward(rows(), mode, trace=trace)
     prof = None
-    if device.type == "cuda":
+    if device.type == "cuda" and profiled:
         from torch.profiler import ProfilerActivity, profile
 
         sections.enable(True)
@@ -239,12 +237,10 @@ def verify_rows(model, n, context, seed):
 
 def measure(model, args, device, floors_rates, ceiling_gbps):
     out = []
-    for mode, maker in (("decode", decode_rows), ("verify", verify_rows)):
-        for n in args.rows:
-            if mode == "verify" and n < 2:
-                continue
+    for mode, maker, counts in (("decode", decode_rows, args.rows), ("verify", verify_rows, args.verify_rows)):
+        for n in counts:
             step_ms, times, trace, prof = time_steps(model, lambda: maker(model, n, args.context, 100 + n)(), mode,
-                                                     args.steps, device)
+                                                     args.steps, device, n in args.profile_rows)
             reads = step_reads(model, trace)
             row = {"rows": n, "mode": mode, "step_ms": step_ms, "times_ms": times, **reads}
             if prof is not None:
@@ -319,14 +315,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=HERE / "results" / "decode_step.json")
     p.add_argument("--rows", default="1,2,4,6,8,16")
+    p.add_argument("--verify-rows", default="6", help="verify windows (rows of one sequence) to time")
+    p.add_argument("--profile-rows", default="1,2,4,6,8,16", help="row counts with a profiled step")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prefill", type=int, default=2048)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--config", default=None, help="a model folder whose config.json replaces the real shapes (smoke)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds this run may take: the prefill is skipped when less than 40 s are left")
     args = p.parse_args(argv)
-    args.rows = [int(r) for r in args.rows.split(",")]
+    started = time.perf_counter()
+    args.rows, args.verify_rows, args.profile_rows = ([int(r) for r in v.split(",") if r]
+                                                      for v in (args.rows, args.verify_rows, args.profile_rows))
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
@@ -380,8 +382,12 @@ def main(argv=None) -> int:
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
     results["floors"] = one.get("floors", {})
     save()
-    if args.prefill:
+    left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
+    if args.prefill and (left is None or left >= 40):
         results["prefill"] = prefill(model, args, device, tflops)
+    elif args.prefill:
+        results["prefill"] = {"skipped": f"device budget: {left:.0f} s left of --budget-s {args.budget_s:.0f}"}
+        log(results["prefill"]["skipped"])
     save()
     try:
         plot(results, args.out.with_suffix(".png"))
