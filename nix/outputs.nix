@@ -13,7 +13,8 @@ let
   };
 
   opsTestFiles = [
-    "tests/test_watchdog.py" "tests/test_notify.py" "tests/test_preflight.py" "tests/test_deploy_dry_run.py"
+    "tests/test_watchdog.py" "tests/test_notify.py" "tests/test_preflight.py" "tests/test_ops_canary_status.py"
+    "tests/test_deploy_dry_run.py"
     "tests/test_systemd_units.py"
   ];
 in
