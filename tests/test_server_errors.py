@@ -156,3 +156,28 @@ def test_official_client_sees_typed_errors_and_server_stays_healthy(server, clie
     assert health["ok"] and health["errors_total"] >= 2
     ok = client.chat.completions.create(model=SERVED_NAME, messages=MSG, max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_grammar_dead_end_is_the_requests_400_and_spares_the_server(server):
+    """`(a|b[^\\s\\S])` passes the schema checks, but a reply that starts with "b" reaches a state that allows no
+    token: the request's own dead end, answered 400 `grammar_dead_end` (a stream ends with that error event), never
+    a 500; replies that take the "a" path are unaffected."""
+    body = {"model": SERVED_NAME, "prompt": "pick", "max_tokens": 4, "temperature": 2.0,
+            "structured_outputs": {"regex": "(a|b[^\\s\\S])"}}
+    outcomes = []
+    with server.http() as http:
+        for seed in range(16):
+            r = http.post("/v1/completions", json={**body, "seed": seed})
+            if r.status_code == 200:
+                assert r.json()["choices"][0]["text"] == "a", r.text
+                outcomes.append("a")
+            else:
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["code"] == "grammar_dead_end", r.text
+                outcomes.append(("dead", seed))
+        dead = [o for o in outcomes if o != "a"]
+        assert dead, "no seed took the dead-end path; the test shows nothing"
+        with http.stream("POST", "/v1/completions", json={**body, "seed": dead[0][1], "stream": True}) as r:
+            text = "".join(r.iter_text())
+        assert r.status_code == 200 and "grammar_dead_end" in text and text.rstrip().endswith("data: [DONE]")
+    assert server.health().status_code == 200

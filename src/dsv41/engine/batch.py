@@ -72,7 +72,7 @@ class RowOutput:
     top: list[tuple[int, float]] = field(default_factory=list)
     scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # one per Row.scores entry
     accepted: int = 0  # verify rows: drafts accepted
-    error: str | None = None  # this row alone failed (e.g. its grammar allows no token)
+    error: str | None = None  # this row alone failed because of its request (its grammar allows no token)
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .interface import EngineFailure
+from .interface import EngineFailure, EngineRejected
 
 
 class GrammarConstraint:
@@ -37,7 +37,7 @@ class GrammarConstraint:
         masked = row.to("cpu").float().clone().unsqueeze(0)
         self._xgr.apply_token_bitmask_inplace(masked, self.bitmask, vocab_size=self.vocab_size)
         if not bool(masked.isfinite().any()):
-            raise EngineFailure("the grammar allows no token at this point")
+            raise EngineRejected("the grammar allows no token at this point", code="grammar_dead_end")
         return masked[0]
 
     def forced_tokens(self, encode: Callable[[str], list[int]], budget: int) -> list[int]:

@@ -23,6 +23,15 @@ class EngineFailure(Exception):
     """The engine could not produce the request's tokens (a bug or a device fault, not the caller's input)."""
 
 
+class EngineRejected(EngineFailure):
+    """The request cannot be served as asked — its grammar reaches a dead end, or it cannot fit in memory even with
+    nothing else running. The caller's request, not a fault of the engine: the server answers 400 with `code`."""
+
+    def __init__(self, message: str, code: str = "request_not_servable"):
+        super().__init__(message)
+        self.code = code
+
+
 class EngineOverloaded(Exception):
     """The wait queue is full; the caller should retry later."""
 

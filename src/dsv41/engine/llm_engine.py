@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .batch import DECODE, PREFILL, Batch, Row, RowOutput, RowSampling
 from .block_manager import BlockManager
-from .interface import EngineFailure, FinishEvent, PromptLogprobsEvent, TokenEvent
+from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from .request import Sequence, Status
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -74,8 +74,9 @@ class LLMEngine:
         """Run one step; False when there was nothing to run. An executor failure fails the step's requests and
         is raised again (the caller decides whether the engine goes on)."""
         for seq in self.scheduler.admit():
-            seq.emit(EngineFailure(f"cannot admit the request: free memory stays under the floor "
-                                   f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running"))
+            seq.emit(EngineRejected(f"cannot admit the request: free memory stays under the floor "
+                                    f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running",
+                                    code="insufficient_memory"))
         work = self.scheduler.schedule()
         if not work:
             return False
@@ -117,7 +118,7 @@ class LLMEngine:
 
     def _postprocess(self, seq: Sequence, n: int, row: Row, out: RowOutput) -> None:
         if out.error is not None:
-            self._fail(seq, out.error)
+            self._fail(seq, out.error, rejected=True)
             return
         a = seq.num_computed
         seq.num_computed += n
@@ -176,10 +177,10 @@ class LLMEngine:
         seq.emit(FinishEvent(reason=reason, prompt_tokens=seq.prompt_len,
                              completion_tokens=seq.produced - len(seq.unreported), tag=self.config.knobs_tag))
 
-    def _fail(self, seq: Sequence, message: str) -> None:
+    def _fail(self, seq: Sequence, message: str, rejected: bool = False) -> None:
         if seq.status is not Status.FINISHED:
             self._release(seq)
-            seq.emit(EngineFailure(message))
+            seq.emit(EngineRejected(message, code="grammar_dead_end") if rejected else EngineFailure(message))
 
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.waiting_bg):

@@ -21,6 +21,7 @@ import torch
 from .interface import (
     Engine,
     EngineFailure,
+    EngineRejected,
     EngineOverloaded,
     EngineStats,
     FinishEvent,
@@ -155,7 +156,9 @@ class SerialEngine(Engine):
         try:
             with torch.inference_mode():
                 self._run_request(stream.request, stop_flag, emit)
-        except Exception as exc:  # any failure inside the model is the engine's, not the caller's
+        except EngineRejected as exc:  # the request's own dead end (its grammar): a 400, not a fault
+            emit(exc)
+        except Exception as exc:  # any other failure inside the model is the engine's, not the caller's
             emit(EngineFailure(f"{type(exc).__name__}: {exc}"))
 
     def _run_request(self, req: GenerationRequest, stop_flag: threading.Event, emit) -> None:

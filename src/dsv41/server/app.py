@@ -32,7 +32,7 @@ from .body import ClientGone, check_json_content_type, parse_json, read_body
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion, prompt_ids
 from .context import ServerContext
-from .errors import APIError, bad_request, engine_failed, from_validation_error, unavailable
+from .errors import APIError, bad_request, engine_error, engine_failed, from_validation_error, unavailable
 from .gate import Gate
 from .generation import Generation, ServerDraining, new_id
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -175,7 +175,7 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
     try:
         return JSONResponse(await reply.complete())
     except EngineFailure as exc:
-        error = engine_failed(f"engine failure: {exc}")
+        error = engine_error(exc)
         gen.fail(error)
     except ServerDraining as exc:
         error = unavailable(str(exc))

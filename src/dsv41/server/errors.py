@@ -72,6 +72,16 @@ def engine_failed(message: str) -> APIError:
     return APIError(500, public_text(message)[:500], code="engine_error")
 
 
+def engine_error(exc) -> APIError:
+    """An engine's failure event as the client sees it: 400 when the request itself cannot be served
+    (`EngineRejected`: its grammar's dead end, more memory than exists), else a 500."""
+    from ..engine import EngineRejected
+
+    if isinstance(exc, EngineRejected):
+        return bad_request(public_text(str(exc))[:500], code=exc.code)
+    return engine_failed(f"engine failure: {exc}")
+
+
 # "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534]", "/project/cpp/x.cc:52: ", "File "/usr/x.py", line 3"
 _SOURCE_PATH = re.compile(r'\[?(?:File ")?(?:/[^\s"\]:]+)+\.(?:cc|cpp|cxx|c|h|hpp|cu|cuh|py)"?(?::\d+|, line \d+)?\]?:? ?')
 

@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 
 from ..engine import EngineFailure
 from . import sse
-from .errors import engine_failed, unavailable
+from .errors import engine_error, engine_failed, unavailable
 from .generation import Generation, ServerDraining
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ async def sse_body(gen: Generation, payloads: AsyncIterator[dict]) -> AsyncItera
         async for payload in payloads:
             yield sse.event(payload)
     except EngineFailure as exc:
-        error = engine_failed(f"engine failure: {exc}")
+        error = engine_error(exc)
         gen.fail(error)
         yield sse.error_event(error.body())
     except ServerDraining as exc:
