@@ -14,7 +14,7 @@ import pytest
 
 from dsv41.engine.batch import PREFILL, RowOutput, StepOutput
 from dsv41.engine.block_manager import BlockManager
-from dsv41.engine.interface import EngineFailure, FinishEvent, PromptLogprobsEvent
+from dsv41.engine.interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent
 from dsv41.engine.llm_engine import EngineConfig, LLMEngine
 from dsv41.engine.params import SamplingParams
 from dsv41.engine.request import Sequence
@@ -172,7 +172,8 @@ def test_memory_floor_holds_admission_and_gives_up_only_when_nothing_runs():
     assert engine.step() is False and engine.scheduler.num_waiting == 1  # waits under the floor
     clock[0] = 6.0
     engine.step()
-    assert isinstance(events[1][-1], EngineFailure) and "floor" in str(events[1][-1])
+    assert isinstance(events[1][-1], EngineRejected) and "floor" in str(events[1][-1])
+    assert events[1][-1].code == "insufficient_memory"  # the server answers 400, not 500
     free[0] = 1000
     engine.add(request(2, events))
     run(engine)
