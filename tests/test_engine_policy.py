@@ -14,7 +14,7 @@ import pytest
 
 from dsv41.engine.batch import PREFILL, RowOutput, StepOutput
 from dsv41.engine.block_manager import BlockManager
-from dsv41.engine.interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent
+from dsv41.engine.interface import EngineRejected, FinishEvent, PromptLogprobsEvent
 from dsv41.engine.llm_engine import EngineConfig, LLMEngine
 from dsv41.engine.params import SamplingParams
 from dsv41.engine.request import Sequence
