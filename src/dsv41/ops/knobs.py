@@ -57,6 +57,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
     ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0"),
     ServeKnob("DSV41_ALLOWED_HOSTS", "--allowed-hosts", "Host header names served besides loopback ones "
               "(space-separated; '*' = any)", many=True),
+    ServeKnob("DSV41_ALLOWED_ORIGINS", "--allowed-origins", "CORS: browser origins allowed to call the API "
+              "(space-separated; '*' = any; empty = no CORS)", many=True),
     ServeKnob("DSV41_SERVED_NAME", "--served-name", "model id reported by /v1/models"),
     ServeKnob("DSV41_ALIASES", "--alias", "extra model ids accepted and listed (space-separated)", many=True),
     ServeKnob("DSV41_API_KEY_FILE", "--api-key-file", "file holding the bearer key; empty = no auth"),

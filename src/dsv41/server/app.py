@@ -22,6 +22,8 @@ from typing import Awaitable, Callable
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -315,12 +317,22 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Gate:
             ctx.request_log.close()
             ctx.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=_cors(ctx.config.allowed_origins),
                     exception_handlers={404: _not_found, 405: _not_found})
     app.router.redirect_slashes = False  # its redirect is built from the Host header; Gate strips the slash
     app.state.ctx = ctx
     framing.install()
     return Gate(app, ctx.config.allowed_hosts)
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """--allowed-origins: Starlette's CORS middleware, inside the Host gate (off when no origin is given).
+    Preflights are answered before auth (browsers send no key with them); the bearer key travels as a header,
+    not a cookie, so credentials stay off."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST"],
+                       allow_headers=["*"], expose_headers=["Retry-After", "x-should-retry"], max_age=600)]
 
 
 async def _warm_up(ctx: ServerContext) -> None:

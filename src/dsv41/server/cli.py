@@ -36,6 +36,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--allowed-hosts", metavar="NAME", nargs="+", action="extend", default=[],
                    help="Host header names served besides the loopback ones ('*': any); on a loopback bind "
                         "other names get 421 (DNS rebinding), elsewhere the list applies only when given")
+    p.add_argument("--allowed-origins", metavar="ORIGIN", nargs="+", action="extend", default=[],
+                   help="CORS: browser origins allowed to call the API (e.g. https://app.example; '*': any); "
+                        "default none: no CORS headers, browsers refuse cross-origin calls")
     p.add_argument("--served-name", metavar="NAME", help="model id reported by /v1/models (default: folder name)")
     p.add_argument("--alias", metavar="NAME", nargs="+", action="extend", default=[],
                    help="more model ids accepted and listed")
@@ -184,6 +187,7 @@ def apply_http_options(config, args) -> None:
     config.allowed_hosts = allowed_hosts(args.host, args.allowed_hosts)
     config.body_timeout_s = args.body_timeout
     config.prompt_special_tokens = args.prompt_special_tokens
+    config.allowed_origins = tuple(args.allowed_origins)
 
 
 def _set_threads(args) -> None:

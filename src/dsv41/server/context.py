@@ -35,6 +35,8 @@ class ServerConfig:
     # /v1/completions text prompts: "parse" turns control-token text into control tokens (vLLM's behaviour),
     # "text" tokenizes it as plain text like chat message content
     prompt_special_tokens: str = "parse"
+    # CORS: origins a browser may call the API from (empty: no CORS headers at all); see build_app
+    allowed_origins: tuple[str, ...] = ()
 
 
 class ServerContext:
