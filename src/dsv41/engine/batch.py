@@ -26,6 +26,21 @@ class RowSampling:
     step: int  # the request's generation step: the keyed noise of token v is a function of (seed, step, v)
     logprobs: int | None = None  # None: no logprob; k: the chosen token's and the k most likely
     mask: bytes | None = None  # allowed ids: int32 words, bit v % 32 of word v // 32 (xgrammar's bitmask)
+    # logit adjustments (engine/sampling.py adjust_logits), None when the request asks none; one plain list so
+    # the step message carries it as is: [presence, frequency, repetition, [[id, bias]...], allowed ids or None,
+    # this step's banned ids (stop ids before min_tokens, bad words), the output so far, the prompt] (the last
+    # two only when a penalty needs them)
+    adjust: list | None = None
+
+    def params(self):
+        from .params import SamplingParams
+
+        if self.adjust is None:
+            return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed)
+        presence, frequency, repetition, bias, allowed = self.adjust[:5]
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed, presence, frequency,
+                              repetition, tuple((int(t), float(b)) for t, b in bias),
+                              None if allowed is None else tuple(allowed))
 
 
 @dataclass(slots=True)

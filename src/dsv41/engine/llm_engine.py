@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .batch import DECODE, PREFILL, Batch, Row, RowOutput, RowSampling
 from .block_manager import BlockManager
+from .params import banned_ids
 from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from .request import Sequence, Status
 from .scheduler import Scheduler, SchedulerConfig
@@ -107,6 +108,14 @@ class LLMEngine:
             p = seq.sampling
             sample = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.produced, seq.logprobs,
                                  seq.constraint.mask() if seq.constraint is not None else None)
+            if p.adjusts:
+                output = seq.tokens[seq.prompt_len:]
+                penalised = p.presence_penalty or p.frequency_penalty or p.uses_prompt
+                sample.adjust = [p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                                 [list(b) for b in p.logit_bias],
+                                 None if p.allowed_token_ids is None else list(p.allowed_token_ids),
+                                 banned_ids(p, output, () if seq.ignore_eos else seq.stop_ids),
+                                 output if penalised else [], list(seq.prompt) if p.uses_prompt else []]
         scores = []
         for j, nxt in enumerate(range(a + 1, min(end + 1, len(seq.tokens)))):
             top = seq.prompt_logprobs if nxt < seq.prompt_len else seq.logprobs
@@ -118,7 +127,8 @@ class LLMEngine:
 
     def _postprocess(self, seq: Sequence, n: int, row: Row, out: RowOutput) -> None:
         if out.error is not None:
-            self._fail(seq, out.error, rejected=True)
+            grammar = out.error.startswith("the grammar")
+            self._fail(seq, out.error, rejected="grammar_dead_end" if grammar else "no_token_allowed")
             return
         a = seq.num_computed
         seq.num_computed += n
@@ -177,10 +187,11 @@ class LLMEngine:
         seq.emit(FinishEvent(reason=reason, prompt_tokens=seq.prompt_len,
                              completion_tokens=seq.produced - len(seq.unreported), tag=self.config.knobs_tag))
 
-    def _fail(self, seq: Sequence, message: str, rejected: bool = False) -> None:
+    def _fail(self, seq: Sequence, message: str, rejected: str = "") -> None:
+        """`rejected`: the EngineRejected code when the request itself is at fault ("" = an engine failure)."""
         if seq.status is not Status.FINISHED:
             self._release(seq)
-            seq.emit(EngineRejected(message, code="grammar_dead_end") if rejected else EngineFailure(message))
+            seq.emit(EngineRejected(message, code=rejected) if rejected else EngineFailure(message))
 
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.waiting_bg):

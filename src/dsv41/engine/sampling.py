@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from .params import GREEDY_BELOW, SamplingParams, derive_seed
+from .params import GREEDY_BELOW, SamplingParams, banned_ids, derive_seed
 
-__all__ = ["GREEDY_BELOW", "SamplingParams", "derive_seed", "keyed_uniform", "keyed_gumbel", "filter_logits",
-           "sample_token", "token_logprobs"]
+__all__ = ["GREEDY_BELOW", "SamplingParams", "adjust_logits", "banned_ids", "derive_seed", "keyed_uniform",
+           "keyed_gumbel", "filter_logits", "sample_token", "token_logprobs"]
 
 _M32 = 0xFFFFFFFF
 
@@ -59,6 +59,35 @@ def keyed_uniform(seed: int, step: int, token_ids: torch.Tensor) -> torch.Tensor
 def keyed_gumbel(seed: int, step: int, token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise keyed by (seed, step, token id)."""
     return -torch.log(-torch.log(keyed_uniform(seed, step, token_ids)))
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, output: list[int], prompt: list[int],
+                  banned: list[int]) -> torch.Tensor:
+    """One row of logits [V] adjusted as the request asks, in vLLM's order: repetition penalty (ids in prompt or
+    output), frequency and presence penalties (output ids), logit_bias, then allowed_token_ids and the banned ids
+    (see `banned_ids`) at -inf. Float32 out; the input is not modified. Logprobs stay those of the raw model."""
+    out = logits.to(torch.float32).clone()
+    vocab = out.shape[-1]
+    if params.repetition_penalty != 1.0 and (output or prompt):
+        seen = torch.tensor(sorted({t for t in list(prompt) + list(output) if 0 <= t < vocab}), dtype=torch.long,
+                            device=out.device)
+        values = out[seen]
+        p = float(params.repetition_penalty)
+        out[seen] = torch.where(values > 0, values / p, values * p)
+    if (params.frequency_penalty or params.presence_penalty) and output:
+        counts = torch.bincount(torch.tensor([t for t in output if 0 <= t < vocab], dtype=torch.long),
+                                minlength=vocab).to(out.device, torch.float32)
+        out -= float(params.frequency_penalty) * counts + float(params.presence_penalty) * (counts > 0).float()
+    for token, bias in params.logit_bias:
+        if 0 <= token < vocab:
+            out[token] += float(bias)
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool, device=out.device)
+        keep[[t for t in params.allowed_token_ids if 0 <= t < vocab]] = True
+        out = out.masked_fill(~keep, float("-inf"))
+    if banned:
+        out[[t for t in banned if 0 <= t < vocab]] = float("-inf")
+    return out
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

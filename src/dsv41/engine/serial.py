@@ -32,7 +32,7 @@ from .interface import (
     check_submittable,
 )
 from .constraint import GrammarConstraint
-from .sampling import derive_seed, sample_token, token_logprobs
+from .sampling import adjust_logits, banned_ids, derive_seed, sample_token, token_logprobs
 
 
 class SerialEngine(Engine):
@@ -201,6 +201,7 @@ class SerialEngine(Engine):
         self._prompt_tokens_total += prompt_len
         row = logits[-1]
         produced = 0
+        output: list[int] = []  # the request's own tokens so far (penalties, bad words, min_tokens)
 
         def report(token: int, dist: torch.Tensor) -> None:
             if req.logprobs is not None:
@@ -220,13 +221,23 @@ class SerialEngine(Engine):
                 for k, token in enumerate(forced):
                     report(token, row if k == 0 else out[k - 1])
                 produced += len(forced)
+                output += forced
                 self._generation_tokens_total += len(forced)
                 row = out[-1]
                 if produced >= limit:
                     return "length", produced
                 continue
-            masked = grammar.mask_row(row) if grammar is not None else row
+            masked = row
+            p = req.sampling
+            if p.adjusts:
+                banned = banned_ids(p, output, () if req.ignore_eos else req.stop_token_ids)
+                masked = adjust_logits(row, p, output, req.prompt_ids, banned)
+                if not torch.isfinite(masked).any():
+                    raise EngineRejected("the sampling parameters (allowed_token_ids, bad_words, min_tokens) allow "
+                                         "no token here", code="no_token_allowed")
+            masked = grammar.mask_row(masked) if grammar is not None else masked
             token = sample_token(masked, req.sampling, seed, produced)
+            output.append(token)
             produced += 1
             self._generation_tokens_total += 1
             report(token, row)

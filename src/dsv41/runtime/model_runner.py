@@ -5,7 +5,8 @@ row.logit_offsets()`: `PoolForward` on the CPU, the fast path where it is built)
 everything a row needs travels in the `Row`. On every rank of a TP group the same `execute` runs (the forward's
 collectives keep the ranks in step); only the driver (rank 0) samples and reports.
 
-Per row: the sampled token from the last row's logits (its grammar mask applied first), the sampled token's
+Per row: the sampled token from the last row's logits (the request's logit adjustments, then its grammar mask
+applied first), the sampled token's
 logprob and top logprobs, and the logprob (+ top) of each `scores` entry: the prompt's next tokens (prompt
 logprobs) or a grammar's forced text. Logprobs are those of the raw model distribution, as `SerialEngine` reports
 them.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.batch import Batch, Row, RowOutput, StepOutput
-from ..engine.sampling import SamplingParams, sample_token, token_logprobs
+from ..engine.sampling import adjust_logits, sample_token, token_logprobs
 
 
 def free_bytes(device: torch.device) -> int:
@@ -68,13 +69,18 @@ class ModelRunner:
         if s is None:
             return out
         raw = logits[at[len(row.token_ids) - 1]]
+        params = s.params()
         masked = raw
+        if s.adjust is not None:
+            masked = adjust_logits(raw, params, s.adjust[6], s.adjust[7], s.adjust[5])
+            if not torch.isfinite(masked).any():
+                out.error = "the sampling parameters (allowed_token_ids, bad_words, min_tokens) allow no token here"
+                return out
         if s.mask is not None:
-            masked = raw.float().masked_fill(~allowed_ids(s.mask, raw.shape[-1], raw.device), float("-inf"))
+            masked = masked.float().masked_fill(~allowed_ids(s.mask, raw.shape[-1], raw.device), float("-inf"))
             if not torch.isfinite(masked).any():
                 out.error = "the grammar allows no token at this point"
                 return out
-        params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.seed)
         out.token = sample_token(masked, params, s.seed, s.step)
         if s.logprobs is not None:
             out.logprob, out.top = token_logprobs(raw, out.token, s.logprobs)
