@@ -36,6 +36,7 @@ from .completions import create_completion, prompt_ids
 from .context import ServerContext
 from .errors import APIError, bad_request, engine_error, engine_failed, from_validation_error, unavailable
 from .gate import Gate
+from .messages import anthropic_shaped, count_tokens, create_message
 from .generation import Generation, ServerDraining, new_id
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .streaming import GenerationStream
@@ -204,6 +205,13 @@ async def completions(ctx: ServerContext, request: Request) -> Response:
     return await _generate(ctx, gen, reply, req.stream)
 
 
+async def messages(ctx: ServerContext, request: Request) -> Response:
+    gen, reply = await create_message(ctx, request.state.body)
+    if isinstance(reply, GenerationStream):  # Anthropic's own event framing, settled like any stream
+        return reply
+    return await _generate(ctx, gen, reply, False)
+
+
 def _tokenize(ctx: ServerContext, raw: bytes) -> bytes:
     body, req = _parse_body(TokenizeRequest, raw)
     if req.prompt is not None:
@@ -296,6 +304,10 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Gate:
     ]
     routes = [Route(path, _endpoint(name, handler), methods=methods)
               for name, paths, handler, methods in api for path in paths]
+    # the Anthropic Messages API: the same endpoint machinery, Anthropic's error objects and x-api-key
+    routes += [Route("/v1/messages", anthropic_shaped(_endpoint("messages", messages)), methods=["POST"]),
+               Route("/v1/messages/count_tokens", anthropic_shaped(_endpoint("count_tokens", count_tokens)),
+                     methods=["POST"])]
     routes += [
         Route("/health", _endpoint("health", health, guarded=False), methods=["GET"]),
         Route("/v1/health", _endpoint("health", health, guarded=False), methods=["GET"]),

@@ -1,0 +1,208 @@
+"""Anthropic Messages API requests -> the OpenAI chat body `dsv41.chat.build_chat_prompt` takes; its errors.
+
+A Messages request is rewritten field by field into the chat request the V4.1 encoder already renders (one
+encoder, one set of rules): `system` -> a system message; content blocks -> text parts; assistant `thinking`
+blocks -> `reasoning_content`; `tool_use` -> `tool_calls` (input dumped as JSON); user `tool_result` blocks ->
+`tool` messages (before the user's own text, in order); `tools` (name, description, input_schema) -> functions;
+`tool_choice` auto / any / tool / none -> auto / required / named / none (`disable_parallel_tool_use` ->
+`parallel_tool_calls: false`); `thinking: {type: enabled}` turns reasoning on (off otherwise, as Anthropic's
+default; `budget_tokens` is accepted but not enforced). Images, documents and server tools are refused (400).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from .errors import APIError, bad_request
+from .protocol import MAX_STOP_STRINGS, Number, _Request
+
+# status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+               413: "request_too_large", 415: "invalid_request_error", 421: "invalid_request_error",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+def anthropic_error(exc: APIError) -> dict:
+    return error_body(exc.status, exc.message)
+
+
+class MessagesRequest(_Request):
+    model: StrictStr | None = None
+    messages: list[Any]
+    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    system: StrictStr | list[Any] | None = None
+    stop_sequences: Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: StrictBool = False
+    temperature: Annotated[Number, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[Number, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=0)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+
+def _text_of(blocks, where: str) -> str:
+    """A string, or a list of text blocks, as one string (system prompts, tool results)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise bad_request(f"{where} must be a string or a list of content blocks", param=where)
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else None
+            raise bad_request(f"{where}[{j}]: only text blocks are supported here (got {kind!r})",
+                              param=f"{where}[{j}]")
+        texts.append(block["text"])
+    return "\n\n".join(texts)
+
+
+def _user(content, where: str) -> list[dict]:
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not isinstance(content, list) or not content:
+        raise bad_request(f"{where} must be a string or a non-empty list of content blocks", param=where)
+    out, parts = [], []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append({"type": "text", "text": block["text"]})
+        elif kind == "tool_result":
+            if not isinstance(block.get("tool_use_id"), str):
+                raise bad_request(f"{at}.tool_use_id must be a string", param=f"{at}.tool_use_id")
+            text = _text_of(block.get("content", ""), f"{at}.content")
+            if block.get("is_error"):
+                text = f"Error: {text}"
+            out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+        elif kind in ("image", "document"):
+            raise bad_request(f"{kind} blocks are not supported: this server runs the text model only", param=at)
+        else:
+            raise bad_request(f"{at}: unsupported user content block type {kind!r}", param=at)
+    if parts:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _assistant(content, where: str) -> dict:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content blocks", param=where)
+    texts, reasoning, calls = [], [], []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            reasoning.append(block["thinking"])
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                raise bad_request(f"{at} needs a string id and name", param=at)
+            arguments = block.get("input", {})
+            if not isinstance(arguments, dict):
+                raise bad_request(f"{at}.input must be an object", param=f"{at}.input")
+            calls.append({"id": block["id"], "type": "function",
+                          "function": {"name": block["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}})
+        else:
+            raise bad_request(f"{at}: unsupported assistant content block type {kind!r}", param=at)
+    out = {"role": "assistant", "content": "".join(texts)}
+    if reasoning:
+        out["reasoning_content"] = "".join(reasoning)
+    if calls:
+        out["tool_calls"] = calls
+    return out
+
+
+def _tools(tools) -> list[dict] | None:
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise bad_request(f"{at}: only custom tools (name, input_schema) are supported, not {kind!r}", param=at)
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"{at}.name must be a non-empty string", param=f"{at}.name")
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad_request(f"{at}.input_schema must be an object", param=f"{at}.input_schema")
+        function = {"name": tool["name"], "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: dict | None, body: dict) -> None:
+    if choice is None:
+        return
+    kind = choice.get("type")
+    if kind == "auto":
+        body["tool_choice"] = "auto"
+    elif kind == "any":
+        body["tool_choice"] = "required"
+    elif kind == "none":
+        body["tool_choice"] = "none"
+    elif kind == "tool":
+        if not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice.name must be a string", param="tool_choice.name")
+        body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    else:
+        raise bad_request("tool_choice.type must be auto, any, tool or none", param="tool_choice.type")
+    if choice.get("disable_parallel_tool_use") is True:
+        body["parallel_tool_calls"] = False
+
+
+def _thinking(thinking: dict | None) -> bool:
+    if thinking is None:
+        return False
+    kind = thinking.get("type")
+    if kind in ("enabled", "adaptive"):
+        return True
+    if kind == "disabled":
+        return False
+    raise bad_request("thinking.type must be enabled, adaptive or disabled", param="thinking.type")
+
+
+def chat_body(req: MessagesRequest) -> dict:
+    """The OpenAI chat request the encoder renders for this Messages request."""
+    messages = []
+    if req.system is not None:
+        messages.append({"role": "system", "content": _text_of(req.system, "system")})
+    if not req.messages:
+        raise bad_request("messages must be a non-empty list", param="messages")
+    for i, message in enumerate(req.messages):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "user":
+            messages += _user(message.get("content"), f"{where}.content")
+        elif role == "assistant":
+            messages.append(_assistant(message.get("content"), f"{where}.content"))
+        else:
+            raise bad_request(f"{where}.role must be user or assistant, got {role!r}", param=f"{where}.role")
+    body: dict = {"messages": messages, "chat_template_kwargs": {"thinking": _thinking(req.thinking)}}
+    tools = _tools(req.tools)
+    if tools:
+        body["tools"] = tools
+    _tool_choice(req.tool_choice, body)
+    if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        body["continue_final_message"] = True  # Anthropic's prefill: the reply continues the last turn
+    return body
