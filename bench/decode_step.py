@@ -131,9 +131,8 @@ def step_reads(model, trace) -> dict:
             bytes_dense += lin.nbytes
 
     for block in model.blocks:
-        for v in vars(block.attn.w).values():
-            for lin in (v if isinstance(v, list) else [v]):
-                add(lin)
+        for lin in block.attn.linears():
+            add(lin)
         for trio in block.moe.shared:
             for lin in trio:
                 add(lin)
@@ -154,9 +153,8 @@ def step_reads(model, trace) -> dict:
 def prefill_flops(model, trace, T: int) -> float:
     flops = 0.0
     for block in model.blocks:
-        lins = [lin for v in vars(block.attn.w).values() for lin in (v if isinstance(v, list) else [v])]
-        lins += [lin for trio in block.moe.shared for lin in trio]
-        flops += sum(2.0 * T * lin.in_features * lin.out_features for lin in lins if hasattr(lin, "in_features"))
+        lins = block.attn.linears() + [lin for trio in block.moe.shared for lin in trio]
+        flops += sum(2.0 * T * lin.in_features * lin.out_features for lin in lins)
         s = block.moe.experts
         slots = sum(t["router_ids"].numel() for t in trace[block.index])
         flops += 2.0 * slots * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
@@ -166,28 +164,37 @@ def prefill_flops(model, trace, T: int) -> float:
 
 
 def classify(prof) -> dict:
-    """Device µs and kernel launches per runtime section (the innermost `dsv41::` range above each launch)."""
-    us, launches, seen = defaultdict(float), Counter(), set()
-    for fe in prof.events():
-        kernels = getattr(fe, "kernels", None) or []
-        if not kernels:
-            continue
-        cls, p = "other", fe
-        while p is not None:
-            if p.name.startswith(sections.PREFIX):
-                cls = p.name[len(sections.PREFIX):]
-                break
-            p = p.cpu_parent
-        for k in kernels:
-            if id(k) not in seen:
-                seen.add(id(k))
-                us[cls] += k.duration
-                launches[cls] += 1
-    # every device activity (kernels, copies), linked to a CPU op or not: what the links missed is unattributed
-    total = sum(fe.time_range.elapsed_us() for fe in prof.events() if str(fe.device_type).endswith("CUDA"))
-    if total > sum(us.values()) * 1.001:
-        us["unattributed"] = total - sum(us.values())
-    return {"device_us": dict(us), "launches": dict(launches), "device_total_us": total}
+    """Device µs and launches per runtime section. Each kernel goes to the innermost `dsv41::` range whose GPU-side
+    span (the profiler's GPU user annotation) contains its start: this also places the EXL3 kernels, which are
+    launched through the driver API and so have no CPU op linked to them. Busy = the union of kernel intervals
+    (PDL lets EXL3 kernels overlap). `linked_us`: the same per section through the CPU ops' own kernel links."""
+    events = prof.events()
+    device = [e for e in events if str(e.device_type).endswith("CUDA")]
+    spans = sorted(((e.time_range.start, e.time_range.end, e.name[len(sections.PREFIX):]) for e in device
+                    if e.name.startswith(sections.PREFIX)), key=lambda t: (t[0], -t[1]))
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in device
+                     if not e.name.startswith(sections.PREFIX))
+    us, launches, stack, j = defaultdict(float), Counter(), [], 0
+    busy, reach = 0.0, -math.inf
+    for start, end in kernels:
+        while j < len(spans) and spans[j][0] <= start:
+            stack.append(spans[j])
+            j += 1
+        while stack and stack[-1][1] < start:
+            stack.pop()
+        inner = next((sp[2] for sp in reversed(stack) if sp[0] <= start <= sp[1]), "other")
+        us[inner] += end - start
+        launches[inner] += 1
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    linked = defaultdict(float)
+    for fe in events:
+        for k in getattr(fe, "kernels", None) or []:
+            p = fe
+            while p is not None and not p.name.startswith(sections.PREFIX):
+                p = p.cpu_parent
+            linked[p.name[len(sections.PREFIX):] if p is not None else "other"] += k.duration
+    return {"device_us": dict(us), "launches": dict(launches), "busy_us": busy, "linked_us": dict(linked)}
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -245,8 +252,9 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             row = {"rows": n, "mode": mode, "step_ms": step_ms, "times_ms": times, **reads}
             if prof is not None:
                 cls = classify(prof)
-                dev_ms = sum(cls["device_us"].values()) / 1e3
+                dev_ms = cls["busy_us"] / 1e3
                 row.update(ops=cls["device_us"], launches=cls["launches"], device_ms=dev_ms, host_ms=step_ms - dev_ms,
+                           ops_linked_us=cls["linked_us"],
                            ops_per_layer_us={k: v / len(model.blocks) for k, v in cls["device_us"].items()})
             if floors_rates:
                 row["floors"] = {"bandwidth_ms": (reads["exl3_bytes"] + reads["dense_bytes"]) / ceiling_gbps / 1e6,
@@ -285,8 +293,9 @@ def plot(results, path: Path) -> None:
     for mode, mark in (("decode", "o-"), ("verify", "s--")):
         rows = [s for s in results["steps"] if s["mode"] == mode]
         a.plot([s["rows"] for s in rows], [s["step_ms"] for s in rows], mark, label=f"{mode} step (wall)")
-        if rows and "device_ms" in rows[0]:
-            a.plot([s["rows"] for s in rows], [s["device_ms"] for s in rows], mark, alpha=0.5,
+        prof = [s for s in rows if "device_ms" in s]
+        if prof:
+            a.plot([s["rows"] for s in prof], [s["device_ms"] for s in prof], mark, alpha=0.5,
                    label=f"{mode} device busy")
     dec = [s for s in results["steps"] if s["mode"] == "decode" and "floors" in s]
     for key, style in (("bandwidth_ms", ":"), ("instruction_ms", "-.")):
@@ -297,7 +306,8 @@ def plot(results, path: Path) -> None:
     a.set_yscale("log")
     a.legend(fontsize=8)
     a.set_title(f"rank 0 of TP=2, {results['gpu']}")
-    if dec and "ops" in dec[0]:
+    dec = [s for s in dec if "ops" in s]
+    if dec:
         names = sorted({k for s in dec for k in s["ops"]})
         bottom = [0.0] * len(dec)
         for name in names:
@@ -348,8 +358,9 @@ def main(argv=None) -> int:
         c = read_ceiling_gbps()
         ceiling, tflops = c["read_gbps"], bf16_tflops()
         results["ceilings"] = {**c, "bf16_tflops": tflops}
-        gemm = PrefillWorkspace(device).gemm
-        results["prefill_gemm_row_count_bits"] = gemm_row_bits(gemm, device)
+        ws = PrefillWorkspace(device)
+        results["prefill_gemm"] = ws.gemm_mode
+        results["prefill_gemm_row_count_bits"] = gemm_row_bits(ws.gemm, device)
         log(f"read ceiling {ceiling:.0f} GB/s, bf16 {tflops:.0f} TFLOP/s; GEMM bits by M: "
             f"{results['prefill_gemm_row_count_bits']}")
         save()

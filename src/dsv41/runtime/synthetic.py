@@ -25,6 +25,7 @@ from dsv41.config import LayerRole, ModelConfig
 from dsv41.engram.hashing import EngramConstants, EngramHasher, head_shard
 from dsv41.engram.shards import dequant_fp8_rows, quantize_rows_fp8
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor
+from dsv41.model.attention import AttentionParams, CompressorParams, IndexerParams
 from dsv41.model.loader import _inter_block
 from dsv41.model.quant import fp4_block_e4m3, fp4_block_ue8m0, fp8_block_ue8m0
 from dsv41.model.rope import RopeTable, rope_tables
@@ -33,7 +34,7 @@ from dsv41.parallel.comm import Comm, LocalComm
 from dsv41.weights import exl3
 from dsv41.weights.linear import split_range
 
-from .layers.attention import AttnWeights, FastAttention
+from .layers.attention import FastAttention
 from .layers.linear import DequantLinear, Exl3Linear, PrefillWorkspace
 from .layers.moe import FusedMoE, StackedExperts
 from .model import HC, FastBlock, FastEngram, FastModel
@@ -141,25 +142,26 @@ def _block(r: _Random, cfg: ModelConfig, role: LayerRole, rope: RopeTable, rank:
     g0, g1 = split_range(G, world, rank)
     K = lambda part: pack_k(part, L, cfg)  # noqa: E731
     p = f"layers.{L}." if not role.is_dspark else f"mtp.{L - cfg.num_hidden_layers}."
-    w = AttnWeights(
-        wq_a=r.linear(d, cfg.q_lora_rank, K("attn0"), p + "attn.wq_a"), q_norm=r.norm(cfg.q_lora_rank),
-        wq_b=r.linear(cfg.q_lora_rank, (h1 - h0) * hd, K("attn"), p + "attn.wq_b"),
-        wkv=r.linear(d, hd, K("attn0"), p + "attn.wkv"), kv_norm=r.norm(hd), sink=r.normal(h1 - h0),
-        wo_a=[r.linear(cfg.heads_per_group * hd, cfg.o_lora_rank, K("attn"), f"{p}attn.wo_a.slice.{g}")
-              for g in range(g0, g1)],
-        wo_b=r.linear((g1 - g0) * cfg.o_lora_rank, d, K("attn"), p + "attn.wo_b"))
+    w = AttentionParams(
+        r.linear(d, cfg.q_lora_rank, K("attn0"), p + "attn.wq_a"), r.norm(cfg.q_lora_rank),
+        r.linear(cfg.q_lora_rank, (h1 - h0) * hd, K("attn"), p + "attn.wq_b"),
+        r.linear(d, hd, K("attn0"), p + "attn.wkv"), r.norm(hd), r.normal(h1 - h0),
+        [r.linear(cfg.heads_per_group * hd, cfg.o_lora_rank, K("attn"), f"{p}attn.wo_a.slice.{g}")
+         for g in range(g0, g1)],
+        r.linear((g1 - g0) * cfg.o_lora_rank, d, K("attn"), p + "attn.wo_b"))
     if role.compresses:
-        w.comp_wkv, w.comp_norm = r.linear(d, hd, K("attn"), p + "attn.compressor.wkv"), r.norm(hd)
+        w.compressor = CompressorParams(r.linear(d, hd, K("attn"), p + "attn.compressor.wkv"), r.norm(hd))
         if role.compress_ratio > 1:
-            w.comp_wgate = r.linear(d, hd, K("attn"), p + "attn.compressor.wgate")
+            w.compressor.wgate = r.linear(d, hd, K("attn"), p + "attn.compressor.wgate")
         if role.scores:
-            w.index_wk = r.linear(hd, cfg.index_head_dim, K("index_wk"), p + "attn.indexer.wk")
-            w.index_k_norm = r.norm(cfg.index_head_dim)
+            w.compressor.index_wk = r.linear(hd, cfg.index_head_dim, K("index_wk"), p + "attn.indexer.wk")
+            w.compressor.index_k_norm = r.norm(cfg.index_head_dim)
     if role.scores:
         nh = cfg.index_n_heads
-        w.idx_wq_b = r.linear(cfg.q_lora_rank, nh * cfg.index_head_dim, K("attn"), p + "attn.indexer.wq_b")
-        w.idx_weights_proj = DequantLinear("native", {"weight": r.normal(nh, d, std=d ** -0.5, dtype=torch.bfloat16)},
-                                           d, nh, p + "attn.indexer.weights_proj")
+        w.indexer = IndexerParams(
+            r.linear(cfg.q_lora_rank, nh * cfg.index_head_dim, K("attn"), p + "attn.indexer.wq_b"),
+            DequantLinear("native", {"weight": r.normal(nh, d, std=d ** -0.5, dtype=torch.bfloat16)}, d, nh,
+                          p + "attn.indexer.weights_proj"))
     attn = FastAttention(cfg, role, w, rope, local_heads=h1 - h0)
 
     E = cfg.dspark_n_routed_experts if role.is_dspark else cfg.n_routed_experts

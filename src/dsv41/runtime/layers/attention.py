@@ -41,25 +41,6 @@ class Segment:
         return slice(self.start, self.start + self.T)
 
 
-@dataclass
-class AttnWeights:
-    wq_a: object
-    q_norm: torch.Tensor
-    wq_b: object  # column-parallel: this rank's heads
-    wkv: object
-    kv_norm: torch.Tensor
-    sink: torch.Tensor  # [local heads]
-    wo_a: Sequence  # one per local output group
-    wo_b: object  # row-parallel
-    comp_wkv: object | None = None
-    comp_norm: torch.Tensor | None = None
-    comp_wgate: object | None = None
-    index_wk: object | None = None
-    index_k_norm: torch.Tensor | None = None
-    idx_wq_b: object | None = None
-    idx_weights_proj: object | None = None
-
-
 def window_slots(win: torch.Tensor, s: Segment, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`model.attention.window_slots` with the segment's positions known on the host (no device read)."""
     first = s.pos + s.T - win.shape[0]
@@ -69,14 +50,23 @@ def window_slots(win: torch.Tensor, s: Segment, window: int) -> tuple[torch.Tens
 
 
 class FastAttention:
-    def __init__(self, cfg: ModelConfig, role: LayerRole, w: AttnWeights, rope: RopeTable, *, local_heads: int,
+    def __init__(self, cfg: ModelConfig, role: LayerRole, w: AttentionParams, rope: RopeTable, *, local_heads: int,
                  fake_quant: bool = True):
+        """`w`: the reference's parameter record, its linears fast ones (this rank's heads and groups)."""
         self.cfg, self.role, self.w = cfg, role, w
         self.heads = local_heads
         self.fq = fake_quant
-        # the reference layer without projections: its RoPE, candidate blocks, top-k and core are reused as they are
-        self.ref = Attention(cfg, role, AttentionParams(None, w.q_norm, None, None, w.kv_norm, w.sink, [], None),
-                             rope, local_heads=local_heads, fake_quant=fake_quant)
+        # the reference layer on the same record: its RoPE, candidate blocks, top-k and core are reused as they are
+        # (it never calls the linears)
+        self.ref = Attention(cfg, role, w, rope, local_heads=local_heads, fake_quant=fake_quant)
+
+    def linears(self) -> list:
+        """Every linear of the layer (for accounting)."""
+        w, c, i = self.w, self.w.compressor, self.w.indexer
+        out = [w.wq_a, w.wq_b, w.wkv, *w.wo_a, w.wo_b]
+        out += [c.wkv, c.wgate, c.index_wk] if c is not None else []
+        out += [i.wq_b, i.weights_proj] if i is not None else []
+        return [lin for lin in out if lin is not None]
 
     def forward(self, x: torch.Tensor, n: int, P: torch.Tensor, segs: Sequence[Segment], phase: str,
                 trace: dict | None = None) -> torch.Tensor:
@@ -95,7 +85,7 @@ class FastAttention:
         proj = self._compressor_inputs(x, n, phase) if role.compresses else {}
         iq = iw = None
         if role.scores:
-            ib, wp = w.idx_wq_b(qr, n, phase), w.idx_weights_proj(x, n, phase)
+            ib, wp = w.indexer.wq_b(qr, n, phase), w.indexer.weights_proj(x, n, phase)
             with section("indexer"):
                 iq = fp4_block_ue8m0(rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P), 32, self.fq)
                 iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
@@ -125,14 +115,13 @@ class FastAttention:
 
     # ------------------------------------------------------------------ compressor
     def _compressor_inputs(self, x, n, phase) -> dict:
-        w = self.w
+        c = self.w.compressor
         if self.role.compress_ratio == 1:
-            latent = w.comp_wkv(x, n, phase)
+            latent = c.wkv(x, n, phase)
             with section("norms"):
-                return {"latent": rms_norm(latent, w.comp_norm, self.cfg.rms_norm_eps)}
+                return {"latent": rms_norm(latent, c.norm, self.cfg.rms_norm_eps)}
         # ratio > 1 pools in fp32 (the reference feeds x.float(); the kernels round either to fp16 alike)
-        return {"v": w.comp_wkv(x, n, phase, out_dtype=torch.float32),
-                "s": w.comp_wgate(x, n, phase, out_dtype=torch.float32)}
+        return {"v": c.wkv(x, n, phase, out_dtype=torch.float32), "s": c.wgate(x, n, phase, out_dtype=torch.float32)}
 
     def _pool(self, s: Segment, proj: dict, dtype: torch.dtype):
         """The groups this segment closes: (latent [g, hd], entry positions [g]) or None; keeps the open group."""
@@ -151,18 +140,18 @@ class FastAttention:
             if n_groups == 0:
                 return None
             pooled = (torch.softmax(g[:done].view(n_groups, r, -1), dim=1) * v[:done].view(n_groups, r, -1)).sum(1)
-            latent = rms_norm(pooled.to(dtype), self.w.comp_norm, self.cfg.rms_norm_eps)
+            latent = rms_norm(pooled.to(dtype), self.w.compressor.norm, self.cfg.rms_norm_eps)
         g0 = first // r
         return latent, (torch.arange(latent.shape[0], device=latent.device) + g0) * r
 
     def _append_entries(self, segs, closed, phase) -> None:
         """Entries (RoPE at the group's first token, FP4) and index keys of every closed group, appended per
         sequence; the index-key projection runs once over all of them."""
-        w, cfg = self.w, self.cfg
+        comp, cfg = self.w.compressor, self.cfg
         keys = None
-        if w.index_wk is not None:
+        if comp.index_wk is not None:
             latents = torch.cat([c[0] for c in closed if c is not None])
-            keys = w.index_wk(latents, None, phase)
+            keys = comp.index_wk(latents, None, phase)
         at = 0
         with section("attention"):
             for s, c in zip(segs, closed):
@@ -173,7 +162,7 @@ class FastAttention:
                 kv = fp4_block_e4m3(self.ref._rope(latent, entry_pos), 16, self.fq)
                 src.kv = kv if src.kv is None else torch.cat((src.kv, kv))
                 if keys is not None:
-                    k = rms_norm(keys[at:at + latent.shape[0]], w.index_k_norm, cfg.rms_norm_eps)
+                    k = rms_norm(keys[at:at + latent.shape[0]], comp.index_k_norm, cfg.rms_norm_eps)
                     k = fp4_block_ue8m0(self.ref._rope(k, entry_pos), 32, self.fq)
                     src.index_k = k if src.index_k is None else torch.cat((src.index_k, k))
                 at += latent.shape[0]

@@ -71,13 +71,13 @@ def _gemm_for(device: torch.device):
     cuBLAS with an fp32 output where torch offers it, else fp16 output widened; fp32 products of the fp16 values on
     the CPU (exact products, fp32 sums)."""
     if device.type != "cuda":
-        return lambda x16, w16: x16.float() @ w16.float()
+        return (lambda x16, w16: x16.float() @ w16.float()), "fp32 products of fp16 values (CPU)"
     a = torch.zeros(16, 16, dtype=torch.float16, device=device)
     try:
         torch.mm(a, a, out_dtype=torch.float32)
-        return lambda x16, w16: torch.mm(x16, w16, out_dtype=torch.float32)
+        return (lambda x16, w16: torch.mm(x16, w16, out_dtype=torch.float32)), "cuBLAS fp16, fp32 output"
     except (RuntimeError, TypeError, NotImplementedError):
-        return lambda x16, w16: torch.mm(x16, w16).float()
+        return (lambda x16, w16: torch.mm(x16, w16).float()), "cuBLAS fp16, fp16 output"
 
 
 class PrefillWorkspace:
@@ -89,7 +89,7 @@ class PrefillWorkspace:
         self.device = torch.device(device)
         self.numel = 0
         self.buf: torch.Tensor | None = None
-        self.gemm = _gemm_for(self.device)
+        self.gemm, self.gemm_mode = _gemm_for(self.device)
 
     def reserve(self, k: int, n: int) -> None:
         if self.buf is not None and k * n > self.buf.numel():
