@@ -129,8 +129,11 @@ def test_seeds_reproduce(client):
 
     assert run(seed=7) == run(seed=7)
     assert run(seed=7) != run(seed=8)
-    # without a seed, identical requests still give identical replies (seed derived from the prompt)
-    assert run() == run()
+    # without a seed, each request draws a fresh one and returns it in `seed`: sending it back reproduces the reply
+    first = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=16, temperature=1.0,
+                                           extra_body={"reasoning_effort": "none"})
+    assert run() != run() or run() != run()
+    assert run(seed=first.seed) == first.choices[0].message.content
     texts = {run(seed=s, top_p=0.9) for s in range(4)}
     assert len(texts) > 1
 
@@ -260,11 +263,16 @@ def test_metrics_and_request_log(server, client):
     assert refused["status"] == 400 and "n must be 1" in refused["error"]
 
 
-def test_unknown_fields_are_ignored_and_any_model_name_is_served(server, client):
-    resp = client.chat.completions.create(model="some-other-name", messages=MESSAGES, max_tokens=2,
+def test_unknown_fields_are_ignored_and_logged_once_and_an_unknown_model_is_404(server, client):
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=2,
                                           extra_body={"frobnicate": {"x": 1}, "priority": 3, "user_tag": "t"})
     assert resp.choices[0].finish_reason in ("stop", "length")
-    assert resp.model == SERVED_NAME  # an unknown model name is answered by the served model
+    client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=1, extra_body={"frobnicate": 2})
+    warned = [line for line in server.lines if "'frobnicate' is accepted but not implemented" in line]
+    assert len(warned) == 1, warned
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="some-other-name", messages=MESSAGES, max_tokens=2)
+    assert "does not exist" in err.value.message and err.value.body["code"] == "model_not_found"
     alias = client.completions.create(model=ALIAS, prompt="x", max_tokens=1)
     assert alias.model == ALIAS
 

@@ -27,9 +27,11 @@ from .errors import bad_request
 from .generation import (
     Generation,
     TokenText,
+    check_request,
     completion_budget,
     new_id,
     sampling_params,
+    stop_ids,
     structured_grammar,
     usage,
 )
@@ -86,13 +88,15 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     thinking = prompt.thinking_mode == "thinking" and not prompt.continue_final_message
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = completion_budget(ctx, len(ids), req.completion_limit, "messages", limit_param)
+    check_request(ctx, req, "chat", budget)
     # compiling a grammar can take a while for a big schema: keep it off the event loop
     grammar = await ctx.run_cpu(
         lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
     top = req.top_logprobs or 0
+    sampling = await ctx.run_cpu(sampling_params, ctx, req)
     engine_request = GenerationRequest(
-        prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req),
-        stop_token_ids=frozenset({ctx.tokenizer.eos_id}), ignore_eos=req.ignore_eos,
+        prompt_ids=ids, max_tokens=budget, sampling=sampling, stop_token_ids=stop_ids(ctx, req),
+        ignore_eos=req.ignore_eos,
         logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
     gen = Generation(ctx, "chat", engine_request, stream=req.stream)
     reply = _ChatReply(ctx, gen, req, prompt)
@@ -104,10 +108,13 @@ class _ChatReply:
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
-        # the parser needs every marker, EOS included, so nothing is skipped or hidden here
-        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=frozenset())
+        # the parser needs every marker, EOS included, so nothing is skipped here; a stop_token_ids id other than
+        # EOS is not shown (unless include_stop_str_in_output), as in completions
+        hidden = frozenset() if req.include_stop_str_in_output or req.ignore_eos else \
+            gen.request.stop_token_ids - {ctx.tokenizer.eos_id}
+        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=hidden)
         self.parser = prompt.new_parser()
-        self.stop = StopMatcher(req.stop_strings)
+        self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.calls_seen = 0
 
     def _logprob_entries(self, event: TokenEvent) -> list[dict]:
@@ -171,7 +178,7 @@ class _ChatReply:
         choice = {"index": 0, "delta": delta, "logprobs": {"content": entries} if entries else None,
                   "finish_reason": finish_reason}
         return {"id": self.gen.request.request_id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model, "choices": [choice]}
+                "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice]}
 
     async def chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
@@ -225,5 +232,5 @@ class _ChatReply:
         choice = {"index": 0, "message": message, "logprobs": {"content": entries} if self.req.logprobs else None,
                   "finish_reason": finish}
         return {"id": self.gen.request.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choice],
+                "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice],
                 "usage": usage(self.gen.prompt_tokens, self.gen.completion_tokens)}

@@ -10,9 +10,11 @@ from .errors import bad_request
 from .generation import (
     Generation,
     TokenText,
+    check_request,
     completion_budget,
     new_id,
     sampling_params,
+    stop_ids,
     structured_grammar,
     usage,
 )
@@ -41,10 +43,11 @@ def prompt_ids(ctx: ServerContext, prompt, add_special_tokens: bool) -> tuple[li
 async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple[Generation, object]:
     ids, added_bos = await ctx.run_cpu(prompt_ids, ctx, req.prompt, req.add_special_tokens)
     budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
+    check_request(ctx, req, "completions", budget)
     grammar = await ctx.run_cpu(lambda: structured_grammar(ctx, req, thinking=False))
-    eos = ctx.tokenizer.eos_id
+    sampling = await ctx.run_cpu(sampling_params, ctx, req)
     engine_request = GenerationRequest(
-        prompt_ids=ids, max_tokens=budget, sampling=sampling_params(req), stop_token_ids=frozenset({eos}),
+        prompt_ids=ids, max_tokens=budget, sampling=sampling, stop_token_ids=stop_ids(ctx, req),
         ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"),
         prompt_logprobs=req.logprobs if req.echo else None)
     gen = Generation(ctx, "completions", engine_request, stream=req.stream)
@@ -59,9 +62,12 @@ class _Reply:
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
+        stops = gen.request.stop_token_ids
+        if req.include_stop_str_in_output:  # a stop_token_ids token is shown; EOS never is
+            stops = stops & {ctx.tokenizer.eos_id}
         self.text = TokenText(ctx, skip_special_tokens=req.skip_special_tokens,
-                              hidden_ids=frozenset() if req.ignore_eos else gen.request.stop_token_ids)
-        self.stop = StopMatcher(req.stop_strings)
+                              hidden_ids=frozenset() if req.ignore_eos else stops)
+        self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.offset = 0
         self.hidden_prefix = 0  # leading prompt tokens the server added (not echoed, not scored)
         if req.echo:
@@ -123,7 +129,7 @@ class _Reply:
     def _chunk(self, text: str, logprobs, finish_reason) -> dict:
         return {
             "id": self.gen.request.request_id, "object": "text_completion", "created": self.created,
-            "model": self.model,
+            "model": self.model, "seed": self.gen.request.sampling.seed,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         }
 

@@ -9,6 +9,8 @@ JSONL log.
 from __future__ import annotations
 
 import json
+import logging
+import secrets
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -30,16 +32,78 @@ class ServerDraining(Exception):
     """Pushed into a stream when the drain grace period is over: the response ends with an error."""
 
 
-def sampling_params(fields: "SamplingFields") -> SamplingParams:
+def fresh_seed() -> int:
+    """The seed of a request that gave none: drawn fresh (a chat UI's "regenerate" gets a new answer); the reply
+    carries it in its `seed` field, so sending it back reproduces the reply."""
+    return secrets.randbits(64)
+
+
+def _token_ids(ctx: ServerContext, ids, param: str) -> list[int]:
+    vocab = ctx.vocab_size
+    for token in ids:
+        if not 0 <= int(token) < vocab:
+            raise bad_request(f"{param}: {token} is not a token id (0 <= id < {vocab})", param=param)
+    return [int(t) for t in ids]
+
+
+def sampling_params(ctx: ServerContext, fields: "SamplingFields") -> SamplingParams:
+    """The engine's SamplingParams; token ids checked against the vocabulary, bad words tokenized (as written and
+    after a space, as vLLM does), a fresh seed when the request gave none. Blocking-light (a few encodes)."""
     top_k = fields.top_k if fields.top_k is not None and fields.top_k > 0 else 0
-    seed = fields.seed % (1 << 64) if fields.seed is not None else None
+    seed = fields.seed % (1 << 64) if fields.seed is not None else fresh_seed()
+    bias = fields.logit_bias or {}
+    bias_ids = _token_ids(ctx, [int(k) for k in bias], "logit_bias")
+    bad_words: list[tuple[int, ...]] = []
+    for word in fields.bad_words or []:
+        for variant in (word, " " + word.lstrip(" ")):
+            ids = tuple(ctx.tokenizer.encode_literal(variant))
+            if ids and ids not in bad_words:
+                bad_words.append(ids)
+    allowed = fields.allowed_token_ids
     return SamplingParams(
         temperature=float(fields.temperature) if fields.temperature is not None else 1.0,
         top_p=float(fields.top_p) if fields.top_p is not None else 1.0,
         top_k=top_k,
         min_p=float(fields.min_p) if fields.min_p is not None else 0.0,
         seed=seed,
+        presence_penalty=float(fields.presence_penalty or 0.0),
+        frequency_penalty=float(fields.frequency_penalty or 0.0),
+        repetition_penalty=float(fields.repetition_penalty) if fields.repetition_penalty is not None else 1.0,
+        logit_bias=tuple((t, float(b)) for t, b in zip(bias_ids, bias.values())),
+        allowed_token_ids=None if allowed is None else tuple(_token_ids(ctx, allowed, "allowed_token_ids")),
+        bad_words=tuple(bad_words),
+        min_tokens=fields.min_tokens,
     )
+
+
+def stop_ids(ctx: ServerContext, fields: "SamplingFields") -> frozenset[int]:
+    """EOS and the request's stop_token_ids."""
+    return frozenset({ctx.tokenizer.eos_id, *_token_ids(ctx, fields.stop_token_ids or [], "stop_token_ids")})
+
+
+def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, budget: int) -> None:
+    """What every generation endpoint checks past the schema: the model name (404 unless the served name or an
+    alias), min_tokens within the budget, and the fields accepted but not implemented (logged once per name)."""
+    if fields.model is not None and fields.model not in ctx.model_names:
+        raise APIError(404, f"The model `{fields.model}` does not exist (served: {', '.join(ctx.model_names)}).",
+                       param="model", code="model_not_found")
+    if fields.min_tokens > budget:
+        raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
+                          param="min_tokens")
+    ignored = sorted(set(fields.model_extra or {}))
+    if fields.stream_options is not None and fields.stream_options.continuous_usage_stats:
+        ignored.append("stream_options.continuous_usage_stats")
+    if endpoint == "chat" and fields.skip_special_tokens is False:
+        ignored.append("skip_special_tokens")
+    for name in ignored:
+        if (endpoint, name) not in _WARNED:
+            _WARNED.add((endpoint, name))
+            log.warning("%s: the request field %r is accepted but not implemented (ignored); further requests "
+                        "with it are not logged", endpoint, name)
+
+
+_WARNED: set[tuple[str, str]] = set()
+log = logging.getLogger("dsv41.server")
 
 
 def completion_budget(ctx: ServerContext, prompt_len: int, requested: int | None, param: str,

@@ -1,6 +1,6 @@
 """Request bodies of every endpoint, as pydantic models (one module, like vLLM's protocol files).
 
-Unknown fields are ignored, as vLLM does. Numbers are parsed strictly: a bool or a string is not a number, and
+Unknown fields are ignored, as vLLM does (chat and completions keep them in `model_extra` to log them once). Numbers are parsed strictly: a bool or a string is not a number, and
 NaN/inf are refused. Message contents, tools and schemas stay plain dicts here: the chat layer
 (`dsv41.chat.build_chat_prompt`) validates them and names the offending field itself.
 """
@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_LOGIT_BIAS = 300  # OpenAI's limit
+MAX_TOKEN_LISTS = 4096  # stop_token_ids, allowed_token_ids
 
 Number = StrictFloat | StrictInt
 Probability = Annotated[Number, Field(ge=0.0, le=1.0)]
@@ -42,6 +44,17 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # logit adjustments (engine/sampling.py adjust_logits); OpenAI's ranges for the two OpenAI penalties
+    frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] | None = None
+    logit_bias: Annotated[dict[StrictStr, Annotated[Number, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_LISTS)] | None = None
+    bad_words: Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1, max_length=MAX_TOKEN_LISTS)] | None = None
+    include_stop_str_in_output: StrictBool = False
     # structured output (vLLM spellings); response_format is OpenAI's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -59,6 +72,11 @@ class SamplingFields(_Request):
             raise ValueError("stream_options is only allowed when stream is true")
         if "" in self.stop_strings:
             raise ValueError("stop strings must not be empty")
+        if self.bad_words is not None and "" in self.bad_words:
+            raise ValueError("bad_words must not contain an empty string")
+        for key in self.logit_bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         return self
 
     @property
@@ -69,6 +87,8 @@ class SamplingFields(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")  # unknown fields kept in model_extra: logged once, then ignored
+
     messages: list[Any]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -97,6 +117,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow")
+
     prompt: StrictStr | list[StrictInt] | list[Any]
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
     echo: StrictBool = False

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 class StopMatcher:
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], keep: bool = False):
         self.stops = [s for s in stops if s]
+        self.keep = keep  # include_stop_str_in_output: the matched stop string is shown
         self._pending = ""
         self.stopped = False
 
@@ -16,11 +17,12 @@ class StopMatcher:
         if not self.stops:
             return text
         buffer = self._pending + text
-        cut = min((i for i in (buffer.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, len(s)) for i, s in ((buffer.find(s), s) for s in self.stops) if i >= 0]
+        if found:
+            cut, length = min(found, key=lambda f: (f[0], -f[1]))
             self.stopped = True
             self._pending = ""
-            return buffer[:cut]
+            return buffer[:cut + length] if self.keep else buffer[:cut]
         hold = self._partial_suffix(buffer)
         self._pending = buffer[len(buffer) - hold:] if hold else ""
         return buffer[: len(buffer) - hold]

@@ -1,0 +1,76 @@
+"""The sampling parameters on the real server with the official client: each honoured one changes the reply as
+specified, and out-of-range values are 400s."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from server_harness import SERVED_NAME, client, server, tokenizer  # noqa: F401 (pytest fixtures)
+
+PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
+
+
+def complete(client, **kw):
+    kw.setdefault("max_tokens", 12)
+    kw.setdefault("temperature", 0.0)
+    extra = {k: kw.pop(k) for k in list(kw) if k in (
+        "repetition_penalty", "min_tokens", "stop_token_ids", "bad_words", "allowed_token_ids",
+        "include_stop_str_in_output", "ignore_eos")}
+    return client.completions.create(model=SERVED_NAME, prompt=PROMPT, extra_body=extra, **kw)
+
+
+def test_logit_bias_removes_the_greedy_token_and_penalties_change_greedy_output(client, tokenizer):
+    base = complete(client, ignore_eos=True, max_tokens=48)
+    greedy = complete(client, max_tokens=1, logprobs=1).choices[0].logprobs
+    same = [t for t in range(tokenizer.vocab_size) if tokenizer.decode_token(t) == greedy.tokens[0]]
+    biased = complete(client, max_tokens=1, logit_bias={str(t): -100 for t in same[:300]}, logprobs=1)
+    # logprobs are the raw model's: the greedy token had the highest, the one drawn instead has less
+    assert biased.choices[0].logprobs.token_logprobs[0] < greedy.token_logprobs[0]
+    text = base.choices[0].text
+    for kw in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 3.0}):
+        assert complete(client, ignore_eos=True, max_tokens=48, **kw).choices[0].text != text, kw
+
+
+def test_allowed_ids_bad_words_stop_token_ids_and_min_tokens(client, tokenizer):
+    allowed = [283, 297, 307, 262]  # " c", "at", " m", " the"
+    names = [tokenizer.decode_token(t) for t in allowed]
+    resp = complete(client, allowed_token_ids=allowed, max_tokens=12, logprobs=0, ignore_eos=True)
+    tokens = resp.choices[0].logprobs.tokens
+    assert set(tokens) <= set(names) and len(tokens) == 12
+    banned = complete(client, allowed_token_ids=allowed, max_tokens=12, logprobs=0, ignore_eos=True,
+                      bad_words=["the"]).choices[0].logprobs.tokens
+    assert " the" not in banned and set(banned) <= set(names)
+    if " the" in tokens:
+        assert banned != tokens
+    stop = next(t for t in tokens[1:] if t in names)
+    cut = complete(client, allowed_token_ids=allowed, max_tokens=12, stop_token_ids=[allowed[names.index(stop)]])
+    at = tokens.index(stop)
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at + 1
+    assert cut.choices[0].text == "".join(tokens[:at])  # the stop token is not shown
+    # EOS allowed and even favoured, but banned for the first 8 tokens: the reply runs its whole budget
+    eos = tokenizer.eos_id
+    long = complete(client, max_tokens=8, min_tokens=8, allowed_token_ids=[eos, *allowed], logit_bias={str(eos): 50})
+    assert long.usage.completion_tokens == 8 and long.choices[0].finish_reason == "length"
+    short = complete(client, max_tokens=8, min_tokens=3, allowed_token_ids=[eos, *allowed], logit_bias={str(eos): 50})
+    assert short.usage.completion_tokens == 4 and short.choices[0].finish_reason == "stop"
+
+
+def test_include_stop_str_in_output(client):
+    base = complete(client, ignore_eos=True).choices[0].text
+    stop = base.strip()[:3]
+    cut = complete(client, ignore_eos=True, stop=[stop]).choices[0].text
+    kept = complete(client, ignore_eos=True, stop=[stop], include_stop_str_in_output=True).choices[0].text
+    assert kept == cut + stop and stop not in cut
+
+
+@pytest.mark.parametrize("body", [
+    {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0}, {"logit_bias": {"5": 101}},
+    {"logit_bias": {"x": 1}}, {"logit_bias": {"99999999": 1}}, {"stop_token_ids": [-1]}, {"allowed_token_ids": []},
+    {"min_tokens": 20, "max_tokens": 5}, {"bad_words": [""]},
+])
+def test_out_of_range_values_are_400(client, body):
+    body = dict(body)
+    max_tokens = body.pop("max_tokens", 5)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=max_tokens, extra_body=body)
