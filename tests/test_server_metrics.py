@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_harness import ServerProcess, server  # noqa: F401  (the shared server fixture)
+from server_harness import SERVED_NAME, ServerProcess, server  # noqa: F401  (the shared server fixture)
 
 ORIGIN = "https://app.example"
 
@@ -47,3 +47,63 @@ def test_cors_is_off_by_default(server):  # noqa: F811
         r = http.get("/v1/models", headers={"Origin": ORIGIN})
     assert pre.status_code == 405
     assert "access-control-allow-origin" not in r.headers and "access-control-allow-origin" not in pre.headers
+
+
+# ---------------------------------------------------------------------------- /metrics
+def _scrape(proc) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with proc.http() as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200
+    return {family.name: family for family in text_string_to_metric_families(r.text)}
+
+
+def _value(families: dict, family: str, sample: str, default: float | None = None, **labels) -> float:
+    found = [s.value for s in families[family].samples if s.name == sample and all(
+        s.labels.get(k) == v for k, v in labels.items())]
+    if not found and default is not None:
+        return default
+    assert found, f"no {sample} {labels} in {family}"
+    return sum(found)
+
+
+def test_metrics_vllm_names_and_engine_figures(cors_server):
+    with cors_server.client() as client:
+        client.chat.completions.create(model=SERVED_NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    cors_server.wait_idle()
+    families = _scrape(cors_server)
+    names = set(families)
+    # the parser drops the _total suffix of counters from the family name
+    for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions", "vllm:iteration_tokens_total",
+                 "vllm:request_decode_time_seconds", "vllm:request_success", "vllm:num_requests_running",
+                 "vllm:time_to_first_token_seconds", "dsv41_kv_pool_pages_used", "dsv41_kv_pool_pages_total",
+                 "dsv41_slots_total", "dsv41_engine_rounds", "dsv41_requests_unfinished"):
+        assert name in names, name
+    assert not [s.name for f in families.values() for s in f.samples if s.name.endswith("_created")]
+    usage = _value(families, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc")
+    assert 0.0 <= usage <= 1.0
+    assert _value(families, "vllm:num_preemptions", "vllm:num_preemptions_total") == 0
+    rounds = _value(families, "dsv41_engine_rounds", "dsv41_engine_rounds_total")
+    assert rounds >= 1
+    inf = _value(families, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_bucket", le="+Inf")
+    assert inf == rounds
+    tokens = _value(families, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum")
+    assert tokens == _value(families, "dsv41_prefill_rows", "dsv41_prefill_rows_total") + \
+        _value(families, "dsv41_decode_rows", "dsv41_decode_rows_total")
+    assert _value(families, "vllm:request_success", "vllm:request_success_total") >= 1
+    assert _value(families, "vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_count") >= 1
+
+
+def test_metrics_count_aborts_apart_from_successes(cors_server):
+    before = _scrape(cors_server)
+    success = _value(before, "vllm:request_success", "vllm:request_success_total", default=0)
+    with cors_server.http() as http:
+        with http.stream("POST", "/v1/chat/completions", json={
+                "model": SERVED_NAME, "max_tokens": 2000, "stream": True, "messages": [{"role": "user", "content": "hi"}]}) as r:
+            for _ in r.iter_lines():
+                break  # leave after the first event: the request is aborted
+    cors_server.wait_idle()
+    after = _scrape(cors_server)
+    assert _value(after, "vllm:request_success", "vllm:request_success_total", default=0) == success
+    assert _value(after, "dsv41_requests_unfinished", "dsv41_requests_unfinished_total", reason="abort") >= 1

@@ -281,7 +281,7 @@ async def version(ctx: ServerContext, request: Request) -> Response:
 
 async def metrics(ctx: ServerContext, request: Request) -> Response:
     stats = ctx.engine.stats()
-    ctx.metrics.engine_gauges(stats.running, stats.waiting)
+    ctx.metrics.engine_gauges(stats.running, stats.waiting, stats.detail)
     ctx.metrics.inflight.set(ctx.inflight - 1)
     return Response(ctx.metrics.render(), media_type=ctx.metrics.content_type)
 

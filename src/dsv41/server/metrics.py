@@ -1,13 +1,26 @@
 """Prometheus metrics: our own `dsv41_*` names and the vLLM names dashboards already know.
 
-Each app owns a private CollectorRegistry, so several servers in one process (tests) never collide.
+Each app owns a private CollectorRegistry, so several servers in one process (tests) never collide. No
+`_created` series (vLLM exports none either). The engine's own figures (KV pool pages, rows per round, rounds)
+come from `EngineStats.detail` at scrape time (`EngineCollector`); an engine without them (serial) leaves them out.
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+disable_created_metrics()  # process-wide: no `*_created` series next to counters and histograms
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
 
@@ -41,8 +54,13 @@ class Metrics:
         self.v_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for the engine", labels, registry=r)
         self.v_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed", labels, registry=r)
         self.v_generation = Counter("vllm:generation_tokens", "Generation tokens processed", labels, registry=r)
-        self.v_success = Counter("vllm:request_success", "Finished requests by finish reason",
+        self.v_success = Counter("vllm:request_success", "Requests finished successfully, by finish reason",
                                  labels + ["finished_reason"], registry=r)
+        # what request_success leaves out: a client that left (abort) and a generation that failed (error)
+        self.unfinished = Counter("dsv41_requests_unfinished", "Generations that did not finish: abort (client "
+                                  "left) or error", ["reason"], registry=r)
+        self.v_decode = Histogram("vllm:request_decode_time_seconds", "First token to the end of the request",
+                                  labels, buckets=LATENCY_BUCKETS, registry=r)
         self.v_ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", labels,
                                 buckets=LATENCY_BUCKETS, registry=r)
         self.v_e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", labels,
@@ -55,9 +73,13 @@ class Metrics:
         self.v_generation_hist = Histogram("vllm:request_generation_tokens", "Generated tokens per request",
                                            labels, buckets=(16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
 
-    def engine_gauges(self, running: int, waiting: int) -> None:
+        self.engine = EngineCollector(model_name)
+        r.register(self.engine)
+
+    def engine_gauges(self, running: int, waiting: int, detail: dict | None = None) -> None:
         self.v_running.labels(self.model_name).set(running)
         self.v_waiting.labels(self.model_name).set(waiting)
+        self.engine.detail = dict(detail or {})
 
     def finished_generation(self, *, prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
                             e2e_s: float, finish_reason: str) -> None:
@@ -68,13 +90,71 @@ class Metrics:
         self.v_generation.labels(m).inc(completion_tokens)
         self.v_prompt_hist.labels(m).observe(prompt_tokens)
         self.v_generation_hist.labels(m).observe(completion_tokens)
-        self.v_success.labels(m, finish_reason).inc()
+        if finish_reason in ("abort", "error"):
+            self.unfinished.labels(finish_reason).inc()
+        else:
+            self.v_success.labels(m, finish_reason).inc()
         self.v_e2e.labels(m).observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             self.v_ttft.labels(m).observe(ttft_s)
+            self.v_decode.labels(m).observe(e2e_s - ttft_s)
             if completion_tokens > 1:
                 self.v_tpot.labels(m).observe((e2e_s - ttft_s) / (completion_tokens - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineCollector:
+    """The batched engine's figures (`EngineStats.detail`, as of the last `engine_gauges`) as metric families."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.detail: dict = {}
+
+    def describe(self):
+        return []  # figures appear only once an engine reported them
+
+    def collect(self):
+        d, m = self.detail, [self.model_name]
+        if "pages_total" not in d:
+            return
+        used, total = d["pages_used"], d["pages_total"]
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV pool usage, 0 to 1 (1 = every page in use)",
+                                  labels=["model_name"])
+        usage.add_metric(m, used / total if total else 0.0)
+        yield usage
+        yield GaugeMetricFamily("dsv41_kv_pool_pages_used", "KV pool pages in use", value=used)
+        yield GaugeMetricFamily("dsv41_kv_pool_pages_total", "KV pool pages", value=total)
+        yield GaugeMetricFamily("dsv41_kv_page_tokens", "Positions per KV pool page", value=d["page_tokens"])
+        yield GaugeMetricFamily("dsv41_slots_busy", "Request slots holding a sequence", value=d["slots_busy"])
+        yield GaugeMetricFamily("dsv41_slots_total", "Request slots", value=d["slots_total"])
+        # the engine never preempts (a running request never waits for memory: block_manager.py)
+        preemptions = CounterMetricFamily("vllm:num_preemptions", "Preemptions (always 0: dsv41 never preempts)",
+                                          labels=["model_name"])
+        preemptions.add_metric(m, 0)
+        yield preemptions
+        yield CounterMetricFamily("dsv41_engine_rounds", "Engine rounds (model steps)", value=d["rounds"])
+        yield CounterMetricFamily("dsv41_engine_round_seconds", "Time spent in engine rounds",
+                                  value=d["round_seconds_total"])
+        yield CounterMetricFamily("dsv41_prefill_rows", "Prompt rows prefilled by the engine",
+                                  value=d["prefill_tokens_total"])
+        yield CounterMetricFamily("dsv41_decode_rows", "Decode rows run by the engine", value=d["decode_tokens_total"])
+        yield self._rows_per_round(d, m)
+
+    @staticmethod
+    def _rows_per_round(d: dict, m: list[str]) -> HistogramMetricFamily:
+        """vLLM's iteration_tokens_total: tokens (rows) per engine round. The engine counts rounds in buckets
+        1, 2, 4, ..., 4096, the last one also holding bigger rounds, so it is exported as +Inf."""
+        counts = sorted((int(k), v) for k, v in d.get("rows_per_round", {}).items())
+        bounds = [1 << i for i in range(12)]  # 1 .. 2048; above that: +Inf
+        buckets, seen = [], 0
+        for bound in bounds:
+            seen = sum(v for k, v in counts if k <= bound)
+            buckets.append((str(float(bound)), seen))
+        buckets.append(("+Inf", sum(v for _, v in counts)))
+        family = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens (prefill and decode rows) per "
+                                       "engine round", labels=["model_name"])
+        family.add_metric(m, buckets, sum_value=d["prefill_tokens_total"] + d["decode_tokens_total"])
+        return family
