@@ -77,20 +77,21 @@ def test_metrics_vllm_names_and_engine_figures(cors_server):
     # the parser drops the _total suffix of counters from the family name
     for name in ("vllm:kv_cache_usage_perc", "vllm:num_preemptions", "vllm:iteration_tokens_total",
                  "vllm:request_decode_time_seconds", "vllm:request_success", "vllm:num_requests_running",
-                 "vllm:time_to_first_token_seconds", "dsv41_kv_pool_pages_used", "dsv41_kv_pool_pages_total",
-                 "dsv41_slots_total", "dsv41_engine_rounds", "dsv41_requests_unfinished"):
+                 "vllm:time_to_first_token_seconds", "dsv41_engine_pages_used", "dsv41_engine_pages",
+                 "dsv41_engine_rounds", "dsv41_requests_unfinished"):
         assert name in names, name
     assert not [s.name for f in families.values() for s in f.samples if s.name.endswith("_created")]
     usage = _value(families, "vllm:kv_cache_usage_perc", "vllm:kv_cache_usage_perc")
-    assert 0.0 <= usage <= 1.0
+    pages = _value(families, "dsv41_engine_pages", "dsv41_engine_pages")
+    assert 0.0 <= usage <= 1.0 and usage == _value(families, "dsv41_engine_pages_used", "dsv41_engine_pages_used") / pages
     assert _value(families, "vllm:num_preemptions", "vllm:num_preemptions_total") == 0
     rounds = _value(families, "dsv41_engine_rounds", "dsv41_engine_rounds_total")
     assert rounds >= 1
     inf = _value(families, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_bucket", le="+Inf")
     assert inf == rounds
     tokens = _value(families, "vllm:iteration_tokens_total", "vllm:iteration_tokens_total_sum")
-    assert tokens == _value(families, "dsv41_prefill_rows", "dsv41_prefill_rows_total") + \
-        _value(families, "dsv41_decode_rows", "dsv41_decode_rows_total")
+    assert tokens == _value(families, "dsv41_engine_prefill_tokens", "dsv41_engine_prefill_tokens_total") + \
+        _value(families, "dsv41_engine_decode_tokens", "dsv41_engine_decode_tokens_total")
     assert _value(families, "vllm:request_success", "vllm:request_success_total") >= 1
     assert _value(families, "vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_count") >= 1
 

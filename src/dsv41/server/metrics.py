@@ -2,7 +2,8 @@
 
 Each app owns a private CollectorRegistry, so several servers in one process (tests) never collide. No
 `_created` series (vLLM exports none either). The engine's own figures (KV pool pages, rows per round, rounds)
-come from `EngineStats.detail` at scrape time (`EngineCollector`); an engine without them (serial) leaves them out.
+come from `EngineStats.detail` at scrape time (`EngineCollector` here for vLLM's names, engine/build.py's for
+`dsv41_engine_*`); an engine without them (serial) leaves them out.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class Metrics:
 
 
 class EngineCollector:
-    """The batched engine's figures (`EngineStats.detail`, as of the last `engine_gauges`) as metric families."""
+    """The batched engine's figures under vLLM's names (`EngineStats.detail` as of the last `engine_gauges`);
+    the same figures under dsv41's own names (`dsv41_engine_*`: slots, pages, queue, rounds, rows per round)
+    come from engine/build.py's collector."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -125,22 +128,11 @@ class EngineCollector:
                                   labels=["model_name"])
         usage.add_metric(m, used / total if total else 0.0)
         yield usage
-        yield GaugeMetricFamily("dsv41_kv_pool_pages_used", "KV pool pages in use", value=used)
-        yield GaugeMetricFamily("dsv41_kv_pool_pages_total", "KV pool pages", value=total)
-        yield GaugeMetricFamily("dsv41_kv_page_tokens", "Positions per KV pool page", value=d["page_tokens"])
-        yield GaugeMetricFamily("dsv41_slots_busy", "Request slots holding a sequence", value=d["slots_busy"])
-        yield GaugeMetricFamily("dsv41_slots_total", "Request slots", value=d["slots_total"])
         # the engine never preempts (a running request never waits for memory: block_manager.py)
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Preemptions (always 0: dsv41 never preempts)",
                                           labels=["model_name"])
         preemptions.add_metric(m, 0)
         yield preemptions
-        yield CounterMetricFamily("dsv41_engine_rounds", "Engine rounds (model steps)", value=d["rounds"])
-        yield CounterMetricFamily("dsv41_engine_round_seconds", "Time spent in engine rounds",
-                                  value=d["round_seconds_total"])
-        yield CounterMetricFamily("dsv41_prefill_rows", "Prompt rows prefilled by the engine",
-                                  value=d["prefill_tokens_total"])
-        yield CounterMetricFamily("dsv41_decode_rows", "Decode rows run by the engine", value=d["decode_tokens_total"])
         yield self._rows_per_round(d, m)
 
     @staticmethod
