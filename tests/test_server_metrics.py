@@ -94,6 +94,15 @@ def test_metrics_vllm_names_and_engine_figures(cors_server):
         _value(families, "dsv41_engine_decode_tokens", "dsv41_engine_decode_tokens_total")
     assert _value(families, "vllm:request_success", "vllm:request_success_total") >= 1
     assert _value(families, "vllm:request_decode_time_seconds", "vllm:request_decode_time_seconds_count") >= 1
+    # the engine's own timings: one queue and one prefill figure per request, a gap per token after the first
+    generated = _value(families, "dsv41_engine_decode_tokens", "dsv41_engine_decode_tokens_total")
+    queued = _value(families, "vllm:request_queue_time_seconds", "vllm:request_queue_time_seconds_count")
+    prefilled = _value(families, "vllm:request_prefill_time_seconds", "vllm:request_prefill_time_seconds_count")
+    gaps = _value(families, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_count")
+    assert queued >= prefilled >= 2  # the warm-up and the chat request
+    assert 1 <= gaps <= generated + queued
+    assert _value(families, "vllm:inter_token_latency_seconds", "vllm:inter_token_latency_seconds_bucket",
+                  le="+Inf") == gaps
 
 
 def test_metrics_count_aborts_apart_from_successes(cors_server):
@@ -108,3 +117,28 @@ def test_metrics_count_aborts_apart_from_successes(cors_server):
     after = _scrape(cors_server)
     assert _value(after, "vllm:request_success", "vllm:request_success_total", default=0) == success
     assert _value(after, "dsv41_requests_unfinished", "dsv41_requests_unfinished_total", reason="abort") >= 1
+
+
+def test_engine_time_histogram_and_its_export():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from dsv41.engine.llm_engine import TIME_BUCKETS, TimeHistogram
+    from dsv41.server.metrics import EngineCollector
+
+    h = TimeHistogram()
+    for seconds in (0.0005, 0.003, 0.003, 1000.0):
+        h.observe(seconds)
+    assert h.counts[0] == 1 and h.counts[TIME_BUCKETS.index(0.005)] == 2 and h.counts[-1] == 1 and sum(h.counts) == 4
+    collector = EngineCollector("m")
+    collector.detail = {"pages_used": 1, "pages_total": 4, "rows_per_round": {"1": 2}, "prefill_tokens_total": 1,
+                        "decode_tokens_total": 1,
+                        "seconds": {"bounds": list(TIME_BUCKETS), "queue": h.figures(), "prefill": h.figures(),
+                                    "inter_token": TimeHistogram().figures()}}
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    assert 'vllm:request_queue_time_seconds_bucket{le="0.005",model_name="m"} 3.0' in text
+    assert 'vllm:request_queue_time_seconds_bucket{le="80.0",model_name="m"} 3.0' in text
+    assert 'vllm:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} 4.0' in text
+    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in text
+    assert 'vllm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 2.0' in text

@@ -22,6 +22,23 @@ from .request import Sequence, Status
 from .scheduler import Scheduler, SchedulerConfig
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+# seconds: queue (arrival -> first scheduled), prefill (first scheduled -> prompt in), inter-token gaps
+TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class TimeHistogram:
+    """Counts per TIME_BUCKETS bound (not cumulative; the last count is above every bound) and their sum."""
+
+    def __init__(self):
+        self.counts = [0] * (len(TIME_BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[next((i for i, b in enumerate(TIME_BUCKETS) if seconds <= b), len(TIME_BUCKETS))] += 1
+        self.sum += seconds
+
+    def figures(self) -> dict:
+        return {"counts": list(self.counts), "sum": round(self.sum, 6)}
 
 
 @dataclass
@@ -49,6 +66,9 @@ class LLMEngine:
         self.round_seconds_total = 0.0
         self.last_round_s = 0.0
         self.rows_hist = {b: 0 for b in ROW_BUCKETS}
+        self.times = {"queue": TimeHistogram(), "prefill": TimeHistogram(), "inter_token": TimeHistogram()}
+        self._scheduled_at: dict[int, float] = {}  # seq id -> when its first row ran (until its prompt is in)
+        self._last_token_at: dict[int, float] = {}  # seq id -> when its last token was reported
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
@@ -81,6 +101,11 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if not work:
             return False
+        now = self.clock()
+        for seq, _ in work:
+            if seq.prefilling and seq.seq_id not in self._scheduled_at:
+                self._scheduled_at[seq.seq_id] = now
+                self.times["queue"].observe(now - seq.arrival)
         rows = [self._row(seq, n) for seq, n in work]
         batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag)
         self._freed_slots, self._freed_pages = [], []
@@ -137,6 +162,9 @@ class LLMEngine:
             seq.prompt_scores += [(lp, tuple(top)) for j, (lp, top) in sorted(scored.items()) if a + j + 1 < seq.prompt_len]
         if a < seq.prompt_len <= seq.num_computed:
             self.prompt_tokens_total += seq.prompt_len
+            scheduled = self._scheduled_at.pop(seq.seq_id, None)
+            if scheduled is not None:
+                self.times["prefill"].observe(self.clock() - scheduled)
             if seq.prompt_logprobs is not None:
                 seq.emit(PromptLogprobsEvent(((None, ()), *seq.prompt_scores)))
                 seq.prompt_scores = []
@@ -160,6 +188,10 @@ class LLMEngine:
 
     def _report(self, seq: Sequence, token: int, logprob, top) -> None:
         self.generation_tokens_total += 1
+        now, last = self.clock(), self._last_token_at.get(seq.seq_id)
+        if last is not None:
+            self.times["inter_token"].observe(now - last)
+        self._last_token_at[seq.seq_id] = now
         if seq.logprobs is not None:
             seq.emit(TokenEvent(token, logprob, tuple(tuple(t) for t in top)))
         else:
@@ -178,6 +210,8 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         slot = seq.slot
         freed = self.scheduler.remove(seq)
+        self._scheduled_at.pop(seq.seq_id, None)
+        self._last_token_at.pop(seq.seq_id, None)
         if slot is not None:
             self._freed_slots.append(slot)
         self._freed_pages += freed
@@ -217,4 +251,5 @@ class LLMEngine:
             "last_round_s": round(self.last_round_s, 6),
             "rows_per_round": {str(k): v for k, v in self.rows_hist.items() if v},
             "prefill_mode": self.config.prefill_mode, "tag": self.config.knobs_tag,
+            "seconds": {"bounds": list(TIME_BUCKETS), **{k: h.figures() for k, h in self.times.items()}},
         }

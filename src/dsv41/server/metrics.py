@@ -134,6 +134,24 @@ class EngineCollector:
         preemptions.add_metric(m, 0)
         yield preemptions
         yield self._rows_per_round(d, m)
+        seconds = d.get("seconds")
+        if seconds:
+            for key, name, text in (("queue", "request_queue_time_seconds", "Arrival in the engine to first scheduled"),
+                                    ("prefill", "request_prefill_time_seconds", "First scheduled to the prompt in"),
+                                    ("inter_token", "inter_token_latency_seconds", "Between two output tokens")):
+                yield self._timing(f"vllm:{name}", text, seconds["bounds"], seconds[key], m)
+
+    @staticmethod
+    def _timing(name: str, text: str, bounds: list, figures: dict, m: list[str]) -> HistogramMetricFamily:
+        """An engine TimeHistogram (counts per bound, the last above all) as a cumulative histogram."""
+        buckets, seen = [], 0
+        for bound, count in zip(bounds, figures["counts"]):
+            seen += count
+            buckets.append((str(float(bound)), seen))
+        buckets.append(("+Inf", sum(figures["counts"])))
+        family = HistogramMetricFamily(name, text, labels=["model_name"])
+        family.add_metric(m, buckets, sum_value=figures["sum"])
+        return family
 
     @staticmethod
     def _rows_per_round(d: dict, m: list[str]) -> HistogramMetricFamily:
