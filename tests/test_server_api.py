@@ -258,9 +258,9 @@ def test_metrics_and_request_log(server, client):
     last = [r for r in records if r["endpoint"] == "completions" and r["status"] == 200][-1]
     assert last["completion_tokens"] == 3 and last["finish_reason"] in ("length", "stop")
     with server.http() as http:
-        assert http.post("/v1/completions", json={"prompt": "x", "n": 3}).status_code == 400
+        assert http.post("/v1/completions", json={"prompt": "x", "n": 17}).status_code == 400
     refused = json.loads(server.request_log.read_text().splitlines()[-1])
-    assert refused["status"] == 400 and "n must be 1" in refused["error"]
+    assert refused["status"] == 400 and "n must be between 1 and 16" in refused["error"]
 
 
 def test_unknown_fields_are_ignored_and_logged_once_and_an_unknown_model_is_404(server, client):

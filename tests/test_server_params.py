@@ -74,3 +74,50 @@ def test_out_of_range_values_are_400(client, body):
     max_tokens = body.pop("max_tokens", 5)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=max_tokens, extra_body=body)
+
+
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def test_n_choices_equal_single_requests_with_the_corresponding_seeds(client):
+    chat = dict(model=SERVED_NAME, messages=MESSAGES, max_tokens=10, temperature=1.0,
+                extra_body={"reasoning_effort": "none"})
+    many = client.chat.completions.create(n=3, seed=40, **chat)
+    assert [c.index for c in many.choices] == [0, 1, 2] and many.seed == 40
+    singles = [client.chat.completions.create(seed=40 + i, **chat) for i in range(3)]
+    assert [c.message.content for c in many.choices] == [s.choices[0].message.content for s in singles]
+    assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    streamed = {}
+    for chunk in client.chat.completions.create(n=3, seed=40, stream=True, stream_options={"include_usage": True},
+                                                **chat):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == many.usage.completion_tokens
+    assert [streamed[i] for i in range(3)] == [c.message.content for c in many.choices]
+    # completions: unseeded n=2 draws seed, seed + 1; the reply says which
+    two = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0)
+    again = client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=8, temperature=1.0,
+                                      seed=(two.seed + 1) % 2**64)
+    assert two.choices[1].text == again.choices[0].text
+
+
+def test_completions_prompt_lists_and_echo_scoring(client, tokenizer):
+    prompts = ["The lighthouse", "A red fox"]
+    batch = client.completions.create(model=SERVED_NAME, prompt=prompts, max_tokens=6, temperature=0.0)
+    alone = [client.completions.create(model=SERVED_NAME, prompt=p, max_tokens=6, temperature=0.0) for p in prompts]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert [c.index for c in batch.choices] == [0, 1]
+    ids = [tokenizer.encode(p) for p in prompts]
+    by_ids = client.completions.create(model=SERVED_NAME, prompt=ids, max_tokens=6, temperature=0.0, n=2)
+    assert [c.index for c in by_ids.choices] == [0, 1, 2, 3] and by_ids.usage.prompt_tokens == sum(map(len, ids))
+    scored = client.completions.create(model=SERVED_NAME, prompt=prompts[0], max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == prompts[0] and scored.usage.completion_tokens == 0
+    # the BOS the server put in front is neither echoed nor scored, so every echoed token has its logprob
+    assert len(choice.logprobs.tokens) == len(ids[0]) and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    plain = client.completions.create(model=SERVED_NAME, prompt=prompts[0], max_tokens=0, echo=True)
+    assert plain.choices[0].text == prompts[0] and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=0)

@@ -8,6 +8,7 @@ the visible answer only, never reasoning or tool-call text.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..chat import (
@@ -26,8 +27,11 @@ from .context import ServerContext
 from .errors import bad_request
 from .generation import (
     Generation,
+    GenerationGroup,
+    MultiReply,
     TokenText,
     check_request,
+    choice_seed,
     completion_budget,
     new_id,
     sampling_params,
@@ -94,13 +98,25 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
     top = req.top_logprobs or 0
     sampling = await ctx.run_cpu(sampling_params, ctx, req)
-    engine_request = GenerationRequest(
-        prompt_ids=ids, max_tokens=budget, sampling=sampling, stop_token_ids=stop_ids(ctx, req),
-        ignore_eos=req.ignore_eos,
-        logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
-    gen = Generation(ctx, "chat", engine_request, stream=req.stream)
-    reply = _ChatReply(ctx, gen, req, prompt)
-    return gen, (reply.chunks() if req.stream else reply)
+    replies: list[_ChatReply] = []
+    try:
+        for i in range(req.n):  # choice i draws with seed + i (choice_seed): equal to a single request with it
+            engine_request = GenerationRequest(
+                prompt_ids=ids, max_tokens=budget, stop_token_ids=stop_ids(ctx, req), ignore_eos=req.ignore_eos,
+                sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
+                logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
+            gen = Generation(ctx, "chat", engine_request, stream=req.stream)
+            replies.append(_ChatReply(ctx, gen, req, prompt))
+    except BaseException:
+        for reply in replies:
+            reply.gen.close()
+        raise
+    if len(replies) == 1:
+        reply = replies[0]
+        return reply.gen, (reply.chunks() if req.stream else reply)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    multi = MultiReply(replies, include_usage, len(ids))
+    return GenerationGroup([r.gen for r in replies]), (multi.chunks() if req.stream else multi)
 
 
 class _ChatReply:

@@ -1,7 +1,9 @@
-"""POST /v1/completions: a raw prompt (text, or one flat list of token ids) continued by the model."""
+"""POST /v1/completions: a raw prompt (text, or one flat list of token ids), or a list of them, continued by the
+model: one choice per (prompt, n), in that order; echo + max_tokens 0 scores the prompt."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
@@ -9,8 +11,11 @@ from .context import ServerContext
 from .errors import bad_request
 from .generation import (
     Generation,
+    GenerationGroup,
+    MultiReply,
     TokenText,
     check_request,
+    choice_seed,
     completion_budget,
     new_id,
     sampling_params,
@@ -41,24 +46,45 @@ def prompt_ids(ctx: ServerContext, prompt, add_special_tokens: bool) -> tuple[li
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple[Generation, object]:
-    ids, added_bos = await ctx.run_cpu(prompt_ids, ctx, req.prompt, req.add_special_tokens)
-    budget = completion_budget(ctx, len(ids), req.max_tokens, "prompt")
-    check_request(ctx, req, "completions", budget)
+    """One Generation per (prompt, index < n); choice prompt_index * n + i draws with seed + i (choice_seed)."""
+    prepared = []
+    for k, prompt in enumerate(req.prompts):
+        ids, added_bos = await ctx.run_cpu(prompt_ids, ctx, prompt, req.add_special_tokens)
+        param = "prompt" if len(req.prompts) == 1 else f"prompt[{k}]"
+        prepared.append((prompt, ids, added_bos, completion_budget(ctx, len(ids), req.max_tokens, param)))
+    check_request(ctx, req, "completions", min(b for *_, b in prepared))
     grammar = await ctx.run_cpu(lambda: structured_grammar(ctx, req, thinking=False))
     sampling = await ctx.run_cpu(sampling_params, ctx, req)
-    engine_request = GenerationRequest(
-        prompt_ids=ids, max_tokens=budget, sampling=sampling, stop_token_ids=stop_ids(ctx, req),
-        ignore_eos=req.ignore_eos, logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"),
-        prompt_logprobs=req.logprobs if req.echo else None)
-    gen = Generation(ctx, "completions", engine_request, stream=req.stream)
-    reply = _Reply(ctx, gen, req)
-    # a BOS the server put in front of a text prompt is not part of the echoed text, so it is not scored either
-    reply.hidden_prefix = 1 if added_bos else 0
-    return gen, (reply.chunks() if req.stream else reply)
+    stops = stop_ids(ctx, req)
+    scoring = req.max_tokens == 0  # echo + max_tokens 0: the prompt scored, nothing generated
+    replies: list[_Reply] = []
+    try:
+        for prompt, ids, added_bos, budget in prepared:
+            for i in range(req.n):
+                engine_request = GenerationRequest(
+                    prompt_ids=ids, max_tokens=max(budget, 1), stop_token_ids=stops, ignore_eos=req.ignore_eos,
+                    sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
+                    logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"),
+                    prompt_logprobs=(req.logprobs or 0) if scoring else (req.logprobs if req.echo else None))
+                gen = Generation(ctx, "completions", engine_request, stream=req.stream)
+                reply = _Reply(ctx, gen, req, prompt)
+                # a BOS the server put in front of a text prompt is not part of the echoed text, nor scored
+                reply.hidden_prefix = 1 if added_bos else 0
+                replies.append(reply)
+    except BaseException:
+        for reply in replies:
+            reply.gen.close()
+        raise
+    if len(replies) == 1:
+        reply = replies[0]
+        return reply.gen, (reply.chunks() if req.stream else reply)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    multi = MultiReply(replies, include_usage, sum(len(ids) for _, ids, _, _ in prepared))
+    return GenerationGroup([r.gen for r in replies]), (multi.chunks() if req.stream else multi)
 
 
 class _Reply:
-    def __init__(self, ctx: ServerContext, gen: Generation, req: CompletionRequest):
+    def __init__(self, ctx: ServerContext, gen: Generation, req: CompletionRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
@@ -71,8 +97,7 @@ class _Reply:
         self.offset = 0
         self.hidden_prefix = 0  # leading prompt tokens the server added (not echoed, not scored)
         if req.echo:
-            prompt = req.prompt if isinstance(req.prompt, str) else ctx.tokenizer.decode(req.prompt)
-            self.echo = prompt
+            self.echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt)
         else:
             self.echo = ""
 
@@ -83,8 +108,12 @@ class _Reply:
             yield self.echo, None, None
         async for event in self.gen.events():
             if isinstance(event, PromptLogprobsEvent):  # comes first, only when echo + logprobs were asked
-                yield self.echo, self._prompt_logprobs(event), None
+                if echo_with_logprobs:
+                    yield self.echo, self._prompt_logprobs(event), None
                 self.offset = len(self.echo)
+                if self.req.max_tokens == 0:  # scoring only: the prompt is all there is
+                    yield "", None, "length"
+                    return
                 continue
             if not isinstance(event, TokenEvent):
                 tail = self.stop.feed(self.text.flush())

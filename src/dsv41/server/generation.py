@@ -8,6 +8,7 @@ JSONL log.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -298,3 +299,95 @@ class TokenText:
 
     def token_bytes(self, token_id: int) -> list[int]:
         return list(self.decoder.token_bytes(token_id))
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of an n > 1 request: seed + index (mod 2**64), so choice i equals a single
+    request sent with that seed."""
+    return (seed + index) % (1 << 64)
+
+
+class GenerationGroup:
+    """Several Generations answered as one reply (n > 1, a list of prompts): what the app needs of a Generation
+    (status, fail, close) over all of them."""
+
+    def __init__(self, members: list[Generation]):
+        self.members = members
+
+    @property
+    def status(self) -> int:
+        return max(g.status for g in self.members)
+
+    def fail(self, error: APIError) -> None:
+        for g in self.members:
+            g.fail(error)
+
+    def close(self) -> None:
+        for g in self.members:
+            g.close()
+
+
+async def merged(iterators):
+    """(index, item) from several async iterators as the items come; the first exception ends it."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i, iterator):
+        try:
+            async for item in iterator:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, end))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class MultiReply:
+    """n choices (and/or one per prompt) of one request: member i's choices get index i; usage is summed (the
+    prompt of an n > 1 request counted once, as OpenAI does)."""
+
+    def __init__(self, replies: list, include_usage: bool, prompt_tokens: int):
+        self.replies, self.include_usage, self.prompt_tokens = replies, include_usage, prompt_tokens
+
+    def _usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(r.gen.completion_tokens for r in self.replies))
+
+    def _relabel(self, body: dict, index: int) -> dict:
+        first = self.replies[0]
+        body["id"], body["seed"] = first.gen.request.request_id, first.gen.request.sampling.seed
+        for choice in body["choices"]:
+            choice["index"] = index
+        return body
+
+    async def complete(self) -> dict:
+        bodies = await asyncio.gather(*(r.complete() for r in self.replies))
+        out = self._relabel(bodies[0], 0)
+        out["choices"] = [self._relabel(b, i)["choices"][0] for i, b in enumerate(bodies)]
+        out["usage"] = self._usage()
+        return out
+
+    async def chunks(self):
+        last = None
+        async for i, chunk in merged([r.chunks() for r in self.replies]):
+            if not chunk["choices"]:  # a member's usage chunk: one summed chunk comes at the end instead
+                last = chunk
+                continue
+            yield self._relabel(chunk, i)
+        if self.include_usage and last is not None:
+            last = self._relabel(last, 0)
+            last["usage"] = self._usage()
+            yield last

@@ -13,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # choices per request (and per prompt of a completions batch)
+MAX_CHOICES = 64  # prompts x n
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_TOKEN_LISTS = 4096  # stop_token_ids, allowed_token_ids
 
@@ -64,8 +66,8 @@ class SamplingFields(_Request):
 
     @model_validator(mode="after")
     def _common_rules(self):
-        if self.n != 1:
-            raise ValueError("n must be 1")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be between 1 and {MAX_N}")
         if self.top_k is not None and self.top_k < -1:
             raise ValueError("top_k must be -1 (off), 0 (off) or a positive integer")
         if self.stream_options is not None and not self.stream:
@@ -120,7 +122,7 @@ class CompletionRequest(SamplingFields):
     model_config = ConfigDict(extra="allow")
 
     prompt: StrictStr | list[StrictInt] | list[Any]
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = 16
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = 16  # 0: only with echo (the prompt scored)
     echo: StrictBool = False
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     add_special_tokens: StrictBool = True
@@ -128,16 +130,31 @@ class CompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _completion_rules(self):
-        if isinstance(self.prompt, list):
-            if not self.prompt:
-                raise ValueError("prompt must not be empty")
-            if not all(type(t) is int for t in self.prompt):
-                raise ValueError("prompt must be a string or one flat list of token ids")
-        elif self.prompt == "":
-            raise ValueError("prompt must not be empty")
+        prompts = self.prompts
+        if not prompts or len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"prompt must hold 1 to {MAX_CHOICES // self.n} prompts (with n={self.n})")
+        for p in prompts:
+            if isinstance(p, str):
+                if p == "":
+                    raise ValueError("a prompt must not be empty")
+            elif not isinstance(p, list) or not p or not all(type(t) is int for t in p):
+                raise ValueError("prompt must be a string, a list of token ids, or a list of either (not empty)")
+        if len({isinstance(p, str) for p in prompts}) > 1:
+            raise ValueError("a list of prompts holds strings or token id lists, not both")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 is only allowed with echo (the prompt scored, nothing generated)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
+
+
+    @property
+    def prompts(self) -> list:
+        """The prompts: one string or id list, or each of a list of them."""
+        p = self.prompt
+        if isinstance(p, str) or (isinstance(p, list) and p and all(type(t) is int for t in p)):
+            return [p]
+        return list(p) if isinstance(p, list) else []
 
 
 class TokenizeRequest(_Request):
