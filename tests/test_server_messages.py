@@ -152,3 +152,23 @@ def test_errors_are_anthropic_objects(claude, server):  # noqa: F811
     r = httpx.post(f"{server.url}/v1/messages", json={"max_tokens": 4},
                    headers={"x-api-key": API_KEY}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_stream_refused_before_headers_and_client_leaving(server):  # noqa: F811
+    import json
+
+    headers = {"x-api-key": API_KEY, "anthropic-version": "2023-06-01"}
+    body = {"model": SERVED_NAME, "max_tokens": 1 << 30, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    r = httpx.post(f"{server.url}/v1/messages", json=body, headers=headers, timeout=30)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    body["max_tokens"] = 2000
+    with httpx.stream("POST", f"{server.url}/v1/messages", json=body, headers=headers, timeout=60) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        assert next(lines) == "event: message_start"
+        start = json.loads(next(lines)[len("data: "):])
+    assert start["message"]["usage"]["output_tokens"] == 0
+    server.wait_idle()  # leaving mid-stream freed the engine request
+    logged = [json.loads(line) for line in server.request_log.read_text().splitlines()]
+    mine = [e for e in logged if e.get("id") == start["message"]["id"]]
+    assert mine and mine[-1]["endpoint"] == "messages" and mine[-1]["disconnected"] is True
