@@ -172,3 +172,19 @@ def test_stream_refused_before_headers_and_client_leaving(server):  # noqa: F811
     logged = [json.loads(line) for line in server.request_log.read_text().splitlines()]
     mine = [e for e in logged if e.get("id") == start["message"]["id"]]
     assert mine and mine[-1]["endpoint"] == "messages" and mine[-1]["disconnected"] is True
+
+
+def test_tool_use_round_trip(claude):
+    question = {"role": "user", "content": "Weather in Paris?"}
+    first = claude.messages.create(model=SERVED_NAME, max_tokens=200, extra_body={"temperature": 0}, tools=[WEATHER],
+                                   tool_choice={"type": "any"}, messages=[question])
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    history = [question, {"role": "assistant", "content": first.content},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny, 21 C"}]}]
+    second = claude.messages.create(model=SERVED_NAME, max_tokens=8, extra_body={"temperature": 0}, tools=[WEATHER],
+                                    messages=history)
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert second.usage.input_tokens > first.usage.input_tokens
+    counted = claude.messages.count_tokens(model=SERVED_NAME, tools=[WEATHER], messages=history)
+    assert counted.input_tokens == second.usage.input_tokens
