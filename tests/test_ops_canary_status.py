@@ -18,15 +18,10 @@ from dsv41.ops.canary import run_canary
 from dsv41.ops.driver import tmpfiles_text
 from dsv41.ops.host_commands import Result
 from dsv41.ops.status import collect_status, format_status
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------ canary

@@ -8,21 +8,15 @@ what it got; the test then checks the results against plain single-process arith
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 VOCAB = 1000  # split unevenly over 4 ranks below
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_inputs(rank: int):

@@ -15,23 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 ORACLE = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "oracle-tiny-a"
 PROMPT = [0] + [(i * 37) % 500 + 5 for i in range(39)]  # 40 tokens of the 512-token tiny vocabulary
 CHUNKS = [(0, 13), (13, 29), (29, 33)] + [(t, t + 1) for t in range(33, 40)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

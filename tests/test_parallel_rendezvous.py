@@ -14,12 +14,7 @@ import torch
 
 from dsv41.parallel.rendezvous import RendezvousError, init_tp, parse_master
 from dsv41.errors import DSV41Error
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 def spawn(rank: int, world: int, master: str, deadline: float = 60.0, secret: str | None = None) -> subprocess.Popen:

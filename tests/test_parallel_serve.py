@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 PROMPTS = [[0] + [(i * 53) % 500 + 7 for i in range(20)], [0, 100, 200, 300, 400]]
 MAX_TOKENS = 12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the worker ------------------------------------------------------------------------------------------------

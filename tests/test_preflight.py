@@ -19,15 +19,10 @@ from dsv41.ops.cli import main as ops_main
 from dsv41.ops.host_commands import Result
 from dsv41.ops.preflight import (Mount, Node, check_engram, format_results, fs_problem, local_checks,
                                  mount_of, parse_mountinfo, room_problem, run_preflight)
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # A model without Engram layers: the checks other than Engram's need no torch (the ops-only Nix check runs them).

@@ -7,7 +7,6 @@ processes' states (alive, killed by a signal, exited 70) and records (and perfor
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ from dsv41.ops.host_commands import Result
 from dsv41.ops.health import request
 from dsv41.ops.lifecycle import boot, marker_path, record_stop
 from dsv41.ops.watchdog import Watchdog, parse_show
+from conftest import free_port
 
 HEALTH_SERVER = textwrap.dedent("""
     import http.server, json, sys
@@ -40,12 +40,6 @@ SLEEPER = "import time; time.sleep(600)"
 FAILFAST = "raise SystemExit(70)"
 LOCK_HOLDER = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
                "print('locked', flush=True); time.sleep(60)")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Clock:
