@@ -121,3 +121,28 @@ def test_completions_prompt_lists_and_echo_scoring(client, tokenizer):
     assert plain.choices[0].text == prompts[0] and plain.choices[0].logprobs is None
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=SERVED_NAME, prompt="x", max_tokens=0)
+
+
+def test_a_tool_call_cut_by_max_tokens_is_length_with_nothing_invented(client):
+    import json
+
+    import jsonschema
+    from test_server_tools import ASK, NO_THINKING, SCHEMAS, TOOLS
+
+    seen_cut = False
+    for budget in (1, 3, 6, 10, 15, 22):
+        resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                              parallel_tool_calls=False, max_tokens=budget, seed=0,
+                                              extra_body=NO_THINKING)
+        choice = resp.choices[0]
+        assert "DSML" not in (choice.message.content or "") and "｜" not in (choice.message.content or "")
+        if choice.finish_reason != "length":
+            continue
+        seen_cut = True
+        for call in choice.message.tool_calls or []:
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                continue  # what the model wrote before the cut, not closed by the server
+            jsonschema.validate(arguments, SCHEMAS[call.function.name])  # never "{}" with fields missing
+    assert seen_cut

@@ -191,6 +191,7 @@ class StreamParser:
         self._reasoning: list[str] = []
         self._calls: list[dict] = []
         self._saw_eos = False
+        self._truncated = False  # finish(truncated=True): cut by max_tokens
         self._after_block = False
         self._result: CompletionResult | None = None
         # block state
@@ -209,8 +210,11 @@ class StreamParser:
             self._run(final=False)
         return self._take_events()
 
-    def finish(self) -> list:
+    def finish(self, truncated: bool = False) -> list:
+        """End of the completion. `truncated`: it was cut by max_tokens, so an open tool call is recorded with the
+        arguments the model wrote (nothing invented to close them) and cut markup is dropped, never content."""
         if self._result is None:
+            self._truncated = truncated
             self._run(final=True)
             if self._call is not None:
                 self._close_open_call()
@@ -262,7 +266,7 @@ class StreamParser:
             emit(self._buf[:position])
             self._buf = self._buf[position + len(marker):]
             return marker
-        keep = 0 if final else _held_suffix(self._buf, markers)
+        keep = 0 if final and not self._truncated else _held_suffix(self._buf, markers)
         emit(self._buf[:len(self._buf) - keep])
         self._buf = self._buf[len(self._buf) - keep:]
         return None
@@ -437,9 +441,10 @@ class StreamParser:
         self._value_text(self._consume(size))
         return False
 
-    def _end_call(self):
+    def _end_call(self, close: bool = True):
         call = self._call
-        self._argument("}" if call.keys else "{}")
+        if close:
+            self._argument("}" if call.keys else "{}")
         self._call = None
         arguments = "".join(call.fragments)
         if call.index < 0:
@@ -453,6 +458,8 @@ class StreamParser:
     def _close_open_call(self):
         """Make an interrupted call's arguments valid JSON and record it."""
         call = self._call
+        if self._truncated:
+            return self._end_call(close=False)
         if call.value_open:
             self._argument('"' if call.streaming_value else "null")
         self._end_call()
@@ -466,6 +473,8 @@ class StreamParser:
             rest = self._block_raw + self._buf
         else:
             rest = self._buf
+        if final and self._truncated:
+            rest = ""  # markup cut by max_tokens is not content
         self._buf, self._state = rest, "raw"
         return True
 

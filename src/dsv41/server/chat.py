@@ -177,7 +177,8 @@ class _ChatReply:
                     return
                 yield deltas, entries, None
             else:
-                tail = self._deltas(self.parser.feed(self.text.flush()) + self.parser.finish())
+                cut = event.reason == "length"  # a tool call cut here keeps what was written, nothing invented
+                tail = self._deltas(self.parser.feed(self.text.flush()) + self.parser.finish(truncated=cut))
                 if not self.stop.stopped:
                     rest = self.stop.flush()
                     if rest:
