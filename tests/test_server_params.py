@@ -146,3 +146,12 @@ def test_a_tool_call_cut_by_max_tokens_is_length_with_nothing_invented(client):
                 continue  # what the model wrote before the cut, not closed by the server
             jsonschema.validate(arguments, SCHEMAS[call.function.name])  # never "{}" with fields missing
     assert seen_cut
+
+
+def test_continuous_usage_stats(client):
+    chunks = list(client.completions.create(model=SERVED_NAME, prompt=PROMPT, max_tokens=5, stream=True,
+                                            extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].usage.completion_tokens == 5
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)

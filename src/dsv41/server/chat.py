@@ -198,6 +198,15 @@ class _ChatReply:
                 "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice]}
 
     async def chunks(self):
+        """The SSE payloads; with stream_options.continuous_usage_stats every chunk carries the usage so far."""
+        options = self.req.stream_options
+        continuous = bool(options and options.continuous_usage_stats)
+        async for chunk in self._chunks():
+            if continuous and chunk["choices"]:
+                chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            yield chunk
+
+    async def _chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         yield self._chunk({"role": "assistant", "content": ""}, None, None)
         async for deltas, entries, finish in self.steps():

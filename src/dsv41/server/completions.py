@@ -163,6 +163,15 @@ class _Reply:
         }
 
     async def chunks(self):
+        """The SSE payloads; with stream_options.continuous_usage_stats every chunk carries the usage so far."""
+        options = self.req.stream_options
+        continuous = bool(options and options.continuous_usage_stats)
+        async for chunk in self._chunks():
+            if continuous and chunk["choices"]:
+                chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            yield chunk
+
+    async def _chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
         async for text, logprobs, finish in self.pieces():
             if finish is not None:

@@ -92,8 +92,6 @@ def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, b
         raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
                           param="min_tokens")
     ignored = sorted(set(fields.model_extra or {}))
-    if fields.stream_options is not None and fields.stream_options.continuous_usage_stats:
-        ignored.append("stream_options.continuous_usage_stats")
     if endpoint == "chat" and fields.skip_special_tokens is False:
         ignored.append("skip_special_tokens")
     for name in ignored:
@@ -386,6 +384,8 @@ class MultiReply:
             if not chunk["choices"]:  # a member's usage chunk: one summed chunk comes at the end instead
                 last = chunk
                 continue
+            if "usage" in chunk:  # continuous_usage_stats: the whole request's so far
+                chunk["usage"] = self._usage()
             yield self._relabel(chunk, i)
         if self.include_usage and last is not None:
             last = self._relabel(last, 0)
