@@ -336,7 +336,8 @@ def test_serve_parser_accepts_the_flags():
     env.update(DSV41_MODEL="/m", DSV41_HOST="127.0.0.1", DSV41_SERVED_NAME="x", DSV41_ALIASES="a b",
                DSV41_API_KEY_FILE="/k", DSV41_REQUEST_LOG="/l", DSV41_MASTER="h:1", DSV41_TP_BACKEND="nccl",
                DSV41_DEVICE="cuda", DSV41_DTYPE="bfloat16", DSV41_ENGINE="reference", DSV41_PREFILL="replay",
-               DSV41_PROMPT_SPECIAL_TOKENS="text", DSV41_PREFILL_SHARE="0.25", DSV41_EXPERT_TOPP="0.9")
+               DSV41_PROMPT_SPECIAL_TOKENS="text", DSV41_PREFILL_SHARE="0.25", DSV41_EXPERT_TOPP="0.9",
+               DSV41_FORWARD="reference")
     args = parser.parse_args(["serve", *serve_argv(env, 1)])
     assert args.rank == 1 and args.tp == 2 and args.alias == ["a", "b"] and args.master == "h:1"
     assert args.device == "cuda" and args.dtype == "bfloat16"

@@ -41,6 +41,10 @@ def register_engine_args(parser) -> None:
                         "(approximate, tagged; default off)")
     g.add_argument("--expert-min-k", type=int, default=3, metavar="K",
                    help="with --expert-topp: never fewer experts than this (default 3)")
+    g.add_argument("--forward", choices=("fast", "reference"), default=None,
+                   help="the batched engine's forward: fast (runtime/ FastModel, packed weights and kernels; the "
+                        "default on CUDA) or reference (model/ math over the pool; the default on the CPU). "
+                        "fast on the CPU runs the Triton interpreter (TRITON_INTERPRET=1 only)")
 
 
 def engine_defaults(**overrides) -> argparse.Namespace:
@@ -65,32 +69,68 @@ def knobs_tag(args) -> str:
     return ";".join(parts)
 
 
+def serving_forward(args, device) -> str:
+    """The batched engine's forward on `device`: `--forward`, else fast on CUDA and reference elsewhere. Raises
+    ConfigError (one line) for fast on the CPU without TRITON_INTERPRET=1."""
+    import os
+
+    from ..errors import ConfigError
+
+    forward = getattr(args, "forward", None) or ("fast" if str(device).startswith("cuda") else "reference")
+    if forward == "fast":
+        if not str(device).startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError(f"--forward fast on {device} runs the Triton interpreter: set TRITON_INTERPRET=1 "
+                             f"(slow; for tests), or use --forward reference")
+    return forward
+
+
 def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=None):
-    """This rank's `ModelRunner` over a pool for `--parallel` slots of `max_model_len` positions."""
+    """This rank's `ModelRunner` over a pool for `--parallel` slots of `max_model_len` positions. `model`: the
+    reference `Model` (the pool forward) or a `FastModel` (runtime/build.py: the fast forward)."""
+    from ..errors import ConfigError
+    from ..runtime.fast_forward import FastForward, pool_layout
     from ..runtime.kv_pool import pool_for_model
+    from ..runtime.model import FastModel
     from ..runtime.model_runner import ModelRunner, free_bytes
     from ..runtime.pool_forward import PoolForward
 
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    fast = isinstance(model, FastModel)
+    forward_kind = serving_forward(args, model.device)
+    if forward_kind == "fast" and not fast:
+        if getattr(args, "forward", None) == "fast":
+            raise ConfigError("--forward fast needs the model built by runtime.build.build_fast_model; the "
+                             "reference model was loaded")
+        log("dsv41 engine: the reference model was loaded: the batched engine runs the reference forward")
+        forward_kind = "reference"
+    if forward_kind == "reference" and fast:
+        raise ConfigError("--forward reference needs the reference model (model/loader.py); a FastModel was built")
+    if fast and (args.prefill == "replay" or args.expert_topp is not None):
+        raise ConfigError("--forward fast runs neither --prefill replay nor --expert-topp (use --forward reference)")
+    layout = pool_layout(model) if fast else model
     if args.parallel < 1 or args.page_tokens < 1:
         raise ValueError("--parallel and --page-tokens must be >= 1")
     context_pages = -(-(max_model_len + 1) // args.page_tokens)
-    verify = model.cfg.dspark_block_size + 1 if model.dspark is not None else 0
-    probe = pool_for_model(model, num_slots=1, num_pages=1, page_tokens=args.page_tokens, verify_rows=verify)
+    verify = model.cfg.dspark_block_size + 1 if layout.dspark is not None else 0
+    probe = pool_for_model(layout, num_slots=1, num_pages=1, page_tokens=args.page_tokens, verify_rows=verify)
     if args.pool_tokens is not None:
         pages = -(-args.pool_tokens // args.page_tokens)
     else:
         pages = args.parallel * context_pages
         room = free_bytes(model.device) - int(args.mem_floor_gib * GIB) - args.parallel * probe.bytes_per_slot
         pages = max(min(pages, int(0.9 * room) // max(probe.bytes_per_page, 1)), context_pages)
-    pool = pool_for_model(model, num_slots=args.parallel, num_pages=pages, page_tokens=args.page_tokens,
+    pool = pool_for_model(layout, num_slots=args.parallel, num_pages=pages, page_tokens=args.page_tokens,
                           verify_rows=verify)
     d = pool.describe()
     log(f"dsv41 engine: KV pool {d['slots']} slots x {d['bytes_per_slot']} B + {d['pages']} pages x "
         f"{args.page_tokens} tokens ({d['bytes_per_token']} B/token), {d['bytes_total'] / GIB:.3f} GiB; "
         f"stores {d['stores']}")
-    forward = PoolForward(model, replay=args.prefill == "replay", expert_topp=args.expert_topp,
-                          expert_min_k=args.expert_min_k)
+    if fast:
+        forward = FastForward(model)
+    else:
+        forward = PoolForward(model, replay=args.prefill == "replay", expert_topp=args.expert_topp,
+                              expert_min_k=args.expert_min_k)
+    log(f"dsv41 engine: {forward_kind} forward")
     return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args))
 
 

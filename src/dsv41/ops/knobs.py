@@ -85,6 +85,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
     ServeKnob("DSV41_ADMIT_TIMEOUT_S", "--admit-timeout", "a request that cannot be admitted alone fails after this"),
     ServeKnob("DSV41_EXPERT_TOPP", "--expert-topp", "routed-expert pruning mass (approximate, tagged; empty = off)"),
     ServeKnob("DSV41_EXPERT_MIN_K", "--expert-min-k", "with expert pruning: never fewer experts than this"),
+    ServeKnob("DSV41_FORWARD", "--forward", "batched engine's forward: fast (runtime/ kernels; default on CUDA) or "
+              "reference (model/ math; default on the CPU)"),
     ServeKnob("DSV41_TP", "--tp", "tensor-parallel world size (2 = the two Sparks)"),
     ServeKnob("DSV41_MASTER", "--master", "HEAD_LINK_IP:PORT of rank 0's rendezvous on the direct link"),
     ServeKnob("DSV41_TP_BACKEND", "--tp-backend", "collective backend: nccl or gloo"),

@@ -96,6 +96,25 @@ class PoolSequence(SequenceState):
             pool.write_open(layer, slot, src.open_v, src.open_s)
 
 
+def load_sequences(pool: KVPool, rows: list[Row], cfg, decoder_from: int, hasher=None) -> list[PoolSequence]:
+    """Each row's sequence as a `PoolSequence` over `pool` (the state both forwards run on). With `hasher`, the
+    Engram history is primed from `row.lookback`, so hashing the row's ids from it gives the row ids of
+    `lookback + token_ids` hashed from the sequence start, as `PoolForward` computes them."""
+    views = [PoolSequence(pool, row, cfg, decoder_from) for row in rows]
+    if hasher is not None:
+        for v, row in zip(views, rows):
+            v.engram = hasher.new_history()
+            if row.lookback:
+                hasher.hash(row.lookback, v.engram)
+    return views
+
+
+def store_sequences(views: list[PoolSequence]) -> None:
+    """Write every sequence's new rows of the step back to the pool."""
+    for v in views:
+        v.store()
+
+
 class PrunedMoE:
     """MoE.partial with routed-expert pruning on the rows marked in `prunable` (RECIPE.md §2.10): after the
     router's top-k, keep the shortest prefix by weight (ties to the lower slot) reaching `topp` of the mass and
@@ -141,7 +160,7 @@ class PoolForward:
     def execute(self, rows: list[Row], pool: KVPool) -> list[torch.Tensor]:
         m, cfg = self.model, self.cfg
         dev = m.device
-        views = [PoolSequence(pool, row, cfg, self.decoder_from) for row in rows]
+        views = load_sequences(pool, rows, cfg, self.decoder_from)
         ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(v.start, v.end, device=dev) for v in views])
         row_ids = live = None
@@ -186,8 +205,7 @@ class PoolForward:
                 if b > a:
                     v.pos = v.end
                     m.dspark.absorb(m, v, tap[a:b])
-        for v in views:
-            v.store()
+        store_sequences(views)
         wanted, counts = [], []
         for r, (a, b) in zip(rows, spans):
             offsets = r.logit_offsets()

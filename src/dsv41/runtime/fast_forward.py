@@ -1,0 +1,74 @@
+"""The fast path (`FastModel`, runtime/model.py) behind the engine's forward seam (docs/ENGINE.md §5).
+
+`FastForward(model).execute(rows, pool)` loads each row's sequence from the KV pool as a `PoolSequence` (the
+same views `PoolForward` runs on: pool_forward.load_sequences, Engram history primed from `row.lookback`), makes
+one `FastModel.forward` call per phase present in the step (prefill rows as "prefill", decode rows as "decode",
+verify rows as "verify"; a decode row of more than `BUCKET` tokens — a token plus a long forced text — goes with
+the prefill rows, the fused bucket holding at most BUCKET rows of one sequence), writes the step's new rows back
+(pool_forward.store_sequences) and returns, per row, the fp32 logits of `row.logit_offsets()`.
+
+Prefill calls ask `logits="last"` when no prefill row of the step wants more than its last row, else "all"; the
+decode and verify calls return every row's logits. CED bounded replay, expert pruning and DSpark are not built on
+this path (`engine/build.py` refuses those options with `--forward fast`).
+
+`pool_layout(model)` presents a FastModel as `kv_pool.pool_for_model` reads a model (its layers' roles, whether
+a compressor keeps index keys, the fake quantisers, dtype and device; no DSpark stages).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ..engine.batch import DECODE, PREFILL, VERIFY, Row
+from .model import BUCKET
+from .pool_forward import decoder_start, load_sequences, store_sequences
+
+
+def pool_layout(model) -> SimpleNamespace:
+    """What `pool_for_model` reads of a model, from a FastModel."""
+    blocks = [SimpleNamespace(index=b.index, attn=SimpleNamespace(role=b.attn.role, p=b.attn.w,
+                                                                  fake_quant=b.attn.fq))
+              for b in model.blocks]
+    return SimpleNamespace(cfg=model.cfg, blocks=blocks, dspark=None, dtype=model.dtype, device=model.device)
+
+
+class FastForward:
+    def __init__(self, model):
+        self.model, self.cfg = model, model.cfg
+        self.decoder_from = decoder_start(model.cfg)
+
+    @staticmethod
+    def phase_of(row: Row) -> str:
+        if row.phase == DECODE and len(row.token_ids) > BUCKET:
+            return PREFILL
+        return row.phase
+
+    @torch.inference_mode()
+    def execute(self, rows: list[Row], pool) -> list[torch.Tensor | None]:
+        m = self.model
+        if any(r.replay_start for r in rows):
+            raise ValueError("the fast forward does not run CED bounded replay (--prefill replay)")
+        views = load_sequences(pool, rows, self.cfg, self.decoder_from, m.engram_hasher)
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        for phase in (PREFILL, DECODE, VERIFY):
+            members = [i for i, r in enumerate(rows) if self.phase_of(r) == phase]
+            if not members:
+                continue
+            wanted = [rows[i].logit_offsets() for i in members]
+            last_only = phase == PREFILL and all(o in ([], [len(rows[i].token_ids) - 1])
+                                                 for i, o in zip(members, wanted))
+            mode = "last" if last_only else "all"
+            logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode)
+            at = 0
+            for i, offsets in zip(members, wanted):
+                n = 1 if mode == "last" else len(rows[i].token_ids)
+                if offsets:
+                    pick = [0] if mode == "last" else offsets
+                    out[i] = logits[at + torch.tensor(pick, dtype=torch.long, device=logits.device)]
+                at += n
+            if at != logits.shape[0]:
+                raise RuntimeError(f"{phase}: {logits.shape[0]} logit rows for {at} asked")
+        store_sequences(views)
+        return out

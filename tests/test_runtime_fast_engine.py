@@ -1,0 +1,116 @@
+"""The batched engine over the fast forward (runtime/fast_forward.py) against the engine over the pool forward.
+
+CPU: the kernels run in Triton's interpreter (set before Triton decorates them), so the fast runs happen in a child
+process (this file as a script) on the slimmed tiny model of test_runtime_fast.py, fake quantisers off, and report
+JSON. Compared: greedy tokens of two short prompts run together on the fast forward == on the pool forward (the
+reference's top-2 margin at every generated position is checked to be clear of a near-tie, so the comparison is
+not at the mercy of the kernels' fp16 rounding), and a request's tokens alone == among the others on the fast
+forward. Tokens only: the interpreter's bits follow BLAS's row blocking (kernels/README.md), not the code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROMPTS = ([0] + [(i * 37) % 500 + 5 for i in range(9)], [0] + [(i * 91) % 500 + 7 for i in range(6)])
+NEW_TOKENS = 3
+# the reference's top-2 logit margin at a generated position, relative to the logits' rms: twice the logits
+# tolerance of test_runtime_fast.py (rel. L2 1e-2; ~10x the drift measured there), so a flip would be a bug
+MARGIN_MIN = 0.02
+
+
+def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, **opts) -> list[list[int]]:
+    """Greedy tokens of each prompt, all submitted at step 0 to one batched engine over `model`."""
+    from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent
+    from dsv41.engine.build import build_engine, engine_defaults
+
+    engine = build_engine(engine_defaults(**opts), model, max_model_len=128, log=lambda line: None)
+    core = engine.core
+    events = [[] for _ in requests_tokens]
+    for i, ids in enumerate(requests_tokens):
+        req = GenerationRequest(list(ids), max_tokens, SamplingParams(temperature=0.0))
+        core.add(engine.make_sequence(req, events[i].append))
+    for _ in range(1000):
+        if not core.step() and not core.has_work():
+            break
+    assert core.blocks.empty()
+    return [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in events]
+
+
+def reference_margins(model, prompts, tokens) -> list[float]:
+    """The reference's top-2 margin / rms at each generated position (teacher-forced on `tokens`)."""
+    out = []
+    for p, toks in zip(prompts, tokens):
+        logits = model.forward(model.new_state(), torch.tensor(list(p) + toks[:-1]))[len(p) - 1:]
+        top = logits.double().topk(2, dim=-1).values
+        out += ((top[:, 0] - top[:, 1]) / logits.double().pow(2).mean(dim=-1).sqrt()).tolist()
+    return out
+
+
+def fast_and_reference(model_dir: str, device: str) -> dict:
+    from dsv41.model.loader import load_model
+    from dsv41.runtime.build import build_fast_model
+
+    torch.manual_seed(0)
+    ref = load_model(model_dir, torch.float32, device, fake_quant=False, dspark=False)
+    fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
+    pool_tokens = run_engine(ref, PROMPTS, NEW_TOKENS, forward="reference")
+    fast_tokens = run_engine(fast, PROMPTS, NEW_TOKENS, forward="fast")
+    alone = [run_engine(fast, [p], NEW_TOKENS, forward="fast")[0] for p in PROMPTS]
+    return {"pool": pool_tokens, "fast": fast_tokens, "alone": alone,
+            "margins": reference_margins(ref, PROMPTS, pool_tokens)}
+
+
+def check(res: dict) -> None:
+    print(f"fast forward engine: {res}")
+    assert min(res["margins"]) > MARGIN_MIN, "a generated position sits near a tie: pick other prompts"
+    assert res["fast"] == res["pool"]
+    assert res["alone"] == res["fast"]
+    assert all(len(t) == NEW_TOKENS for t in res["fast"])
+
+
+@pytest.fixture(scope="module")
+def lite_dir(tmp_path_factory) -> Path:
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    return make_tiny(tmp_path_factory.mktemp("lite") / "model", "exl3", seed=0, overrides=LITE)
+
+
+def test_fast_forward_engine_tokens_interpreted(lite_dir, tmp_path):
+    out = tmp_path / "engine.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    args = json.dumps({"model": str(lite_dir), "out": str(out)})
+    subprocess.run([sys.executable, __file__, args], env=env, check=True, timeout=600)
+    check(json.loads(out.read_text()))
+
+
+def test_forward_option_on_the_cpu(lite_dir, monkeypatch):
+    """--forward fast on the CPU without the interpreter is a one-line ConfigError; the default stays reference."""
+    from dsv41.engine.build import engine_defaults, serving_forward
+    from dsv41.errors import ConfigError
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
+        serving_forward(engine_defaults(forward="fast"), torch.device("cpu"))
+    assert serving_forward(engine_defaults(), torch.device("cpu")) == "reference"
+    assert serving_forward(engine_defaults(), torch.device("cuda")) == "fast"
+    assert serving_forward(engine_defaults(forward="reference"), torch.device("cuda")) == "reference"
+
+
+@pytest.mark.gpu
+def test_fast_forward_engine_tokens_gpu(tiny_model_dir):
+    check(fast_and_reference(str(tiny_model_dir), "cuda"))
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    Path(a["out"]).write_text(json.dumps(fast_and_reference(a["model"], "cpu")))
