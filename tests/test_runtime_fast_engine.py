@@ -2,10 +2,10 @@
 
 CPU: the kernels run in Triton's interpreter (set before Triton decorates them), so the fast runs happen in a child
 process (this file as a script) on the slimmed tiny model of test_runtime_fast.py, fake quantisers off, and report
-JSON. Compared: greedy tokens of two short prompts run together on the fast forward == on the pool forward (the
-reference's top-2 margin at every generated position is checked to be clear of a near-tie, so the comparison is
-not at the mercy of the kernels' fp16 rounding), and a request's tokens alone == among the others on the fast
-forward. Tokens only: the interpreter's bits follow BLAS's row blocking (kernels/README.md), not the code.
+JSON. Compared: greedy tokens of two short prompts run together (the second arriving a step later, so one step
+holds both phases) on the fast forward == on the pool forward (the reference's top-2 margin at every generated
+position is checked to be clear of a near-tie, so the comparison is not at the mercy of the kernels' fp16
+rounding), and a request's tokens alone == among the others on the fast forward. Tokens only: the interpreter's bits follow BLAS's row blocking (kernels/README.md), not the code.
 """
 
 from __future__ import annotations
@@ -26,19 +26,23 @@ NEW_TOKENS = 3
 MARGIN_MIN = 0.02
 
 
-def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, **opts) -> list[list[int]]:
-    """Greedy tokens of each prompt, all submitted at step 0 to one batched engine over `model`."""
+def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, arrivals=None, **opts) -> list[list[int]]:
+    """Greedy tokens of each prompt, prompt i added before step arrivals[i] (default 0) of one batched engine over
+    `model`."""
     from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent
     from dsv41.engine.build import build_engine, engine_defaults
 
     engine = build_engine(engine_defaults(**opts), model, max_model_len=128, log=lambda line: None)
     core = engine.core
     events = [[] for _ in requests_tokens]
-    for i, ids in enumerate(requests_tokens):
-        req = GenerationRequest(list(ids), max_tokens, SamplingParams(temperature=0.0))
-        core.add(engine.make_sequence(req, events[i].append))
-    for _ in range(1000):
-        if not core.step() and not core.has_work():
+    seqs = [engine.make_sequence(GenerationRequest(list(ids), max_tokens, SamplingParams(temperature=0.0)),
+                                 events[i].append) for i, ids in enumerate(requests_tokens)]
+    arrivals = arrivals or [0] * len(seqs)
+    for step in range(1000):
+        for seq, at in zip(seqs, arrivals):
+            if at == step:
+                core.add(seq)
+        if not core.step() and step > max(arrivals) and not core.has_work():
             break
     assert core.blocks.empty()
     return [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in events]
@@ -61,10 +65,24 @@ def fast_and_reference(model_dir: str, device: str) -> dict:
     torch.manual_seed(0)
     ref = load_model(model_dir, torch.float32, device, fake_quant=False, dspark=False)
     fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
-    pool_tokens = run_engine(ref, PROMPTS, NEW_TOKENS, forward="reference")
-    fast_tokens = run_engine(fast, PROMPTS, NEW_TOKENS, forward="fast")
-    alone = [run_engine(fast, [p], NEW_TOKENS, forward="fast")[0] for p in PROMPTS]
-    return {"pool": pool_tokens, "fast": fast_tokens, "alone": alone,
+    # the second prompt arrives a step later: its prefill row and the first one's decode row share a step (one
+    # FastModel.forward per phase)
+    pool_tokens = run_engine(ref, PROMPTS, NEW_TOKENS, [0, 1], forward="reference")
+    from dsv41.runtime.fast_forward import FastForward
+
+    phases, execute = [], FastForward.execute
+
+    def recording(self, rows, pool):
+        phases.append(sorted({self.phase_of(r) for r in rows}))
+        return execute(self, rows, pool)
+
+    FastForward.execute = recording
+    try:
+        fast_tokens = run_engine(fast, PROMPTS, NEW_TOKENS, [0, 1], forward="fast")
+    finally:
+        FastForward.execute = execute
+    alone = run_engine(fast, PROMPTS[1:], NEW_TOKENS, forward="fast")[0]  # the one that joined a running engine
+    return {"pool": pool_tokens, "fast": fast_tokens, "alone": alone, "phases": phases,
             "margins": reference_margins(ref, PROMPTS, pool_tokens)}
 
 
@@ -72,7 +90,8 @@ def check(res: dict) -> None:
     print(f"fast forward engine: {res}")
     assert min(res["margins"]) > MARGIN_MIN, "a generated position sits near a tie: pick other prompts"
     assert res["fast"] == res["pool"]
-    assert res["alone"] == res["fast"]
+    assert res["alone"] == res["fast"][1]
+    assert ["decode", "prefill"] in res["phases"], res["phases"]  # a step of both phases ran
     assert all(len(t) == NEW_TOKENS for t in res["fast"])
 
 
