@@ -24,19 +24,24 @@ NEW_TOKENS = 3
 # the reference's top-2 logit margin at a generated position, relative to the logits' rms: twice the logits
 # tolerance of test_runtime_fast.py (rel. L2 1e-2; ~10x the drift measured there), so a flip would be a bug
 MARGIN_MIN = 0.02
+LOGPROB_TOL = 0.02  # prompt logprobs (nats), fast against pool forward: the kernels' fp16 rounding (measured 6e-3)
 
 
-def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, arrivals=None, **opts) -> list[list[int]]:
+def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, arrivals=None, prompt_logprobs=None,
+               **opts) -> list[list[int]]:
     """Greedy tokens of each prompt, prompt i added before step arrivals[i] (default 0) of one batched engine over
-    `model`."""
-    from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent
+    `model`. With `prompt_logprobs`, each prompt's logprobs (the first entry's None left out) are appended to
+    `prompt_logprobs`."""
+    from dsv41.engine import GenerationRequest, PromptLogprobsEvent, SamplingParams, TokenEvent
     from dsv41.engine.build import build_engine, engine_defaults
 
     engine = build_engine(engine_defaults(**opts), model, max_model_len=128, log=lambda line: None)
     core = engine.core
     events = [[] for _ in requests_tokens]
-    seqs = [engine.make_sequence(GenerationRequest(list(ids), max_tokens, SamplingParams(temperature=0.0)),
-                                 events[i].append) for i, ids in enumerate(requests_tokens)]
+    want = None if prompt_logprobs is None else 0
+    seqs = [engine.make_sequence(GenerationRequest(list(ids), max_tokens, SamplingParams(temperature=0.0),
+                                                   prompt_logprobs=want), events[i].append)
+            for i, ids in enumerate(requests_tokens)]
     arrivals = arrivals or [0] * len(seqs)
     for step in range(1000):
         for seq, at in zip(seqs, arrivals):
@@ -45,6 +50,9 @@ def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, arrival
         if not core.step() and step > max(arrivals) and not core.has_work():
             break
     assert core.blocks.empty()
+    if prompt_logprobs is not None:
+        prompt_logprobs += [[lp for lp, _ in e.entries[1:]] for ev in events for e in ev
+                            if isinstance(e, PromptLogprobsEvent)]
     return [[e.token_id for e in ev if isinstance(e, TokenEvent)] for ev in events]
 
 
@@ -81,8 +89,12 @@ def fast_and_reference(model_dir: str, device: str) -> dict:
         fast_tokens = run_engine(fast, PROMPTS, NEW_TOKENS, [0, 1], forward="fast")
     finally:
         FastForward.execute = execute
-    alone = run_engine(fast, PROMPTS[1:], NEW_TOKENS, forward="fast")[0]  # the one that joined a running engine
+    # the one that joined a running engine, alone, with prompt logprobs (its prefill asks every row's logits)
+    ref_lp, fast_lp = [], []
+    run_engine(ref, PROMPTS[1:], 1, prompt_logprobs=ref_lp, forward="reference")
+    alone = run_engine(fast, PROMPTS[1:], NEW_TOKENS, prompt_logprobs=fast_lp, forward="fast")[0]
     return {"pool": pool_tokens, "fast": fast_tokens, "alone": alone, "phases": phases,
+            "prompt_logprobs": [ref_lp[0], fast_lp[0]],
             "margins": reference_margins(ref, PROMPTS, pool_tokens)}
 
 
@@ -92,6 +104,9 @@ def check(res: dict) -> None:
     assert res["fast"] == res["pool"]
     assert res["alone"] == res["fast"][1]
     assert ["decode", "prefill"] in res["phases"], res["phases"]  # a step of both phases ran
+    ref_lp, fast_lp = res["prompt_logprobs"]
+    assert len(ref_lp) == len(fast_lp) == len(PROMPTS[1]) - 1
+    assert max(abs(a - b) for a, b in zip(ref_lp, fast_lp)) <= LOGPROB_TOL
     assert all(len(t) == NEW_TOKENS for t in res["fast"])
 
 
