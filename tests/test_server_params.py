@@ -155,3 +155,12 @@ def test_continuous_usage_stats(client):
     counts = [c.usage.completion_tokens for c in chunks if c.choices]
     assert counts == sorted(counts) and counts[-1] == 5 and chunks[-1].usage.completion_tokens == 5
     assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
+def test_chat_skip_special_tokens(client, tokenizer):
+    user = tokenizer.special("user")
+    chat = dict(model=SERVED_NAME, messages=MESSAGES, max_tokens=3, temperature=0.0)
+    body = {"reasoning_effort": "none", "logit_bias": {str(user): 100}, "ignore_eos": True}
+    hidden = client.chat.completions.create(extra_body=body, **chat).choices[0].message.content or ""
+    shown = client.chat.completions.create(extra_body={**body, "skip_special_tokens": False}, **chat)
+    assert "<｜User｜>" not in hidden and shown.choices[0].message.content == "<｜User｜>" * 3

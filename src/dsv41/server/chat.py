@@ -124,11 +124,15 @@ class _ChatReply:
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
-        # the parser needs every marker, EOS included, so nothing is skipped here; a stop_token_ids id other than
-        # EOS is not shown (unless include_stop_str_in_output), as in completions
+        # the parser needs every marker (EOS, </think>, DSML), so the decoder skips nothing; skip_special_tokens
+        # hides the other special tokens (<｜User｜>, place-holders, ...) instead. A stop_token_ids id other than EOS
+        # is not shown (unless include_stop_str_in_output), as in completions
+        eos = ctx.tokenizer.eos_id
         hidden = frozenset() if req.include_stop_str_in_output or req.ignore_eos else \
-            gen.request.stop_token_ids - {ctx.tokenizer.eos_id}
-        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=hidden)
+            gen.request.stop_token_ids - {eos}
+        if req.skip_special_tokens:
+            hidden |= {i for i, tok in ctx.tokenizer.added_tokens.items() if tok.special and i != eos}
+        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=frozenset(hidden))
         self.parser = prompt.new_parser()
         self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.calls_seen = 0

@@ -92,8 +92,6 @@ def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, b
         raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
                           param="min_tokens")
     ignored = sorted(set(fields.model_extra or {}))
-    if endpoint == "chat" and fields.skip_special_tokens is False:
-        ignored.append("skip_special_tokens")
     for name in ignored:
         if (endpoint, name) not in _WARNED:
             _WARNED.add((endpoint, name))
