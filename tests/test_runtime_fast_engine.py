@@ -5,7 +5,9 @@ process (this file as a script) on the slimmed tiny model of test_runtime_fast.p
 JSON. Compared: greedy tokens of two short prompts run together (the second arriving a step later, so one step
 holds both phases) on the fast forward == on the pool forward (the reference's top-2 margin at every generated
 position is checked to be clear of a near-tie, so the comparison is not at the mercy of the kernels' fp16
-rounding), and a request's tokens alone == among the others on the fast forward. Tokens only: the interpreter's bits follow BLAS's row blocking (kernels/README.md), not the code.
+rounding), a request's tokens alone == among the others on the fast forward, and its prompt logprobs within
+LOGPROB_TOL of the pool forward's. Tokens only for alone == among others: the interpreter's bits follow BLAS's row
+blocking (kernels/README.md), not the code.
 """
 
 from __future__ import annotations
@@ -137,6 +139,13 @@ def test_forward_option_on_the_cpu(lite_dir, monkeypatch):
     assert serving_forward(engine_defaults(), torch.device("cpu")) == "reference"
     assert serving_forward(engine_defaults(), torch.device("cuda")) == "fast"
     assert serving_forward(engine_defaults(forward="reference"), torch.device("cuda")) == "reference"
+    from dsv41.engine.build import build_runner
+    from dsv41.model.loader import load_model
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ref = load_model(lite_dir, torch.float32, "cpu", fake_quant=False, dspark=False)
+    with pytest.raises(ConfigError, match="build_fast_model"):
+        build_runner(engine_defaults(forward="fast"), ref, 64, log=lambda line: None)
 
 
 @pytest.mark.gpu
