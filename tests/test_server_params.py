@@ -130,7 +130,7 @@ def test_a_tool_call_cut_by_max_tokens_is_length_with_nothing_invented(client):
     from test_server_tools import ASK, NO_THINKING, SCHEMAS, TOOLS
 
     seen_cut = False
-    for budget in (1, 3, 6, 10, 15, 22):
+    for budget in (3, 10, 22):
         resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
                                               parallel_tool_calls=False, max_tokens=budget, seed=0,
                                               extra_body=NO_THINKING)
