@@ -229,10 +229,16 @@ def load_progress(notifier, terminal: bool = True):
 def load_serving_model(args, startup: Startup, progress, **tp):
     """This rank's model (`tp`: rank, world, comm under tensor parallelism). The drafter stays unloaded until the
     scheduler drafts (it would only cost memory and time per token)."""
+    from ..engine.build import serving_forward
     from ..model.loader import load_model
 
     _set_threads(args)
     device, dtype = model_placement(args)
+    if getattr(args, "engine", "batched") == "batched" and serving_forward(args, device) == "fast":
+        from ..runtime.build import build_fast_model  # packed weights driving the kernels (docs/perf/fast_path.md)
+
+        return build_fast_model(startup.folder, device=device, dtype=dtype, fake_quant=not args.no_fake_quant,
+                                progress=progress, engram_dir=startup.engram_dir, **tp)
     return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant, dspark=False,
                       progress=progress, engram_dir=startup.engram_dir, **tp)
 
