@@ -244,12 +244,22 @@ def _authenticate(store, rank: int, world: int, master: str, peers: dict, nonce0
             expected = _proof(secret, r, nonce0, str(peer.get("nonce", "")))
             if not hmac.compare_digest(expected, str(peer.get("proof", ""))):
                 store.set(f"tp/auth/{r}", "refused")
+                try:  # the store dies with this process: let the refused rank read why first (bounded)
+                    store.wait([f"tp/auth/{r}/seen"], datetime.timedelta(seconds=5))
+                except Exception:  # noqa: BLE001 - it left or never reads: this rank's own message still stands
+                    pass
                 raise RendezvousError(f"rank 0 refused rank {r} ({_who(peer)}) at {master}: it does not hold this "
                                       f"group's secret ({SECRET_ENV} differs between the hosts)")
             store.set(f"tp/auth/{r}", _proof(secret, 0, nonce0, peer["nonce"]))
         return
     store.set_timeout(datetime.timedelta(seconds=max(1.0, deadline - time.monotonic())))
-    answer = store.get(f"tp/auth/{rank}").decode()
+    try:
+        answer = store.get(f"tp/auth/{rank}").decode()
+        store.set(f"tp/auth/{rank}/seen", "1")
+    except Exception as exc:  # noqa: BLE001 - torch raises several types when the store goes away
+        raise RendezvousError(f"rank 0 at {master} ({_who(peers[0])}) closed the store before answering rank "
+                              f"{rank}'s proof ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                              f"check that {SECRET_ENV} is the same on every host") from None
     if answer == "refused":
         raise RendezvousError(f"rank 0 at {master} ({_who(peers[0])}) refused rank {rank}: this rank's secret "
                               f"({SECRET_ENV}) differs from rank 0's")
