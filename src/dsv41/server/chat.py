@@ -27,8 +27,7 @@ from .context import ServerContext
 from .errors import bad_request
 from .generation import (
     Generation,
-    GenerationGroup,
-    MultiReply,
+    reply_of,
     TokenText,
     check_request,
     choice_seed,
@@ -111,12 +110,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         for reply in replies:
             reply.gen.close()
         raise
-    if len(replies) == 1:
-        reply = replies[0]
-        return reply.gen, (reply.chunks() if req.stream else reply)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    multi = MultiReply(replies, include_usage, len(ids))
-    return GenerationGroup([r.gen for r in replies]), (multi.chunks() if req.stream else multi)
+    return reply_of(replies, req, len(ids))
 
 
 class _ChatReply:

@@ -11,8 +11,7 @@ from .context import ServerContext
 from .errors import bad_request
 from .generation import (
     Generation,
-    GenerationGroup,
-    MultiReply,
+    reply_of,
     TokenText,
     check_request,
     choice_seed,
@@ -75,12 +74,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
         for reply in replies:
             reply.gen.close()
         raise
-    if len(replies) == 1:
-        reply = replies[0]
-        return reply.gen, (reply.chunks() if req.stream else reply)
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    multi = MultiReply(replies, include_usage, sum(len(ids) for _, ids, _, _ in prepared))
-    return GenerationGroup([r.gen for r in replies]), (multi.chunks() if req.stream else multi)
+    return reply_of(replies, req, sum(len(ids) for _, ids, _, _ in prepared))
 
 
 class _Reply:

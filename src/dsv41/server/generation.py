@@ -389,3 +389,14 @@ class MultiReply:
             last = self._relabel(last, 0)
             last["usage"] = self._usage()
             yield last
+
+
+def reply_of(replies: list, req, prompt_tokens: int):
+    """(generation, reply) of a request's built replies: the one reply as it is, or n / per-prompt replies as one
+    MultiReply over a GenerationGroup. `reply.chunks()` when the request streams."""
+    if len(replies) == 1:
+        reply = replies[0]
+        return reply.gen, (reply.chunks() if req.stream else reply)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    multi = MultiReply(replies, include_usage, prompt_tokens)
+    return GenerationGroup([r.gen for r in replies]), (multi.chunks() if req.stream else multi)
