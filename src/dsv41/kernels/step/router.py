@@ -1,0 +1,137 @@
+"""The MoE router of decode / verify rows in two launches, one row's work never touching another's.
+
+Reference: `dsv41.model.moe.route` (MODEL.md §8): logits = (x @ gate) / temp in fp32, scores = sqrt(softplus(logits))
+(evaluated in fp64, rounded once to fp32, as the reference's `f64`), select = scores + bias (selection only), the k
+largest selects with ties to the lower expert id (`model.topk.topk_lowest_index_ties`), weights = the scores at the
+picked ids, renormalised (`/ (sum + 1e-20)`, if renorm and k > 1) and scaled by route_scale.
+
+Launch 1 (logits): one program per (row, block of BLOCK_E experts, d split). Each accumulates x[row] * gate over its
+d range in BLOCK_D chunks into a [BLOCK_E, BLOCK_D] fp32 tile (each lane a sequential sum) and sums the tile's lanes
+once at the end: a fixed order set by the compile-time shape, which no row count changes.
+Launch 2 (select): one program per row sums the d splits in split order, then softplus / sqrt / bias / top-k /
+weights. Top-k is k rounds of "largest select, lowest id among equals", then that id is removed: the ids come out
+best first, exactly the stable descending sort's first k.
+
+Outputs stay on the device (no host sync): ids [B, k] int64 and weights [B, k] fp32 in the layout the MoE kernels
+read (`kernels.exl3.moe`: row-major top-k tables), plus logits and select [B, E] fp32 (what the parity traces read).
+A row's bits depend only on that row and the matrices: the grid grows with B, never the programs' shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_E = 16
+BLOCK_D = 128
+D_SPLITS = 4  # programs along d per (row, expert block): parallelism for one row; the split order is fixed
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, part_ptr, d, E,
+                          CHUNKS_PER_SPLIT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr):
+    row = tl.program_id(0)
+    eb = tl.program_id(1)
+    sp = tl.program_id(2)
+    e = eb * BE + tl.arange(0, BE)
+    e_ok = e < E
+    acc = tl.zeros((BE, BD), dtype=tl.float32)
+    for c in range(CHUNKS_PER_SPLIT):
+        k = (sp * CHUNKS_PER_SPLIT + c) * BD + tl.arange(0, BD)
+        k_ok = k < d
+        xk = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(gate_ptr + k[None, :].to(tl.int64) * stride_gd + e[:, None].to(tl.int64) * stride_ge,
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w * xk[None, :]
+    part = tl.sum(acc, axis=1)
+    n_splits = tl.num_programs(2)
+    tl.store(part_ptr + (row.to(tl.int64) * n_splits + sp) * E + e, part, mask=e_ok)
+
+
+@triton.jit
+def _log1p_f64(u):
+    """log(1 + u) in fp64 for u >= 0 to about an ulp (Goldberg: log(w) * u / (w - 1), w = fl(1 + u))."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+
+
+@triton.jit
+def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
+                          SPLITS: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+    row = tl.program_id(0)
+    e = tl.arange(0, EP)
+    e_ok = e < E
+    base = row.to(tl.int64) * SPLITS * E
+    z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0)
+    for sp in tl.static_range(1, SPLITS):
+        z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0)
+    z = tl.math.div_rn(z, temp)
+    tl.store(logits_ptr + row.to(tl.int64) * E + e, z, mask=e_ok)
+    # sqrt(softplus(z)) in fp64, rounded once (torch's softplus: z itself above the threshold 20)
+    zd = z.to(tl.float64)
+    sp_pos = zd + _log1p_f64(tl.exp(-zd))  # z > 0: exp(-z) <= 1
+    sp_neg = _log1p_f64(tl.exp(zd))
+    softplus = tl.where(zd > 20.0, zd, tl.where(zd > 0.0, sp_pos, sp_neg))
+    scores = tl.sqrt(softplus).to(tl.float32)
+    if HAS_BIAS:
+        sel = scores + tl.load(bias_ptr + e, mask=e_ok, other=0.0)
+    else:
+        sel = scores
+    tl.store(select_ptr + row.to(tl.int64) * E + e, sel, mask=e_ok)
+    # top-k: the largest select, the lowest id among equal ones, k times
+    sel = tl.where(e_ok, sel, float("-inf"))
+    kk = tl.arange(0, KP)
+    ids = tl.zeros((KP,), dtype=tl.int64)
+    w = tl.zeros((KP,), dtype=tl.float32)
+    total = 0.0
+    for j in tl.static_range(TOPK):
+        best = tl.max(sel, axis=0)
+        pick = tl.min(tl.where(sel == best, e, EP), axis=0)
+        s_pick = tl.sum(tl.where(e == pick, scores, 0.0), axis=0)
+        ids = tl.where(kk == j, pick.to(tl.int64), ids)
+        w = tl.where(kk == j, s_pick, w)
+        total = total + s_pick
+        sel = tl.where(e == pick, float("-inf"), sel)
+    if RENORM:
+        w = tl.math.div_rn(w, tl.zeros((KP,), dtype=tl.float32) + (total + 1e-20))
+    w = w * scale
+    k_ok = kk < TOPK
+    tl.store(ids_ptr + row.to(tl.int64) * TOPK + kk, ids, mask=k_ok)
+    tl.store(weights_ptr + row.to(tl.int64) * TOPK + kk, w, mask=k_ok)
+
+
+def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
+               renorm: bool, temp: float = 1.0):
+    """`model.moe.route` for rows x [B, d] (bf16 / fp16 / fp32, read as fp32) and gate_t [d, E] fp32 (any strides:
+    the transposed view of the stored [E, d] gate reads coalesced). Returns (ids [B, k] int64, weights [B, k] fp32,
+    logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync."""
+    B, d = x.shape
+    if gate_t.shape[0] != d or gate_t.dtype != torch.float32:
+        raise ValueError(f"gate_t must be fp32 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
+    E = gate_t.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k {k} out of range for {E} experts")
+    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
+        raise ValueError(f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dev = x.device
+    chunks = triton.cdiv(d, BLOCK_D)
+    per_split = triton.cdiv(chunks, D_SPLITS)
+    part = torch.empty(B, D_SPLITS, E, dtype=torch.float32, device=dev)
+    logits = torch.empty(B, E, dtype=torch.float32, device=dev)
+    select = torch.empty(B, E, dtype=torch.float32, device=dev)
+    ids = torch.empty(B, k, dtype=torch.int64, device=dev)
+    weights = torch.empty(B, k, dtype=torch.float32, device=dev)
+    if B == 0:
+        return ids, weights, logits, select
+    _router_logits_kernel[(B, triton.cdiv(E, BLOCK_E), D_SPLITS)](
+        x, x.stride(0), gate_t, gate_t.stride(0), gate_t.stride(1), part, d, E,
+        CHUNKS_PER_SPLIT=per_split, BE=BLOCK_E, BD=BLOCK_D, num_warps=4)
+    _router_select_kernel[(B,)](
+        part, bias if bias is not None else part, logits, select, ids, weights, E, float(temp), float(scale),
+        SPLITS=D_SPLITS, EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
+        HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1), num_warps=4)
+    return ids, weights, logits, select
