@@ -58,8 +58,11 @@ def encode_messages(messages, thinking_mode, context=None, drop_thinking=True, a
 
 
 def encode_pieces(messages, thinking_mode, context=None, drop_thinking=True, add_default_bos_token=True,
-                  reasoning_effort=None) -> Pieces:
-    """`encode_messages` as template and content pieces (their text joined is `encode_messages`'s result)."""
+                  reasoning_effort=None, add_generation_prompt=True) -> Pieces:
+    """`encode_messages` as template and content pieces (their text joined is `encode_messages`'s result).
+
+    add_generation_prompt=False (not in the reference, which always writes it; vLLM's request field): a final
+    user / tool / mid-system turn ends without its generation header `<｜Assistant｜>` + think token."""
     if thinking_mode not in THINKING_MODES:
         raise EncodingError(f"thinking_mode must be 'chat' or 'thinking', got {thinking_mode!r}")
     effort = resolve_effort(reasoning_effort)
@@ -77,7 +80,7 @@ def encode_pieces(messages, thinking_mode, context=None, drop_thinking=True, add
     if drop:
         conversation, first_new = _drop_unknown_roles(conversation, first_new)
     conversation = _sort_tool_results(conversation)
-    return _Renderer(conversation, thinking, drop, effort).render(
+    return _Renderer(conversation, thinking, drop, effort, add_generation_prompt).render(
         first_new, with_bos=add_default_bos_token and not context)
 
 
@@ -154,8 +157,9 @@ def _text_parts(content, *, role: str, index: int, keep_unknown: bool) -> Pieces
 class _Renderer:
     """Walks a prepared conversation and renders each message with its neighbours in view."""
 
-    def __init__(self, conversation: list, thinking: bool, drop: bool, effort: int):
+    def __init__(self, conversation: list, thinking: bool, drop: bool, effort: int, generation_prompt: bool = True):
         self.conversation = conversation
+        self.generation_prompt = generation_prompt
         self.thinking = thinking
         self.drop = drop
         self.effort = effort
@@ -181,7 +185,10 @@ class _Renderer:
         return previous.get("role") == "tool" or (previous.get("role") == "user" and not previous.get("task"))
 
     def _turn_ends_with_header(self, index: int) -> bool:
-        return self._role(index + 1) in (None, "assistant", "latest_reminder")
+        following = self._role(index + 1)
+        if following is None:
+            return self.generation_prompt
+        return following in ("assistant", "latest_reminder")
 
     def _header(self, index: int) -> str:
         opens_thinking = self.thinking and (not self.drop or index == self.last_user)

@@ -9,7 +9,10 @@ Rules (issue 5, RECIPE.md §1.2, fixtures README "OpenAI request -> encoder argu
   conversation does not start with one); `tool_choice: "none"` offers no tools at all;
 - assistant history accepts `reasoning_content` or `reasoning`; `tool_calls[].function.arguments` is a JSON
   string (a dict works too); `developer` messages are system messages;
-- `continue_final_message: true` continues the final assistant message (the encoder's `wo_eos`).
+- `continue_final_message: true` continues the final assistant message (the encoder's `wo_eos`);
+- `add_generation_prompt` (vLLM's, default true): false leaves a final user / tool / system turn without its
+  generation header (`<｜Assistant｜>` + think token), so the reply continues the prompt text as plain content;
+  true together with `continue_final_message: true` is refused, as in vLLM.
 Only the fields above reach the encoder: encoder-internal keys a client might send (`task`, `wo_eos`,
 message-level `tools`) are not passed through.
 """
@@ -42,11 +45,18 @@ class ChatPrompt:
     response_format: dict | None = None  # the json_schema / json_object object, None for text
     parallel_tool_calls: bool = True
     continue_final_message: bool = False  # the prompt ends inside the last assistant's answer (after </think>)
+    add_generation_prompt: bool = True    # False: no generation header after a final user/tool/system turn
+
+    @property
+    def reply_in_reasoning(self) -> bool:
+        """Whether the reply starts inside reasoning (the prompt opened `<think>` for it)."""
+        return self.thinking_mode == "thinking" and not self.continue_final_message and self.add_generation_prompt
 
     def new_parser(self, **kwargs) -> StreamParser:
         """The output parser for this request (undeclared tool names stay content, values typed by schema)."""
-        # A continued answer is past </think> already, so the generated text starts as content.
-        mode = "chat" if self.continue_final_message else self.thinking_mode
+        # A continued answer is past </think> already, and a prompt without a generation header is continued as
+        # text, so the generated text starts as content.
+        mode = self.thinking_mode if self.reply_in_reasoning else "chat"
         return StreamParser(mode, self.tools, parallel_tool_calls=self.parallel_tool_calls, **kwargs)
 
 
@@ -64,7 +74,11 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
     tool_choice = _tool_choice(request.get("tool_choice"), tools)
     offered = [] if tool_choice == "none" else tools
     response_format = _response_format(request)
-    parallel, continuing = (_optional_bool(request, key) for key in ("parallel_tool_calls", "continue_final_message"))
+    parallel, continuing, generation_prompt = (_optional_bool(request, key) for key in (
+        "parallel_tool_calls", "continue_final_message", "add_generation_prompt"))
+    if continuing and generation_prompt:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="add_generation_prompt")
     messages = [_message(m, i) for i, m in enumerate(_message_list(request.get("messages")))]
     if continuing:
         if messages[-1]["role"] != "assistant":
@@ -80,14 +94,16 @@ def build_chat_prompt(request: dict) -> ChatPrompt:
             messages[0]["response_format"] = response_format
     mode = "thinking" if thinking else "chat"
     try:
-        pieces = encode_pieces(messages, mode, reasoning_effort=effort)
+        pieces = encode_pieces(messages, mode, reasoning_effort=effort,
+                               add_generation_prompt=generation_prompt is not False)
     except EncodingError as error:
         raise RequestError(str(error), param="messages") from error
     return ChatPrompt(messages=messages, thinking_mode=mode, reasoning_effort=effort, prompt=pieces.text,
                       pieces=pieces,
                       tools=offered, tool_choice=tool_choice, response_format=response_format,
                       parallel_tool_calls=parallel is not False,
-                      continue_final_message=bool(continuing))
+                      continue_final_message=bool(continuing),
+                      add_generation_prompt=generation_prompt is not False)
 
 
 def _optional_bool(request: dict, key: str) -> bool | None:

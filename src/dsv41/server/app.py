@@ -218,8 +218,10 @@ def _tokenize(ctx: ServerContext, raw: bytes) -> bytes:
         ids, _ = prompt_ids(ctx, req.prompt, req.add_special_tokens)
     else:
         _, ids = render_chat(ctx, body)
+    # vLLM's token_strs: each id's string in the vocabulary (convert_ids_to_tokens), e.g. "Ġword" byte-level
+    token_strs = [ctx.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
     return json.dumps({"count": len(ids), "max_model_len": ctx.config.max_model_len, "tokens": ids,
-                       "token_strs": None}, separators=(",", ":")).encode()
+                       "token_strs": token_strs}, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 async def tokenize(ctx: ServerContext, request: Request) -> Response:

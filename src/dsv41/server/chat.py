@@ -88,7 +88,7 @@ def _tool_grammar(ctx: ServerContext, req: ChatCompletionRequest, prompt, thinki
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, body: dict):
     prompt, ids = await ctx.run_cpu(render_chat, ctx, body)
     # the reply starts in reasoning only when the prompt ends in <think> (a continued answer is past </think>)
-    thinking = prompt.thinking_mode == "thinking" and not prompt.continue_final_message
+    thinking = prompt.reply_in_reasoning
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     budget = completion_budget(ctx, len(ids), req.completion_limit, "messages", limit_param)
     check_request(ctx, req, "chat", budget)

@@ -218,7 +218,7 @@ class MessageStream(GenerationStream):
 async def create_message(ctx: ServerContext, raw: bytes):
     """(Generation, its MessageStream when streaming, else the reply to complete)."""
     req, prompt, ids = await ctx.run_cpu(_prepare, ctx, MessagesRequest, raw)
-    thinking = prompt.thinking_mode == "thinking" and not prompt.continue_final_message
+    thinking = prompt.reply_in_reasoning
     budget = completion_budget(ctx, len(ids), req.max_tokens, "messages")
     grammar = await ctx.run_cpu(_grammar, ctx, prompt, thinking)
     sampling = SamplingParams(temperature=float(req.temperature) if req.temperature is not None else 1.0,

@@ -102,6 +102,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_effort: StrictStr | StrictInt | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: StrictBool = False
+    add_generation_prompt: StrictBool = True  # vLLM's; false with continue_final_message: build_chat_prompt
 
     @model_validator(mode="after")
     def _chat_rules(self):
@@ -169,6 +170,8 @@ class TokenizeRequest(_Request):
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     continue_final_message: StrictBool = False
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False  # vLLM's: token_strs is each token's vocabulary string
 
     @model_validator(mode="after")
     def _one_input(self):
