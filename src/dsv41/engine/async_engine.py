@@ -77,6 +77,29 @@ class AsyncEngine(Engine):
     # ---------------------------------------------------------------- requests
     def submit(self, request: GenerationRequest) -> RequestStream:
         check_submittable(request, self._state)
+        stream = self._stream(request)
+        with self._pending_lock:
+            self._pending_adds += 1
+        self._commands.put(("add", stream.seq))
+        self._wake.set()
+        return stream
+
+    def submit_group(self, requests: list[GenerationRequest]) -> list[RequestStream]:
+        """One engine group: the prompt prefilled once, its full pages shared, the siblings forked (llm_engine)."""
+        if len(requests) == 1:
+            return [self.submit(requests[0])]
+        for request in requests:
+            check_submittable(request, self._state)
+            if request.prompt_ids != requests[0].prompt_ids or request.max_tokens != requests[0].max_tokens:
+                raise ValueError("the requests of a group need the same prompt and max_tokens")
+        streams = [self._stream(request) for request in requests]
+        with self._pending_lock:
+            self._pending_adds += len(streams)
+        self._commands.put(("group", [stream.seq for stream in streams]))
+        self._wake.set()
+        return streams
+
+    def _stream(self, request: GenerationRequest) -> RequestStream:
         waiting = self.core.scheduler.num_waiting + self._pending_adds
         if waiting >= self.max_waiting:
             raise EngineOverloaded(f"{waiting} requests already waiting")
@@ -93,10 +116,6 @@ class AsyncEngine(Engine):
                 pass
 
         stream.seq = self.make_sequence(request, emit)
-        with self._pending_lock:
-            self._pending_adds += 1
-        self._commands.put(("add", stream.seq))
-        self._wake.set()
         return stream
 
     def make_sequence(self, request: GenerationRequest, emit) -> Sequence:
@@ -125,16 +144,19 @@ class AsyncEngine(Engine):
                 return True
             if kind == "stop":
                 return False
-            if kind == "add":
+            if kind in ("add", "group"):
+                seqs = seq if kind == "group" else [seq]
                 with self._pending_lock:
-                    self._pending_adds -= 1
+                    self._pending_adds -= len(seqs)
                 if self._stopping.is_set():
-                    seq.emit(FinishEvent("cancelled", seq.prompt_len, 0))
+                    for s in seqs:
+                        s.emit(FinishEvent("cancelled", s.prompt_len, 0))
                     continue
                 try:
-                    self.core.add(seq)
+                    self.core.add_group(seqs)
                 except ValueError as exc:
-                    seq.emit(EngineFailure(str(exc)))
+                    for s in seqs:
+                        s.emit(EngineFailure(str(exc)))
             else:
                 self.core.abort(seq)
 

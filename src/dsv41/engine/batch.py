@@ -73,6 +73,9 @@ class Batch:
     freed_pages: list[int] = field(default_factory=list)
     knobs_tag: str = ""  # the approximate settings every rank runs under ("" = exact)
     stop: bool = False  # followers leave their loop
+    # forks (a group's siblings, docs/ENGINE.md §3), made before this step's forward: [from slot, to slot, from
+    # page, to page] each, the page pair -1 when the fork point ends a page (nothing partial to copy)
+    copies: list[list[int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -3,8 +3,10 @@
 A request holds one ring slot (its window KV, open compressor groups and DSpark rings) and a page table covering
 every position it may reach (prompt + max tokens, capped at the context): pages are reserved at admission, so a
 running request never waits for memory and nothing is ever preempted. Pages are ref-counted so that a prefix can
-be shared (sessions); a page returns to the free list when its last holder lets go. Rollback of rejected drafts
-moves the sequence's computed length back and touches nothing here.
+be shared; a page returns to the free list when its last holder lets go. A group of sequences over one prompt
+(n > 1, best_of) is reserved at once: one slot per sibling, the prompt's full pages once (every sibling holds a
+reference on them), and each sibling's own pages from the page the prompt leaves partial onwards. Rollback of
+rejected drafts moves the sequence's computed length back and touches nothing here.
 """
 
 from __future__ import annotations
@@ -53,6 +55,35 @@ class BlockManager:
         for p in pages:
             self.ref_counts[p] = 1
         return slot, pages
+
+    def group_pages(self, num_tokens: int, siblings: int, shared: int) -> int:
+        """Pages a group of `siblings` sequences of `num_tokens` positions each needs when the first `shared` pages
+        of their tables are one set of pages."""
+        return self.pages_for(num_tokens) + (siblings - 1) * (self.pages_for(num_tokens) - shared)
+
+    def group_fits_alone(self, num_tokens: int, siblings: int, shared: int) -> bool:
+        return siblings <= self.num_slots and self.group_pages(num_tokens, siblings, shared) <= self.num_pages
+
+    def can_allocate_group(self, num_tokens: int, siblings: int, shared: int) -> bool:
+        return len(self.free_slots) >= siblings and \
+            self.group_pages(num_tokens, siblings, shared) <= len(self.free_pages)
+
+    def allocate_group(self, num_tokens: int, siblings: int, shared: int) -> list[tuple[int, list[int]]]:
+        """(slot, page table) per sibling: the first `shared` pages of every table are the first sibling's (one
+        reference each), the rest are the sibling's own (check `can_allocate_group` first)."""
+        if not self.can_allocate_group(num_tokens, siblings, shared):
+            raise RuntimeError(f"no room for {siblings} x {num_tokens} tokens: {len(self.free_slots)} slots, "
+                               f"{len(self.free_pages)} pages free")
+        first_slot, first_pages = self.allocate(num_tokens)
+        out = [(first_slot, first_pages)]
+        for _ in range(siblings - 1):
+            slot = self.free_slots.popleft()
+            own = [self.free_pages.popleft() for _ in range(self.pages_for(num_tokens) - shared)]
+            for p in own:
+                self.ref_counts[p] = 1
+            self.share(first_pages[:shared])
+            out.append((slot, first_pages[:shared] + own))
+        return out
 
     def share(self, pages: list[int]) -> None:
         """One more holder of `pages` (a shared prefix)."""

@@ -157,6 +157,20 @@ class Engine(ABC):
         """Queue a request; raises ValueError (no prompt token, max_tokens < 1), EngineOverloaded (queue full) or
         EngineClosed (draining)."""
 
+    def submit_group(self, requests: list[GenerationRequest]) -> list[RequestStream]:
+        """Siblings over one prompt (n > 1, best_of: the same prompt and max_tokens, each its own seed): one stream
+        per request, each the stream the request gets alone. The batched engine prefills the prompt once and
+        shares its pages; this default submits them one by one (what `SerialEngine` does)."""
+        streams: list[RequestStream] = []
+        try:
+            for request in requests:
+                streams.append(self.submit(request))
+        except BaseException:
+            for stream in streams:
+                stream.cancel()
+            raise
+        return streams
+
     @abstractmethod
     def begin_drain(self) -> None:
         """Refuse new requests; running and queued ones continue."""

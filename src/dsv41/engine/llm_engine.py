@@ -7,6 +7,11 @@ logits) only. So this loop is free to batch, chunk and interleave as it likes; i
 Events go out through each sequence's `emit` (the async bridge hands them to the request's stream): a
 `PromptLogprobsEvent` once the prompt is in (when asked for), a `TokenEvent` per output token, then one
 `FinishEvent` (after the request's slot and pages are back in the pool) or an `EngineFailure`.
+
+A group (`add_group`: n > 1, best_of) prefills its prompt once: when the leader reaches `hold_at` the siblings
+fork (`_fork`): the next `Batch` carries the copies (the leader's ring slot, the page its prompt leaves partial)
+that the runtime makes before that step's forward, and from then on every sibling is a sequence of its own, the
+same one it is alone (its seed, its last prompt token, its pages).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from .batch import DECODE, PREFILL, Batch, Row, RowOutput, RowSampling
 from .block_manager import BlockManager
 from .params import banned_ids
 from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
-from .request import Sequence, Status
+from .request import Sequence, SequenceGroup, Status
 from .scheduler import Scheduler, SchedulerConfig
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -58,6 +63,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, blocks, getattr(executor, "free_bytes", lambda: None), clock)
         self._freed_slots: list[int] = []
         self._freed_pages: list[int] = []
+        self._copies: list[tuple[Sequence, list[int]]] = []  # forks made, copied before the next step's forward
+        self.forks_total = 0
         self.step_no = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -72,10 +79,38 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
+        self._check(seq)
+        self._enqueue(seq)
+
+    def add_group(self, seqs: list[Sequence]) -> None:
+        """Siblings over one prompt (same prompt, budget, prompt logprobs and class; their own seeds, grammars,
+        logprobs): admitted together, the prompt prefilled once, then forked. A group larger than the slots (or
+        than the pool holds at once) is cut into groups that fit, each prefilling the prompt once."""
+        first = seqs[0]
+        for seq in seqs:
+            self._check(seq)
+            if (seq.prompt, seq.limit, seq.prompt_logprobs, seq.background) != \
+                    (first.prompt, first.limit, first.prompt_logprobs, first.background):
+                raise ValueError("the sequences of a group need the same prompt, budget, prompt logprobs and class")
+        b = self.blocks
+        shared = (first.prompt_len - 1) // b.page_tokens
+        size = 1
+        while size < len(seqs) and b.group_fits_alone(first.reserve_tokens, size + 1, shared):
+            size += 1
+        for at in range(0, len(seqs), size):
+            part = seqs[at:at + size]
+            if len(part) > 1:
+                SequenceGroup(part)
+            for seq in part:
+                self._enqueue(seq)
+
+    def _check(self, seq: Sequence) -> None:
         if not seq.prompt or seq.limit < 1:
             raise ValueError("a sequence needs a prompt token and room for one output token")
         if not self.blocks.fits_alone(seq.reserve_tokens):
             raise ValueError(f"{seq.prompt_len} prompt + {seq.limit} output tokens do not fit the pool")
+
+    def _enqueue(self, seq: Sequence) -> None:
         if self.config.prefill_mode == "replay" and seq.prompt_logprobs is None:
             seq.replay_start = max(0, seq.prompt_len - self.config.window)
         self._extend_forced(seq)  # text a grammar forces before the first sampled token
@@ -103,12 +138,14 @@ class LLMEngine:
             return False
         now = self.clock()
         for seq, _ in work:
-            if seq.prefilling and seq.seq_id not in self._scheduled_at:
+            if seq.prefilling and not seq.forked and seq.seq_id not in self._scheduled_at:
                 self._scheduled_at[seq.seq_id] = now
                 self.times["queue"].observe(now - seq.arrival)
         rows = [self._row(seq, n) for seq, n in work]
-        batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag)
-        self._freed_slots, self._freed_pages = [], []
+        copies = [entry for sib, entry in self._copies if sib.status is Status.RUNNING]
+        batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag,
+                      copies=copies)
+        self._freed_slots, self._freed_pages, self._copies = [], [], []
         self.step_no += 1
         started = self.clock()
         try:
@@ -160,8 +197,11 @@ class LLMEngine:
         scored = dict(zip((j for j, _, _ in row.scores), out.scored))
         if seq.prompt_logprobs is not None:
             seq.prompt_scores += [(lp, tuple(top)) for j, (lp, top) in sorted(scored.items()) if a + j + 1 < seq.prompt_len]
+        if seq.hold_at is not None and seq.num_computed >= seq.hold_at:
+            self._fork(seq)
         if a < seq.prompt_len <= seq.num_computed:
-            self.prompt_tokens_total += seq.prompt_len
+            if not seq.forked:  # a group's prompt counts once
+                self.prompt_tokens_total += seq.prompt_len
             scheduled = self._scheduled_at.pop(seq.seq_id, None)
             if scheduled is not None:
                 self.times["prefill"].observe(self.clock() - scheduled)
@@ -206,8 +246,27 @@ class LLMEngine:
             seq.unreported.extend(forced)
             seq.produced += len(forced)
 
+    def _fork(self, leader: Sequence) -> None:
+        """The leader's prefill reached its group's fork point: every waiting sibling starts there, with a copy of
+        the leader's ring slot and of the partial page (its full pages are already the leader's)."""
+        leader.hold_at = None
+        at, pt = leader.num_computed, self.blocks.page_tokens
+        partial = at // pt if at % pt else None
+        for sib in leader.group.awaiting():
+            sib.awaiting_fork, sib.forked, sib.num_computed = False, True, at
+            sib.prompt_scores = list(leader.prompt_scores)
+            src, dst = (leader.pages[partial], sib.pages[partial]) if partial is not None else (-1, -1)
+            self._copies.append((sib, [leader.slot, sib.slot, src, dst]))
+            self.forks_total += 1
+
     # ------------------------------------------------------------------ ending
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, promote: bool = True) -> None:
+        if seq.hold_at is not None and promote:  # a leader gone before its fork: the next sibling prefills
+            waiting = seq.group.awaiting()
+            if waiting:
+                waiting[0].awaiting_fork = False
+                waiting[0].hold_at = seq.hold_at if len(waiting) > 1 else None
+        seq.hold_at = None
         slot = seq.slot
         freed = self.scheduler.remove(seq)
         self._scheduled_at.pop(seq.seq_id, None)
@@ -224,8 +283,11 @@ class LLMEngine:
     def _fail(self, seq: Sequence, message: str, rejected: str = "") -> None:
         """`rejected`: the EngineRejected code when the request itself is at fault ("" = an engine failure)."""
         if seq.status is not Status.FINISHED:
-            self._release(seq)
+            waiting = seq.group.awaiting() if seq.hold_at is not None else []
+            self._release(seq, promote=False)
             seq.emit(EngineRejected(message, code=rejected) if rejected else EngineFailure(message))
+            for sib in waiting:  # they wait for this prefill: the same failure
+                self._fail(sib, message, rejected)
 
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.waiting_bg):
@@ -245,7 +307,7 @@ class LLMEngine:
         return {
             "slots_busy": b.num_used_slots, "slots_total": b.num_slots,
             "pages_used": b.num_used_pages, "pages_total": b.num_pages, "page_tokens": b.page_tokens,
-            "queue": s.num_waiting, "running": len(s.running),
+            "queue": s.num_waiting, "running": len(s.running), "forks_total": self.forks_total,
             "prefill_tokens_total": self.prefill_rows_total, "decode_tokens_total": self.decode_rows_total,
             "rounds": self.step_no, "round_seconds_total": round(self.round_seconds_total, 6),
             "last_round_s": round(self.last_round_s, 6),

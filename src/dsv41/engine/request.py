@@ -3,6 +3,11 @@
 `tokens` is the prompt followed by every output token decided so far (sampled, or forced by a grammar); the
 cache holds the first `num_computed` of them. The next step absorbs `tokens[num_computed:]` (a prefill chunk, or
 the last sampled token plus any forced text) and, when that reaches the end, samples the next token.
+
+A `SequenceGroup` is several sequences over one prompt (n > 1, best_of), each with its own seed: the first live
+one (the leader) prefills the prompt but its last token (`hold_at`), then the others fork from it (they start at
+that position with a copy of its ring slot and of the page the prompt leaves partial; the full pages are one set,
+ref-counted) and each absorbs the last prompt token and samples on its own (docs/ENGINE.md §3).
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ class Sequence:
     replay_start: int = 0
     unreported: deque = field(default_factory=deque)  # forced ids decided, emitted once their step has run
     prompt_scores: list = field(default_factory=list)
+    group: "SequenceGroup | None" = None
+    hold_at: int | None = None  # a group's leader: prefill up to here, then its siblings fork
+    awaiting_fork: bool = False  # a sibling admitted with its group, waiting for the leader's prefill
+    forked: bool = False  # a sibling that forked: its prompt was prefilled (and counted) by the leader
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -78,3 +87,26 @@ class Sequence:
             raise ValueError(f"cannot roll back {n} of {self.num_computed} tokens")
         self.num_computed -= n
         del self.tokens[self.num_computed:]
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """Siblings over one prompt, admitted together; `fork_at` positions of the prompt are prefilled once."""
+
+    members: list[Sequence]
+
+    def __post_init__(self):
+        for m in self.members:
+            m.group = self
+
+    @property
+    def fork_at(self) -> int:
+        return self.members[0].prompt_len - 1
+
+    def shared_pages(self, page_tokens: int) -> int:
+        """The prompt's pages full at the fork: one set for the whole group."""
+        return self.fork_at // page_tokens
+
+    def awaiting(self) -> list[Sequence]:
+        """Admitted siblings still waiting for the leader's prefill."""
+        return [m for m in self.members if m.awaiting_fork and m.status is Status.RUNNING]

@@ -1,9 +1,11 @@
 """Which rows run each step: admission, decode, chunked prefill with a bounded share (docs/ENGINE.md §5).
 
 - Admission, FIFO with two classes (foreground before background): a request needs a free ring slot, pages for
-  prompt + max tokens, and free memory above the floor. It waits, never fails, for any of them; only a request
+  prompt + max tokens, and free memory above the floor (a group: a slot per sibling, the prompt's full pages once
+  and each sibling's own pages, all at once). It waits, never fails, for any of them; only a request
   that cannot be admitted even with nothing else live is given up on, after `admit_timeout_s`.
-- Every running sequence with a token to absorb gets its decode row in every step.
+- Every running sequence with a token to absorb gets its decode row in every step; a group's siblings wait for
+  their leader's prefill (up to `hold_at`), then run as sequences of their own.
 - Prompts are prefilled in chunks, oldest first, at most `prefill_chunk` rows a step in all. While streams are
   decoding, prefill gets at most `prefill_share` of the engine's time (measured: the time of a step beyond a
   decode-only step's, over the last few seconds), so running streams keep flowing.
@@ -76,26 +78,53 @@ class Scheduler:
         free = self.free_bytes() if self.config.mem_floor_bytes else None
         return free is None or free >= self.config.mem_floor_bytes
 
+    def _unit(self, queue: deque) -> list[Sequence]:
+        """The head of `queue` and the siblings admitted with it (a group's waiting members sit together)."""
+        seq = queue[0]
+        if seq.group is None:
+            return [seq]
+        unit = [m for m in seq.group.members if m.status is Status.WAITING]
+        if list(queue)[:len(unit)] != unit:
+            raise RuntimeError("a group's waiting members are not together at the head of the queue")
+        return unit
+
+    def _fits(self, unit: list[Sequence]) -> bool:
+        shared = unit[0].group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
+        return self.blocks.can_allocate_group(unit[0].reserve_tokens, len(unit), shared) and self._memory_ok()
+
+    def _start(self, unit: list[Sequence]) -> None:
+        group = unit[0].group
+        shared = group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
+        for seq, (slot, pages) in zip(unit, self.blocks.allocate_group(unit[0].reserve_tokens, len(unit), shared)):
+            seq.slot, seq.pages = slot, pages
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+        if len(unit) > 1 and group.fork_at > 0:  # the leader prefills the shared part, then the others fork
+            unit[0].hold_at = group.fork_at
+            for seq in unit[1:]:
+                seq.awaiting_fork = True
+
     def admit(self) -> list[Sequence]:
-        """Admit from the head of the queues while everything fits; returns the requests given up on."""
+        """Admit from the head of the queues while everything fits (a group: all its waiting members at once);
+        returns the requests given up on."""
         given_up = []
         for queue in (self.waiting, self.waiting_bg):
             while queue:
-                seq = queue[0]
-                if self.blocks.can_allocate(seq.reserve_tokens) and self._memory_ok():
-                    queue.popleft()
-                    seq.slot, seq.pages = self.blocks.allocate(seq.reserve_tokens)
-                    seq.status = Status.RUNNING
-                    self.running.append(seq)
+                unit = self._unit(queue)
+                if self._fits(unit):
+                    for _ in unit:
+                        queue.popleft()
+                    self._start(unit)
                     self.starved_since = None
                     continue
                 if not self.running:  # it cannot fit even alone (memory floor): wait a bounded time
                     now = self.clock()
                     self.starved_since = self.starved_since or now
-                    if now - seq.arrival > self.config.admit_timeout_s:
-                        queue.popleft()
-                        seq.status = Status.FINISHED
-                        given_up.append(seq)
+                    if now - unit[0].arrival > self.config.admit_timeout_s:
+                        for seq in unit:
+                            queue.popleft()
+                            seq.status = Status.FINISHED
+                            given_up.append(seq)
                         continue
                 return given_up  # FIFO: nobody overtakes the head
         return given_up
@@ -111,9 +140,10 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.prefilling:
-                n = min(seq.prompt_len - seq.num_computed, budget)
-                if n == seq.prompt_len - seq.num_computed:
+            if seq.prefilling and not seq.awaiting_fork:
+                end = seq.prompt_len if seq.hold_at is None else seq.hold_at  # a leader stops where its group forks
+                n = min(end - seq.num_computed, budget)
+                if seq.hold_at is None and n == seq.prompt_len - seq.num_computed:
                     n = seq.pending  # the prompt's last chunk takes any forced text after it along
                 work.append((seq, n))
                 budget -= n

@@ -244,6 +244,18 @@ class KVPool:
             self.stores[("open", layer)][slot, :v.shape[0], 0] = v.float()
             self.stores[("open", layer)][slot, :s.shape[0], 1] = s.float()
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """A fork: ring slot `dst` becomes a copy of `src` (window rows, DSpark rings, open compressor groups)."""
+        for (kind, _), store in self.stores.items():
+            if kind in ("window", "dspark", "open"):
+                store[dst].copy_(store[src])
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """A fork: page `dst` becomes a copy of `src` (every source's compressed entries and index keys)."""
+        for (kind, _), store in self.stores.items():
+            if kind in ("kv", "index_k"):
+                store[dst].copy_(store[src])
+
     # ------------------------------------------------------------------ pages
     def _entry_index(self, layer: int, page_ids: list[int], first: int, end: int) -> torch.Tensor:
         per = self.sources[layer].per_page

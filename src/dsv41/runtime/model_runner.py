@@ -2,7 +2,8 @@
 
 The runner owns the pool and a forward (`forward.execute(rows, pool) -> per row the fp32 logits of
 row.logit_offsets()`: `PoolForward` on the CPU, the fast path where it is built). It keeps no per-request state:
-everything a row needs travels in the `Row`. On every rank of a TP group the same `execute` runs (the forward's
+everything a row needs travels in the `Row`; a step's forks (`Batch.copies`: a group's siblings taking a copy of
+their leader's ring slot and partial page) are made before its forward. On every rank of a TP group the same `execute` runs (the forward's
 collectives keep the ranks in step); only the driver (rank 0) samples and reports.
 
 Per row: the sampled token from the last row's logits (the request's logit adjustments, then its grammar mask
@@ -53,6 +54,10 @@ class ModelRunner:
         if batch.knobs_tag != self.knobs_tag:
             raise RuntimeError(f"step {batch.step} was planned under {batch.knobs_tag!r}, this runner runs "
                                f"{self.knobs_tag!r}")
+        for src_slot, dst_slot, src_page, dst_page in batch.copies:  # forks: before anything reads the slots
+            self.pool.copy_slot(src_slot, dst_slot)
+            if src_page >= 0:
+                self.pool.copy_page(src_page, dst_page)
         logits = self.forward.execute(batch.rows, self.pool)
         if not self.driver:
             return StepOutput(batch.step)
