@@ -165,6 +165,67 @@ def block_drift(model_dir: Path, device: str, backend: str) -> None:
         os.environ.pop("DSV41_EXL3_BACKEND", None)
 
 
+def two_prompt_drift(model_dir: Path, device: str, backend: str, together: bool) -> None:
+    """The parity test's two prompts: per sequence and layer, the fast path's streams, router and index scores
+    against the reference's; the prompts prefilled in one fast forward (`together`) or each alone."""
+    os.environ["DSV41_EXL3_BACKEND"] = backend
+    from test_runtime_fast import PROMPTS, _CaptureSelect
+
+    from dsv41.model.loader import load_model
+    from dsv41.runtime import model as fast_model_mod
+    from dsv41.runtime.build import build_fast_model
+
+    ref = load_model(model_dir, torch.float32, device, fake_quant=False, dspark=False)
+    fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
+    orig = fast_model_mod.FastModel._block
+
+    def recording(self, block, x, pre, n, P, segs, phase, trace):
+        out = orig(self, block, x, pre, n, P, segs, phase, trace)
+        if trace is not None:
+            trace["streams_out"] = out[0][:n].clone()
+        return out
+
+    fast_model_mod.FastModel._block = recording
+    try:
+        rstates, fstates = [ref.new_state() for _ in PROMPTS], [fast.new_state() for _ in PROMPTS]
+        rtrs, caps = [], []
+        for st, ids in zip(rstates, PROMPTS):
+            tr = {}
+            with _CaptureSelect() as cap:
+                ref.forward(st, torch.tensor(ids), trace=tr)
+            rtrs.append(tr)
+            caps.append(cap.scores)
+        groups = [list(range(len(PROMPTS)))] if together else [[i] for i in range(len(PROMPTS))]
+        ftrs = {}
+        for g in groups:
+            tr = {}
+            fast.forward([(fstates[i], PROMPTS[i]) for i in g], "prefill", logits="all", trace=tr)
+            for j, i in enumerate(g):
+                ftrs[i] = (tr, j, sum(len(PROMPTS[q]) for q in g[:j]))
+        for i in range(len(PROMPTS)):
+            tr, j, at = ftrs[i]
+            T, rtr = len(PROMPTS[i]), rtrs[i]
+            scoring = [L for L in sorted(k for k in rtr if isinstance(k, int))
+                       if "index_topk_ids" in rtr[L] and rtr[L]["index_topk_ids"].shape[1]]
+            layers = []
+            for L in sorted(k for k in rtr if isinstance(k, int)):
+                f = tr[L][0]
+                row = {"L": L, "streams": rel(f["streams_out"][at:at + T], rtr[L]["streams_out"]),
+                       "router_logits": rel(f["router_logits"][at:at + T], rtr[L]["router_logits"])}
+                if L in scoring:
+                    fs, rs = f["index_scores"][j].double().cpu(), caps[i][scoring.index(L)].double().cpu()
+                    fin = torch.isfinite(rs)
+                    row["index_finite_mismatch"] = int((torch.isfinite(fs) != fin).sum())
+                    row["index_score_drift"] = float((fs - rs)[fin].abs().max() / rs[fin].abs().max())
+                    fi, ri = f["index_ids"][j].sort(-1).values.cpu(), rtr[L]["index_topk_ids"].sort(-1).values.cpu()
+                    row["index_id_flip_rows"] = (fi != ri).any(-1).nonzero().flatten().tolist()
+                layers.append(row)
+            emit(part="two_prompts", backend=backend, device=device, together=together, seq=i, layers=layers)
+    finally:
+        fast_model_mod.FastModel._block = orig
+        os.environ.pop("DSV41_EXL3_BACKEND", None)
+
+
 def oracle_on_device(model_dir: Path, device: str) -> None:
     from dsv41.model.loader import load_model
 
@@ -211,6 +272,10 @@ def main() -> None:
         backends = ["cuda", "triton"] if args.device.startswith("cuda") else ["triton"]
         for backend in backends:
             block_drift(args.model, args.device, backend)
+    if "two" in parts:
+        for backend in (["cuda", "triton"] if args.device.startswith("cuda") else ["triton"]):
+            for together in (True, False):
+                two_prompt_drift(args.model, args.device, backend, together)
     if args.out:
         args.out.write_text(json.dumps(RECORDS, indent=1))
 
