@@ -1,0 +1,270 @@
+"""mHC sites in one launch each (MODEL.md §6; references: `dsv41.model.mhc` coefficients / sinkhorn / collapse /
+expand and `dsv41.model.norm.rms_norm`).
+
+One program per row (token); a row's bits depend only on its own inputs, never on the other rows or their number
+(the program's tiles, loop bounds and reduction order are fixed by hc and d). Plain Triton: no tensor-core or
+Hopper-only instruction, so it compiles for sm_80..sm_121 and runs in Triton's interpreter.
+
+- `hc_site`: the coefficients H(X) of the streams (mixing product, rsqrt of the mean square, sigmoids, softmax +
+  Sinkhorn) and h = rms_norm(collapse(X, pre_in)) of the sublayer input (single-pass schedule: the site collapses
+  with the pre carried in, not with the pre it computes).
+- `hc_expand_site`: X' = expand(y, X, post, comb) then the next site on X' (the attention site's expand and the FFN
+  site in one pass: X' is written once and never read back).
+- `hc_expand`: X' alone (the FFN site's expand); `collapse_norm`: the final collapse + norm.
+
+Numerics: fp32 throughout, sums in a fixed blocked order; the two rsqrt's in fp64 (IEEE sqrt and division, then one
+rounding, as the reference's `f64`), divisions correctly rounded (`div_rn`, as the reference's fp32 ones); exp in
+fp32 (the reference's is fp64 rounded to fp32: a few fp32 ulp apart). The collapse is rounded to the stream dtype
+before the norm, and X' before its coefficients, as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 + hc) * hc] product tile
+BLOCK_H = 1024  # columns per step of the norm pass
+NUM_WARPS = 4
+
+
+@triton.jit
+def _rsqrt64(v):
+    """1 / sqrt(v) in fp64 (IEEE sqrt and division), rounded once to fp32: the reference's `f64(torch.rsqrt, v)`."""
+    v64 = v.to(tl.float64)
+    return (1.0 / tl.sqrt(v64)).to(tl.float32)
+
+
+@triton.jit
+def _cast(v, DT: tl.constexpr):
+    """fp32 -> the stream dtype, rounded to nearest even. bf16 by its bits (what the GPU's cvt.rn does; Triton's
+    interpreter would truncate a plain cast); other dtypes by a plain cast."""
+    if DT == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(DT)
+
+
+@triton.jit
+def _sigmoid(z):
+    return tl.div_rn(tl.zeros_like(z) + 1.0, 1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _coefficients(acc, sq, row, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, iters,
+                  HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr):
+    """From the mixing accumulators (acc [HCP, BLOCK_D, NP] of x * fn, sq [HCP, BLOCK_D] of x²): pre, post, comb."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    n = tl.arange(0, NP)
+    m = tl.sum(tl.sum(acc, axis=1), axis=0) * _rsqrt64(tl.sum(tl.sum(sq, axis=1), axis=0) / K + norm_eps)
+    s0 = tl.load(scale_ptr)
+    s1 = tl.load(scale_ptr + 1)
+    s2 = tl.load(scale_ptr + 2)
+    scale = tl.where(n < HC, s0, tl.where(n < 2 * HC, s1, s2))
+    z = m * scale + tl.load(base_ptr + n, mask=n < NMIX, other=0.0)
+    sig = _sigmoid(z)
+    tl.store(pre_ptr + row * HC + n, sig + hc_eps, mask=n < HC)
+    tl.store(post_ptr + row * HC + (n - HC), 2 * sig, mask=(n >= HC) & (n < 2 * HC))
+    # comb logits as a [HCP, HCP] tile: select z[2 hc + j hc + k] (a sum of one term and zeros: exact)
+    j = tl.arange(0, HCP)
+    k = tl.arange(0, HCP)
+    live = (j[:, None] < HC) & (k[None, :] < HC)
+    at = 2 * HC + j[:, None] * HC + k[None, :]
+    pick = at[:, :, None] == n[None, None, :]
+    logits = tl.sum(tl.where(pick, z[None, None, :], 0.0), axis=2)
+    # Sinkhorn (model/mhc.py:sinkhorn): softmax over k, + eps, column; then (iters - 1) x {row, column}
+    logits = tl.where(live, logits, -1e30)  # finite: a padded row (hc < HCP) stays free of inf - inf
+    e = tl.where(live, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
+    total = tl.where(j < HC, tl.sum(e, axis=1), 1.0)
+    c = tl.where(live, tl.div_rn(e, tl.broadcast_to(total[:, None], e.shape)) + hc_eps, 0.0)
+    c = tl.div_rn(c, tl.broadcast_to(tl.sum(c, axis=0)[None, :] + hc_eps, c.shape))
+    for _ in range(iters - 1):
+        c = tl.div_rn(c, tl.broadcast_to(tl.sum(c, axis=1)[:, None] + hc_eps, c.shape))
+        c = tl.div_rn(c, tl.broadcast_to(tl.sum(c, axis=0)[None, :] + hc_eps, c.shape))
+    tl.store(comb_ptr + row * HC * HC + j[:, None] * HC + k[None, :], c, mask=live)
+
+
+@triton.jit
+def _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK: tl.constexpr):
+    """h holds the row's collapse (rounded to the stream dtype) written by this program: h <- rms_norm(h) * w."""
+    tl.debug_barrier()  # the collapse was stored by other threads of this program
+    r = _rsqrt64(tl.sum(usq, axis=0) / d + rms_eps)
+    for d0 in range(0, d, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        live = cols < d
+        u = tl.load(h_ptr + row * d + cols, mask=live, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * d + cols, _cast((u * r) * w, h_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
+                 pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, d, norm_eps, hc_eps, rms_eps, iters,
+                 HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One row: [X' = expand(y, X, post_in, comb_in), written to xo;] coefficients of X (or X'); h = norm(collapse(
+    X (or X'), pre_in)). Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided."""
+    NMIX: tl.constexpr = (2 + HC) * HC
+    row = tl.program_id(0)
+    c = tl.arange(0, HCP)
+    c_live = c < HC
+    n = tl.arange(0, NP)
+    pre_in = tl.load(pre_in_ptr + row * HC + c, mask=c_live, other=0.0)
+    if EXPAND:
+        post_in = tl.load(post_in_ptr + row * HC + c, mask=c_live, other=0.0)
+        comb_in = tl.load(comb_in_ptr + row * HC * HC + c[:, None] * HC + c[None, :],
+                          mask=c_live[:, None] & c_live[None, :], other=0.0)  # [j, k]
+    acc = tl.zeros((HCP, BLOCK, NP), tl.float32)
+    sq = tl.zeros((HCP, BLOCK), tl.float32)
+    usq = tl.zeros((BLOCK,), tl.float32)
+    for d0 in range(0, d, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        live = c_live[:, None] & (cols < d)[None, :]
+        at = row * HC * d + c[:, None] * d + cols[None, :]
+        xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)  # [HCP, BLOCK]
+        if EXPAND:
+            y = tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32)
+            mixed = tl.sum(comb_in[:, :, None] * xs[:, None, :], axis=0)  # Σ_j comb[j, k] X[j]: [k, BLOCK]
+            xn = _cast(post_in[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty)
+            tl.store(xo_ptr + at, xn, mask=live)
+            xs = tl.where(live, xn.to(tl.float32), 0.0)
+        f = tl.load(fn_ptr + (c[:, None, None] * d + cols[None, :, None]) * stride_fk + n[None, None, :] * stride_fn,
+                    mask=live[:, :, None] & (n < NMIX)[None, None, :], other=0.0)
+        acc += xs[:, :, None] * f
+        sq += xs * xs
+        u = _cast(tl.sum(pre_in[:, None] * xs, axis=0), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
+        tl.store(h_ptr + row * d + cols, u, mask=cols < d)
+        u32 = u.to(tl.float32)
+        usq += u32 * u32
+    _coefficients(acc, sq, row, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, iters,
+                  HC, HCP, NP)
+    _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK_N)
+
+
+@triton.jit
+def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, HC: tl.constexpr, HCP: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction over d)."""
+    row = tl.program_id(0)
+    c = tl.arange(0, HCP)
+    c_live = c < HC
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    live = c_live[:, None] & (cols < d)[None, :]
+    post = tl.load(post_ptr + row * HC + c, mask=c_live, other=0.0)
+    comb = tl.load(comb_ptr + row * HC * HC + c[:, None] * HC + c[None, :], mask=c_live[:, None] & c_live[None, :],
+                   other=0.0)
+    at = row * HC * d + c[:, None] * d + cols[None, :]
+    xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * xs[:, None, :], axis=0)
+    tl.store(xo_ptr + at, _cast(post[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, HC: tl.constexpr, HCP: tl.constexpr,
+                          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, HCP)
+    c_live = c < HC
+    pre = tl.load(pre_ptr + row * HC + c, mask=c_live, other=0.0)
+    usq = tl.zeros((BLOCK,), tl.float32)
+    for d0 in range(0, d, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        live = c_live[:, None] & (cols < d)[None, :]
+        xs = tl.load(x_ptr + row * HC * d + c[:, None] * d + cols[None, :], mask=live, other=0.0).to(tl.float32)
+        u = _cast(tl.sum(pre[:, None] * xs, axis=0), h_ptr.dtype.element_ty)
+        tl.store(h_ptr + row * d + cols, u, mask=cols < d)
+        u32 = u.to(tl.float32)
+        usq += u32 * u32
+    _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK_N)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launchers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _streams(x: torch.Tensor) -> tuple[int, int, int]:
+    if x.dim() != 3 or not x.is_contiguous():
+        raise ValueError(f"streams must be a contiguous [B, hc, d] tensor, got {tuple(x.shape)}")
+    return tuple(x.shape)
+
+
+def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
+    if tuple(t.shape) != shape or t.dtype != torch.float32:
+        raise ValueError(f"{name} must be fp32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    return t.contiguous()
+
+
+def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps):
+    B, hc, d = _streams(x)
+    nmix = (2 + hc) * hc
+    if tuple(fn_t.shape) != (hc * d, nmix) or fn_t.dtype != torch.float32:
+        raise ValueError(f"fn_t must be fp32 [{hc * d}, {nmix}], got {fn_t.dtype} {list(fn_t.shape)}")
+    if base.numel() != nmix or scale.numel() != 3 or norm_weight.numel() != d or iters < 1:
+        raise ValueError("base [(2 + hc) * hc], scale [3], norm_weight [d] and iters >= 1 expected")
+    pre_in = _coeff(pre_in, (B, hc), "pre_in")
+    expand = y is not None
+    xo = torch.empty_like(x) if expand else x
+    if expand:
+        if tuple(y.shape) != (B, d) or y.dtype != x.dtype:
+            raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
+        y, post_in, comb_in = y.contiguous(), _coeff(post_in, (B, hc), "post"), _coeff(comb_in, (B, hc, hc), "comb")
+    else:
+        y, post_in, comb_in = x, pre_in, pre_in  # unused (EXPAND off)
+    h = torch.empty(B, d, dtype=x.dtype, device=x.device)
+    pre = torch.empty(B, hc, dtype=torch.float32, device=x.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(B, hc, hc, dtype=torch.float32, device=x.device)
+    if B:
+        _site_kernel[(B,)](
+            x, y, post_in, comb_in, xo, fn_t, fn_t.stride(0), fn_t.stride(1), base.float().contiguous(),
+            scale.float().contiguous(), pre_in, norm_weight.contiguous(), h, pre, post, comb, d, float(norm_eps),
+            float(hc_eps), float(rms_eps), int(iters), HC=hc, HCP=triton.next_power_of_2(hc),
+            NP=triton.next_power_of_2(nmix), EXPAND=expand, BLOCK=min(BLOCK_D, triton.next_power_of_2(d)),
+            BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
+    return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
+
+
+def hc_site(x, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float, iters: int,
+            rms_eps: float):
+    """One mHC site: `(h, pre, post, comb)` with h = rms_norm(collapse(x, pre_in), norm_weight, rms_eps) [B, d] in
+    x's dtype and pre, post [B, hc], comb [B, hc, hc] fp32 = `mhc.coefficients(x, (fn_t.T, base, scale), ...)`."""
+    return _site(x, None, None, None, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps)
+
+
+def hc_expand_site(y, x, post, comb, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float,
+                   iters: int, rms_eps: float):
+    """`x' = mhc.expand(y, x, post, comb)`, then `hc_site(x', ...)`: returns `(x', h, pre', post', comb')`."""
+    return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps)
+
+
+def hc_expand(y, x, post, comb) -> torch.Tensor:
+    """`mhc.expand(y, x, post, comb)`: [B, hc, d] in x's dtype."""
+    B, hc, d = _streams(x)
+    if tuple(y.shape) != (B, d) or y.dtype != x.dtype:
+        raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
+    post, comb = _coeff(post, (B, hc), "post"), _coeff(comb, (B, hc, hc), "comb")
+    out = torch.empty_like(x)
+    block = min(BLOCK_H, triton.next_power_of_2(d))
+    if B:
+        _expand_kernel[(B, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, HC=hc,
+                                                   HCP=triton.next_power_of_2(hc), BLOCK=block, num_warps=NUM_WARPS)
+    return out
+
+
+def collapse_norm(x, pre, norm_weight, *, rms_eps: float) -> torch.Tensor:
+    """`rms_norm(mhc.collapse(x, pre), norm_weight, rms_eps)`: [B, d] in x's dtype."""
+    B, hc, d = _streams(x)
+    pre = _coeff(pre, (B, hc), "pre")
+    if norm_weight.numel() != d:
+        raise ValueError(f"norm_weight must have {d} elements, got {norm_weight.numel()}")
+    h = torch.empty(B, d, dtype=x.dtype, device=x.device)
+    if B:
+        _collapse_norm_kernel[(B,)](x, pre, norm_weight.contiguous(), h, d, float(rms_eps), HC=hc,
+                                    HCP=triton.next_power_of_2(hc), BLOCK=min(BLOCK_H, triton.next_power_of_2(d)),
+                                    BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
+    return h

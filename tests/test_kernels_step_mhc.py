@@ -1,0 +1,223 @@
+"""mHC step kernels (dsv41.kernels.step.mhc) against the reference (dsv41.model.mhc, dsv41.model.norm.rms_norm).
+
+CPU part: the kernels run in Triton's interpreter, in one child process (TRITON_INTERPRET must be set before the
+kernels are decorated; setting it here would interpret every other Triton kernel of the session); the child
+measures and reports JSON, the tests judge the numbers. GPU part (`-m gpu`): the same measurements on the full
+shape (hc 4, d 4096, bf16 streams), in-process, compiled.
+
+Tolerances (each output checked on its own input, so that one rounding flip upstream does not count twice):
+- pre / post / comb (fp32, values in (0, 2]): max |kernel - reference| <= 1e-5 (COEFF_ABS). Both are fp32 math with
+  sums in other orders (the mixing product over hc*d terms, the 4-term Sinkhorn sums) and exp in fp32 where the
+  reference rounds an fp64 exp: a few fp32 ulp (measured <= 6.6e-7 in the interpreter), and the 20 Sinkhorn steps
+  are contractive (no growth).
+- X' (stream dtype): <= 1 ulp in bf16 (its fp32 value differs by a few fp32 ulp at most: 4-term sum order, fused
+  multiply-add on the GPU, so its rounding can only land on the neighbouring value), <= 4 ulp in fp32.
+- h (stream dtype): <= 3 ulp in bf16. The collapse is rounded to the stream dtype before the norm (as the
+  reference does): where that rounding flips (1 ulp of u, up to 2^-7 relative) the normalised, weighted value
+  moves by up to 2 ulp of h, plus its own rounding; in bf16 such flips must stay rare (FLIP_FRACTION of the
+  elements). In fp32 streams <= 8 ulp: the mean square's sum order moves every element by an ulp or two.
+  Measured in the interpreter: bf16 h and X' bitwise equal to the reference; fp32 h within 3 ulp, X' equal.
+- Row invariance: a row's outputs are bitwise the same alone (B = 1) and among other rows (B = 16, shuffled). The
+  interpreter runs one program at a time over numpy arrays whose shapes do not depend on B, and the kernels use no
+  BLAS, so this is asserted on the CPU too.
+
+The interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest even), so the kernels round bf16 by
+its bits (`_cast`): the same result on both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+COEFF_ABS = 1e-5
+ULPS = {"bfloat16": dict(x=1, h=3), "float32": dict(x=4, h=8)}  # X' (xo, expand) and h (h, h2, final)
+FLIP_FRACTION = 0.02  # bf16: elements of h / X' not bitwise the reference's
+EPS = dict(norm_eps=1e-6, hc_eps=1e-6, rms_eps=1e-6)
+CPU_CASES = [  # (hc, d, B, iters, dtype)
+    (4, 128, 1, 20, "bfloat16"), (4, 128, 16, 20, "bfloat16"), (4, 256, 5, 20, "bfloat16"),
+    (4, 256, 16, 20, "float32"), (4, 128, 3, 1, "float32"), (3, 160, 4, 20, "bfloat16"),
+]
+GPU_CASES = [(4, 4096, B, 20, "bfloat16") for B in (1, 5, 16)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# measurements (the interpreted child and the GPU tests share them)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _ulps(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """|a - ref| in units of the dtype's spacing at max(|a|, |ref|) (fp64)."""
+    bits = {torch.bfloat16: 7, torch.float32: 23, torch.float16: 10}[ref.dtype]
+    big = torch.maximum(a.double().abs(), ref.double().abs())
+    spacing = torch.exp2(torch.floor(torch.log2(big.clamp_min(torch.finfo(ref.dtype).tiny))) - bits)
+    return (a.double() - ref.double()).abs() / spacing
+
+
+def _inputs(hc, d, B, dtype, device, seed):
+    """Random valid site inputs, scaled as the model's (synthetic.py): mixing values O(1), comb doubly stochastic."""
+    from dsv41.model import mhc as ref
+
+    g = torch.Generator().manual_seed(seed)
+    nmix = (2 + hc) * hc
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fn = r(nmix, hc * d) * (hc * d) ** -0.5
+    base, scale = r(nmix) * 0.5, torch.rand(3, generator=g) + 0.5
+    x = r(B, hc, d) * (1 + 3 * torch.rand(B, hc, 1, generator=g))
+    y = r(B, d) * 2
+    pre_in = torch.rand(B, hc, generator=g) + 1e-6
+    post = 2 * torch.rand(B, hc, generator=g)
+    comb = ref.sinkhorn(r(B, hc, hc), 20, 1e-6)
+    w = 1 + 0.1 * r(d)
+    t = dict(x=x.to(dtype), y=y.to(dtype), fn=fn, base=base, scale=scale, pre_in=pre_in, post=post, comb=comb,
+             w=w.to(dtype))
+    return {k: v.to(device) for k, v in t.items()}
+
+
+def _run(t, iters):
+    """Every kernel on one input set: a dict of named outputs."""
+    from dsv41.kernels.step import mhc as k
+
+    args = (t["fn"].t(), t["base"], t["scale"])
+    h, pre, post, comb = k.hc_site(t["x"], *args, t["pre_in"], t["w"], iters=iters, **EPS)
+    xo, h2, pre2, post2, comb2 = k.hc_expand_site(t["y"], t["x"], t["post"], t["comb"], *args, t["pre_in"], t["w"],
+                                                  iters=iters, **EPS)
+    return dict(h=h, pre=pre, post=post, comb=comb, xo=xo, h2=h2, pre2=pre2, post2=post2, comb2=comb2,
+                expand=k.hc_expand(t["y"], t["x"], t["post"], t["comb"]),
+                final=k.collapse_norm(t["x"], t["pre_in"], t["w"], rms_eps=EPS["rms_eps"]))
+
+
+def _reference(t, out, hc, iters):
+    """The reference's outputs, each from the input the kernel's output was computed from."""
+    from dsv41.model import mhc as ref
+    from dsv41.model.norm import rms_norm
+
+    p = ref.HCParams(t["fn"], t["base"], t["scale"])
+    ne, he, re = EPS["norm_eps"], EPS["hc_eps"], EPS["rms_eps"]
+    pre, post, comb = ref.coefficients(t["x"], p, hc, ne, he, iters)
+    pre2, post2, comb2 = ref.coefficients(out["xo"], p, hc, ne, he, iters)  # on the kernel's own X'
+    return dict(h=rms_norm(ref.collapse(t["x"], t["pre_in"]), t["w"], re), pre=pre, post=post, comb=comb,
+                xo=ref.expand(t["y"], t["x"], t["post"], t["comb"]),
+                h2=rms_norm(ref.collapse(out["xo"], t["pre_in"]), t["w"], re), pre2=pre2, post2=post2, comb2=comb2,
+                expand=ref.expand(t["y"], t["x"], t["post"], t["comb"]),
+                final=rms_norm(ref.collapse(t["x"], t["pre_in"]), t["w"], re))
+
+
+def measure(case, device: str, seed: int = 0) -> dict:
+    """Errors of every output against the reference, and whether each row's bits are the same alone and among the
+    other rows (shuffled)."""
+    hc, d, B, iters, dtype = case
+    t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
+    out = _run(t, iters)
+    ref = _reference(t, out, hc, iters)
+    res = {}
+    for name, v in out.items():
+        r = ref[name]
+        finite = bool(torch.isfinite(v).all())
+        if v.dtype == torch.float32 and name[:3] in ("pre", "pos", "com"):
+            res[name] = dict(finite=finite, max_abs=float((v - r).abs().max()))
+        else:
+            u = _ulps(v, r)
+            res[name] = dict(finite=finite, max_ulps=float(u.max()), flips=float((u > 0).double().mean()))
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    shuffled = _run({k: (v[order] if v.dim() and v.shape[0] == B and k not in ("fn", "base", "scale", "w") else v)
+                     for k, v in t.items()}, iters)
+    alone_ok, among_ok = True, True
+    for i in range(B):
+        one = _run({k: (v[i:i + 1] if k not in ("fn", "base", "scale", "w") else v) for k, v in t.items()}, iters)
+        alone_ok &= all(torch.equal(one[n][0], out[n][i]) for n in out)
+        among_ok &= all(torch.equal(shuffled[n][order.index(i)], out[n][i]) for n in out)
+    res["rows"] = dict(alone=alone_ok, among=among_ok)
+    return res
+
+
+def check(case, res: dict) -> None:
+    hc, d, B, iters, dtype = case
+    for name, r in res.items():
+        if name == "rows":
+            assert r["alone"] and r["among"], f"{case}: a row's bits depend on the other rows: {r}"
+            continue
+        assert r["finite"], f"{case} {name}: non-finite output"
+        if "max_abs" in r:
+            assert r["max_abs"] <= COEFF_ABS, f"{case} {name}: {r}"
+        else:
+            bound = ULPS[dtype]["x" if name in ("xo", "expand") else "h"]
+            assert r["max_ulps"] <= bound, f"{case} {name}: {r} (bound {bound} ulp)"
+            if dtype == "bfloat16":
+                assert r["flips"] <= FLIP_FRACTION, f"{case} {name}: {r}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: the interpreted child
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _interp_worker(out_path: str) -> None:
+    results = {}
+    for i, case in enumerate(CPU_CASES):
+        try:
+            results[json.dumps(case)] = measure(case, "cpu", seed=i)
+        except Exception as exc:  # report, so the tests show the worker's error
+            results[json.dumps(case)] = {"error": f"{type(exc).__name__}: {exc}"}
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+@pytest.fixture(scope="module")
+def interp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mhc_interp") / "results.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreted worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "hc{}-d{}-B{}-it{}-{}".format(*c))
+def test_interpreted_mhc_kernels_match_the_reference_and_are_row_invariant(interp, case):
+    res = interp[json.dumps(case)]
+    assert "error" not in res, res.get("error")
+    check(case, res)
+
+
+def test_launchers_refuse_wrong_layouts():
+    from dsv41.kernels.step import mhc as k
+
+    x = torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="contiguous"):
+        k.hc_expand(torch.zeros(2, 8), x.transpose(0, 1), torch.zeros(2, 4), torch.zeros(2, 4, 4))
+    with pytest.raises(ValueError, match="fn_t"):
+        k.hc_site(x, torch.zeros(24, 32), torch.zeros(24), torch.zeros(3), torch.zeros(2, 4), torch.zeros(8),
+                  iters=20, **EPS)
+    with pytest.raises(ValueError, match="pre_in"):
+        k.hc_site(x, torch.zeros(32, 24), torch.zeros(24), torch.zeros(3), torch.zeros(2, 4).double(),
+                  torch.zeros(8), iters=20, **EPS)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: full shape, compiled
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "hc{}-d{}-B{}-it{}-{}".format(*c))
+def test_gpu_mhc_kernels_full_shape(case):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+    res = measure(case, "cuda", seed=100 + case[2])
+    print(case, json.dumps(res))
+    check(case, res)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":
+    os.environ["TRITON_INTERPRET"] = "1"
+    _interp_worker(sys.argv[2])
