@@ -117,6 +117,8 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     dev = x.device
     chunks = triton.cdiv(d, BLOCK_D)
     per_split = triton.cdiv(chunks, D_SPLITS)

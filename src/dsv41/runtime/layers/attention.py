@@ -6,6 +6,10 @@ norms, RoPE and the fake quantisers run over the row bucket. What reads or write
 append, compressor pooling and its entries, index scores, candidate blocks, top-k, the core softmax — runs per
 sequence with the reference's own functions (`model.attention`), so a row's bits depend only on its sequence.
 The index keys of every group closed in the step are projected in one launch (the kernel is row-invariant).
+Decode and verify rows, where the Triton step kernels run (`step_kernels_run`: a CUDA device, or the interpreter),
+take the core softmax of every sequence in one launch (`kernels.step.attention`): each sequence's key slots are
+gathered as the reference lays them out, padded with dead slots to a common length (the kernel's bits ignore such
+padding and the other rows); prefill rows, and plain CPU without the interpreter, keep the reference's `_core`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Sequence
 import torch
 
 from dsv41.config import LayerRole, ModelConfig
+from dsv41.kernels.exl3.backend import interpreting
 from dsv41.model.attention import Attention, AttentionParams, Shared, append_window, compressed_slots
 from dsv41.model.norm import rms_norm
 from dsv41.model.quant import fp4_block_e4m3, fp4_block_ue8m0, fp8_block_ue8m0
@@ -24,6 +29,7 @@ from dsv41.model.rowwise import row_blocks
 from dsv41.model.state import SequenceState
 
 from ..sections import section
+from .linear import is_fused
 
 
 @dataclass
@@ -39,6 +45,12 @@ class Segment:
     @property
     def rows(self) -> slice:
         return slice(self.start, self.start + self.T)
+
+
+def step_kernels_run(device: torch.device) -> bool:
+    """Whether the Triton step kernels (`kernels.step`) run for tensors on `device`: a CUDA device, or any device
+    under Triton's CPU interpreter (TRITON_INTERPRET=1). Elsewhere the reference's functions run."""
+    return device.type == "cuda" or interpreting()
 
 
 def window_slots(win: torch.Tensor, s: Segment, window: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,6 +71,7 @@ class FastAttention:
         # the reference layer on the same record: its RoPE, candidate blocks, top-k and core are reused as they are
         # (it never calls the linears)
         self.ref = Attention(cfg, role, w, rope, local_heads=local_heads, fake_quant=fake_quant)
+        self.sink = w.sink.float().contiguous()  # what the core kernel reads
 
     def linears(self) -> list:
         """Every linear of the layer (for accounting)."""
@@ -95,6 +108,8 @@ class FastAttention:
         if any(c is not None for c in closed):
             self._append_entries(segs, closed, phase)
         o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32, device=x.device)
+        batched = is_fused(phase) and step_kernels_run(x.device)
+        gathered = []
         for s, win in zip(segs, wins):
             with section("attention"):
                 keys, ok = window_slots(win, s, cfg.sliding_window)
@@ -105,13 +120,35 @@ class FastAttention:
                 with section("attention"):
                     comp, comp_ok = compressed_slots(src, ids, cfg.index_topk, s.T, cfg.head_dim, x.device)
                     keys, ok = torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
+            if batched:
+                gathered.append((s, keys, ok))
+                continue
             with section("attention"):
                 o[s.rows] = self.ref._core(q[s.rows], keys, ok)
+        if gathered:
+            with section("attention"):
+                self._core_batched(q, gathered, o)
         with section("norms"):
             o = rope(o.to(x.dtype), P, inverse=True)
         groups = o.reshape(B, len(w.wo_a), -1)
         u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)
+
+    def _core_batched(self, q: torch.Tensor, gathered, o: torch.Tensor) -> None:
+        """The core of every segment's rows in one launch: their key slots [T, S, hd] stacked in row order (dead
+        slots pad a shorter S), o's rows written in place."""
+        from dsv41.kernels.step.attention import attention_core
+
+        S = max(keys.shape[1] for _, keys, _ in gathered)
+        keys = torch.cat([_pad_slots(k, S, 0) for _, k, _ in gathered])
+        ok = torch.cat([_pad_slots(m, S, False) for _, _, m in gathered])
+        rows = [s.rows for s, _, _ in gathered]
+        first, last = rows[0].start, rows[-1].stop
+        if all(a.stop == b.start for a, b in zip(rows, rows[1:])):
+            o[first:last] = attention_core(q[first:last], keys, ok, self.sink, self.cfg.head_dim ** -0.5)
+            return
+        idx = torch.cat([torch.arange(r.start, r.stop, device=q.device) for r in rows])
+        o[idx] = attention_core(q[idx], keys, ok, self.sink, self.cfg.head_dim ** -0.5)
 
     # ------------------------------------------------------------------ compressor
     def _compressor_inputs(self, x, n, phase) -> dict:
@@ -200,3 +237,11 @@ class FastAttention:
             per_head = torch.relu((q[rows].float()[:, :, None, :] * keys[None, None]).sum(dim=-1))
             scores[rows] = (w[rows][:, :, None] * per_head).sum(dim=1)
         return scores.masked_fill(~visible, float("-inf"))
+
+
+def _pad_slots(t: torch.Tensor, S: int, fill) -> torch.Tensor:
+    """t [T, s, ...] padded along the slots to S with `fill` (dead slots)."""
+    if t.shape[1] == S:
+        return t
+    pad = torch.full((t.shape[0], S - t.shape[1], *t.shape[2:]), fill, dtype=t.dtype, device=t.device)
+    return torch.cat((t, pad), dim=1)

@@ -1,8 +1,10 @@
 """Mixture of experts on the fast path: the router in fp32 as the reference computes it, routed experts by phase.
 
 The router is the reference's (MODEL.md §8: sqrtsoftplus scores, the bias picks experts and never weighs them,
-top-k with ties to the lower expert id, renormalised and scaled), with its product over the whole row bucket in
-one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the kernels' MoE
+top-k with ties to the lower expert id, renormalised and scaled): for decode and verify rows where the Triton step
+kernels run (a CUDA device, or the interpreter) the two launches of `kernels.step.router` over the real rows (ids
+and weights stay on the device, in the top-k tables the MoE kernels read); otherwise its product over the whole
+row bucket in one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the kernels' MoE
 (`kernels.exl3.moe`, two launches, routing read in-kernel, slots summed in order), with the split counts resolved
 once at build; prefill rows loop over the experts they picked, in ascending id as the reference does, each expert's
 matrices reconstructed into the rank's one prefill workspace. Experts stored in another format (the release's
@@ -26,6 +28,7 @@ from dsv41.model.rowwise import f64
 from dsv41.model.topk import topk_lowest_index_ties
 
 from ..sections import section
+from .attention import step_kernels_run
 from .linear import PrefillWorkspace, is_fused
 
 
@@ -112,7 +115,14 @@ class FusedMoE:
     def partial(self, x: torch.Tensor, n: int, phase: str, trace: dict | None = None) -> torch.Tensor:
         """This rank's fp32 share of the MoE output for the bucket x [B, d] whose first n rows are real."""
         with section("router"):
-            ids, weights, logits, select = self.route(x)
+            if is_fused(phase) and step_kernels_run(x.device):
+                from dsv41.kernels.step.router import route_rows
+
+                ids, weights, logits, select = route_rows(x[:n], self.gate_t, self.gate_bias, self.topk,
+                                                          scale=self.route_scale, renorm=self.renorm,
+                                                          temp=self.gate_temp)
+            else:
+                ids, weights, logits, select = self.route(x)
         if trace is not None:
             trace.update(router_ids=ids[:n], router_logits=logits[:n], router_select=select[:n])
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
