@@ -12,14 +12,18 @@ fills and the strict parser then refuses; this one allows only the canonical sep
 tool's schema in declared order (required ones mandatory, others optional); a string-typed property is raw text
 (`string="true"`: its enum, pattern or maxLength enforced), any other type is JSON under its sub-schema
 (`string="false"`). In thinking mode the reasoning (free text up to `</think>`) comes first.
+
+The `｜DSML｜` and `</think>` in that markup are the tokens themselves, asked for by id (markers.py); no
+argument value, raw or JSON, can hold them or any other control token.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dsv41.chat.tokens import CALLS_CLOSE, CALLS_OPEN, DSML, THINK_END, THINK_START
+from dsv41.chat.tokens import CALLS_CLOSE, CALLS_OPEN, DSML
 from dsv41.chat.tool_schema import schema_types
+from dsv41.structured.markers import NO_TEXT, literal, reasoning_then
 
 PARAM_END = f"</{DSML} parameter>\n"
 JSON_WHITESPACE = 1  # at most one whitespace character in a row inside JSON values
@@ -56,22 +60,22 @@ def _raw_string(fmt, schema: dict):
     if isinstance(schema.get("pattern"), str):
         return fmt.RegexFormat(pattern=schema["pattern"])
     max_chars = schema.get("maxLength")
-    return fmt.AnyTextFormat(excludes=[PARAM_END.rstrip("\n")],
+    return fmt.AnyTextFormat(excludes=[PARAM_END.rstrip("\n"), NO_TEXT],
                              max_chars=max_chars if isinstance(max_chars, int) and max_chars >= 0 else None)
 
 
-def _param(fmt, name: str, schema: Any, root: dict):
+def _param(fmt, lit, name: str, schema: Any, root: dict):
     raw, typed = _value(fmt, schema, root)
-    tags = [fmt.TagFormat(begin=f'<{DSML} parameter name="{name}" string="true">', content=v, end=PARAM_END)
+    tags = [fmt.SequenceFormat(elements=[lit(f'<{DSML} parameter name="{name}" string="true">'), v, lit(PARAM_END)])
             for v in raw]
-    tags += [fmt.TagFormat(begin=f'<{DSML} parameter name="{name}" string="false">', content=v, end=PARAM_END)
-             for v in typed]
+    tags += [fmt.SequenceFormat(elements=[lit(f'<{DSML} parameter name="{name}" string="false">'), v,
+                                          lit(PARAM_END)]) for v in typed]
     return tags[0] if len(tags) == 1 else fmt.OrFormat(elements=tags)
 
 
-def _invoke(fmt, name: str, parameters: Any):
-    head = fmt.ConstStringFormat(value=f'<{DSML} invoke name="{name}">\n')
-    tail = fmt.ConstStringFormat(value=f"</{DSML} invoke>\n")
+def _invoke(fmt, lit, name: str, parameters: Any):
+    head = lit(f'<{DSML} invoke name="{name}">\n')
+    tail = lit(f"</{DSML} invoke>\n")
     schema = parameters if isinstance(parameters, dict) else {}
     properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
     required = set(schema.get("required") or [])
@@ -81,17 +85,17 @@ def _invoke(fmt, name: str, parameters: Any):
         # free-form object: any parameter names, raw or JSON values (or none at all: the blank line)
         any_param = fmt.OrFormat(elements=[
             fmt.SequenceFormat(elements=[
-                fmt.ConstStringFormat(value=f'<{DSML} parameter name="'),
+                lit(f'<{DSML} parameter name="'),
                 fmt.RegexFormat(pattern=r'[A-Za-z_][A-Za-z0-9_.\-]{0,63}'),
-                fmt.TagFormat(begin=f'" string="{flag}">', content=content, end=PARAM_END)])
-            for flag, content in (("true", fmt.AnyTextFormat(excludes=[PARAM_END.rstrip("\n")])),
+                fmt.ConstStringFormat(value=f'" string="{flag}">'), content, lit(PARAM_END)])
+            for flag, content in (("true", fmt.AnyTextFormat(excludes=[PARAM_END.rstrip("\n"), NO_TEXT])),
                                   ("false", fmt.JSONSchemaFormat(json_schema=True,
                                                                  max_whitespace_cnt=JSON_WHITESPACE)))])
         body = fmt.OrFormat(elements=[fmt.ConstStringFormat(value="\n"), fmt.PlusFormat(content=any_param)])
         return fmt.SequenceFormat(elements=[head, body, tail])
     parts = [head]
     for key, prop in properties.items():
-        param = _param(fmt, key, prop, schema)
+        param = _param(fmt, lit, key, prop, schema)
         parts.append(param if key in required else fmt.OptionalFormat(content=param))
     if not required:
         # every parameter optional: the encoder writes a blank line when none is given
@@ -101,9 +105,16 @@ def _invoke(fmt, name: str, parameters: Any):
     return fmt.SequenceFormat(elements=parts)
 
 
-def dsml_tool_call_tag(tools: list[dict], tool_choice: Any, *, parallel: bool, thinking: bool):
-    """Structural tag for tool_choice "required" or {"type": "function", "function": {"name": ...}}."""
+def dsml_tool_call_tag(tools: list[dict], tool_choice: Any, *, parallel: bool, thinking: bool,
+                       markup: dict[str, int] | None = None):
+    """Structural tag for tool_choice "required" or {"type": "function", "function": {"name": ...}}; `markup`:
+    the ids of the markup tokens (`Grammars.markup`; without it the markup is plain text)."""
     fmt = _formats()
+    markup = markup or {}
+
+    def lit(text: str):
+        return literal(fmt, text, markup)
+
     if isinstance(tool_choice, dict):
         wanted = tool_choice.get("function", {}).get("name")
         chosen = [t for t in tools if t["function"]["name"] == wanted]
@@ -112,17 +123,16 @@ def dsml_tool_call_tag(tools: list[dict], tool_choice: Any, *, parallel: bool, t
         parallel = False
     else:
         chosen = list(tools)
-    invokes = [_invoke(fmt, _dsml_name(t), t["function"].get("parameters")) for t in chosen]
+    invokes = [_invoke(fmt, lit, _dsml_name(t), t["function"].get("parameters")) for t in chosen]
     one_call = invokes[0] if len(invokes) == 1 else fmt.OrFormat(elements=invokes)
-    elements = [fmt.ConstStringFormat(value="\n\n" + CALLS_OPEN + "\n"), one_call]
+    elements = [lit("\n\n" + CALLS_OPEN + "\n"), one_call]
     if parallel:
         elements.append(fmt.StarFormat(content=one_call))
-    elements.append(fmt.ConstStringFormat(value=CALLS_CLOSE))
+    elements.append(lit(CALLS_CLOSE))
     calls = fmt.SequenceFormat(elements=elements)
     if not thinking:
         return fmt.StructuralTag(format=calls)
-    reasoning = fmt.TagFormat(begin="", content=fmt.AnyTextFormat(excludes=[THINK_START, THINK_END]), end=THINK_END)
-    return fmt.StructuralTag(format=fmt.SequenceFormat(elements=[reasoning, calls]))
+    return fmt.StructuralTag(format=reasoning_then(fmt, calls, markup))
 
 
 def _dsml_name(tool: dict) -> str:

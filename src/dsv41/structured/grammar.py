@@ -1,9 +1,11 @@
 """Grammars for constrained decoding, compiled by xgrammar over the model's own vocabulary.
 
-`Grammars` owns one `xgrammar.GrammarCompiler` per served model. It builds the `TokenizerInfo` from
-tokenizer.json: the stored token strings in id order (byte-level BPE keeps them in the GPT-2 byte alphabet,
-added special tokens stay raw text), the vocab type read from the tokenizer's decoder, and the model's padded
-vocab width so the bitmask matches the logits. Compiled grammars are handed to the engine per request.
+`Grammars` owns one `xgrammar.GrammarCompiler` per served model. Its `TokenizerInfo` is the vocabulary of
+tokenizer.json as xgrammar decodes it (the vocab type read from the tokenizer's decoder), at the model's padded
+width so the bitmask matches the logits, with the control tokens made unreachable as text (markers.py): no
+grammar ever allows `<｜User｜>`, a place-holder or any other added token inside JSON, a regex, a choice or a
+tool argument; the markup tokens (`</think>`, `｜DSML｜`) only where the grammar writes them, EOS only where it
+may end. Compiled grammars are handed to the engine per request.
 
 Output shapes the server asks for:
 - JSON (a schema, or any object) — after `</think>` when the prompt ends in `<think>` (thinking mode);
@@ -25,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from dsv41.errors import DSV41Error
+from dsv41.structured.markers import grammar_vocab, reasoning_then
 from dsv41.structured.schema_check import SchemaRefused, enforceable
 
-THINK_END = "</think>"
-_THINK_MARKERS = ["<think>", "</think>"]
 # runs of whitespace are capped so a random or confused model cannot pad JSON forever
 MAX_WHITESPACE = 4
 # the emptiness probe: at most this many tokens tried, this deep, for this long
@@ -39,45 +40,14 @@ class GrammarError(DSV41Error):
     """A schema or tool definition cannot be turned into an enforceable grammar."""
 
 
-def _vocab_type(tokenizer_json: dict):
-    import xgrammar as xgr
-
-    def kinds(node) -> list[str]:
-        if not isinstance(node, dict):
-            return []
-        found = [node.get("type", "")]
-        for child in node.get("decoders", []) or node.get("pretokenizers", []) or []:
-            found += kinds(child)
-        return found
-
-    decoder_kinds = kinds(tokenizer_json.get("decoder"))
-    if "ByteLevel" in decoder_kinds:
-        return xgr.VocabType.BYTE_LEVEL
-    if "ByteFallback" in decoder_kinds or tokenizer_json.get("model", {}).get("byte_fallback"):
-        return xgr.VocabType.BYTE_FALLBACK
-    return xgr.VocabType.RAW
-
-
 class Grammars:
     def __init__(self, tokenizer_json_path: str | Path, vocab_size: int, stop_token_ids: list[int]):
         import xgrammar as xgr
-        from tokenizers import Tokenizer as HFTokenizer
 
         self._xgr = xgr
-        path = Path(tokenizer_json_path)
-        raw = json.loads(path.read_text(encoding="utf-8"))
-        vocab = HFTokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
-        width = max(vocab_size, max(vocab.values()) + 1)
-        encoded = [""] * width  # ids missing from tokenizer.json (padding rows) become never-allowed tokens
-        for text, idx in vocab.items():
-            encoded[idx] = text
-        self.tokenizer_info = xgr.TokenizerInfo(
-            encoded,
-            _vocab_type(raw),
-            vocab_size=vocab_size,
-            stop_token_ids=list(stop_token_ids),
-            add_prefix_space=False,
-        )
+        decoded, self.markup = grammar_vocab(tokenizer_json_path, vocab_size, list(stop_token_ids))
+        self.tokenizer_info = xgr.TokenizerInfo(decoded, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                                stop_token_ids=list(stop_token_ids), add_prefix_space=False)
         self.vocab_size = vocab_size
         self.stop_token_ids = frozenset(stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2, cache_limit_bytes=256 << 20)
@@ -118,7 +88,7 @@ class Grammars:
                 function["parameters"] = self.check_schema(parameters, where)
             checked.append({**tool, "function": function})
         try:
-            tags = [dsml_tool_call_tag(checked, tool_choice, parallel=parallel, thinking=t)
+            tags = [dsml_tool_call_tag(checked, tool_choice, parallel=parallel, thinking=t, markup=self.markup)
                     for t in ([False, True] if thinking else [False])]
         except Exception as exc:
             raise GrammarError(f"tools cannot be enforced: {_first_line(exc)}") from None
@@ -146,8 +116,7 @@ class Grammars:
         fmt = self._xgr.structural_tag
         if not thinking:
             return fmt.StructuralTag(format=body)
-        reasoning = fmt.TagFormat(begin="", content=fmt.AnyTextFormat(excludes=_THINK_MARKERS), end=THINK_END)
-        return fmt.StructuralTag(format=fmt.SequenceFormat(elements=[reasoning, body]))
+        return fmt.StructuralTag(format=reasoning_then(fmt, body, self.markup))
 
     def _body(self, body, thinking: bool, what: str):
         """Compile `body` (after the reasoning when thinking), refusing a grammar that admits no output."""
