@@ -318,7 +318,9 @@ def test_gpu_parity_tiny(tiny_model_dir, fake_quant):
         check_logits(res, what)
     print(f"{what}: argmax {res['argmax']}, on the {res['rows'] - res['rows_after_a_flip']} rows before their "
           f"sequence's first flip {res['argmax_clean']}")
-    assert res["rows_after_a_flip"] <= res["rows"] // 2
+    # fake quantisers on, flips are many (an FP4 code flip is a step): a quarter of the rows (a prefill's worth) must
+    # still come before their sequence's first flip for the argmax check to mean something
+    assert res["rows"] - res["rows_after_a_flip"] >= res["rows"] // 4
     assert res["argmax_clean"] >= ARGMAX_MIN
 
 
