@@ -280,6 +280,22 @@ def prefill(model, args, device, tflops):
     if tflops:
         res["gemm_pct_of_bf16_rate"] = 100 * flops / seconds / (tflops * 1e12)
     log(f"prefill {args.prefill} rows: {seconds:.2f} s, {res['tokens_per_s']:.0f} tok/s")
+    if args.profile_prefill and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        sections.enable(True)
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                model.forward([(model.new_state(), ids)], "prefill")
+                sync(device)
+        finally:
+            sections.enable(False)
+        cls = classify(prof)
+        res.update(ops_us=cls["device_us"], launches=cls["launches"], device_ms=cls["busy_us"] / 1e3,
+                   host_ms=seconds * 1e3 - cls["busy_us"] / 1e3)
+        log(f"prefill profile: device busy {res['device_ms']:.0f} ms; per section (ms, launches): "
+            + ", ".join(f"{k} {v / 1e3:.0f}/{cls['launches'].get(k, 0)}"
+                        for k, v in sorted(cls["device_us"].items(), key=lambda t: -t[1])))
     return res
 
 
@@ -330,6 +346,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prefill", type=int, default=2048)
+    p.add_argument("--profile-prefill", action="store_true", help="profile one more prefill chunk, per section")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--config", default=None, help="a model folder whose config.json replaces the real shapes (smoke)")
     p.add_argument("--device", default="cuda")
