@@ -28,6 +28,7 @@ from .errors import bad_request
 from .generation import (
     Generation,
     reply_of,
+    submit_generations,
     TokenText,
     check_request,
     choice_seed,
@@ -97,18 +98,20 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
     top = req.top_logprobs or 0
     sampling = await ctx.run_cpu(sampling_params, ctx, req)
-    replies: list[_ChatReply] = []
+    stops = stop_ids(ctx, req)
+    # choice i draws with seed + i (choice_seed): equal to a single request with it; the n choices are one engine
+    # group (the prompt prefilled once, its pages shared)
+    requests = [GenerationRequest(
+        prompt_ids=ids, max_tokens=budget, stop_token_ids=stops, ignore_eos=req.ignore_eos,
+        sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
+        logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
+        for i in range(req.n)]
+    gens = submit_generations(ctx, "chat", requests, stream=req.stream)
     try:
-        for i in range(req.n):  # choice i draws with seed + i (choice_seed): equal to a single request with it
-            engine_request = GenerationRequest(
-                prompt_ids=ids, max_tokens=budget, stop_token_ids=stop_ids(ctx, req), ignore_eos=req.ignore_eos,
-                sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
-                logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
-            gen = Generation(ctx, "chat", engine_request, stream=req.stream)
-            replies.append(_ChatReply(ctx, gen, req, prompt))
+        replies = [_ChatReply(ctx, gen, req, prompt) for gen in gens]
     except BaseException:
-        for reply in replies:
-            reply.gen.close()
+        for gen in gens:
+            gen.close()
         raise
     return reply_of(replies, req, len(ids))
 

@@ -13,6 +13,7 @@ from .generation import (
     Generation,
     reply_of,
     TokenText,
+    best_of,
     check_request,
     choice_seed,
     completion_budget,
@@ -20,6 +21,7 @@ from .generation import (
     sampling_params,
     stop_ids,
     structured_grammar,
+    submit_generations,
     usage,
 )
 from .protocol import CompletionRequest
@@ -45,27 +47,31 @@ def prompt_ids(ctx: ServerContext, prompt, add_special_tokens: bool) -> tuple[li
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple[Generation, object]:
-    """One Generation per (prompt, index < n); choice prompt_index * n + i draws with seed + i (choice_seed)."""
+    """One Generation per (prompt, index < n); choice prompt_index * n + i draws with seed + i (choice_seed). With
+    best_of > n, best_of per prompt (seeds seed + i), the n with the highest cumulative logprob returned."""
     prepared = []
     for k, prompt in enumerate(req.prompts):
         ids, added_bos = await ctx.run_cpu(prompt_ids, ctx, prompt, req.add_special_tokens)
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{k}]"
         prepared.append((prompt, ids, added_bos, completion_budget(ctx, len(ids), req.max_tokens, param)))
     check_request(ctx, req, "completions", min(b for *_, b in prepared))
+    ranked = best_of(req, len(prepared))  # None: the n choices in seed order; else generate this many, keep n
     grammar = await ctx.run_cpu(lambda: structured_grammar(ctx, req, thinking=False))
     sampling = await ctx.run_cpu(sampling_params, ctx, req)
     stops = stop_ids(ctx, req)
     scoring = req.max_tokens == 0  # echo + max_tokens 0: the prompt scored, nothing generated
+    # best_of ranks by the generated tokens' logprobs: asked for (logprobs=0) even when the reply shows none
+    logprobs = req.logprobs if req.logprobs is not None or ranked is None else 0
     replies: list[_Reply] = []
     try:
-        for prompt, ids, added_bos, budget in prepared:
-            for i in range(req.n):
-                engine_request = GenerationRequest(
-                    prompt_ids=ids, max_tokens=max(budget, 1), stop_token_ids=stops, ignore_eos=req.ignore_eos,
-                    sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
-                    logprobs=req.logprobs, grammar=grammar, request_id=new_id("cmpl"),
-                    prompt_logprobs=(req.logprobs or 0) if scoring else (req.logprobs if req.echo else None))
-                gen = Generation(ctx, "completions", engine_request, stream=req.stream)
+        for prompt, ids, added_bos, budget in prepared:  # each prompt's choices: one engine group
+            requests = [GenerationRequest(
+                prompt_ids=ids, max_tokens=max(budget, 1), stop_token_ids=stops, ignore_eos=req.ignore_eos,
+                sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
+                logprobs=logprobs, grammar=grammar, request_id=new_id("cmpl"),
+                prompt_logprobs=(req.logprobs or 0) if scoring else (req.logprobs if req.echo else None))
+                for i in range(ranked or req.n)]
+            for gen in submit_generations(ctx, "completions", requests, stream=req.stream):
                 reply = _Reply(ctx, gen, req, prompt)
                 # a BOS the server put in front of a text prompt is not part of the echoed text, nor scored
                 reply.hidden_prefix = 1 if added_bos else 0
@@ -74,7 +80,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
         for reply in replies:
             reply.gen.close()
         raise
-    return reply_of(replies, req, sum(len(ids) for _, ids, _, _ in prepared))
+    return reply_of(replies, req, sum(len(ids) for _, ids, _, _ in prepared),
+                    None if ranked is None else (ranked, req.n))
 
 
 class _Reply:

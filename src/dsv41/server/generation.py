@@ -16,10 +16,11 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from ..engine import FinishEvent, GenerationRequest, RequestStream, SamplingParams, TokenEvent
+from ..engine import (EngineClosed, EngineOverloaded, FinishEvent, GenerationRequest, RequestStream, SamplingParams,
+                      TokenEvent)
 from dsv41.structured.grammar import GrammarError
 from .context import ServerContext
-from .errors import APIError, bad_request
+from .errors import APIError, bad_request, overloaded, unavailable
 
 if TYPE_CHECKING:
     from .protocol import SamplingFields
@@ -91,7 +92,7 @@ def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, b
     if fields.min_tokens > budget:
         raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
                           param="min_tokens")
-    ignored = sorted(set(fields.model_extra or {}))
+    ignored = sorted(set(fields.model_extra or {}) - HONOURED_EXTRA.get(endpoint, set()))
     for name in ignored:
         if (endpoint, name) not in _WARNED:
             _WARNED.add((endpoint, name))
@@ -100,7 +101,31 @@ def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, b
 
 
 _WARNED: set[tuple[str, str]] = set()
+HONOURED_EXTRA = {"completions": {"best_of"}}  # fields the schema does not name that an endpoint honours
+MAX_BEST_OF = 16  # as n (protocol.MAX_N)
+MAX_SEQUENCES = 64  # prompts x best_of, as prompts x n (protocol.MAX_CHOICES)
 log = logging.getLogger("dsv41.server")
+
+
+def best_of(fields: "SamplingFields", prompts: int = 1) -> int | None:
+    """The completions `best_of` (vLLM's): how many sequences to generate per prompt, of which the n with the
+    highest cumulative logprob are returned; None when absent or equal to n (then choice i is seed + i, in order).
+    400 unless an integer in [n, MAX_BEST_OF], not with stream=true, prompts x best_of within MAX_SEQUENCES."""
+    value = (fields.model_extra or {}).get("best_of")
+    if value is None:
+        return None
+    if type(value) is not int or not 1 <= value <= MAX_BEST_OF:
+        raise bad_request(f"best_of must be an integer between 1 and {MAX_BEST_OF}", param="best_of")
+    if value < fields.n:
+        raise bad_request(f"best_of must be greater than or equal to n, got n={fields.n} and best_of={value}",
+                          param="best_of")
+    if fields.stream and value > 1:
+        raise bad_request("best_of is not supported with stream=true (the best sequences are known only at the "
+                          "end)", param="best_of")
+    if prompts * value > MAX_SEQUENCES:
+        raise bad_request(f"prompts x best_of must not exceed {MAX_SEQUENCES}, got {prompts} x {value}",
+                          param="best_of")
+    return value if value > fields.n else None
 
 
 def completion_budget(ctx: ServerContext, prompt_len: int, requested: int | None, param: str,
@@ -196,7 +221,8 @@ def _grammar_param(fields) -> str:
 class Generation:
     """One engine request as seen by an HTTP handler."""
 
-    def __init__(self, ctx: ServerContext, endpoint: str, request: GenerationRequest, *, stream: bool):
+    def __init__(self, ctx: ServerContext, endpoint: str, request: GenerationRequest, *, stream: bool,
+                 engine_stream: RequestStream | None = None):
         self.ctx = ctx
         self.endpoint = endpoint
         self.request = request
@@ -204,13 +230,14 @@ class Generation:
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
         self.completion_tokens = 0
+        self.cumulative_logprob = 0.0  # of the tokens read so far (best_of ranks by it)
         self.finish: FinishEvent | None = None
         self.final_reason: str | None = None  # set by the handler once the reply is complete
         self.status = 200
         self.error: str | None = None
         self.disconnected = False
         self.closed = False
-        self.engine_stream: RequestStream = ctx.submit(request)
+        self.engine_stream: RequestStream = engine_stream or ctx.submit(request)
         ctx.active.add(self)
 
     @property
@@ -224,6 +251,8 @@ class Generation:
                 if self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 self.completion_tokens += 1
+                if event.logprob is not None:
+                    self.cumulative_logprob += event.logprob
             elif isinstance(event, FinishEvent):
                 self.finish = event
             yield event
@@ -297,6 +326,21 @@ class TokenText:
         return list(self.decoder.token_bytes(token_id))
 
 
+def submit_generations(ctx: ServerContext, endpoint: str, requests: list[GenerationRequest], *,
+                       stream: bool) -> list[Generation]:
+    """The requests of one prompt's choices (n > 1, best_of: each its own seed) as ONE engine group: the prompt
+    prefilled once and its pages shared (engine/llm_engine.py); a Generation per request."""
+    if len(requests) == 1:
+        return [Generation(ctx, endpoint, requests[0], stream=stream)]
+    try:
+        streams = ctx.engine.submit_group(requests)
+    except EngineOverloaded as exc:
+        raise overloaded(f"the server is busy ({exc}); retry shortly") from None
+    except EngineClosed:
+        raise unavailable("the server is shutting down") from None
+    return [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
+
+
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of an n > 1 request: seed + index (mod 2**64), so choice i equals a single
     request sent with that seed."""
@@ -354,13 +398,25 @@ async def merged(iterators):
 
 class MultiReply:
     """n choices (and/or one per prompt) of one request: member i's choices get index i; usage is summed (the
-    prompt of an n > 1 request counted once, as OpenAI does)."""
+    prompt of an n > 1 request counted once, as OpenAI does). With `rank` = (best_of, n) the replies come in
+    blocks of best_of per prompt, and of each block the n with the highest cumulative logprob of their generated
+    tokens are the choices (ties: the lower index), best first; usage counts the choices returned."""
 
-    def __init__(self, replies: list, include_usage: bool, prompt_tokens: int):
+    def __init__(self, replies: list, include_usage: bool, prompt_tokens: int, rank: tuple[int, int] | None = None):
         self.replies, self.include_usage, self.prompt_tokens = replies, include_usage, prompt_tokens
+        self.rank = rank
+        self.kept = list(range(len(replies)))
 
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(r.gen.completion_tokens for r in self.replies))
+        return usage(self.prompt_tokens, sum(self.replies[k].gen.completion_tokens for k in self.kept))
+
+    def _ranked(self) -> list[int]:
+        per, n = self.rank
+        kept = []
+        for at in range(0, len(self.replies), per):
+            block = range(at, at + per)
+            kept += sorted(block, key=lambda k: (-self.replies[k].gen.cumulative_logprob, k))[:n]
+        return kept
 
     def _relabel(self, body: dict, index: int) -> dict:
         first = self.replies[0]
@@ -371,12 +427,16 @@ class MultiReply:
 
     async def complete(self) -> dict:
         bodies = await asyncio.gather(*(r.complete() for r in self.replies))
-        out = self._relabel(bodies[0], 0)
-        out["choices"] = [self._relabel(b, i)["choices"][0] for i, b in enumerate(bodies)]
+        if self.rank is not None:
+            self.kept = self._ranked()
+        out = self._relabel(bodies[self.kept[0]], 0)
+        out["choices"] = [self._relabel(bodies[k], i)["choices"][0] for i, k in enumerate(self.kept)]
         out["usage"] = self._usage()
         return out
 
     async def chunks(self):
+        if self.rank is not None:
+            raise RuntimeError("best_of does not stream (best_of() refuses it)")
         last = None
         async for i, chunk in merged([r.chunks() for r in self.replies]):
             if not chunk["choices"]:  # a member's usage chunk: one summed chunk comes at the end instead
@@ -391,12 +451,13 @@ class MultiReply:
             yield last
 
 
-def reply_of(replies: list, req, prompt_tokens: int):
-    """(generation, reply) of a request's built replies: the one reply as it is, or n / per-prompt replies as one
-    MultiReply over a GenerationGroup. `reply.chunks()` when the request streams."""
+def reply_of(replies: list, req, prompt_tokens: int, rank: tuple[int, int] | None = None):
+    """(generation, reply) of a request's built replies: the one reply as it is, or n / per-prompt replies (with
+    `rank` = (best_of, n): best_of per prompt, the n best kept) as one MultiReply over a GenerationGroup.
+    `reply.chunks()` when the request streams."""
     if len(replies) == 1:
         reply = replies[0]
         return reply.gen, (reply.chunks() if req.stream else reply)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    multi = MultiReply(replies, include_usage, prompt_tokens)
+    multi = MultiReply(replies, include_usage, prompt_tokens, rank)
     return GenerationGroup([r.gen for r in replies]), (multi.chunks() if req.stream else multi)
