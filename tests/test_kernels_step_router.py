@@ -67,6 +67,8 @@ def _run(name: str, device="cpu", rows=None):
 
 
 def _interp_worker(out_path: str) -> None:
+    from dsv41.kernels.step.router import route_rows
+
     out = {}
     for name in CASES:
         ids, w, logits, select = _run(name)
@@ -76,6 +78,11 @@ def _interp_worker(out_path: str) -> None:
         out[name]["alone"] = [torch.cat([a[i] for a in alone]) for i in range(4)]
         rev = torch.arange(ids.shape[0] - 1, -1, -1)
         out[name]["reversed"] = [t.flip(0) for t in _run(name, rows=rev)]
+    # the release's bf16 gate read in-kernel: the bits of its fp32 copy
+    x, gate, bias, k, scale, renorm, temp = _case("tiny")
+    g16 = gate.bfloat16()
+    out["bf16_gate"] = [route_rows(x, g.t(), bias, k, scale=scale, renorm=renorm, temp=temp)
+                        for g in (g16, g16.float())]
     torch.save(out, out_path)
 
 
@@ -162,6 +169,11 @@ def test_interpreted_router_rows_alone_and_reordered_keep_their_bits(interp, nam
             assert torch.equal(a, b)
 
 
+def test_interpreted_router_reads_a_bf16_gate_as_its_fp32_copy(interp):
+    for a, b in zip(*interp["bf16_gate"]):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the real shapes (d 5120, E 384, k 6; and the d 4096, E 256), compiled
 # ---------------------------------------------------------------------------------------------------------------
@@ -209,6 +221,10 @@ def test_gpu_router_real_shapes_vs_reference_and_row_invariance(d, E):
             part = route_rows(x[start:start + B], gate.t(), bias, 6, scale=1.5, renorm=True)
             for a, b in zip(full, part):
                 assert torch.equal(a[start:start + B], b), (B, start)
+    g16 = gate.bfloat16()  # the release's dtype: read in-kernel, the bits of its fp32 copy
+    for a, b in zip(route_rows(x, g16.t(), bias, 6, scale=1.5, renorm=True),
+                    route_rows(x, g16.float().t(), bias, 6, scale=1.5, renorm=True)):
+        assert torch.equal(a, b)
     perm = torch.randperm(16, generator=gen, device=dev)
     for a, b in zip(full, route_rows(x[perm], gate.t(), bias, 6, scale=1.5, renorm=True)):
         assert torch.equal(a[perm], b)

@@ -42,7 +42,7 @@ def _router_logits_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, part_
         k_ok = k < d
         xk = tl.load(x_ptr + row.to(tl.int64) * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(gate_ptr + k[None, :].to(tl.int64) * stride_gd + e[:, None].to(tl.int64) * stride_ge,
-                    mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * xk[None, :]
     part = tl.sum(acc, axis=1)
     n_splits = tl.num_programs(2)
@@ -104,12 +104,13 @@ def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, w
 
 def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
                renorm: bool, temp: float = 1.0):
-    """`model.moe.route` for rows x [B, d] (bf16 / fp16 / fp32, read as fp32) and gate_t [d, E] fp32 (any strides:
-    the transposed view of the stored [E, d] gate reads coalesced). Returns (ids [B, k] int64, weights [B, k] fp32,
+    """`model.moe.route` for rows x [B, d] and gate_t [d, E] (fp32, or the release's bf16: both read as fp32, so a
+    bf16 gate gives the bits of its fp32 copy at half the bytes; any strides: the transposed view of the stored
+    [E, d] gate reads coalesced). Returns (ids [B, k] int64, weights [B, k] fp32,
     logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync."""
     B, d = x.shape
-    if gate_t.shape[0] != d or gate_t.dtype != torch.float32:
-        raise ValueError(f"gate_t must be fp32 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
+    if gate_t.shape[0] != d or gate_t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"gate_t must be fp32 / bf16 / fp16 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
     E = gate_t.shape[1]
     if not 1 <= k <= E:
         raise ValueError(f"top-k {k} out of range for {E} experts")

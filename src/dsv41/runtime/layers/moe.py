@@ -88,7 +88,10 @@ class FusedMoE:
                  *, topk: int, route_scale: float, renorm: bool, swiglu_limit: float, gate_temp: float = 1.0):
         """`experts`: a `StackedExperts` or a list of (w1, w3, w2) fast linears (any other storage format);
         `shared`: (w1, w3, w2) fast linears of the shared experts."""
-        self.gate_t = gate_weight.float().t()  # [d, E] fp32, as the reference's router reads it
+        # [d, E] as stored (the release's bf16: every value exact in fp32; the step router reads it as fp32, half
+        # the bytes of an fp32 copy); other dtypes upcast once
+        lossless = gate_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        self.gate_t = (gate_weight if lossless else gate_weight.float()).t()
         self.gate_bias = None if gate_bias is None else gate_bias.float()
         self.experts = experts
         self.shared = list(shared)
@@ -97,7 +100,7 @@ class FusedMoE:
 
     def route(self, x: torch.Tensor):
         """(ids [B, k], weights [B, k] fp32, logits [B, E] fp32, select [B, E] fp32) of every row of the bucket."""
-        logits = (x.float() @ self.gate_t) / self.gate_temp
+        logits = (x.float() @ self.gate_t.float()) / self.gate_temp
         scores = f64(lambda z: torch.sqrt(F.softplus(z)), logits)
         select = scores + self.gate_bias if self.gate_bias is not None else scores
         ids = topk_lowest_index_ties(select, self.topk)
