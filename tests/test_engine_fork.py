@@ -199,8 +199,8 @@ def group_of(ids, n, max_tokens, seed, temperature=0.8, **kw):
 
 def test_a_group_of_three_equals_three_single_requests_and_holds_the_prompt_once(model):
     ids = prompt(70)  # 69 shared positions: 4 full pages of 16, the fifth partial
-    singles = [drive(model, [[r]], page_tokens=16)[0][0][0] for r in group_of(ids, 3, 6, 40)]
-    single_peak = drive(model, [group_of(ids, 1, 6, 40)], page_tokens=16)[2]
+    alone = [drive(model, [[r]], page_tokens=16) for r in group_of(ids, 3, 6, 40)]
+    singles, single_peak = [a[0][0][0] for a in alone], alone[0][2]
     events, core, peak = drive(model, [group_of(ids, 3, 6, 40)], page_tokens=16)
     assert events[0] == singles  # token for token, logprob for logprob (bitwise floats)
     assert all(isinstance(e, TokenEvent) and e.logprob is not None for e in singles[0][:-1])
@@ -222,7 +222,7 @@ def test_siblings_finishing_at_different_times_free_everything(model):
 
 
 def test_two_groups_and_a_single_batched_with_odd_chunks_equal_alone(model):
-    a, b = group_of(prompt(33), 2, 5, 3), group_of(prompt(50), 3, 4, 9, temperature=0.0)
+    a, b = group_of(prompt(33), 2, 5, 3), group_of(prompt(26), 3, 4, 9, temperature=0.0)
     lone = GenerationRequest(prompt(21), 6, SamplingParams(temperature=0.7, seed=1), prompt_logprobs=1)
     events, core, _ = drive(model, [a, b, [lone]], page_tokens=16, prefill_chunk=7, parallel=6)
     for g, requests in enumerate((a, b, [lone])):
@@ -246,3 +246,56 @@ def test_the_serial_engine_runs_a_group_one_by_one_with_the_same_results(model):
         return out
 
     assert asyncio.run(main()) == batched_events
+
+
+def test_groups_with_grammars_prompt_logprobs_and_replay_equal_alone(model):
+    from dsv41.structured.grammar import Grammars
+    from dsv41.tiny.model import default_model_dir
+    from dsv41.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_dir())
+    grammars = Grammars(default_model_dir() / "tokenizer.json", vocab_size=model.cfg.vocab_size,
+                        stop_token_ids=[tok.eos_id])
+    ids = [tok.bos_id] + tok.encode("Answer:")
+    eos = frozenset({tok.eos_id})
+    choice = grammars.choice(["the lighthouse keeper", "a red fox", "a red hen"], thinking=False)
+    forced = grammars.choice(["the lighthouse keeper wrote"], thinking=False)  # all forced after the prompt
+    groups = [group_of(ids, 3, 30, 4, temperature=1.0, grammar=choice, stop_token_ids=eos),
+              group_of(ids, 2, 30, 8, grammar=forced, stop_token_ids=eos),
+              group_of(prompt(37), 2, 4, 2, prompt_logprobs=1)]
+
+    def engine_for(**opts):
+        from dsv41.engine.build import build_engine, engine_defaults
+
+        return build_engine(engine_defaults(page_tokens=16, **opts), model, max_model_len=512,
+                            encode_text=tok.encode, log=lambda line: None)
+
+    def run_groups(gs, **opts):
+        engine = engine_for(**opts)
+        events = [[[] for _ in g] for g in gs]
+        for g, requests in enumerate(gs):
+            engine.core.add_group([engine.make_sequence(r, events[g][i].append) for i, r in enumerate(requests)])
+        while engine.core.has_work():
+            engine.core.step()
+        assert engine.core.blocks.empty()
+        return events, engine.core
+
+    events, core = run_groups(groups)
+    assert core.forks_total == 2 + 1 + 1
+    for g, requests in enumerate(groups):
+        for i, r in enumerate(requests):
+            assert events[g][i] == run_groups([[r]])[0][0][0], (g, i)
+    assert events[1][0][-1].reason == "stop" and events[2][1][0].entries == events[2][0][0].entries
+    long = group_of(prompt(45), 3, 5, 6)  # past the window: the fork under CED replay == each alone under it
+    replayed = run_groups([long], prefill="replay")[0][0]
+    assert replayed == [run_groups([[r]], prefill="replay")[0][0][0] for r in long]
+    assert replayed[0][-1].tag == "prefill=replay"
+
+
+def test_fork_copies_travel_in_the_step_message():
+    from dsv41.engine.batch import Batch, Row
+    from dsv41.parallel.plan import decode_batch, encode_batch
+
+    batch = Batch(4, [Row(1, 2, [7], 33, [0, 5])], copies=[[0, 2, 5, 9], [0, 3, -1, -1]])
+    assert decode_batch(encode_batch(1, batch))[1].copies == [[0, 2, 5, 9], [0, 3, -1, -1]]
+    assert decode_batch(encode_batch(1, Batch(5, [])))[1].copies == []
