@@ -3,7 +3,7 @@
 CPU part: the kernels run in Triton's interpreter, in one child process (TRITON_INTERPRET must be set before the
 kernels are decorated; setting it here would interpret every other Triton kernel of the session); the child
 measures and reports JSON, the tests judge the numbers. GPU part (`-m gpu`): the same measurements on the full
-shape (hc 4, d 4096, bf16 streams), in-process, compiled.
+shape (hc 4, d 5120 and 4096, bf16 streams), in-process, compiled.
 
 Tolerances (each output checked on its own input, so that one rounding flip upstream does not count twice):
 - pre / post / comb (fp32, values in (0, 2]): max |kernel - reference| <= 1e-5 (COEFF_ABS). Both are fp32 math with
@@ -40,12 +40,16 @@ REPO = Path(__file__).resolve().parents[1]
 COEFF_ABS = 1e-5
 ULPS = {"bfloat16": dict(x=1, h=3), "float32": dict(x=4, h=8)}  # X' (xo, expand) and h (h, h2, final)
 FLIP_FRACTION = 0.02  # bf16: elements of h / X' not bitwise the reference's
-EPS = dict(norm_eps=1e-6, hc_eps=1e-6, rms_eps=1e-6)
-CPU_CASES = [  # (hc, d, B, iters, dtype)
-    (4, 128, 1, 20, "bfloat16"), (4, 128, 16, 20, "bfloat16"), (4, 256, 5, 20, "bfloat16"),
-    (4, 256, 16, 20, "float32"), (4, 128, 3, 1, "float32"), (3, 160, 4, 20, "bfloat16"),
+EPS = dict(norm_eps=1e-20, hc_eps=1e-6, rms_eps=1e-20)  # the release's (MODEL.md §15 item 6)
+CPU_CASES = [  # (hc, d, B, iters, dtype, splits: None = default_splits(d), 1 here); hc 2 is the tiny models', 3
+    # exercises the padding of hc; splits > 1 the last-arriver finish (3 of 64 columns over d = 160: a short split)
+    (4, 128, 1, 20, "bfloat16", None), (4, 128, 16, 20, "bfloat16", 4), (4, 256, 5, 20, "bfloat16", 5),
+    (4, 256, 16, 20, "float32", None), (4, 128, 3, 1, "float32", 2), (3, 160, 4, 20, "bfloat16", 3),
+    (2, 128, 16, 3, "float32", None),
 ]
-GPU_CASES = [(4, 4096, B, 20, "bfloat16") for B in (1, 5, 16)]
+# the release's d = 5120 (MODEL.md §3), and 4096; default splits (16)
+GPU_CASES = [(4, 5120, B, 20, "bfloat16", None) for B in (1, 5, 16)] + [(4, 4096, 16, 20, "bfloat16", None)]
+CASE_ID = "hc{}-d{}-B{}-it{}-{}-s{}".format
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,14 +85,14 @@ def _inputs(hc, d, B, dtype, device, seed):
     return {k: v.to(device) for k, v in t.items()}
 
 
-def _run(t, iters):
+def _run(t, iters, splits):
     """Every kernel on one input set: a dict of named outputs."""
     from dsv41.kernels.step import mhc as k
 
     args = (t["fn"].t(), t["base"], t["scale"])
-    h, pre, post, comb = k.hc_site(t["x"], *args, t["pre_in"], t["w"], iters=iters, **EPS)
+    h, pre, post, comb = k.hc_site(t["x"], *args, t["pre_in"], t["w"], iters=iters, splits=splits, **EPS)
     xo, h2, pre2, post2, comb2 = k.hc_expand_site(t["y"], t["x"], t["post"], t["comb"], *args, t["pre_in"], t["w"],
-                                                  iters=iters, **EPS)
+                                                  iters=iters, splits=splits, **EPS)
     return dict(h=h, pre=pre, post=post, comb=comb, xo=xo, h2=h2, pre2=pre2, post2=post2, comb2=comb2,
                 expand=k.hc_expand(t["y"], t["x"], t["post"], t["comb"]),
                 final=k.collapse_norm(t["x"], t["pre_in"], t["w"], rms_eps=EPS["rms_eps"]))
@@ -113,9 +117,9 @@ def _reference(t, out, hc, iters):
 def measure(case, device: str, seed: int = 0) -> dict:
     """Errors of every output against the reference, and whether each row's bits are the same alone and among the
     other rows (shuffled)."""
-    hc, d, B, iters, dtype = case
+    hc, d, B, iters, dtype, splits = case
     t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
-    out = _run(t, iters)
+    out = _run(t, iters, splits)
     ref = _reference(t, out, hc, iters)
     res = {}
     for name, v in out.items():
@@ -128,10 +132,11 @@ def measure(case, device: str, seed: int = 0) -> dict:
             res[name] = dict(finite=finite, max_ulps=float(u.max()), flips=float((u > 0).double().mean()))
     order = torch.randperm(B, generator=torch.Generator().manual_seed(seed + 1)).tolist()
     shuffled = _run({k: (v[order] if v.dim() and v.shape[0] == B and k not in ("fn", "base", "scale", "w") else v)
-                     for k, v in t.items()}, iters)
+                     for k, v in t.items()}, iters, splits)
     alone_ok, among_ok = True, True
     for i in range(B):
-        one = _run({k: (v[i:i + 1] if k not in ("fn", "base", "scale", "w") else v) for k, v in t.items()}, iters)
+        one = _run({k: (v[i:i + 1] if k not in ("fn", "base", "scale", "w") else v) for k, v in t.items()}, iters,
+                   splits)
         alone_ok &= all(torch.equal(one[n][0], out[n][i]) for n in out)
         among_ok &= all(torch.equal(shuffled[n][order.index(i)], out[n][i]) for n in out)
     res["rows"] = dict(alone=alone_ok, among=among_ok)
@@ -139,7 +144,7 @@ def measure(case, device: str, seed: int = 0) -> dict:
 
 
 def check(case, res: dict) -> None:
-    hc, d, B, iters, dtype = case
+    dtype = case[4]
     for name, r in res.items():
         if name == "rows":
             assert r["alone"] and r["among"], f"{case}: a row's bits depend on the other rows: {r}"
@@ -180,7 +185,7 @@ def interp(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "hc{}-d{}-B{}-it{}-{}".format(*c))
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: CASE_ID(*c))
 def test_interpreted_mhc_kernels_match_the_reference_and_are_row_invariant(interp, case):
     res = interp[json.dumps(case)]
     assert "error" not in res, res.get("error")
@@ -207,13 +212,18 @@ def test_launchers_refuse_wrong_layouts():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "hc{}-d{}-B{}-it{}-{}".format(*c))
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: CASE_ID(*c))
 def test_gpu_mhc_kernels_full_shape(case):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
-    res = measure(case, "cuda", seed=100 + case[2])
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's fp32 products in fp32, whatever ran before
+    try:
+        res = measure(case, "cuda", seed=100 + case[2])
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     print(case, json.dumps(res))
     check(case, res)
 

@@ -10,8 +10,10 @@ per sequence) and returns fp32 logits. The phase picks the matmul path (ENGINE.m
 - "prefill": the reconstruct-into-the-workspace + GEMM path, all rows in one pass.
 The head takes the fused kernel in every phase: its rows are sampling rows (`logits="last"`: one per sequence).
 
-The rest of the forward is the reference's math (`model/`): mHC, norms, attention, indexer, compressor and Engram on
-per-sequence `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its
+mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: three
+launches per layer, one for the final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the
+reference's math. The rest of the forward is the reference's math (`model/`): norms, attention, indexer, compressor
+and Engram on per-sequence `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its
 drafter absorb/draft stays the reference's for now); taps are not collected.
 """
 
@@ -25,6 +27,8 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engram.hashing import EngramHasher
+from dsv41.kernels.exl3.backend import interpreting
+from dsv41.kernels.step import mhc as step_mhc
 from dsv41.model import mhc
 from dsv41.model.engram import engram_mix, engram_project
 from dsv41.model.norm import rms_norm
@@ -59,6 +63,49 @@ def hc_coefficients(x: torch.Tensor, p: HC, hc: int, norm_eps: float, hc_eps: fl
     post = 2 * f64(torch.sigmoid, m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb_logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
     return pre, post, mhc.sinkhorn(comb_logits, iters, hc_eps)
+
+
+@dataclass(frozen=True)
+class MhcSites:
+    """The mHC work of a forward: each site in one launch of the step kernels (kernels/step/mhc.py: coefficients,
+    Sinkhorn, collapse and norm; the attention site's expand fused with the FFN site) wherever Triton runs them (CUDA,
+    or the interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`."""
+
+    hc: int
+    eps: float  # the norms' and the mixing rsqrt's
+    hc_eps: float
+    iters: int
+    kernels: bool
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, device: torch.device) -> "MhcSites":
+        return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                   device.type == "cuda" or interpreting())
+
+    def _k(self) -> dict:
+        return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps)
+
+    def site(self, x, p: HC, pre_in, norm):
+        """(h = rms_norm(collapse(x, pre_in)), pre, post, comb = H(x))."""
+        if self.kernels:
+            return step_mhc.hc_site(x, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
+        pre, post, comb = hc_coefficients(x, p, self.hc, self.eps, self.hc_eps, self.iters)
+        return rms_norm(mhc.collapse(x, pre_in), norm, self.eps), pre, post, comb
+
+    def expand_site(self, y, x, post, comb, p: HC, pre_in, norm):
+        """x' = expand(y, x, post, comb), then `site(x', p, pre_in, norm)`: (x', h, pre', post', comb')."""
+        if self.kernels:
+            return step_mhc.hc_expand_site(y, x, post, comb, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
+        x = mhc.expand(y, x, post, comb)
+        return (x, *self.site(x, p, pre_in, norm))
+
+    def expand(self, y, x, post, comb):
+        return step_mhc.hc_expand(y, x, post, comb) if self.kernels else mhc.expand(y, x, post, comb)
+
+    def collapse_norm(self, x, pre, norm):
+        if self.kernels:
+            return step_mhc.collapse_norm(x, pre, norm, rms_eps=self.eps)
+        return rms_norm(mhc.collapse(x, pre), norm, self.eps)
 
 
 @dataclass
@@ -168,17 +215,18 @@ class FastModel:
         x = h[:, None, :].expand(B, cfg.hc_mult, h.shape[-1]).contiguous()
         pre = torch.zeros(B, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0
+        sites = MhcSites.of(cfg, x.device)
         for block in self.blocks:
             L = block.index
             if L in self.engram:
                 with section("engram"):
-                    x = self.engram[L](x, rows[L], live, n, phase, self.comm)
+                    x = self.engram[L](x, rows[L], live, n, phase, self.comm).contiguous()
             layer_trace = {} if trace is not None else None
-            x, pre = self._block(block, x, pre, n, P, segs, phase, layer_trace)
+            x, pre = self._block(block, sites, x, pre, n, P, segs, phase, layer_trace)
             if trace is not None:
                 trace.setdefault(L, []).append(layer_trace)
         with section("norms"):
-            out = rms_norm(mhc.collapse(x, pre), self.final_norm, cfg.rms_norm_eps)
+            out = sites.collapse_norm(x, pre, self.final_norm)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
@@ -187,24 +235,22 @@ class FastModel:
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
 
-    def _block(self, block: FastBlock, x, pre_in, n, P, segs, phase, trace):
-        cfg, comm = self.cfg, self.comm
-        hc, eps, hc_eps, iters = cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters
+    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, n, P, segs, phase, trace):
+        """Single-pass schedule (MODEL.md §6.3): the attention site collapses with `pre_in` and computes the pre the
+        FFN site collapses with; the FFN site's pre goes to the next layer."""
+        comm = self.comm
         with section("mhc"):
-            a_pre, a_post, a_comb = hc_coefficients(x, block.hc_attn, hc, eps, hc_eps, iters)
-            h = rms_norm(mhc.collapse(x, pre_in), block.attn_norm, eps)
+            h, a_pre, a_post, a_comb = sites.site(x, block.hc_attn, pre_in, block.attn_norm)
         y = block.attn.forward(h, n, P, segs, phase, trace)
         with section("comm"):
             y = comm.sum_partials(y.float()).to(x.dtype)
         with section("mhc"):
-            x = mhc.expand(y, x, a_post, a_comb)
-            f_pre, f_post, f_comb = hc_coefficients(x, block.hc_ffn, hc, eps, hc_eps, iters)
-            h = rms_norm(mhc.collapse(x, a_pre), block.ffn_norm, eps)
+            x, h, f_pre, f_post, f_comb = sites.expand_site(y, x, a_post, a_comb, block.hc_ffn, a_pre, block.ffn_norm)
         y = block.moe.partial(h, n, phase, trace)
         with section("comm"):
             y = comm.sum_partials(y).to(x.dtype)
         with section("mhc"):
-            return mhc.expand(y, x, f_post, f_comb), f_pre
+            return sites.expand(y, x, f_post, f_comb), f_pre
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         v0, v1 = self.vocab_start, self.vocab_end

@@ -1,9 +1,12 @@
 """mHC sites in one launch each (MODEL.md §6; references: `dsv41.model.mhc` coefficients / sinkhorn / collapse /
 expand and `dsv41.model.norm.rms_norm`).
 
-One program per row (token); a row's bits depend only on its own inputs, never on the other rows or their number
-(the program's tiles, loop bounds and reduction order are fixed by hc and d). Plain Triton: no tensor-core or
-Hopper-only instruction, so it compiles for sm_80..sm_121 and runs in Triton's interpreter.
+Row invariance: a site launch runs `splits` programs per row (token), each over a fixed slice of d (the mixing
+product streams all of fn, 2 MB at d = 5120: split so that one row does not wait on one SM's bandwidth); the row's
+last program to arrive (an arrival counter, no float atomics) sums the partials in split order and finishes the
+row. Tiles, loop bounds, splits and reduction order depend on hc and d only, never on B: a row's bits are its own
+inputs' alone. Plain Triton, no tensor-core or Hopper-only instruction (atomics and barriers are sm_70+), so it
+compiles for sm_80..sm_121 and runs in Triton's interpreter.
 
 - `hc_site`: the coefficients H(X) of the streams (mixing product, rsqrt of the mean square, sigmoids, softmax +
   Sinkhorn) and h = rms_norm(collapse(X, pre_in)) of the sublayer input (single-pass schedule: the site collapses
@@ -27,6 +30,31 @@ import triton.language as tl
 BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 + hc) * hc] product tile
 BLOCK_H = 1024  # columns per step of the norm pass
 NUM_WARPS = 4
+MAX_SPLITS = 16  # programs per row of a site launch (each streams 1/splits of fn): from d only, never from B
+SPLIT_COLUMNS = 256
+
+
+def default_splits(d: int) -> int:
+    """Programs per row: about SPLIT_COLUMNS columns each, at most MAX_SPLITS (d = 5120: 16 of 320 columns)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(d, SPLIT_COLUMNS)))
+
+
+class _Counters:
+    """Per-row arrival counters of the site launches, zero between launches (the last arriver resets its row's),
+    kept per device so that a launch allocates nothing it must clear."""
+
+    def __init__(self):
+        self._by_device: dict[str, torch.Tensor] = {}
+
+    def get(self, device: torch.device, rows: int) -> torch.Tensor:
+        have = self._by_device.get(str(device))
+        if have is None or have.numel() < rows:
+            have = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+            self._by_device[str(device)] = have
+        return have
+
+
+_COUNTERS = _Counters()
 
 
 @triton.jit
@@ -54,12 +82,12 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _coefficients(acc, sq, row, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, iters,
+def _coefficients(mix, sq, row, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, iters,
                   HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr):
-    """From the mixing accumulators (acc [HCP, BLOCK_D, NP] of x * fn, sq [HCP, BLOCK_D] of x²): pre, post, comb."""
+    """From the row's mixing product (mix [NP], lanes >= (2 + hc) hc ignored) and sum of x² (sq): pre, post, comb."""
     NMIX: tl.constexpr = (2 + HC) * HC
     n = tl.arange(0, NP)
-    m = tl.sum(tl.sum(acc, axis=1), axis=0) * _rsqrt64(tl.sum(tl.sum(sq, axis=1), axis=0) / K + norm_eps)
+    m = mix * _rsqrt64(tl.div_rn(sq, (K + 0.0).to(tl.float32)) + norm_eps)  # the mean as torch's: IEEE division
     s0 = tl.load(scale_ptr)
     s1 = tl.load(scale_ptr + 1)
     s2 = tl.load(scale_ptr + 2)
@@ -89,26 +117,30 @@ def _coefficients(acc, sq, row, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_
 
 @triton.jit
 def _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK: tl.constexpr):
-    """h holds the row's collapse (rounded to the stream dtype) written by this program: h <- rms_norm(h) * w."""
-    tl.debug_barrier()  # the collapse was stored by other threads of this program
-    r = _rsqrt64(tl.sum(usq, axis=0) / d + rms_eps)
+    """h holds the row's collapse (rounded to the stream dtype; usq: the sum of its squares), stored by other threads
+    or programs before a barrier / the arrival ticket: h <- rms_norm(h) * w. L1 bypassed (.cg) for those stores."""
+    r = _rsqrt64(tl.div_rn(usq, (d + 0.0).to(tl.float32)) + rms_eps)
     for d0 in range(0, d, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         live = cols < d
-        u = tl.load(h_ptr + row * d + cols, mask=live, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * d + cols, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
         w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * d + cols, _cast((u * r) * w, h_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
-                 pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, d, norm_eps, hc_eps, rms_eps, iters,
-                 HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One row: [X' = expand(y, X, post_in, comb_in), written to xo;] coefficients of X (or X'); h = norm(collapse(
-    X (or X'), pre_in)). Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided."""
+                 pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
+                 rms_eps, iters, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
+                 EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (row, split): over the split's `chunk` columns of d, [X' = expand(y, X, post_in, comb_in), written to
+    xo;] the partial mixing product and sum of squares of X (or X'), and u = collapse(X (or X'), pre_in) rounded to
+    the stream dtype, into h. Partials go to part [B, SPLITS, NP] (lanes: the (2 + hc) hc products, then Σx², then
+    Σu²); the row's last program to arrive sums them in split order and finishes: coefficients, h = rms_norm(u) * w.
+    Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided."""
     NMIX: tl.constexpr = (2 + HC) * HC
     row = tl.program_id(0)
+    split = tl.program_id(1)
     c = tl.arange(0, HCP)
     c_live = c < HC
     n = tl.arange(0, NP)
@@ -120,7 +152,7 @@ def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
     acc = tl.zeros((HCP, BLOCK, NP), tl.float32)
     sq = tl.zeros((HCP, BLOCK), tl.float32)
     usq = tl.zeros((BLOCK,), tl.float32)
-    for d0 in range(0, d, BLOCK):
+    for d0 in range(split * chunk, split * chunk + chunk, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         live = c_live[:, None] & (cols < d)[None, :]
         at = row * HC * d + c[:, None] * d + cols[None, :]
@@ -139,9 +171,22 @@ def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
         tl.store(h_ptr + row * d + cols, u, mask=cols < d)
         u32 = u.to(tl.float32)
         usq += u32 * u32
-    _coefficients(acc, sq, row, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps, iters,
-                  HC, HCP, NP)
-    _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK_N)
+    part = tl.sum(tl.sum(acc, axis=1), axis=0)
+    part = tl.where(n == NMIX, tl.sum(tl.sum(sq, axis=1), axis=0), part)
+    part = tl.where(n == NMIX + 1, tl.sum(usq, axis=0), part)
+    tl.store(part_ptr + (row * SPLITS + split) * NP + n, part)
+    tl.debug_barrier()  # every thread's stores (xo, h, part) before the release of the ticket
+    ticket = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
+    if ticket == SPLITS - 1:
+        total = tl.zeros((NP,), tl.float32)
+        for t in range(SPLITS):  # split order: the same sum whichever program finishes
+            total += tl.load(part_ptr + (row * SPLITS + t) * NP + n, cache_modifier=".cg")
+        tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch (graph replays included)
+        sq_all = tl.sum(tl.where(n == NMIX, total, 0.0), axis=0)  # one term and zeros: exact
+        usq_all = tl.sum(tl.where(n == NMIX + 1, total, 0.0), axis=0)
+        _coefficients(total, sq_all, row, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
+                      iters, HC, HCP, NP)
+        _norm_pass(h_ptr, w_ptr, row, d, usq_all, rms_eps, BLOCK_N)
 
 
 @triton.jit
@@ -179,7 +224,8 @@ def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, HC: tl.const
         tl.store(h_ptr + row * d + cols, u, mask=cols < d)
         u32 = u.to(tl.float32)
         usq += u32 * u32
-    _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK_N)
+    tl.debug_barrier()  # the collapse was stored by other threads of this program
+    _norm_pass(h_ptr, w_ptr, row, d, tl.sum(usq, axis=0), rms_eps, BLOCK_N)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -199,7 +245,8 @@ def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     return t.contiguous()
 
 
-def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps):
+def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
+          splits):
     B, hc, d = _streams(x)
     nmix = (2 + hc) * hc
     if tuple(fn_t.shape) != (hc * d, nmix) or fn_t.dtype != torch.float32:
@@ -219,27 +266,34 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
     pre = torch.empty(B, hc, dtype=torch.float32, device=x.device)
     post = torch.empty_like(pre)
     comb = torch.empty(B, hc, hc, dtype=torch.float32, device=x.device)
+    splits = default_splits(d) if splits is None else int(splits)
+    block = min(BLOCK_D, triton.next_power_of_2(d))
+    chunk = triton.cdiv(triton.cdiv(d, splits), block) * block
+    np_ = triton.next_power_of_2(nmix + 2)  # the products, then the two sums of squares
     if B:
-        _site_kernel[(B,)](
+        part = torch.empty(B, splits, np_, dtype=torch.float32, device=x.device)
+        _site_kernel[(B, splits)](
             x, y, post_in, comb_in, xo, fn_t, fn_t.stride(0), fn_t.stride(1), base.float().contiguous(),
-            scale.float().contiguous(), pre_in, norm_weight.contiguous(), h, pre, post, comb, d, float(norm_eps),
-            float(hc_eps), float(rms_eps), int(iters), HC=hc, HCP=triton.next_power_of_2(hc),
-            NP=triton.next_power_of_2(nmix), EXPAND=expand, BLOCK=min(BLOCK_D, triton.next_power_of_2(d)),
+            scale.float().contiguous(), pre_in, norm_weight.contiguous(), h, pre, post, comb, part,
+            _COUNTERS.get(x.device, B), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), HC=hc,
+            HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits, EXPAND=expand, BLOCK=block,
             BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
     return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
 
 def hc_site(x, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float, iters: int,
-            rms_eps: float):
+            rms_eps: float, splits: int | None = None):
     """One mHC site: `(h, pre, post, comb)` with h = rms_norm(collapse(x, pre_in), norm_weight, rms_eps) [B, d] in
-    x's dtype and pre, post [B, hc], comb [B, hc, hc] fp32 = `mhc.coefficients(x, (fn_t.T, base, scale), ...)`."""
-    return _site(x, None, None, None, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps)
+    x's dtype and pre, post [B, hc], comb [B, hc, hc] fp32 = `mhc.coefficients(x, (fn_t.T, base, scale), ...)`.
+    `splits`: programs per row (default from d: `default_splits`)."""
+    return _site(x, None, None, None, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
+                 splits)
 
 
 def hc_expand_site(y, x, post, comb, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float,
-                   iters: int, rms_eps: float):
+                   iters: int, rms_eps: float, splits: int | None = None):
     """`x' = mhc.expand(y, x, post, comb)`, then `hc_site(x', ...)`: returns `(x', h, pre', post', comb')`."""
-    return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps)
+    return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, splits)
 
 
 def hc_expand(y, x, post, comb) -> torch.Tensor:
