@@ -59,6 +59,9 @@ def test_a_group_holds_the_prompt_pages_once_and_a_disconnect_frees_everything(s
     single = _pages_while_streaming(server, client, 1)
     group = _pages_while_streaming(server, client, 3)
     assert single == 2 and group == 2 + 2 * 1 < 3 * single  # 340 positions: the first page shared by all three
+    early = complete(client, prompt=LONG, n=3, seed=4, max_tokens=40, stream=True)
+    early.close()  # gone at once: the group queued or its leader prefilling
+    server.wait_idle()
     after = batching(server)
     assert after["pages_used"] == 0 and after["slots_busy"] == 0
     assert after["forks_total"] >= before.get("forks_total", 0) + 2
@@ -66,10 +69,10 @@ def test_a_group_holds_the_prompt_pages_once_and_a_disconnect_frees_everything(s
 
 def test_siblings_finishing_at_different_times_free_everything(server, client):
     stops = list(range(5, 260))  # frequent ids: the siblings stop after different numbers of tokens
-    many = complete(client, prompt=LONG, n=3, seed=11, max_tokens=16, logprobs=0,
+    many = complete(client, prompt=LONG[:40], n=3, seed=11, max_tokens=16, logprobs=0,
                     extra_body={"stop_token_ids": stops})
     assert len({len(c.logprobs.tokens) for c in many.choices}) > 1
-    singles = [complete(client, prompt=LONG, seed=11 + i, max_tokens=16, logprobs=0,
+    singles = [complete(client, prompt=LONG[:40], seed=11 + i, max_tokens=16, logprobs=0,
                         extra_body={"stop_token_ids": stops}) for i in range(3)]
     assert [tokens(c) for c in many.choices] == [tokens(s.choices[0]) for s in singles]
     server.wait_idle()
