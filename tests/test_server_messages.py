@@ -89,13 +89,15 @@ def test_stream_events_and_final_message(claude):
 
 
 def test_thinking_blocks_from_reasoning(claude):
+    # adaptive: thinking on without a budget (an enabled one needs max_tokens above its budget of >= 1024,
+    # tests/test_server_messages_budget.py)
     msg = claude.messages.create(model=SERVED_NAME, max_tokens=12, extra_body={"temperature": 0},
-                                 thinking={"type": "enabled", "budget_tokens": 1024},
+                                 thinking={"type": "adaptive"},
                                  messages=[{"role": "user", "content": "Think."}])
     assert msg.content, "the tiny model wrote nothing"
     assert msg.content[0].type == "thinking" and msg.content[0].thinking
     with claude.messages.stream(model=SERVED_NAME, max_tokens=12, extra_body={"temperature": 0},
-                                thinking={"type": "enabled", "budget_tokens": 1024},
+                                thinking={"type": "adaptive"},
                                 messages=[{"role": "user", "content": "Think."}]) as stream:
         deltas = [e.delta.type for e in stream if e.type == "content_block_delta"]
         final = stream.get_final_message()

@@ -6,7 +6,8 @@ blocks -> `reasoning_content`; `tool_use` -> `tool_calls` (input dumped as JSON)
 `tool` messages (before the user's own text, in order); `tools` (name, description, input_schema) -> functions;
 `tool_choice` auto / any / tool / none -> auto / required / named / none (`disable_parallel_tool_use` ->
 `parallel_tool_calls: false`); `thinking: {type: enabled}` turns reasoning on (off otherwise, as Anthropic's
-default; `budget_tokens` is accepted but not enforced). Images, documents and server tools are refused (400).
+default), its `budget_tokens` checked as Anthropic does (`thinking_budget`) and enforced by the engine
+(`ReasoningBudget`). Images, documents and server tools are refused (400).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from .errors import APIError, bad_request
 from .protocol import MAX_STOP_STRINGS, Number, _Request
+
+# Anthropic's minimum for thinking.budget_tokens; the same for every model served, the tiny test model included
+MIN_BUDGET_TOKENS = 1024
 
 # status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -182,6 +186,33 @@ def _thinking(thinking: dict | None) -> bool:
     raise bad_request("thinking.type must be enabled, adaptive or disabled", param="thinking.type")
 
 
+def thinking_budget(req: MessagesRequest) -> int | None:
+    """The reasoning budget in tokens, or None (thinking off, or adaptive without a budget), checked as
+    Anthropic's API does: `enabled` needs an integer `budget_tokens` >= 1024 and below `max_tokens`; `adaptive`
+    takes none."""
+    thinking = req.thinking or {}
+    kind = thinking.get("type")
+    if kind not in ("enabled", "adaptive"):
+        return None
+    budget = thinking.get("budget_tokens")
+    if kind == "adaptive":
+        if budget is not None:
+            raise bad_request("thinking.adaptive.budget_tokens: Extra inputs are not permitted",
+                              param="thinking.budget_tokens")
+        return None
+    if budget is None:
+        raise bad_request("thinking.enabled.budget_tokens: Field required", param="thinking.budget_tokens")
+    if type(budget) is not int:
+        raise bad_request("thinking.enabled.budget_tokens: Input should be a valid integer",
+                          param="thinking.budget_tokens")
+    if budget < MIN_BUDGET_TOKENS:
+        raise bad_request(f"thinking.enabled.budget_tokens: Input should be greater than or equal to "
+                          f"{MIN_BUDGET_TOKENS}", param="thinking.budget_tokens")
+    if req.max_tokens is not None and budget >= req.max_tokens:
+        raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`", param="max_tokens")
+    return budget
+
+
 def chat_body(req: MessagesRequest) -> dict:
     """The OpenAI chat request the encoder renders for this Messages request."""
     messages = []
@@ -199,6 +230,7 @@ def chat_body(req: MessagesRequest) -> dict:
         else:
             raise bad_request(f"{where}.role must be user or assistant, got {role!r}", param=f"{where}.role")
     body: dict = {"messages": messages, "chat_template_kwargs": {"thinking": _thinking(req.thinking)}}
+    thinking_budget(req)  # refused here when it is not one Anthropic accepts (count_tokens too)
     tools = _tools(req.tools)
     if tools:
         body["tools"] = tools
