@@ -6,6 +6,7 @@ end to end with the official `anthropic` client."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import anthropic
 import pytest
@@ -137,6 +138,14 @@ def test_anthropic_checks(server):  # noqa: F811
         r = http.post("/v1/messages/count_tokens", json={"model": SERVED_NAME, "messages": USER,
                                                          "thinking": {"type": "enabled", "budget_tokens": 1000}})
         assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
+        # an unknown field is accepted, ignored and logged once
+        r = http.post("/v1/messages/count_tokens", json={"model": SERVED_NAME, "messages": USER,
+                                                         "service_tier": "auto"})
+        assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while "'service_tier' is accepted but not implemented" not in server.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "messages: the request field 'service_tier' is accepted but not implemented" in server.output()
 
 
 def test_budget_end_to_end(claude, tokenizer):  # noqa: F811

@@ -59,7 +59,15 @@ def _prepare(ctx: ServerContext, model, raw: bytes):
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     prompt, ids = render_chat(ctx, chat_body(req))
+    for name in sorted(set(req.model_extra or {})):
+        if name not in _WARNED:
+            _WARNED.add(name)
+            log.warning("messages: the request field %r is accepted but not implemented (ignored); further "
+                        "requests with it are not logged", name)
     return req, prompt, ids
+
+
+_WARNED: set[str] = set()
 
 
 def _grammar(ctx: ServerContext, prompt, thinking: bool):

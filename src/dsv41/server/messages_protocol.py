@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from .errors import APIError, bad_request
 from .protocol import MAX_STOP_STRINGS, Number, _Request
@@ -39,6 +39,8 @@ def anthropic_error(exc: APIError) -> dict:
 
 
 class MessagesRequest(_Request):
+    model_config = ConfigDict(extra="allow")  # unknown fields kept in model_extra: logged once, then ignored
+
     model: StrictStr | None = None
     messages: list[Any]
     max_tokens: Annotated[StrictInt, Field(ge=1)]
