@@ -35,6 +35,14 @@ def test_budget_constraint_alone():
     assert [i for i in range(vocab) if only[i // 8] >> (i % 8) & 1] == [end]
     assert c.forced(0) == [] and c.forced(10) == [end]
     assert c.mask() is None and c.forced(10) == []  # past the reasoning: free again
+    import torch
+
+    row = torch.randn(vocab)
+    spent = GrammarConstraint(ReasoningBudget(1, end), vocab)
+    assert spent.mask_row(row) is row
+    spent.accept(2)
+    masked = spent.mask_row(row)  # SerialEngine's path: every id but the end at -inf
+    assert torch.isinf(masked).sum() == vocab - 1 and masked[end] == row[end]
     early = GrammarConstraint(ReasoningBudget(3, end), vocab)
     early.accept(5)
     early.accept(end)  # the model closed its reasoning itself: nothing is forced later
