@@ -78,6 +78,8 @@ def test_chat_without_generation_prompt_end_to_end(client, server, stream):  # n
                                                  extra_body=extra))
     assert chunks[-1].usage.prompt_tokens == prompt_len
     assert not any(getattr(c.choices[0].delta, "reasoning_content", None) for c in chunks if c.choices)
+    # honoured, so never logged as an ignored field
+    assert "chat: the request field 'add_generation_prompt'" not in server.output()
 
 
 def test_return_token_strs(server, tokenizer):  # noqa: F811
