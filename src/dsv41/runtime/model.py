@@ -10,9 +10,9 @@ per sequence) and returns fp32 logits. The phase picks the matmul path (ENGINE.m
 - "prefill": the reconstruct-into-the-workspace + GEMM path, all rows in one pass.
 The head takes the fused kernel in every phase: its rows are sampling rows (`logits="last"`: one per sequence).
 
-mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: three
-launches per layer, one for the final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the
-reference's math. The rest of the forward is the reference's math (`model/`): norms, attention, indexer, compressor
+mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: two
+launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
+final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the forward is the reference's math (`model/`): norms, attention, indexer, compressor
 and Engram on per-sequence `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its
 drafter absorb/draft stays the reference's for now); taps are not collected.
 """
@@ -68,8 +68,8 @@ def hc_coefficients(x: torch.Tensor, p: HC, hc: int, norm_eps: float, hc_eps: fl
 @dataclass(frozen=True)
 class MhcSites:
     """The mHC work of a forward: each site in one launch of the step kernels (kernels/step/mhc.py: coefficients,
-    Sinkhorn, collapse and norm; the attention site's expand fused with the FFN site) wherever Triton runs them (CUDA,
-    or the interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`."""
+    Sinkhorn, collapse and norm, fused with the expand before the site) wherever Triton runs them (CUDA, or the
+    interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`."""
 
     hc: int
     eps: float  # the norms' and the mixing rsqrt's
@@ -99,7 +99,11 @@ class MhcSites:
         x = mhc.expand(y, x, post, comb)
         return (x, *self.site(x, p, pre_in, norm))
 
-    def expand(self, y, x, post, comb):
+    def expanded(self, x, pending):
+        """x with a pending FFN expand `(y, post, comb)` applied (before an Engram layer and the final norm)."""
+        if pending is None:
+            return x
+        y, post, comb = pending
         return step_mhc.hc_expand(y, x, post, comb) if self.kernels else mhc.expand(y, x, post, comb)
 
     def collapse_norm(self, x, pre, norm):
@@ -216,15 +220,20 @@ class FastModel:
         pre = torch.zeros(B, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0
         sites = MhcSites.of(cfg, x.device)
+        pending = None  # the last FFN site's (y, post, comb): its expand runs fused with the next attention site
         for block in self.blocks:
             L = block.index
             if L in self.engram:
+                with section("mhc"):
+                    x, pending = sites.expanded(x, pending), None
                 with section("engram"):
                     x = self.engram[L](x, rows[L], live, n, phase, self.comm).contiguous()
             layer_trace = {} if trace is not None else None
-            x, pre = self._block(block, sites, x, pre, n, P, segs, phase, layer_trace)
+            x, pre, pending = self._block(block, sites, x, pre, pending, n, P, segs, phase, layer_trace)
             if trace is not None:
                 trace.setdefault(L, []).append(layer_trace)
+        with section("mhc"):
+            x = sites.expanded(x, pending)
         with section("norms"):
             out = sites.collapse_norm(x, pre, self.final_norm)
         for s, (_, i) in zip(segs, chunks):
@@ -235,12 +244,19 @@ class FastModel:
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
 
-    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, n, P, segs, phase, trace):
+    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace):
         """Single-pass schedule (MODEL.md §6.3): the attention site collapses with `pre_in` and computes the pre the
-        FFN site collapses with; the FFN site's pre goes to the next layer."""
+        FFN site collapses with; the FFN site's pre goes to the next layer. `pending`: the previous layer's FFN
+        output and coefficients `(y, post, comb)`, expanded into x in this attention site's launch (None: x is the
+        streams). Returns `(x, pre, pending)`, x before this layer's FFN expand, which `pending` carries."""
         comm = self.comm
         with section("mhc"):
-            h, a_pre, a_post, a_comb = sites.site(x, block.hc_attn, pre_in, block.attn_norm)
+            if pending is None:
+                h, a_pre, a_post, a_comb = sites.site(x, block.hc_attn, pre_in, block.attn_norm)
+            else:
+                y, post, comb = pending
+                x, h, a_pre, a_post, a_comb = sites.expand_site(y, x, post, comb, block.hc_attn, pre_in,
+                                                                block.attn_norm)
         y = block.attn.forward(h, n, P, segs, phase, trace)
         with section("comm"):
             y = comm.sum_partials(y.float()).to(x.dtype)
@@ -249,8 +265,7 @@ class FastModel:
         y = block.moe.partial(h, n, phase, trace)
         with section("comm"):
             y = comm.sum_partials(y).to(x.dtype)
-        with section("mhc"):
-            return sites.expand(y, x, f_post, f_comb), f_pre
+        return x, f_pre, (y, f_post, f_comb)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         v0, v1 = self.vocab_start, self.vocab_end
