@@ -136,7 +136,8 @@ def step_reads(model, trace) -> dict:
         for trio in block.moe.shared:
             for lin in trio:
                 add(lin)
-        bytes_dense += block.moe.gate_t.numel() * 4 + 4 * (block.hc_attn.fn_t.numel() + block.hc_ffn.fn_t.numel())
+        bytes_dense += block.moe.gate_t.numel() * block.moe.gate_t.element_size() + 4 * (
+            block.hc_attn.fn_t.numel() + block.hc_ffn.fn_t.numel())
         ids = torch.cat([t["router_ids"].reshape(-1) for t in trace.get(block.index, [])])
         distinct = int(ids.unique().numel())
         distinct_total += distinct
