@@ -265,6 +265,8 @@ class FastModel:
         y = block.moe.partial(h, n, phase, trace)
         with section("comm"):
             y = comm.sum_partials(y).to(x.dtype)
+        if trace is not None:  # the reference's per-layer record (model/transformer.py); one more launch, traced only
+            trace.update(streams_out=sites.expanded(x, (y, f_post, f_comb))[:n], pre_mix_out=f_pre[:n])
         return x, f_pre, (y, f_post, f_comb)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
