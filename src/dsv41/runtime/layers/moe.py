@@ -7,7 +7,8 @@ and weights stay on the device, in the top-k tables the MoE kernels read); other
 row bucket in one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the kernels' MoE
 (`kernels.exl3.moe`, two launches, routing read in-kernel, slots summed in order), with the split counts resolved
 once at build; prefill rows loop over the experts they picked, in ascending id as the reference does, each expert's
-matrices reconstructed into the rank's one prefill workspace. Experts stored in another format (the release's
+matrices reconstructed into the rank's one prefill workspace, the rows grouped by expert on the device with one
+host read of the counts per layer (`FusedMoE._grouped`). Experts stored in another format (the release's
 MXFP4) take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs
 one rank-ordered reduction per layer (the caller's).
 """
@@ -137,9 +138,34 @@ class FusedMoE:
                 s = self.experts
                 y[:n] += s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit)
             else:
-                # experts in ascending id, rows in ascending order (the reference's summation order)
-                ids, weights = ids[:n], weights[:n]
-                for e in torch.unique(ids).tolist():
-                    rows, slot = (ids == e).nonzero(as_tuple=True)
-                    y.index_add_(0, rows, swiglu_clamped(x[rows], self._expert(e), self.limit, weights[rows, slot]))
+                self._grouped(x, ids[:n], weights[:n], y)
         return y
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
+        """The routed experts of rows that take the expert loop (prefill rows; any phase for other storage
+        formats), accumulated into y [B, d] fp32 in place.
+
+        Experts in ascending id, each expert's rows ascending (the reference's summation order), grouped on the
+        device: one stable sort of the flattened routing ids [n * k] (within an expert the flat indices
+        row * k + slot stay ascending, so its rows come out ascending: the order of `(ids == e).nonzero()`), one
+        bincount and ONE host read of the counts per layer; each expert with rows then takes them as a slice of
+        the sorted order, row ids and routing weights gathered on the device (no further sync). Per expert the
+        math (x[rows], the expert's swiglu, its routing weights) and the accumulation (`index_add_` into y,
+        experts ascending) are exactly those of the per-expert loop it replaces (`torch.unique` + `nonzero` per
+        expert: 1 + experts host syncs per layer), so the result is bitwise the same
+        (tests/test_runtime_moe_prefill.py)."""
+        n, k = ids.shape
+        if n == 0:
+            return
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_t.shape[1]).tolist()  # the layer's one host read
+        rows_sorted = torch.div(order, k, rounding_mode="floor")
+        w_sorted = weights.reshape(-1)[order]
+        at = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            rows, w = rows_sorted[at:at + c], w_sorted[at:at + c]
+            at += c
+            y.index_add_(0, rows, swiglu_clamped(x[rows], self._expert(e), self.limit, w))
