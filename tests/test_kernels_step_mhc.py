@@ -164,6 +164,24 @@ def check(case, res: dict) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _sites_both_ways(seed: int = 7) -> dict:
+    """runtime/model.py's MhcSites with the kernels and with the reference math (what plain CPU runs), each method
+    on the same fp32 inputs: the largest difference in units of the reference output's rms."""
+    from dsv41.runtime.model import HC, MhcSites
+
+    t = _inputs(4, 128, 5, torch.float32, "cpu", seed)
+    p, pending = HC(t["fn"].t(), t["base"], t["scale"]), (t["y"], t["post"], t["comb"])
+    outs = {}
+    for kernels in (True, False):
+        s = MhcSites(4, EPS["rms_eps"], EPS["hc_eps"], 20, kernels)
+        outs[kernels] = [*s.site(t["x"], p, t["pre_in"], t["w"]),
+                         *s.expand_site(*pending[:1], t["x"], *pending[1:], p, t["pre_in"], t["w"]),
+                         s.expanded(t["x"], pending), s.expanded(t["x"], None),
+                         s.collapse_norm(t["x"], t["pre_in"], t["w"])]
+    diffs = [float((a - b).abs().max() / b.pow(2).mean().sqrt()) for a, b in zip(outs[True], outs[False])]
+    return {"max_rel": max(diffs), "count": len(diffs)}
+
+
 def _interp_worker(out_path: str) -> None:
     results = {}
     for i, case in enumerate(CPU_CASES):
@@ -171,6 +189,10 @@ def _interp_worker(out_path: str) -> None:
             results[json.dumps(case)] = measure(case, "cpu", seed=i)
         except Exception as exc:  # report, so the tests show the worker's error
             results[json.dumps(case)] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        results["sites"] = _sites_both_ways()
+    except Exception as exc:  # noqa: BLE001
+        results["sites"] = {"error": f"{type(exc).__name__}: {exc}"}
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
@@ -190,6 +212,13 @@ def test_interpreted_mhc_kernels_match_the_reference_and_are_row_invariant(inter
     res = interp[json.dumps(case)]
     assert "error" not in res, res.get("error")
     check(case, res)
+
+
+def test_runtime_sites_agree_with_the_reference_math(interp):
+    """The fast path's MhcSites: kernels (CUDA, interpreter) and reference math (plain CPU) give one function."""
+    res = interp["sites"]
+    assert "error" not in res, res.get("error")
+    assert res["count"] == 12 and res["max_rel"] <= 1e-5, res
 
 
 def test_launchers_refuse_wrong_layouts():
@@ -226,6 +255,56 @@ def test_gpu_mhc_kernels_full_shape(case):
         torch.backends.cuda.matmul.allow_tf32 = tf32
     print(case, json.dumps(res))
     check(case, res)
+
+
+@pytest.mark.gpu
+def test_gpu_mhc_kernel_times():
+    """Not a bound: device time per launch (do_bench median, 4 rotated input sets) at the release's shape, B 1 and 16,
+    and a splits sweep of the fused site; printed (pytest -s) for docs/perf/fast_path.md "mHC kernels"."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+    from triton.testing import do_bench
+
+    from dsv41.kernels.step import mhc as k
+
+    rows = []
+    for B in (1, 16):
+        sets = [_inputs(4, 5120, B, torch.bfloat16, "cuda", seed) for seed in range(4)]
+        at = [0]
+
+        def nxt():
+            at[0] = (at[0] + 1) % len(sets)
+            return sets[at[0]]
+
+        def site(splits=None):
+            t = nxt()
+            k.hc_site(t["x"], t["fn"].t(), t["base"], t["scale"], t["pre_in"], t["w"], iters=20, splits=splits, **EPS)
+
+        def expand_site(splits=None):
+            t = nxt()
+            k.hc_expand_site(t["y"], t["x"], t["post"], t["comb"], t["fn"].t(), t["base"], t["scale"], t["pre_in"],
+                             t["w"], iters=20, splits=splits, **EPS)
+
+        def expand():
+            t = nxt()
+            k.hc_expand(t["y"], t["x"], t["post"], t["comb"])
+
+        def final():
+            t = nxt()
+            k.collapse_norm(t["x"], t["pre_in"], t["w"], rms_eps=EPS["rms_eps"])
+
+        for name, fn in (("hc_site", site), ("hc_expand_site", expand_site), ("hc_expand", expand),
+                         ("collapse_norm", final)):
+            rows.append((name, B, "default", do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3))
+        for splits in (1, 4, 8, 16, 32):
+            rows.append(("hc_expand_site", B, splits,
+                         do_bench(lambda: expand_site(splits), warmup=10, rep=50, return_mode="median") * 1e3))
+    print("\nkernel            B  splits   us (median)")
+    for name, B, splits, us in rows:
+        print(f"{name:16s} {B:3d}  {str(splits):7s} {us:8.1f}")
+    assert all(us > 0 for *_, us in rows)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

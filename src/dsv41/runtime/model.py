@@ -12,9 +12,10 @@ The head takes the fused kernel in every phase: its rows are sampling rows (`log
 
 mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: two
 launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
-final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the forward is the reference's math (`model/`): norms, attention, indexer, compressor
-and Engram on per-sequence `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its
-drafter absorb/draft stays the reference's for now); taps are not collected.
+final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the
+forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
+`SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its drafter
+absorb/draft stays the reference's for now); taps are not collected.
 """
 
 from __future__ import annotations

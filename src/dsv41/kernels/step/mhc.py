@@ -192,7 +192,7 @@ def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
 @triton.jit
 def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, HC: tl.constexpr, HCP: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction over d)."""
+    """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction)."""
     row = tl.program_id(0)
     c = tl.arange(0, HCP)
     c_live = c < HC
