@@ -235,6 +235,47 @@ def test_launchers_refuse_wrong_layouts():
                   torch.zeros(8), iters=20, **EPS)
 
 
+_SITE_ARGS = ("x_ptr y_ptr post_in_ptr comb_in_ptr xo_ptr fn_ptr stride_fk stride_fn base_ptr scale_ptr pre_in_ptr w_ptr "
+              "h_ptr pre_ptr post_ptr comb_ptr part_ptr count_ptr d chunk norm_eps hc_eps rms_eps iters").split()
+_SITE_TYPES = "*S *S *fp32 *fp32 *S *fp32 i32 i32 *fp32 *fp32 *fp32 *S *S *fp32 *fp32 *fp32 *fp32 *i32 i32 i32 fp32 fp32 " \
+    "fp32 i32"
+
+
+@pytest.mark.parametrize("arch", [80, 90, 121])
+def test_kernels_compile_for_every_target_without_hopper_only_instructions(arch):
+    """Ahead-of-time compile (no GPU needed: Triton's own ptxas) for sm_80, sm_90 and GB10's sm_121, release shape
+    constants, bf16 streams: a cubin for each kernel, and none of the sm_90-only instructions in the PTX."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from dsv41.kernels.step import mhc as k
+
+    if not isinstance(k._site_kernel, JITFunction):
+        pytest.skip("kernels decorated for the interpreter in this process")
+
+    site = dict(zip(_SITE_ARGS, (t.replace("S", "bf16") for t in _SITE_TYPES.split())))
+    kernels = [
+        (k._site_kernel, site, dict(HC=4, HCP=4, NP=32, SPLITS=16, EXPAND=True, BLOCK=32, BLOCK_N=1024)),
+        (k._site_kernel, site, dict(HC=4, HCP=4, NP=32, SPLITS=16, EXPAND=False, BLOCK=32, BLOCK_N=1024)),
+        (k._expand_kernel, dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", xo_ptr="*bf16",
+                                d="i32"), dict(HC=4, HCP=4, BLOCK=256)),
+        (k._collapse_norm_kernel, dict(x_ptr="*bf16", pre_ptr="*fp32", w_ptr="*bf16", h_ptr="*bf16", d="i32",
+                                       rms_eps="fp32"), dict(HC=4, HCP=4, BLOCK=1024, BLOCK_N=1024)),
+    ]
+    for fn, sig, const in kernels:
+        src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
+        try:
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=k.NUM_WARPS))
+        except RuntimeError as exc:  # no ptxas for this target in this Triton
+            pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
+        assert compiled.asm.get("cubin"), (fn.__name__, arch)
+        ptx = compiled.asm["ptx"]
+        for op in ("wgmma", "cp.async.bulk", "setmaxnreg", "tcgen05"):
+            assert op not in ptx, (fn.__name__, arch, op)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: full shape, compiled
 # ---------------------------------------------------------------------------------------------------------------

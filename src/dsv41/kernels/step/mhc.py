@@ -29,6 +29,7 @@ import triton.language as tl
 
 BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 + hc) * hc] product tile
 BLOCK_H = 1024  # columns per step of the norm pass
+BLOCK_E = 256  # columns per program of a lone expand (its [hc, hc, BLOCK_E] product: 128 registers at 1024)
 NUM_WARPS = 4
 MAX_SPLITS = 16  # programs per row of a site launch (each streams 1/splits of fn): from d only, never from B
 SPLIT_COLUMNS = 256
@@ -303,7 +304,7 @@ def hc_expand(y, x, post, comb) -> torch.Tensor:
         raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
     post, comb = _coeff(post, (B, hc), "post"), _coeff(comb, (B, hc, hc), "comb")
     out = torch.empty_like(x)
-    block = min(BLOCK_H, triton.next_power_of_2(d))
+    block = min(BLOCK_E, triton.next_power_of_2(d))
     if B:
         _expand_kernel[(B, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, HC=hc,
                                                    HCP=triton.next_power_of_2(hc), BLOCK=block, num_warps=NUM_WARPS)
