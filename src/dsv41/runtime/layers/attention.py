@@ -9,7 +9,10 @@ The index keys of every group closed in the step are projected in one launch (th
 Decode and verify rows, where the Triton step kernels run (`step_kernels_run`: a CUDA device, or the interpreter),
 take the core softmax of every sequence in one launch (`kernels.step.attention`): each sequence's key slots are
 gathered as the reference lays them out, padded with dead slots to a common length (the kernel's bits ignore such
-padding and the other rows); prefill rows, and plain CPU without the interpreter, keep the reference's `_core`.
+padding and the other rows). Prefill rows there take the same kernel per sequence, `PREFILL_CORE_ROWS` rows per
+launch, each block's key slots gathered just before its launch (the gathered keys [rows, S, hd] and the kernel's
+split scratch stay bounded whatever the chunk's length). Plain CPU without the interpreter keeps the reference's
+`_core` in every phase.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ from dsv41.model.state import SequenceState
 from ..sections import section
 from .linear import is_fused
 
+# Rows of one prefill sequence per core launch: bounds the block's gathered key slots [rows, S, hd] (S = window +
+# index top-k = 128 + 512 at full shape, hd 512: 160 MiB in bf16 at 256 rows) and the kernel's split scratch
+# (5 splits x local heads x hd fp32 per row: 80 MiB at 32 heads, 160 MiB at 64). Any value gives the same bits (one
+# program per row, `_core_blocked`).
+PREFILL_CORE_ROWS = 256
 
 @dataclass
 class Segment:
@@ -53,10 +61,13 @@ def step_kernels_run(device: torch.device) -> bool:
     return device.type == "cuda" or interpreting()
 
 
-def window_slots(win: torch.Tensor, s: Segment, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`model.attention.window_slots` with the segment's positions known on the host (no device read)."""
+def window_slots(win: torch.Tensor, s: Segment, window: int,
+                 rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`model.attention.window_slots` with the segment's positions known on the host (no device read); `rows`
+    (relative to the segment, default all) picks the query rows."""
+    rows = slice(0, s.T) if rows is None else rows
     first = s.pos + s.T - win.shape[0]
-    key_pos = (torch.arange(s.pos, s.pos + s.T, device=win.device)[:, None]
+    key_pos = (torch.arange(s.pos + rows.start, s.pos + rows.stop, device=win.device)[:, None]
                + torch.arange(1 - window, 1, device=win.device)[None, :])
     return win[(key_pos - first).clamp(min=0)], key_pos >= 0
 
@@ -108,18 +119,21 @@ class FastAttention:
         if any(c is not None for c in closed):
             self._append_entries(segs, closed, phase)
         o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32, device=x.device)
-        batched = is_fused(phase) and step_kernels_run(x.device)
+        kernels = step_kernels_run(x.device)
+        batched, blocked = kernels and is_fused(phase), kernels and not is_fused(phase)
         gathered = []
         for s, win in zip(segs, wins):
-            with section("attention"):
-                keys, ok = window_slots(win, s, cfg.sliding_window)
+            ids = src = None
             if not role.swa_only:
                 src = s.state.source(role.kv_source)
                 with section("indexer"):
                     ids = self._topk(s, P[s.rows], iq, iw, src, trace)
+            if blocked:
                 with section("attention"):
-                    comp, comp_ok = compressed_slots(src, ids, cfg.index_topk, s.T, cfg.head_dim, x.device)
-                    keys, ok = torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
+                    self._core_blocked(q, o, s, win, ids, src)
+                continue
+            with section("attention"):
+                keys, ok = self._slots(s, win, ids, src, slice(0, s.T))
             if batched:
                 gathered.append((s, keys, ok))
                 continue
@@ -133,6 +147,33 @@ class FastAttention:
         groups = o.reshape(B, len(w.wo_a), -1)
         u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)
+
+    def _slots(self, s: Segment, win: torch.Tensor, ids: torch.Tensor | None, src, rows: slice):
+        """Key slots [t, S, hd] and live mask [t, S] of the segment's rows `rows` (relative) in the reference's
+        layout: the window's slots, then (layers that read a KV source `src`) the selected compressed entries."""
+        cfg = self.cfg
+        keys, ok = window_slots(win, s, cfg.sliding_window, rows)
+        if src is None:
+            return keys, ok
+        sel = None if ids is None else ids[rows]
+        comp, comp_ok = compressed_slots(src, sel, cfg.index_topk, rows.stop - rows.start, cfg.head_dim, win.device)
+        return torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
+
+    def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
+                      ids: torch.Tensor | None, src, block: int | None = None) -> None:
+        """The core of a prefill segment's rows with the step kernel, `block` (default PREFILL_CORE_ROWS) rows per
+        launch, each block's slots gathered right before it; o's rows written in place. The kernel runs one
+        program per row and reads nothing of another row (`kernels.step.attention`), so a row's bits do not depend
+        on the block it is in nor on the chunk: chunked == one-shot holds for the core bitwise
+        (tests/test_runtime_prefill_core.py)."""
+        from dsv41.kernels.step.attention import attention_core
+
+        block = block or PREFILL_CORE_ROWS
+        for start in range(0, s.T, block):
+            rows = slice(start, min(start + block, s.T))
+            keys, ok = self._slots(s, win, ids, src, rows)
+            at = slice(s.start + rows.start, s.start + rows.stop)
+            o[at] = attention_core(q[at], keys, ok, self.sink, self.cfg.head_dim ** -0.5)
 
     def _core_batched(self, q: torch.Tensor, gathered, o: torch.Tensor) -> None:
         """The core of every segment's rows in one launch: their key slots [T, S, hd] stacked in row order (dead
