@@ -1,0 +1,199 @@
+"""The lightning indexer of step rows: index scores, top-k with the reference's tie rule, candidate blocks.
+
+References (MODEL.md §7.5): `dsv41.model.attention.Attention._index_scores` (scores), `Attention._select` over
+`model.topk.topk_lowest_index_ties` (top-k), `Attention._candidate_mask` (the candidate-block pool).
+
+Scores (`index_scores`): one program per (row, block of BLOCK_C entries). Row r reads its quantised index query
+q[q_row[r]] [Hi, hd] and head weights w [Hi] (fp32), and the keys of its own sequence, keys[key_off[r] + c] [hd]
+(any float dtype, read as fp32, as the reference's `.float()`), and writes
+    score[r, c] = sum_h w[h] * relu(q[h] . k_c)      (fp32: a [Hi, hd] x [hd, BLOCK_C] IEEE dot, then the heads)
+for c < n_vis[r] (and allow[r, c], the candidate pool, where given), -inf elsewhere up to the launch's column count.
+A block wholly past n_vis[r] reads nothing. The reduction order over hd and over the heads is fixed by the
+compile-time shapes: a row's bits depend on nothing but that row and its keys.
+
+Top-k (`topk_select`): one program per row, the reference's rule exactly: the k largest scores, ties to the lower
+entry id (a stable descending sort's first k), picks of -inf entries -> -1, the ids sorted ascending (so the -1 come
+first). The program finds the k-th largest score by a 32-step bisection over an order-preserving int32 key of the
+fp32 bits (one counting pass over the row per step; skipped when the row has at most k finite scores: then every
+finite entry is picked), takes every entry above it and the lowest-id entries equal to it, and writes them in
+ascending id order after the leading -1 (a cumulative count per block: no sort). -0.0 counts as +0.0 (the sort
+compares them equal); NaN is not an input (a positive NaN would rank above +inf, a negative one below -inf).
+Optionally it writes the picked set as a mask instead (the candidate blocks).
+
+Padding: columns past a row's own entries hold -inf and are never picked. With k = min(index_topk, columns) the
+ids of a sequence of C entries are the last min(index_topk, C) columns of the row (every column before them -1), so
+sequences with different C share one launch and each row's bits are those it gets alone.
+
+Candidate blocks (`candidate_mask`): the block maxima and the newest block's +inf in torch (no host sync, no
+boolean indexing: graph-safe), the top `candidate_topk_blocks` blocks (> -inf) with the top-k kernel in mask mode,
+expanded back to entries.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_C = 64  # entries per scores program
+TOPK_BLOCK = 1024  # entries per step of the top-k passes
+# key(-inf): the order-preserving int32 image of -inf's bits (negative floats: bits ^ 0x7fffffff)
+NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
+
+
+@triton.jit
+def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, nvis_ptr, allow_ptr, sat,
+                   out_ptr, sot, H, HD, ncols,
+                   HP: tl.constexpr, HDP: tl.constexpr, BC: tl.constexpr, HAS_ALLOW: tl.constexpr):
+    r = tl.program_id(0)
+    cb = tl.program_id(1)
+    r64 = r.to(tl.int64)
+    c = cb * BC + tl.arange(0, BC)
+    nvis = tl.load(nvis_ptr + r).to(tl.int32)
+    live = c < nvis
+    if HAS_ALLOW:
+        live = live & (tl.load(allow_ptr + r64 * sat + c, mask=live, other=0) != 0)
+    score = tl.full((BC,), float("-inf"), dtype=tl.float32)
+    if cb * BC < nvis:
+        qr = tl.load(qrow_ptr + r).to(tl.int64)
+        koff = tl.load(koff_ptr + r).to(tl.int64)
+        h = tl.arange(0, HP)
+        h_ok = h < H
+        d = tl.arange(0, HDP)
+        d_ok = d < HD
+        q = tl.load(q_ptr + qr * sqt + h[:, None].to(tl.int64) * sqh + d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + qr * swt + h, mask=h_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + (koff + c[:, None].to(tl.int64)) * skc + d[None, :],
+                    mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        per_head = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [HP, BC]
+        score = tl.where(live, tl.sum(w[:, None] * per_head, axis=0), score)
+    tl.store(out_ptr + r64 * sot + c, score, mask=c < ncols)
+
+
+@triton.jit
+def _keys(s_ptr, c, ncols):
+    """Order-preserving int32 keys of the fp32 scores at c (past ncols: key(-inf)); -0.0 -> +0.0."""
+    s = tl.load(s_ptr + c, mask=c < ncols, other=float("-inf"))
+    s = tl.where(s == 0.0, 0.0, s)
+    bits = s.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
+                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    row = s_ptr + r * sst
+    offs = tl.arange(0, BLOCK)
+    n_fin = 0
+    for start in range(0, ncols, BLOCK):
+        n_fin += tl.sum((_keys(row, start + offs, ncols) > NEG).to(tl.int32), axis=0)
+    # the k-th largest key, bit by bit on its unsigned image (key + 2^31): only when more than k are finite
+    steps = tl.where(n_fin > k, 32, 0)
+    prefix = tl.zeros((), dtype=tl.int64)
+    bit = tl.full((), 2147483648, tl.int64)
+    for _ in range(steps):
+        cand = prefix | bit
+        bit = bit >> 1
+        thr = (cand - 2147483648).to(tl.int32)
+        cnt = 0
+        for start in range(0, ncols, BLOCK):
+            cnt += tl.sum((_keys(row, start + offs, ncols) >= thr).to(tl.int32), axis=0)
+        prefix = tl.where(cnt >= k, cand, prefix)
+    kth = tl.where(n_fin > k, (prefix - 2147483648).to(tl.int32), NEG)
+    n_gt = 0
+    for start in range(0, ncols, BLOCK):
+        n_gt += tl.sum((_keys(row, start + offs, ncols) > kth).to(tl.int32), axis=0)
+    ties = tl.where(kth == NEG, 0, k - n_gt)  # entries equal to the k-th taken, lowest ids first
+    lead = k - n_gt - ties  # picks of -inf entries: -1, first after the ascending sort
+    if WRITE_IDS:
+        for start in range(0, k, BLOCK):
+            j = start + offs
+            tl.store(ids_ptr + r * k + j, tl.full((BLOCK,), -1, tl.int64), mask=j < lead)
+    taken = 0
+    seen = 0
+    for start in range(0, ncols, BLOCK):
+        c = start + offs
+        key = _keys(row, c, ncols)
+        eq = ((key == kth) & (c < ncols)).to(tl.int32)
+        sel = (key > kth) | ((eq != 0) & (seen + tl.cumsum(eq, axis=0) - eq < ties))
+        sel_i = sel.to(tl.int32)
+        if WRITE_IDS:
+            at = lead + taken + tl.cumsum(sel_i, axis=0) - sel_i
+            tl.store(ids_ptr + r * k + at, c.to(tl.int64), mask=sel)
+        if WRITE_MASK:
+            tl.store(mask_ptr + r * smt + c, sel_i.to(tl.int8), mask=c < ncols)
+        taken += tl.sum(sel_i, axis=0)
+        seen += tl.sum(eq, axis=0)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: torch.Tensor, key_off: torch.Tensor,
+                 n_vis: torch.Tensor, ncols: int, allow: torch.Tensor | None = None) -> torch.Tensor:
+    """Index scores [R, ncols] fp32 of R rows: row r from q[q_row[r]] [Hi, hd] (quantised), w[q_row[r]] [Hi] fp32
+    and keys[key_off[r] : key_off[r] + n_vis[r]] [hd]; -inf at c >= n_vis[r], where allow[r, c] (bool [R, ncols],
+    optional) is False, and past the row's entries. q_row / key_off / n_vis: int [R] on q's device. No host sync."""
+    R = q_row.shape[0]
+    _, H, hd = q.shape
+    if w.shape[1] != H or keys.shape[1] != hd or key_off.shape != (R,) or n_vis.shape != (R,):
+        raise ValueError(f"shapes do not fit: q {list(q.shape)} w {list(w.shape)} keys {list(keys.shape)} R={R}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    if keys.stride(1) != 1:
+        keys = keys.contiguous()
+    out = torch.empty(R, ncols, dtype=torch.float32, device=q.device)
+    if allow is not None:
+        if allow.shape != (R, ncols):
+            raise ValueError(f"allow {list(allow.shape)} must be [R={R}, ncols={ncols}]")
+        allow = (allow.view(torch.uint8) if allow.dtype == torch.bool else allow).contiguous()
+    if R == 0 or ncols == 0:
+        return out
+    a = allow if allow is not None else out
+    _scores_kernel[(R, triton.cdiv(ncols, BLOCK_C))](
+        q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), q_row, key_off, n_vis, a, a.stride(0),
+        out, out.stride(0), H, hd, ncols, HP=max(16, triton.next_power_of_2(H)),
+        HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C, HAS_ALLOW=allow is not None, num_warps=4)
+    return out
+
+
+def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False) -> torch.Tensor:
+    """`Attention._select(scores, k)` for scores [R, N] fp32: ids [R, k] int64 (ascending, -1 for picks of -inf
+    entries, first). With mask=True, the picked set as a bool mask [R, N] instead (-inf entries never in it)."""
+    R, N = scores.shape
+    if not 0 <= k <= N:
+        raise ValueError(f"top-k {k} out of range for {N} entries")
+    if scores.dtype != torch.float32:
+        raise ValueError(f"scores must be fp32, got {scores.dtype}")
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    dev = scores.device
+    ids = torch.empty(R, 0 if mask else k, dtype=torch.int64, device=dev)
+    keep = torch.empty(R, N if mask else 0, dtype=torch.int8, device=dev)
+    if R and N and (k or mask):
+        if k == 0:
+            keep.zero_()
+        else:
+            _topk_kernel[(R,)](scores, scores.stride(0), ids, keep, max(keep.stride(0), 1), N, k, NEG=NEG_INF_KEY,
+                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask, num_warps=4)
+    return keep.view(torch.bool) if mask else ids
+
+
+def candidate_mask(scores: torch.Tensor, n_vis: torch.Tensor, block: int, topk_blocks: int) -> torch.Tensor:
+    """`Attention._candidate_mask(scores, n_vis)` for scores [R, N] (columns past a row's entries -inf): blocks of
+    `block` entries scored by their max, the block of the newest visible entry +inf, the top `topk_blocks` blocks
+    (ties to the lower block, never a -inf block) kept. Returns the entries' mask [R, N] bool. No host sync."""
+    R, N = scores.shape
+    n_blocks = -(-N // block)
+    padded = torch.full((R, n_blocks * block), float("-inf"), dtype=torch.float32, device=scores.device)
+    padded[:, :N] = scores
+    bmax = padded.view(R, n_blocks, block).amax(dim=-1)
+    newest = ((n_vis.long() - 1) // block).clamp(min=0)[:, None]
+    pinned = torch.where(n_vis[:, None] > 0, torch.full_like(newest, 0, dtype=torch.float32) + float("inf"),
+                         bmax.gather(1, newest))
+    bmax.scatter_(1, newest, pinned)
+    keep = topk_select(bmax, min(topk_blocks, n_blocks), mask=True)
+    return keep.repeat_interleave(block, dim=1)[:, :N]
