@@ -125,20 +125,10 @@ def block_drift(model_dir: Path, device: str, backend: str) -> None:
     """Per layer: the fast path's streams / router logits / index scores against the reference's."""
     os.environ["DSV41_EXL3_BACKEND"] = backend
     from dsv41.model.loader import load_model
-    from dsv41.runtime import model as fast_model_mod
     from dsv41.runtime.build import build_fast_model
 
     ref = load_model(model_dir, torch.float32, device, fake_quant=False, dspark=False)
     fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
-    orig = fast_model_mod.FastModel._block
-
-    def recording(self, block, x, pre, n, P, segs, phase, trace):
-        out = orig(self, block, x, pre, n, P, segs, phase, trace)
-        if trace is not None:
-            trace["streams_out"] = out[0][:n].clone()
-        return out
-
-    fast_model_mod.FastModel._block = recording
     try:
         rs, fs = ref.new_state(), fast.new_state()
         ids = PROMPT
@@ -161,7 +151,6 @@ def block_drift(model_dir: Path, device: str, backend: str) -> None:
                  layers=layers)
             ids = [int(r_logits[-1].argmax())]
     finally:
-        fast_model_mod.FastModel._block = orig
         os.environ.pop("DSV41_EXL3_BACKEND", None)
 
 
@@ -172,20 +161,10 @@ def two_prompt_drift(model_dir: Path, device: str, backend: str, together: bool)
     from test_runtime_fast import PROMPTS, _CaptureSelect
 
     from dsv41.model.loader import load_model
-    from dsv41.runtime import model as fast_model_mod
     from dsv41.runtime.build import build_fast_model
 
     ref = load_model(model_dir, torch.float32, device, fake_quant=False, dspark=False)
     fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
-    orig = fast_model_mod.FastModel._block
-
-    def recording(self, block, x, pre, n, P, segs, phase, trace):
-        out = orig(self, block, x, pre, n, P, segs, phase, trace)
-        if trace is not None:
-            trace["streams_out"] = out[0][:n].clone()
-        return out
-
-    fast_model_mod.FastModel._block = recording
     try:
         rstates, fstates = [ref.new_state() for _ in PROMPTS], [fast.new_state() for _ in PROMPTS]
         rtrs, caps = [], []
@@ -222,7 +201,6 @@ def two_prompt_drift(model_dir: Path, device: str, backend: str, together: bool)
                 layers.append(row)
             emit(part="two_prompts", backend=backend, device=device, together=together, seq=i, layers=layers)
     finally:
-        fast_model_mod.FastModel._block = orig
         os.environ.pop("DSV41_EXL3_BACKEND", None)
 
 
