@@ -12,7 +12,9 @@ gathered as the reference lays them out, padded with dead slots to a common leng
 padding and the other rows). Prefill rows there take the same kernel per sequence, `PREFILL_CORE_ROWS` rows per
 launch, each block's key slots gathered just before its launch (the gathered keys [rows, S, hd] and the kernel's
 split scratch stay bounded whatever the chunk's length). Plain CPU without the interpreter keeps the reference's
-`_core` in every phase.
+`_core` in every phase. Where the step kernels run, the indexer of every phase (scores, candidate blocks, top-k) runs
+for the rows of all sequences together (`_index_kernels`, `kernels.step.indexer`); plain CPU keeps the per-sequence
+reference math (`_topk`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ from .linear import is_fused
 # (5 splits x local heads x hd fp32 per row: 80 MiB at 32 heads, 160 MiB at 64). Any value gives the same bits (one
 # program per row, `_core_blocked`).
 PREFILL_CORE_ROWS = 256
+# Rows per indexer launch (`_index_kernels`): bounds the [rows, C] fp32 scores (1,024 rows x 65,536 entries:
+# 256 MiB). Any value gives the same bits (one program per row and entry block, one per row for the top-k).
+INDEX_ROWS = 1024
 
 @dataclass
 class Segment:
@@ -122,12 +127,16 @@ class FastAttention:
         kernels = step_kernels_run(x.device)
         batched, blocked = kernels and is_fused(phase), kernels and not is_fused(phase)
         gathered = []
+        indexed = kernels and role.scores
+        if indexed:
+            with section("indexer"):
+                self._index_kernels(segs, iq, iw, trace)
         for s, win in zip(segs, wins):
             ids = src = None
             if not role.swa_only:
                 src = s.state.source(role.kv_source)
                 with section("indexer"):
-                    ids = self._topk(s, P[s.rows], iq, iw, src, trace)
+                    ids = s.shared.topk[role.index] if indexed else self._topk(s, P[s.rows], iq, iw, src, trace)
             if blocked:
                 with section("attention"):
                     self._core_blocked(q, o, s, win, ids, src)
@@ -268,6 +277,65 @@ class FastAttention:
             trace.setdefault("index_ids", []).append(ids)
             trace.setdefault("index_scores", []).append(scores)
         return ids
+
+    def _index_kernels(self, segs: Sequence[Segment], iq: torch.Tensor, iw: torch.Tensor, trace: dict | None,
+                       rows_per_launch: int | None = None) -> None:
+        """`_topk` of every segment with the step kernels (`kernels.step.indexer`), rows of all sequences together:
+        each row reads its own sequence's keys (the sources' index keys concatenated, a row's offset into them) up
+        to its visible count, columns padded with -inf to the longest source, and takes the last min(index_topk, C)
+        columns of the padded top-k (the others are -1, `kernels.step.indexer`): a row's bits are those it gets
+        alone. Candidate pools are per row too (the candidate source writes `[T, C]` masks; re-indexing layers pass
+        them as the kernel's `allow`). `rows_per_launch` (default INDEX_ROWS) bounds the [rows, C] scores; any
+        value gives the same bits. Sets each segment's `shared.topk[index]` and the traces `_topk` writes."""
+        from dsv41.kernels.step.indexer import candidate_mask, index_scores, topk_select
+
+        cfg, role = self.cfg, self.role
+        dev = iq.device
+        srcs = [s.state.source(role.kv_source) for s in segs]
+        work = [(s, src) for s, src in zip(segs, srcs) if src.entries > 0]
+        out: dict[int, tuple] = {}
+        if work:
+            ncols = max(src.entries for _, src in work)
+            k = min(cfg.index_topk, ncols)
+            meta, key_list, at = [], [], 0
+            for s, src in work:  # per row: (q row, key offset, visible entries), all known on the host
+                C = src.entries
+                meta += [(s.start + j, at, min((s.pos + j + 1) // role.compress_ratio, C)) for j in range(s.T)]
+                key_list.append(src.index_k)
+                at += C
+            meta = torch.tensor(meta, dtype=torch.int64).t().contiguous().to(dev)  # [3, R]
+            keys = key_list[0] if len(key_list) == 1 else torch.cat(key_list)
+            allow = None
+            if role.uses_candidates:
+                allow = torch.cat([_pad_slots(s.shared.candidates, ncols, False) for s, _ in work])
+            R = meta.shape[1]
+            step = rows_per_launch or INDEX_ROWS
+            ids = torch.empty(R, k, dtype=torch.int64, device=dev)
+            cand = torch.empty(R, ncols, dtype=torch.bool, device=dev) if role.is_candidate_source else None
+            scores = [] if trace is not None else None
+            for a in range(0, R, step):
+                b = min(a + step, R)
+                sc = index_scores(iq, iw, keys, meta[0, a:b], meta[1, a:b], meta[2, a:b], ncols,
+                                  None if allow is None else allow[a:b])
+                if cand is not None:
+                    cand[a:b] = candidate_mask(sc, meta[2, a:b], cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                ids[a:b] = topk_select(sc, k)
+                if scores is not None:
+                    scores.append(sc)
+            scores = torch.cat(scores) if scores is not None else None
+            at = 0
+            for s, src in work:
+                C, rows = src.entries, slice(at, at + s.T)
+                out[id(s)] = (ids[rows, k - min(cfg.index_topk, C):], None if scores is None else scores[rows, :C])
+                if cand is not None:
+                    s.shared.candidates = cand[rows, :C]
+                at += s.T
+        for s in segs:
+            ids, scores = out.get(id(s), (torch.empty(s.T, 0, dtype=torch.long, device=dev), None))
+            s.shared.topk[role.index] = ids
+            if trace is not None:
+                trace.setdefault("index_ids", []).append(ids)
+                trace.setdefault("index_scores", []).append(scores)
 
     @staticmethod
     def _scores(q: torch.Tensor, w: torch.Tensor, src, visible: torch.Tensor) -> torch.Tensor:
