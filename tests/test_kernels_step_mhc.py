@@ -10,8 +10,11 @@ Tolerances (each output checked on its own input, so that one rounding flip upst
   sums in other orders (the mixing product over hc*d terms, the 4-term Sinkhorn sums) and exp in fp32 where the
   reference rounds an fp64 exp: a few fp32 ulp (measured <= 6.6e-7 in the interpreter), and the 20 Sinkhorn steps
   are contractive (no growth).
-- X' (stream dtype): <= 1 ulp in bf16 (its fp32 value differs by a few fp32 ulp at most: 4-term sum order, fused
-  multiply-add on the GPU, so its rounding can only land on the neighbouring value), <= 4 ulp in fp32.
+- X' (stream dtype): |error| <= one ulp of the result + EXPAND_TERM_ULPS fp32 ulps of the magnitude of its terms
+  (|post y| + sum_j |comb X_j|). Its fp32 value differs from the reference's by a few fp32 ulp of the terms (the
+  sum order, fused multiply-add on the GPU), which is at most one ulp of the rounded result except near a
+  cancellation, where the result is much smaller than its terms: on the H200 (d 5120 / 4096, bf16) the fused
+  expand + site gave 4-6 bf16 ulp on ~4e-5 of the elements, all such.
 - h (stream dtype): <= 3 ulp in bf16. The collapse is rounded to the stream dtype before the norm (as the
   reference does): where that rounding flips (1 ulp of u, up to 2^-7 relative) the normalised, weighted value
   moves by up to 2 ulp of h, plus its own rounding; in bf16 such flips must stay rare (FLIP_FRACTION of the
@@ -38,7 +41,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 COEFF_ABS = 1e-5
-ULPS = {"bfloat16": dict(x=1, h=3), "float32": dict(x=4, h=8)}  # X' (xo, expand) and h (h, h2, final)
+EXPAND_TERM_ULPS = 8  # X': fp32 ulps of its terms' magnitude allowed on top of one ulp of the result
+ULPS = {"bfloat16": dict(h=3), "float32": dict(h=8)}  # h, h2, final
 FLIP_FRACTION = 0.02  # bf16: elements of h / X' not bitwise the reference's
 EPS = dict(norm_eps=1e-20, hc_eps=1e-6, rms_eps=1e-20)  # the release's (MODEL.md §15 item 6)
 CPU_CASES = [  # (hc, d, B, iters, dtype, splits: None = default_splits(d), 1 here); hc 2 is the tiny models', 3
@@ -63,6 +67,24 @@ def _ulps(a: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     big = torch.maximum(a.double().abs(), ref.double().abs())
     spacing = torch.exp2(torch.floor(torch.log2(big.clamp_min(torch.finfo(ref.dtype).tiny))) - bits)
     return (a.double() - ref.double()).abs() / spacing
+
+
+def _expand_error(v: torch.Tensor, r: torch.Tensor, t: dict) -> dict:
+    """X' = post y + sum_j comb[j, k] X[j] against the reference: |error| in units of one ulp of the result plus
+    what fp32 rounding of its hc + 1 terms can move it (FMA contraction or another sum order: a few fp32 ulp of the
+    terms, which near a cancellation are several ulp of a small result)."""
+    post, y, comb, x = (t[k].double() for k in ("post", "y", "comb", "x"))
+    terms = (post[:, :, None] * y[:, None, :]).abs() + (comb.abs()[:, :, :, None] * x.abs()[:, :, None, :]).sum(1)
+    allowed = _spacing(r) + EXPAND_TERM_ULPS * 2.0 ** -24 * terms
+    err = (v.double() - r.double()).abs() / allowed
+    return dict(max_bound_fraction=float(err.max()), max_ulps=float(_ulps(v, r).max()),
+                flips=float((v != r).double().mean()))
+
+
+def _spacing(ref: torch.Tensor) -> torch.Tensor:
+    bits = {torch.bfloat16: 7, torch.float32: 23, torch.float16: 10}[ref.dtype]
+    big = ref.double().abs().clamp_min(torch.finfo(ref.dtype).tiny)
+    return torch.exp2(torch.floor(torch.log2(big)) - bits)
 
 
 def _inputs(hc, d, B, dtype, device, seed):
@@ -127,6 +149,8 @@ def measure(case, device: str, seed: int = 0) -> dict:
         finite = bool(torch.isfinite(v).all())
         if v.dtype == torch.float32 and name[:3] in ("pre", "pos", "com"):
             res[name] = dict(finite=finite, max_abs=float((v - r).abs().max()))
+        elif name in ("xo", "expand"):
+            res[name] = dict(finite=finite, **_expand_error(v, r, t))
         else:
             u = _ulps(v, r)
             res[name] = dict(finite=finite, max_ulps=float(u.max()), flips=float((u > 0).double().mean()))
@@ -152,8 +176,12 @@ def check(case, res: dict) -> None:
         assert r["finite"], f"{case} {name}: non-finite output"
         if "max_abs" in r:
             assert r["max_abs"] <= COEFF_ABS, f"{case} {name}: {r}"
+        elif "max_bound_fraction" in r:
+            assert r["max_bound_fraction"] <= 1.0, f"{case} {name}: {r}"
+            if dtype == "bfloat16":
+                assert r["flips"] <= FLIP_FRACTION, f"{case} {name}: {r}"
         else:
-            bound = ULPS[dtype]["x" if name in ("xo", "expand") else "h"]
+            bound = ULPS[dtype]["h"]
             assert r["max_ulps"] <= bound, f"{case} {name}: {r} (bound {bound} ulp)"
             if dtype == "bfloat16":
                 assert r["flips"] <= FLIP_FRACTION, f"{case} {name}: {r}"

@@ -104,8 +104,8 @@ def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, w
 
 def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
                renorm: bool, temp: float = 1.0):
-    """`model.moe.route` for rows x [B, d] and gate_t [d, E] (fp32, or the release's bf16: both read as fp32, so a
-    bf16 gate gives the bits of its fp32 copy at half the bytes; any strides: the transposed view of the stored
+    """`model.moe.route` for rows x [B, d] and gate_t [d, E] (fp32, or the release's bf16: both read as fp32, the
+    bf16 one at half the bytes; compiled, the two reduce their lanes in other orders, so their bits differ; any strides: the transposed view of the stored
     [E, d] gate reads coalesced). Returns (ids [B, k] int64, weights [B, k] fp32,
     logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync."""
     B, d = x.shape
