@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the fast path (issue 14): the runtime's GPU tests (parity on the tiny model at TP=1 and TP=2,
-# bitwise rows alone and among others, build memory), the kernel GPU tests the runtime's launcher seams touch, then
-# bench/decode_step.py on the full-shape synthetic rank. Cubins: the carried build/cubins (built here with
+# One device call for the fast path (issues 14, 16): the runtime's GPU tests (parity on the tiny model at TP=1 and
+# TP=2, bitwise rows alone and among others, build memory, graphs == eager), the step kernels' GPU tests, the EXL3
+# kernel GPU tests the runtime's launcher seams touch, then bench/decode_step.py on the full-shape synthetic rank. Cubins: the carried build/cubins (built here with
 # `python3 -m dsv41.kernels.cuda_build --arch sm_90 --out build/cubins --K 2 --K 3 --K 4 --K 5 --K 6 --K 8
 # --codebook mul1`), else built on the machine.
 #   bash bench/fast_path_gpu.sh OUTDIR     (writes OUTDIR/fast_path_gpu_tests.log, decode_step.{json,png,log})
@@ -36,7 +36,9 @@ fi
 mark cubins
 # RUNTIME_TESTS / KERNEL_TESTS: the test files (or nothing) to run, for calls that must stay short
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q -s -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
-  ${RUNTIME_TESTS-tests/test_runtime_build.py tests/test_runtime_fast.py tests/test_runtime_fast_tp.py} 2>&1 \
+  ${RUNTIME_TESTS-tests/test_runtime_build.py tests/test_runtime_fast.py tests/test_runtime_fast_tp.py
+    tests/test_runtime_fast_engine.py tests/test_runtime_prefill_core.py tests/test_runtime_moe_prefill.py
+    $(ls tests/test_kernels_step_*.py tests/test_runtime_graphs.py 2>/dev/null)} 2>&1 \
   | tee "$out/fast_path_gpu_tests.log"
 tests_rc=$?
 kernel_rc=0
