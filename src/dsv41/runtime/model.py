@@ -16,6 +16,14 @@ final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the
 forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
 `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its drafter
 absorb/draft stays the reference's for now); taps are not collected.
+
+Decode and verify forwards run their static parts as CUDA graph pieces (`graphs.PieceGraphs`, keyed by piece,
+phase and n real rows; `DSV41_GRAPHS=0` keeps them eager): "embed" (the embedding, its reduction and the streams),
+per layer "attn_in.L" (the attention mHC site, with the previous FFN's expand, and the attention's static
+projections) and "ffn.L" (the attention's output projections, the reduction, the FFN mHC site, the MoE and its
+reduction), and "final" (the last expand, the final norm and the head's local logits). Between them the per-sequence
+attention work (`FastAttention.attend`) and the Engram layers run eagerly. Prefill and traced forwards are eager.
+A replay is the eager run's kernels on the same buffers: the same bits (tests/test_runtime_graphs.py).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from dsv41.model.rowwise import f64
 from dsv41.model.state import SequenceState
 from dsv41.parallel.comm import Comm, LocalComm
 
+from .graphs import PieceGraphs
 from .layers.attention import FastAttention, Segment
 from .layers.linear import PrefillWorkspace, is_fused
 from .layers.moe import FusedMoE
@@ -160,6 +169,7 @@ class FastModel:
     tokenizer: object | None = None
     fake_quant: bool = True
     held: list = field(default_factory=list)  # weights built but not run here (DSpark blocks of a synthetic rank)
+    graphs: PieceGraphs | None = None  # the decode/verify pieces' CUDA graphs, made on the first fused forward
 
     def new_state(self) -> SequenceState:
         state = SequenceState()
@@ -215,12 +225,9 @@ class FastModel:
                 live = self.engram_hasher.live(ids_b).to(dev)
                 rows = {L: e.table.gather(row_ids[:, cfg.engram_layer_ids.index(L)], device=dev)
                         for L, e in self.engram.items()}
-        with section("embed"):
-            h = self._embed(ids_b.to(dev))
-        x = h[:, None, :].expand(B, cfg.hc_mult, h.shape[-1]).contiguous()
-        pre = torch.zeros(B, cfg.hc_mult, device=dev)
-        pre[:, 0] = 1.0
-        sites = MhcSites.of(cfg, x.device)
+        piece = self._piece_runner(phase, n, trace)
+        x, pre = piece("embed", self._streams, ids_b.to(dev))
+        sites = MhcSites.of(cfg, dev)
         pending = None  # the last FFN site's (y, post, comb): its expand runs fused with the next attention site
         for block in self.blocks:
             L = block.index
@@ -230,27 +237,62 @@ class FastModel:
                 with section("engram"):
                     x = self.engram[L](x, rows[L], live, n, phase, self.comm).contiguous()
             layer_trace = {} if trace is not None else None
-            x, pre, pending = self._block(block, sites, x, pre, pending, n, P, segs, phase, layer_trace)
+            x, pre, pending = self._block(block, sites, x, pre, pending, n, P, segs, phase, layer_trace, piece)
             if trace is not None:
                 trace.setdefault(L, []).append(layer_trace)
-        with section("mhc"):
-            x = sites.expanded(x, pending)
-        with section("norms"):
-            out = sites.collapse_norm(x, pre, self.final_norm)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
-        if logits == "all" or is_fused(phase):
+        if is_fused(phase):  # every row is a sampling row; the logits outlive the pieces' buffers: a copy
+            local = piece("final", partial(self._final, sites, n, phase), x, pending, pre)
+            with section("comm"):
+                out = self.comm.gather_cat(local, dim=-1)
+            return out.clone() if out is local and self.graphs is not None and self.graphs.active else out
+        out = self._final_norm(sites, x, pending, pre)
+        if logits == "all":
             return self._logits(out, n, phase)
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
 
-    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace):
+    def _piece_runner(self, phase: str, n: int, trace: dict | None):
+        """`piece(name, fn, *args) -> fn(*args)`: through the graphs for decode and verify rows, else eager."""
+        if not is_fused(phase):
+            return lambda name, fn, *args: fn(*args)
+        if self.graphs is None:
+            self.graphs = PieceGraphs(self.device, self.comm)
+        graphs, tracing = self.graphs, trace is not None
+        return lambda name, fn, *args: graphs.run(name, phase, n, fn, *args, tracing=tracing)
+
+    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace, piece=None):
         """Single-pass schedule (MODEL.md §6.3): the attention site collapses with `pre_in` and computes the pre the
         FFN site collapses with; the FFN site's pre goes to the next layer. `pending`: the previous layer's FFN
         output and coefficients `(y, post, comb)`, expanded into x in this attention site's launch (None: x is the
-        streams). Returns `(x, pre, pending)`, x before this layer's FFN expand, which `pending` carries."""
-        comm = self.comm
+        streams). Returns `(x, pre, pending)`, x before this layer's FFN expand, which `pending` carries. `piece`
+        runs the static parts (`_piece_runner`; default eager)."""
+        piece = piece or (lambda name, fn, *args: fn(*args))
+        L = block.index
+        x, a_pre, a_post, a_comb, proj = piece(f"attn_in.{L}", partial(self._attn_in, block, sites, n, phase),
+                                               x, pre_in, pending, P)
+        o = block.attn.attend(proj, n, P, segs, phase, trace)
+        x, f_pre, y, f_post, f_comb = piece(f"ffn.{L}", partial(self._ffn, block, sites, n, phase, trace),
+                                            o, P, x, a_post, a_comb, a_pre)
+        if trace is not None:  # the reference's per-layer record (model/transformer.py); one more launch, traced only
+            trace.update(streams_out=sites.expanded(x, (y, f_post, f_comb))[:n], pre_mix_out=f_pre[:n])
+        return x, f_pre, (y, f_post, f_comb)
+
+    # ------------------------------------------------------------------ pieces (pure functions of their tensors)
+    def _streams(self, ids: torch.Tensor):
+        """The embedding of the bucket's ids as hc streams, and the first collapse's pre (stream 0)."""
+        with section("embed"):
+            h = self._embed(ids)
+        x = h[:, None, :].expand(h.shape[0], self.cfg.hc_mult, h.shape[-1]).contiguous()
+        pre = torch.zeros(h.shape[0], self.cfg.hc_mult, device=h.device)
+        pre[:, 0] = 1.0
+        return x, pre
+
+    def _attn_in(self, block: FastBlock, sites: MhcSites, n, phase, x, pre_in, pending, P):
+        """The attention mHC site (the previous FFN's expand fused in) and the attention's static projections:
+        `(x, pre, post, comb, proj)`."""
         with section("mhc"):
             if pending is None:
                 h, a_pre, a_post, a_comb = sites.site(x, block.hc_attn, pre_in, block.attn_norm)
@@ -258,7 +300,13 @@ class FastModel:
                 y, post, comb = pending
                 x, h, a_pre, a_post, a_comb = sites.expand_site(y, x, post, comb, block.hc_attn, pre_in,
                                                                 block.attn_norm)
-        y = block.attn.forward(h, n, P, segs, phase, trace)
+        return x, a_pre, a_post, a_comb, block.attn.project(h, n, P, phase)
+
+    def _ffn(self, block: FastBlock, sites: MhcSites, n, phase, trace, o, P, x, a_post, a_comb, a_pre):
+        """The attention's output projections and reduction, the FFN mHC site, the MoE and its reduction:
+        `(x, pre, y, post, comb)`."""
+        comm = self.comm
+        y = block.attn.output(o, n, P, phase, x.dtype)
         with section("comm"):
             y = comm.sum_partials(y.float()).to(x.dtype)
         with section("mhc"):
@@ -266,9 +314,20 @@ class FastModel:
         y = block.moe.partial(h, n, phase, trace)
         with section("comm"):
             y = comm.sum_partials(y).to(x.dtype)
-        if trace is not None:  # the reference's per-layer record (model/transformer.py); one more launch, traced only
-            trace.update(streams_out=sites.expanded(x, (y, f_post, f_comb))[:n], pre_mix_out=f_pre[:n])
-        return x, f_pre, (y, f_post, f_comb)
+        return x, f_pre, y, f_post, f_comb
+
+    def _final_norm(self, sites: MhcSites, x, pending, pre):
+        with section("mhc"):
+            x = sites.expanded(x, pending)
+        with section("norms"):
+            return sites.collapse_norm(x, pre, self.final_norm)
+
+    def _final(self, sites: MhcSites, n, phase, x, pending, pre):
+        """The last expand, the final norm and this rank's logits of the n real rows (the gather stays outside:
+        TorchComm's gather_cat reads the shard sizes on the host)."""
+        out = self._final_norm(sites, x, pending, pre)
+        with section("head"):
+            return self.head(out.float(), n, phase, out_dtype=torch.float32)[:n]
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         v0, v1 = self.vocab_start, self.vocab_end

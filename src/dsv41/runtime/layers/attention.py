@@ -100,7 +100,15 @@ class FastAttention:
     def forward(self, x: torch.Tensor, n: int, P: torch.Tensor, segs: Sequence[Segment], phase: str,
                 trace: dict | None = None) -> torch.Tensor:
         """x: normed attention input [B, d] (first n rows real), P: positions [B]. Returns this rank's partial
-        output [B, d] (wo_b is row-parallel)."""
+        output [B, d] (wo_b is row-parallel). Three parts: `project` and `output` are static (fixed shapes, no
+        sequence state, no host sync: CUDA graph pieces of the decode step, runtime/graphs.py), `attend` is the
+        per-sequence work between them."""
+        return self.output(self.attend(self.project(x, n, P, phase), n, P, segs, phase, trace), n, P, phase, x.dtype)
+
+    def project(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str) -> dict:
+        """The projections over the bucket: q (RoPE), the window KV (RoPE, FP8), the compressor's inputs, the
+        indexer's queries (RoPE; their FP4 quantiser runs in `attend`: `formats.nearest_e2m1_code` builds its table
+        with a host copy per call, which a graph capture refuses) and weights."""
         cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
         B = x.shape[0]
         rope = self.ref._rope
@@ -116,15 +124,28 @@ class FastAttention:
         if role.scores:
             ib, wp = w.indexer.wq_b(qr, n, phase), w.indexer.weights_proj(x, n, phase)
             with section("indexer"):
-                iq = fp4_block_ue8m0(rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P), 32, self.fq)
+                iq = rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P)
                 iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw}
+
+    def attend(self, a: dict, n: int, P: torch.Tensor, segs: Sequence[Segment], phase: str,
+               trace: dict | None = None) -> torch.Tensor:
+        """The per-sequence part on `project`'s tensors: window append, compressor pooling and entries, the index
+        top-k, key gathers, the core. Returns o [B, heads, head_dim] fp32 (rows of no segment are zero)."""
+        cfg, role = self.cfg, self.role
+        q, kv, proj, iw = a["q"], a["kv"], a["proj"], a["iw"]
+        B, dev = q.shape[0], q.device
+        iq = None
+        if a["iq"] is not None:
+            with section("indexer"):
+                iq = fp4_block_ue8m0(a["iq"], 32, self.fq)
         with section("attention"):
             wins = [append_window(s.state.window(role.index), kv[s.rows], cfg.sliding_window) for s in segs]
-            closed = [self._pool(s, proj, x.dtype) for s in segs] if role.compresses else []
+            closed = [self._pool(s, proj, a["dtype"]) for s in segs] if role.compresses else []
         if any(c is not None for c in closed):
             self._append_entries(segs, closed, phase)
-        o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32, device=x.device)
-        kernels = step_kernels_run(x.device)
+        o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32, device=dev)
+        kernels = step_kernels_run(dev)
         batched, blocked = kernels and is_fused(phase), kernels and not is_fused(phase)
         gathered = []
         indexed = kernels and role.scores
@@ -151,9 +172,15 @@ class FastAttention:
         if gathered:
             with section("attention"):
                 self._core_batched(q, gathered, o)
+        return o
+
+    def output(self, o: torch.Tensor, n: int, P: torch.Tensor, phase: str, dtype: torch.dtype) -> torch.Tensor:
+        """The tail over the bucket: inverse RoPE of o (rounded to `dtype`), wo_a per group, wo_b: this rank's
+        partial [B, d]."""
+        w = self.w
         with section("norms"):
-            o = rope(o.to(x.dtype), P, inverse=True)
-        groups = o.reshape(B, len(w.wo_a), -1)
+            o = self.ref._rope(o.to(dtype), P, inverse=True)
+        groups = o.reshape(o.shape[0], len(w.wo_a), -1)
         u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)
 
