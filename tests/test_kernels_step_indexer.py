@@ -307,6 +307,25 @@ def test_interpreted_fast_path_indexer_equals_its_reference_loop(interp, name):
                 assert (a is None and b is None and c is None) or (torch.equal(a, b) and torch.equal(a, c)), key
 
 
+def test_candidate_pool_reuses_the_padded_launch_or_pads_per_segment():
+    """Re-indexing layers read the candidate source's [R, ncols] pool as it is when every segment's pool is its
+    row slice in order, and otherwise pad each segment's [T, C] pool with False to the longest C."""
+    from dsv41.runtime.layers.attention import _candidate_pool
+
+    base = torch.rand(5, 9) > 0.5
+    segs = [SimpleNamespace(T=2, shared=SimpleNamespace(candidates=base[0:2, :9])),
+            SimpleNamespace(T=3, shared=SimpleNamespace(candidates=base[2:5, :4]))]
+    work = [(s, None) for s in segs]
+    assert _candidate_pool(work, 5, 9) is base
+    segs[1].shared.candidates = base[2:5, :4].clone()
+    pool = _candidate_pool(work, 5, 9)
+    assert pool is not base and torch.equal(pool[:2], base[:2]) and torch.equal(pool[2:, :4], base[2:, :4])
+    assert not pool[2:, 4:].any()
+    segs[1].shared.candidates = base[2:5, :4]
+    pool = _candidate_pool(work[::-1], 5, 9)  # rows out of the base's order: padded
+    assert torch.equal(pool[:3, :4], base[2:, :4]) and torch.equal(pool[3:], base[:2])
+
+
 @pytest.mark.parametrize("arch", [80, 90, 121])
 def test_indexer_kernels_compile_for_every_target(arch):
     """Ahead-of-time compile (Triton's own ptxas, no GPU) at the release shape (32 heads x 128, bf16 q and keys)

@@ -332,10 +332,8 @@ class FastAttention:
                 at += C
             meta = torch.tensor(meta, dtype=torch.int64).t().contiguous().to(dev)  # [3, R]
             keys = key_list[0] if len(key_list) == 1 else torch.cat(key_list)
-            allow = None
-            if role.uses_candidates:
-                allow = torch.cat([_pad_slots(s.shared.candidates, ncols, False) for s, _ in work])
             R = meta.shape[1]
+            allow = _candidate_pool(work, R, ncols) if role.uses_candidates else None
             step = rows_per_launch or INDEX_ROWS
             ids = torch.empty(R, k, dtype=torch.int64, device=dev)
             cand = torch.empty(R, ncols, dtype=torch.bool, device=dev) if role.is_candidate_source else None
@@ -373,6 +371,21 @@ class FastAttention:
             per_head = torch.relu((q[rows].float()[:, :, None, :] * keys[None, None]).sum(dim=-1))
             scores[rows] = (w[rows][:, :, None] * per_head).sum(dim=1)
         return scores.masked_fill(~visible, float("-inf"))
+
+
+def _candidate_pool(work, R: int, ncols: int) -> torch.Tensor:
+    """The candidate pools of the rows of `work` as one [R, ncols] mask: the candidate source's padded launch
+    itself when every segment's pool is its row slice in this order (so within a forward), else padded per segment."""
+    pools = [s.shared.candidates for s, _ in work]
+    base, at = pools[0]._base, 0
+    if base is not None and base.dtype == torch.bool and tuple(base.shape) == (R, ncols) and base.is_contiguous():
+        for (s, _), p in zip(work, pools):
+            if p._base is not base or p.storage_offset() != base.storage_offset() + at * ncols or p.shape[0] != s.T:
+                break
+            at += s.T
+        else:
+            return base
+    return torch.cat([_pad_slots(p, ncols, False) for p in pools])
 
 
 def _pad_slots(t: torch.Tensor, S: int, fill) -> torch.Tensor:
