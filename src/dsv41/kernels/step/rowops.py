@@ -1,0 +1,253 @@
+"""Row ops of the decode step in one launch each: RMSNorm, RoPE and the fake quantisers, one program per (row, head).
+
+References (what each entry point computes, bit for bit where the reference's arithmetic is a fixed sequence of
+correctly rounded fp32 operations; see the notes below for where it is not):
+- `dsv41.model.norm.rms_norm`: y = x * rsqrt(mean(x²) + eps) in fp32 (rsqrt in fp64, rounded once), times the
+  weight, rounded to the chain's dtype.
+- `dsv41.model.rope.RopeTable.apply`: the last `rope_dim` dims of each head vector, adjacent pairs (2i, 2i+1)
+  rotated by angle = fp32(position) * inv_freq[i] (fp32 product; cos and sin in fp64, rounded once to fp32;
+  `inverse` negates sin); a' = a cos - b sin, b' = a sin + b cos in fp32, rounded to the chain's dtype; the other
+  dims pass through.
+- `dsv41.model.quant`: per block of `block` values of each head vector (skipped, as the reference does, when the
+  head dim is not a multiple of the block): "fp8_ue8m0" (e4m3 values, scale 2^ceil(log2(fp32(max(amax, 1e-4) /
+  448)))), "fp4_ue8m0" (e2m1 values, scale 2^ceil(log2(fp32(max(amax, 6·2^-126) / 6)))), "fp4_e4m3" (e2m1 values,
+  scale e4m3(fp32(max(amax, 6·2^-9) / 6)))); values = round(clamp(v / scale)) * scale, rounded to the chain's dtype.
+  e4m3 and e2m1 are rounded by their bits (nearest, ties to even, as torch's float8 cast and
+  `formats.nearest_e2m1_code`); e2m1 keeps no negative zero (the reference's code table gives +0).
+
+The chain's dtype is `out_dtype` (default: the input's). Every stage rounds to it as the reference does when its
+input has that dtype; an input of another dtype is rounded to it first where the stage does not normalise
+(`rope_rows` of the fp32 attention output = the reference's `rope(o.to(dtype))`).
+
+Exactness: every division is IEEE (`div_rn`), nothing is fused (the launches pass enable_fp_fusion=False: a fused
+a cos - b sin would round once where the reference rounds twice), bf16 is rounded by its bits (the interpreter
+truncates a plain cast), and the per-block work reads only its block. So RoPE and the quantisers give the
+reference's bits on the same input. The norm's sum of squares runs in another order than torch's (a fixed tree per
+compile shape): its fp32 result can differ by an ulp or two, which moves a bf16 output only where it lies at a
+rounding boundary (and a quantised one only where that moves a block's amax or a value across a code boundary).
+
+Row invariance: the grid is (rows, heads); a program reads its own row's vector, the weight and the table, and its
+compile shape depends only on the head dim, the rope dim, the block and the flags, never on the row count.
+Subnormal corner: a block whose amax is below 2^-125 (fp4_ue8m0 floor) dequantises to fp32 subnormals, which a GPU
+build that flushes denormals would give as zeros; no activation of the model is that small.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+QUANT_MODES = {None: 0, "fp8_ue8m0": 1, "fp4_ue8m0": 2, "fp4_e4m3": 3}
+DEFAULT_BLOCK = {"fp8_ue8m0": 32, "fp4_ue8m0": 32, "fp4_e4m3": 16}
+TILE = 32  # values per tile row when no quantiser sets the block
+FP4_UE8M0_FLOOR = tl.constexpr(6.0 * 2.0 ** -126)  # amax floors of the reference (`model.quant`)
+FP4_E4M3_FLOOR = tl.constexpr(6.0 * 2.0 ** -9)
+_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _cast(v, DT: tl.constexpr):
+    """fp32 -> DT rounded to nearest even (bf16 by its bits: the interpreter would truncate), back as fp32."""
+    if DT == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        b = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) << 16
+        return b.to(tl.float32, bitcast=True)
+    elif DT == tl.float16:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for integer e in [-126, 127] (built in the exponent field)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_grid(a, EMIN: tl.constexpr, MBITS: tl.constexpr):
+    """a >= 0 (fp32, finite) rounded to the float grid with MBITS mantissa bits and minimum normal exponent EMIN
+    (subnormals below), nearest, ties to even: y = a / ulp is exact (ulp a power of two), then rounded by its
+    integer and fractional parts (exact fp32 operations)."""
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, EMIN)
+    y = a * _pow2(MBITS - e)
+    t = tl.floor(y)
+    frac = y - t
+    odd = (t.to(tl.int32) & 1) == 1
+    up = (frac > 0.5) | ((frac == 0.5) & odd)
+    return (t + tl.where(up, 1.0, 0.0)) * _pow2(e - MBITS)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """torch's v.clamp(-448, 448).to(float8_e4m3fn).float(): sign kept (also of zero)."""
+    r = _round_grid(tl.minimum(tl.abs(v), 448.0), -6, 3)
+    neg = (v.to(tl.int32, bitcast=True) >> 31) != 0
+    return tl.where(neg, -r, r)
+
+
+@triton.jit
+def _round_e2m1(v):
+    """`quant.round_e2m1`: clamp to ±6, nearest e2m1 value (ties to the even code), +0 for a zero code."""
+    r = _round_grid(tl.minimum(tl.abs(v), 6.0), 0, 1)
+    return tl.where((v < 0) & (r > 0), -r, r)
+
+
+@triton.jit
+def _ue8m0(ratio):
+    """2^ceil(log2(ratio)) for fp32 ratio > 0, the exponent clamped to [-126, 127] (`power_of_two_scale_byte`)."""
+    bits = ratio.to(tl.int32, bitcast=True)
+    ex = (bits >> 23) & 0xFF
+    c = tl.where(ex == 0, -126, ex - 127 + tl.where((bits & 0x7FFFFF) != 0, 1, 0))
+    return _pow2(tl.minimum(tl.maximum(c, -126), 127))
+
+
+@triton.jit
+def _fake_quant(ev, od, QUANT: tl.constexpr):
+    """The quantiser on a [blocks, block / 2] pair of tiles (even and odd members of each block)."""
+    amax = tl.maximum(tl.max(tl.abs(ev), axis=1), tl.max(tl.abs(od), axis=1))
+    if QUANT == 1:
+        scale = _ue8m0(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.zeros_like(amax) + 448.0))
+    elif QUANT == 2:
+        scale = _ue8m0(tl.math.div_rn(tl.maximum(amax, FP4_UE8M0_FLOOR), tl.zeros_like(amax) + 6.0))
+    else:
+        scale = _round_e4m3(tl.math.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), tl.zeros_like(amax) + 6.0))
+    s = tl.broadcast_to(scale[:, None], ev.shape)
+    if QUANT == 1:
+        return _round_e4m3(tl.math.div_rn(ev, s)) * s, _round_e4m3(tl.math.div_rn(od, s)) * s
+    else:
+        return _round_e2m1(tl.math.div_rn(ev, s)) * s, _round_e2m1(tl.math.div_rn(od, s)) * s
+
+
+@triton.jit
+def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D,
+                   NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr,
+                   QUANT: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr):
+    """Program (row, head): the head vector x[row, head, :D] as two [NB, HB] tiles (block b's values 2k and 2k + 1),
+    through [norm] -> [rope] -> [quantiser], each stage rounded to OUT; written to out [rows, heads, D]."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    nh = tl.num_programs(1)
+    b = tl.arange(0, NB)[:, None]
+    k = tl.arange(0, HB)[None, :]
+    col = b * (2 * HB) + 2 * k  # the even member's column
+    live = col < D
+    src = x_ptr + row * stride_xr + head * stride_xh + col
+    ev = tl.load(src, mask=live, other=0.0).to(tl.float32)
+    od = tl.load(src + 1, mask=live, other=0.0).to(tl.float32)
+    if NORM:
+        sq = tl.sum(tl.sum(ev * ev + od * od, axis=1), axis=0)
+        ms = tl.math.div_rn(sq, (D + 0.0).to(tl.float32)) + eps
+        r = (1.0 / tl.sqrt(ms.to(tl.float64))).to(tl.float32)
+        we = tl.load(w_ptr + col, mask=live, other=0.0).to(tl.float32)
+        wo = tl.load(w_ptr + col + 1, mask=live, other=0.0).to(tl.float32)
+        ev = _cast((ev * r) * we, OUT)
+        od = _cast((od * r) * wo, OUT)
+    else:
+        ev = _cast(ev, OUT)
+        od = _cast(od, OUT)
+    if ROPE:
+        j = col // 2 - (D - R) // 2  # frequency index of the pair; < 0 outside the rotated tail
+        rot = live & (j >= 0)
+        f = tl.load(freq_ptr + j, mask=rot, other=0.0)
+        ang = (tl.load(pos_ptr + row).to(tl.float32) * f).to(tl.float64)
+        c = tl.cos(ang).to(tl.float32)
+        s = tl.sin(ang).to(tl.float32)
+        if INVERSE:
+            s = -s
+        ra = _cast(ev * c - od * s, OUT)
+        rb = _cast(ev * s + od * c, OUT)
+        ev = tl.where(rot, ra, ev)
+        od = tl.where(rot, rb, od)
+    if QUANT != 0:
+        ev, od = _fake_quant(ev, od, QUANT)
+        ev = _cast(ev, OUT)
+        od = _cast(od, OUT)
+    dst = out_ptr + (row * nh + head) * D + col
+    tl.store(dst, ev.to(out_ptr.dtype.element_ty), mask=live)
+    tl.store(dst + 1, od.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, inv_freq=None, rope_dim: int = 0,
+            inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None):
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x must be [rows, dim] or [rows, heads, dim], got {list(x.shape)}")
+    if quant not in QUANT_MODES:
+        raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {quant!r}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in _DTYPES or x.dtype not in _DTYPES:
+        raise ValueError(f"dtypes must be bf16 / fp16 / fp32, got {x.dtype} -> {out_dtype}")
+    B, D = x.shape[0], x.shape[-1]
+    H = x.shape[1] if x.dim() == 3 else 1
+    if D % 2:
+        raise ValueError(f"head dim must be even, got {D}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    stride_h = x.stride(1) if x.dim() == 3 else 0
+    dev = x.device
+    if weight is not None:
+        if weight.shape != (D,):
+            raise ValueError(f"weight must be [{D}], got {list(weight.shape)}")
+        weight = weight.contiguous()
+    rope = positions is not None
+    if rope:
+        if not (0 < rope_dim <= D and rope_dim % 2 == 0):
+            raise ValueError(f"rope_dim must be even and in (0, {D}], got {rope_dim}")
+        if positions.shape != (B,):
+            raise ValueError(f"positions must be [{B}], got {list(positions.shape)}")
+        if inv_freq is None or inv_freq.shape != (rope_dim // 2,):
+            raise ValueError(f"inv_freq must be [{rope_dim // 2}]")
+        positions = positions.to(dev).contiguous()
+        inv_freq = inv_freq.to(device=dev, dtype=torch.float32).contiguous()
+    mode = QUANT_MODES[quant]
+    blk = TILE
+    if quant is not None:
+        blk = block or DEFAULT_BLOCK[quant]
+        if blk < 2 or blk & (blk - 1):
+            raise ValueError(f"block must be a power of two, got {blk}")
+        if D % blk:
+            mode = 0  # the reference skips a quantiser whose block does not divide the vector (MODEL.md §15b.6)
+    out = torch.empty(x.shape, dtype=out_dtype, device=dev)
+    if B == 0 or H == 0:
+        return out
+    nb = triton.next_power_of_2(triton.cdiv(D, blk))
+    hb = blk // 2
+    dummy = x
+    _rowops_kernel[(B, H)](
+        x, x.stride(0), stride_h, out, weight if weight is not None else dummy,
+        positions if rope else dummy, inv_freq if rope else dummy, float(eps), D,
+        NORM=weight is not None, ROPE=rope, R=rope_dim if rope else 0, INVERSE=bool(inverse), QUANT=mode,
+        NB=nb, HB=hb, OUT=_DTYPES[out_dtype], num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False)
+    return out
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
+    """`rms_norm(x, weight, eps)` for x [rows, n] (or [rows, heads, n], each head normalised on its own), one
+    program per row (and head). Replaces the q_norm (qa -> qr, n = q_lora_rank) and the compressor's latent norms."""
+    return _launch(x, weight=weight, eps=eps, out_dtype=out_dtype)
+
+
+def rope_rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, *,
+              inverse: bool = False, quant: str | None = None, block: int | None = None,
+              out_dtype: torch.dtype | None = None):
+    """`quant(RopeTable(inv_freq).apply(x.to(out_dtype), positions, rope_dim, inverse))` for x [rows, heads, dim]
+    (or [rows, dim]), positions [rows] (any integer dtype), inv_freq the table's fp32 [rope_dim / 2]; quant None,
+    "fp8_ue8m0", "fp4_ue8m0" or "fp4_e4m3" (`block` defaults to 32 / 32 / 16). Replaces the q RoPE, the output's
+    inverse RoPE (x the fp32 o, out_dtype the activations'), the index queries' RoPE + FP4 and the compressed
+    entries' RoPE + FP4 (e4m3 scales / 16)."""
+    return _launch(x, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim, inverse=inverse, quant=quant,
+                   block=block, out_dtype=out_dtype)
+
+
+def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                   inv_freq: torch.Tensor, rope_dim: int, *, quant: str | None = None, block: int | None = None,
+                   out_dtype: torch.dtype | None = None):
+    """`quant(rope(rms_norm(x, weight, eps)))` over each row's (and head's) last dim, in one launch. Replaces the
+    window KV (kv_norm -> RoPE -> FP8 ue8m0 / 32) and the index keys (k_norm -> RoPE -> FP4 ue8m0 / 32)."""
+    return _launch(x, weight=weight, eps=eps, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim,
+                   quant=quant, block=block, out_dtype=out_dtype)
+
+
+__all__ = ["rms_norm_rows", "rope_rows", "norm_rope_rows", "QUANT_MODES", "DEFAULT_BLOCK"]
