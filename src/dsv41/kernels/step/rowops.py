@@ -66,6 +66,12 @@ def _pow2(e):
 
 
 @triton.jit
+def _neg(v):
+    """-v by its sign bit (Triton's unary minus is 0 - v, which gives +0 for +0 where torch gives -0)."""
+    return (v.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round_grid(a, EMIN: tl.constexpr, MBITS: tl.constexpr):
     """a >= 0 (fp32, finite) rounded to the float grid with MBITS mantissa bits and minimum normal exponent EMIN
     (subnormals below), nearest, ties to even: y = a / ulp is exact (ulp a power of two), then rounded by its
@@ -84,8 +90,8 @@ def _round_grid(a, EMIN: tl.constexpr, MBITS: tl.constexpr):
 def _round_e4m3(v):
     """torch's v.clamp(-448, 448).to(float8_e4m3fn).float(): sign kept (also of zero)."""
     r = _round_grid(tl.minimum(tl.abs(v), 448.0), -6, 3)
-    neg = (v.to(tl.int32, bitcast=True) >> 31) != 0
-    return tl.where(neg, -r, r)
+    sign = (v.to(tl.uint32, bitcast=True) >> 31) << 31
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -156,7 +162,7 @@ def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_pt
         c = tl.cos(ang).to(tl.float32)
         s = tl.sin(ang).to(tl.float32)
         if INVERSE:
-            s = -s
+            s = _neg(s)
         ra = _cast(ev * c - od * s, OUT)
         rb = _cast(ev * s + od * c, OUT)
         ev = tl.where(rot, ra, ev)
@@ -250,4 +256,12 @@ def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, positions:
                    quant=quant, block=block, out_dtype=out_dtype)
 
 
-__all__ = ["rms_norm_rows", "rope_rows", "norm_rope_rows", "QUANT_MODES", "DEFAULT_BLOCK"]
+def fake_quant_rows(x: torch.Tensor, quant: str, block: int | None = None, out_dtype: torch.dtype | None = None):
+    """`model.quant`'s quantiser `quant` on x.to(out_dtype) [rows, heads, dim] (or [rows, dim]), blocks along the
+    last dim: for a call site that keeps its RoPE elsewhere (the index queries' FP4 in `attend` today)."""
+    if quant is None:
+        raise ValueError("fake_quant_rows needs a quantiser")
+    return _launch(x, quant=quant, block=block, out_dtype=out_dtype)
+
+
+__all__ = ["rms_norm_rows", "rope_rows", "norm_rope_rows", "fake_quant_rows", "QUANT_MODES", "DEFAULT_BLOCK"]
