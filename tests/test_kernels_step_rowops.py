@@ -39,12 +39,17 @@ QUANT_FN = {"fp8_ue8m0": ("fp8_block_ue8m0", 32), "fp4_ue8m0": ("fp4_block_ue8m0
 
 
 def _tables(rope_dim=64):
-    from dsv41.model.rope import RopeTable, inv_freq
+    """The model's two RoPE tables (`model.rope`), with the rope fields of the tiny and the real config (the same:
+    theta 10000 / 160000, YaRN factor 16 over 65536 positions, betas 32 / 1)."""
+    from types import SimpleNamespace
 
-    # the tiny / real model's two tables: plain (theta 10000) and compress (160000 with YaRN factor 16)
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float64) - 15) / 10).clamp(0, 1)
-    f = inv_freq(160000.0, rope_dim)
-    return {"plain": RopeTable(inv_freq(10000.0, rope_dim)), "compress": RopeTable(f * (1 - ramp) + f / 16 * ramp)}
+    from dsv41.config import ModelConfig
+    from dsv41.model.rope import RopeTable, inv_freq, yarn_inv_freq
+
+    ns = SimpleNamespace(qk_rope_head_dim=rope_dim, compress_rope_theta=160000.0, yarn_factor=16.0,
+                         yarn_original_max_position=65536, yarn_beta_fast=32.0, yarn_beta_slow=1.0)
+    ns.yarn_range = lambda: ModelConfig.yarn_range(ns)
+    return {"plain": RopeTable(inv_freq(10000.0, rope_dim)), "compress": RopeTable(yarn_inv_freq(ns))}
 
 
 def _quant(x, quant, block=None):
@@ -88,6 +93,8 @@ def _case(name: str, device="cpu", real=False):
         return "rope", dict(c, x=rn(G, hd), P=P[:G].to(device) * 2, quant="fp4_e4m3")
     if name == "kv":  # fp8_block_ue8m0(rope(rms_norm(kva, kv_norm), P), 32)
         return "chain", dict(c, x=rn(B, hd, scale=5.0), w=wt(hd), quant="fp8_ue8m0")
+    if name == "kv_fp32":  # fp32 activations: the norm moves by ulps everywhere, some blocks' codes move with it
+        return "chain", dict(c, x=rn(B, hd, scale=5.0, dtype=torch.float32), w=wt(hd).float(), quant="fp8_ue8m0")
     if name == "index_k":  # fp4_block_ue8m0(rope(rms_norm(keys, k_norm), entry_pos), 32)
         return "chain", dict(c, x=rn(G, 128), w=wt(128), P=P[:G].to(device) * 2, quant="fp4_ue8m0")
     if name == "odd_rope":  # head dim not a multiple of the tile, rope 8 dims, quantiser skipped (200 % 16)
@@ -111,7 +118,7 @@ def _crafted(gen, dtype):
 
 
 CASES = ("q_norm", "q_norm_fp32", "latent_norm_fp16", "q_rope", "q_rope_plain", "out_inverse", "iq", "entries",
-         "kv", "index_k", "odd_rope", "crafted_bf16", "crafted_fp32")
+         "kv", "kv_fp32", "index_k", "odd_rope", "crafted_bf16", "crafted_fp32")
 
 
 def _kernel(kind, c, rows=None):
