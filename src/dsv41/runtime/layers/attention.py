@@ -326,11 +326,12 @@ class FastAttention:
             k = min(cfg.index_topk, ncols)
             meta, key_list, at = [], [], 0
             for s, src in work:  # per row: (q row, key offset, visible entries), all known on the host
-                C = src.entries
-                meta += [(s.start + j, at, min((s.pos + j + 1) // role.compress_ratio, C)) for j in range(s.T)]
+                C, j = src.entries, torch.arange(s.T, dtype=torch.int64)
+                vis = torch.div(s.pos + j + 1, role.compress_ratio, rounding_mode="floor").clamp(max=C)
+                meta.append(torch.stack((s.start + j, torch.full_like(j, at), vis)))
                 key_list.append(src.index_k)
                 at += C
-            meta = torch.tensor(meta, dtype=torch.int64).t().contiguous().to(dev)  # [3, R]
+            meta = torch.cat(meta, dim=1).to(dev)  # [3, R]
             keys = key_list[0] if len(key_list) == 1 else torch.cat(key_list)
             R = meta.shape[1]
             allow = _candidate_pool(work, R, ncols) if role.uses_candidates else None
