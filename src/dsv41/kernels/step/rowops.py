@@ -28,8 +28,9 @@ rounding boundary (and a quantised one only where that moves a block's amax or a
 
 Row invariance: the grid is (rows, heads); a program reads its own row's vector, the weight and the table, and its
 compile shape depends only on the head dim, the rope dim, the block and the flags, never on the row count.
-Subnormal corner: a block whose amax is below 2^-125 (fp4_ue8m0 floor) dequantises to fp32 subnormals, which a GPU
-build that flushes denormals would give as zeros; no activation of the model is that small.
+Subnormal corner: an fp4_ue8m0 block whose amax is at most 6·2^-126 (its floor, scale 2^-126) dequantises ±0.5 to
+the fp32 subnormal 2^-127; the kernel's plain fp32 multiply keeps it (no .ftz), as torch does. Far below any
+activation of the model.
 """
 
 from __future__ import annotations
