@@ -16,6 +16,9 @@ In one run:
   device busy; weight bytes and EXL3 weights read (distinct experts from the step's routing) and the two floors:
   bytes / read ceiling (bandwidth), EXL3 weights / best decode rate (instruction);
 - prefill: one `--prefill`-row chunk (tokens/s, GEMM FLOPs as % of the measured bf16 rate).
+Decode and verify steps run their static pieces as CUDA graphs (runtime/graphs.py; captured in the two untimed
+warm-up steps of each row count) unless `--no-graphs`; the JSON says which (`graphs`: on/off) and the pieces'
+captures / replays / eager calls (`graph_stats`, cumulative, per step row and for the run).
 Writes `--out` (JSON) and a plot beside it. `--config DIR --device cpu` runs a smoke version on a small config.
 """
 
@@ -40,6 +43,7 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from dsv41.parallel.comm import Comm  # noqa: E402
 from dsv41.runtime import sections  # noqa: E402
+from dsv41.runtime.graphs import PieceGraphs  # noqa: E402
 from dsv41.runtime.layers.linear import DequantLinear, Exl3Linear  # noqa: E402
 from dsv41.runtime.synthetic import synthetic_rank, synthetic_state  # noqa: E402
 
@@ -52,6 +56,7 @@ class StubComm(Comm):
     """Rank 0 of TP=2 without the peer: partials summed with themselves, shards concatenated with themselves."""
 
     rank, world = 0, 2
+    graph_safe = True  # device work on the current stream only
 
     def sum_partials(self, x):
         return x + x
@@ -250,7 +255,8 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             step_ms, times, trace, prof = time_steps(model, lambda: maker(model, n, args.context, 100 + n)(), mode,
                                                      args.steps, device, n in args.profile_rows)
             reads = step_reads(model, trace)
-            row = {"rows": n, "mode": mode, "step_ms": step_ms, "times_ms": times, **reads}
+            row = {"rows": n, "mode": mode, "step_ms": step_ms, "times_ms": times, **reads,
+                   "graphs": "on" if model.graphs.active else "off", "graph_stats": model.graphs.stats.as_dict()}
             if prof is not None:
                 cls = classify(prof)
                 dev_ms = cls["busy_us"] / 1e3
@@ -260,7 +266,8 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             if floors_rates:
                 row["floors"] = {"bandwidth_ms": (reads["exl3_bytes"] + reads["dense_bytes"]) / ceiling_gbps / 1e6,
                                  "instruction_ms": reads["exl3_weights"] / floors_rates["best_wps"] * 1e3}
-            log(f"{mode} rows={n}: {step_ms:.1f} ms (device {row.get('device_ms', float('nan')):.1f} ms), "
+            log(f"{mode} rows={n} graphs {row['graphs']}: {step_ms:.1f} ms "
+                f"(device {row.get('device_ms', float('nan')):.1f} ms), "
                 f"{reads['exl3_bytes'] / 1e9:.2f} GB EXL3, {reads['distinct_experts_per_layer']:.1f} experts/layer")
             out.append(row)
     return out
@@ -351,6 +358,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--config", default=None, help="a model folder whose config.json replaces the real shapes (smoke)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--no-graphs", action="store_true", help="run the decode/verify pieces eagerly (A/B)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds this run may take: the prefill is skipped when less than 40 s are left")
     args = p.parse_args(argv)
@@ -398,7 +406,9 @@ def main(argv=None) -> int:
     if cuda:
         results["memory"].update(allocated_bytes=torch.cuda.memory_allocated() - base,
                                  peak_bytes=torch.cuda.max_memory_allocated() - base)
-    log(f"built in {results['build_s']:.1f} s: {results['memory']}")
+    model.graphs = PieceGraphs(device, model.comm, enabled=not args.no_graphs)
+    results["graphs"] = "on" if model.graphs.active else "off"
+    log(f"built in {results['build_s']:.1f} s: {results['memory']}; graphs: {results['graphs']}")
     save()
     rates = None
     if cuda:
@@ -410,6 +420,7 @@ def main(argv=None) -> int:
     results["steps"] = measure(model, args, device, rates, ceiling)
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
     results["floors"] = one.get("floors", {})
+    results["graph_stats"] = model.graphs.stats.as_dict()
     save()
     left = None if args.budget_s is None else args.budget_s - (time.perf_counter() - started)
     if args.prefill and (left is None or left >= 40):
@@ -422,7 +433,8 @@ def main(argv=None) -> int:
         plot(results, args.out.with_suffix(".png"))
     except Exception as e:  # noqa: BLE001 - the numbers matter more than the picture
         log(f"plot failed: {e}")
-    log("\nmode    rows  step_ms  device_ms  host_ms  GB(exl3)  bw_floor  instr_floor")
+    log(f"\ngraphs: {results['graphs']} {results['graph_stats']}")
+    log("mode    rows  step_ms  device_ms  host_ms  GB(exl3)  bw_floor  instr_floor")
     for s in results["steps"]:
         f = s.get("floors", {})
         log(f"{s['mode']:7} {s['rows']:4} {s['step_ms']:8.1f} {s.get('device_ms', math.nan):10.1f} "

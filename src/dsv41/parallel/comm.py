@@ -17,6 +17,12 @@ class Comm:
     rank: int = 0
     world: int = 1
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether `sum_partials` may be captured in a CUDA graph (runtime/graphs.py): its work is device work on
+        torch's current stream, with no host call or sync. Unknown comms are not."""
+        return False
+
     def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of every rank's `x` (same shape on all ranks), added in rank order 0, 1, ..., world-1."""
         raise NotImplementedError
@@ -28,6 +34,10 @@ class Comm:
 
 class LocalComm(Comm):
     """TP=1: one rank holds everything, both collectives are the identity."""
+
+    @property
+    def graph_safe(self) -> bool:
+        return True
 
     def sum_partials(self, x: torch.Tensor) -> torch.Tensor:
         return x

@@ -40,6 +40,12 @@ class TorchComm(Comm):
         # (collective, dtype, row width) -> (calls, rows): what crosses the link, for docs and benchmarks
         self.traffic: Counter = Counter()
 
+    @property
+    def graph_safe(self) -> bool:
+        """NCCL's collectives are captured by CUDA graphs (on the current stream); gloo's are host calls.
+        (`calls` and `traffic` count eager calls only: a replay runs no Python.)"""
+        return self.device is not None  # set for NCCL groups only
+
     def _count(self, op: str, x: torch.Tensor) -> None:
         width = x.shape[-1] if x.dim() else 1
         self.traffic[(op, str(x.dtype).removeprefix("torch."), width, "calls")] += 1

@@ -25,7 +25,9 @@ functions of their tensor inputs, the weights captured as constants — and runs
   not CUDA, the forward is traced (always eager then, captured or not: the trace records happen inside pieces),
   the comm is not graph-safe (`Comm.graph_safe`: gloo's collectives are host calls; NCCL, `LocalComm` and the
   bench's stub are safe), or the capture budget (seconds of warm-up + capture, `DSV41_GRAPHS_BUDGET_S`, default
-  60) is spent. A capture that raises (a host sync inside the piece) leaves that key eager for good, logged.
+  60; and a count, `max_captures`) is spent. A capture that raises (a host sync inside the piece) leaves that key
+  eager for good, logged. At TP > 1 every rank must decide alike (a first use runs a piece's collectives twice,
+  warm-up and replay, where an eager peer runs them once): there only the count budget applies, not the seconds.
   `refusal` is the whole policy, a plain function (tested on the CPU).
 
 Replay == eager bitwise: a replay launches the kernels the eager run launched, on the same shapes and the same
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 ENV_FLAG = "DSV41_GRAPHS"
 ENV_BUDGET = "DSV41_GRAPHS_BUDGET_S"
 DEFAULT_BUDGET_S = 60.0
+DEFAULT_MAX_CAPTURES = 8192  # ~100 pieces per (phase, n) at full shape, 32 (phase, n) groups, with room
 
 
 def env_enabled(environ=None) -> bool:
@@ -65,7 +68,7 @@ def env_budget(environ=None) -> float:
 
 
 def refusal(*, enabled: bool, device_type: str, tracing: bool, comm_safe: bool, spent_s: float,
-            budget_s: float) -> str | None:
+            budget_s: float, captures: int = 0, max_captures: int = DEFAULT_MAX_CAPTURES) -> str | None:
     """Why a piece may not be captured now (None: capture it). Checked in this order."""
     if not enabled:
         return f"graphs off ({ENV_FLAG}=0)"
@@ -77,6 +80,8 @@ def refusal(*, enabled: bool, device_type: str, tracing: bool, comm_safe: bool, 
         return "comm not graph-safe"
     if spent_s >= budget_s:
         return f"capture budget of {budget_s:g} s spent"
+    if captures >= max_captures:
+        return f"capture budget of {max_captures} graphs spent"
     return None
 
 
@@ -152,11 +157,15 @@ class PieceGraphs:
     """The captured pieces of one model: `run(name, phase, n, fn, *args)` returns `fn(*args)`, from a replay
     where it can (module docstring)."""
 
-    def __init__(self, device, comm=None, *, enabled: bool | None = None, budget_s: float | None = None):
+    def __init__(self, device, comm=None, *, enabled: bool | None = None, budget_s: float | None = None,
+                 max_captures: int = DEFAULT_MAX_CAPTURES):
         self.device = torch.device(device)
         self.comm = comm
         self.enabled = env_enabled() if enabled is None else bool(enabled)
         self.budget_s = env_budget() if budget_s is None else float(budget_s)
+        if getattr(comm, "world", 1) > 1:  # ranks must agree: seconds differ between them, counts do not
+            self.budget_s = float("inf")
+        self.max_captures = int(max_captures)
         self.stats = GraphStats()
         self._pieces: dict[tuple, Piece] = {}
         self._failed: set = set()
@@ -175,15 +184,18 @@ class PieceGraphs:
         return self.enabled and self.device.type == "cuda" and self.comm_safe
 
     def decide(self, key: tuple, tracing: bool = False) -> str:
-        """'replay', 'capture', or the reason the call runs eagerly."""
-        if tracing:
-            return "tracing"
+        """'replay', 'capture', or the reason the call runs eagerly (a captured piece replays once the budget is
+        spent; a traced forward runs every piece eagerly)."""
+        policy = dict(enabled=self.enabled, device_type=self.device.type, tracing=tracing, comm_safe=self.comm_safe)
+        why = refusal(**policy, spent_s=0.0, budget_s=float("inf"), captures=0)
+        if why is not None:
+            return why
         if key in self._pieces:
             return "replay"
         if key in self._failed:
             return "capture failed"
-        return refusal(enabled=self.enabled, device_type=self.device.type, tracing=tracing,
-                       comm_safe=self.comm_safe, spent_s=self.stats.capture_s, budget_s=self.budget_s) or "capture"
+        return refusal(**policy, spent_s=self.stats.capture_s, budget_s=self.budget_s,
+                       captures=self.stats.captures + self.stats.failed, max_captures=self.max_captures) or "capture"
 
     def run(self, name: str, phase: str, n: int, fn: Callable, *args, tracing: bool = False):
         key = piece_key(name, phase, n, args)
@@ -267,7 +279,7 @@ class PieceGraphs:
             fn(*static_args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
             out = fn(*static_args)
         outs: list = []
         out_spec = flatten(out, outs)

@@ -216,7 +216,6 @@ class FastModel:
         pos = torch.cat([torch.arange(s.pos, s.pos + s.T) for s in segs])
         pad = torch.zeros(B - n, dtype=torch.long)
         ids_b, pos_b = torch.cat((ids, pad + ids[0])), torch.cat((pos, pad + pos[0]))
-        P = pos_b.to(dev)
         rows = live = None
         if self.engram_hasher is not None:
             with section("engram"):
@@ -226,7 +225,7 @@ class FastModel:
                 rows = {L: e.table.gather(row_ids[:, cfg.engram_layer_ids.index(L)], device=dev)
                         for L, e in self.engram.items()}
         piece = self._piece_runner(phase, n, trace)
-        x, pre = piece("embed", self._streams, ids_b.to(dev))
+        x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
         sites = MhcSites.of(cfg, dev)
         pending = None  # the last FFN site's (y, post, comb): its expand runs fused with the next attention site
         for block in self.blocks:
@@ -281,14 +280,15 @@ class FastModel:
         return x, f_pre, (y, f_post, f_comb)
 
     # ------------------------------------------------------------------ pieces (pure functions of their tensors)
-    def _streams(self, ids: torch.Tensor):
-        """The embedding of the bucket's ids as hc streams, and the first collapse's pre (stream 0)."""
+    def _streams(self, ids: torch.Tensor, P: torch.Tensor):
+        """The embedding of the bucket's ids as hc streams, the first collapse's pre (stream 0), and the positions
+        P as they came (as a piece's output, P is then one static buffer every later piece reads: one copy a step)."""
         with section("embed"):
             h = self._embed(ids)
         x = h[:, None, :].expand(h.shape[0], self.cfg.hc_mult, h.shape[-1]).contiguous()
         pre = torch.zeros(h.shape[0], self.cfg.hc_mult, device=h.device)
         pre[:, 0] = 1.0
-        return x, pre
+        return x, pre, P
 
     def _attn_in(self, block: FastBlock, sites: MhcSites, n, phase, x, pre_in, pending, P):
         """The attention mHC site (the previous FFN's expand fused in) and the attention's static projections:
