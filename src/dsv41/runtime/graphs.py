@@ -126,6 +126,17 @@ def piece_key(name: str, phase: str, n: int, args: tuple) -> tuple:
     return (name, phase, int(n), signature(args))
 
 
+def _kernel_buffers() -> list:
+    """Buffers that kernels keep in module caches and may later *replace* (not just add to), which a captured graph
+    still points at: kept alive with the graph so their memory is never handed to another tensor. Today: the mHC
+    site kernels' per-row arrival counters, regrown for a larger row count (a long prefill chunk) by allocating a
+    new tensor (`kernels.step.mhc._Counters`). The EXL3 and MoE workspaces are only ever added to."""
+    from dsv41.kernels.step import mhc as step_mhc
+
+    counters = getattr(step_mhc, "_COUNTERS", None)
+    return list(getattr(counters, "_by_device", {}).values())
+
+
 # ------------------------------------------------------------------------------------------------ graphs
 @dataclass
 class Piece:
@@ -134,6 +145,7 @@ class Piece:
     adopted: list  # per static: True when it is another piece's static output (never written here)
     out_spec: Any
     outs: list  # the static output tensors
+    keep: list = field(default_factory=list)  # kernel buffers the graph holds by pointer (`_kernel_buffers`)
 
     def outputs(self):
         return unflatten(self.out_spec, iter(self.outs))
@@ -283,4 +295,4 @@ class PieceGraphs:
             out = fn(*static_args)
         outs: list = []
         out_spec = flatten(out, outs)
-        return Piece(graph, statics, adopted, out_spec, outs)
+        return Piece(graph, statics, adopted, out_spec, outs, keep=_kernel_buffers())
