@@ -148,6 +148,23 @@ def test_budget_spent_and_tracing_run_eagerly(caplog):
     assert PieceGraphs("cuda", tp, budget_s=1.0).budget_s == float("inf")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host where capturing raises (no CUDA)")
+def test_a_capture_that_raises_stays_eager(caplog):
+    """Where the capture itself raises (here: no CUDA runtime behind a CUDA device object), the call returns the
+    eager result, the key is never tried again and the failure is logged once."""
+    x = torch.arange(3.0)
+    g = PieceGraphs("cuda", LocalComm())
+    with caplog.at_level(logging.INFO, logger="dsv41.runtime.graphs"):
+        for _ in range(3):
+            assert torch.equal(g.run("p", "decode", 1, lambda t: t + 1, x), x + 1)
+    assert g.stats.failed == 1 and g.stats.captures == 0 and g.stats.eager == 3
+    assert g.stats.refused == {"capture failed": 3}
+    assert g.decide(piece_key("p", "decode", 1, (x,))) == "capture failed"
+    lines = [r.getMessage() for r in caplog.records if "CUDA graphs" in r.getMessage()]
+    assert len(lines) == 2 and lines[0].startswith("CUDA graphs: capture of p (decode, n=1) failed")
+    assert lines[1] == "CUDA graphs: pieces run eagerly (capture failed)"
+
+
 class _Graph:
     """A stand-in for a captured CUDAGraph: replay applies the piece to the static buffers."""
 

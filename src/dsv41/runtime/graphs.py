@@ -261,8 +261,9 @@ class PieceGraphs:
             self._failed.add(key)
             self.stats.failed += 1
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            self._log_once(("failed", key[0]), f"CUDA graphs: capture of {key[0]} ({key[1]}, n={key[2]}) failed, "
-                                              f"it runs eagerly: {type(exc).__name__}: {first}")
+            self._log_once(("failed", type(exc).__name__, first),  # once per distinct error
+                           f"CUDA graphs: capture of {key[0]} ({key[1]}, n={key[2]}) failed, it runs eagerly "
+                           f"(and so does any other piece failing alike): {type(exc).__name__}: {first}")
             self.stats.capture_s += time.perf_counter() - t0
             self._eager("capture failed")
             return fn(*args)
