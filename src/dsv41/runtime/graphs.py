@@ -24,7 +24,7 @@ functions of their tensor inputs, the weights captured as constants — and runs
 - Refused (the piece runs eagerly, the reason logged once per `PieceGraphs`) when `DSV41_GRAPHS=0`, the device is
   not CUDA, the forward is traced (always eager then, captured or not: the trace records happen inside pieces),
   the comm is not graph-safe (`Comm.graph_safe`: gloo's collectives are host calls; NCCL, `LocalComm` and the
-  bench's stub are safe), or the capture budget (seconds of warm-up + capture, `DSV41_GRAPHS_BUDGET_S`, default
+  bench's stub are safe), or the capture budget (seconds spent capturing, `DSV41_GRAPHS_BUDGET_S`, default
   60; and a count, `max_captures`) is spent. A capture that raises (a host sync inside the piece) leaves that key
   eager for good, logged. At TP > 1 every rank must decide alike (a first use runs a piece's collectives twice,
   warm-up and replay, where an eager peer runs them once): there only the count budget applies, not the seconds.
@@ -62,7 +62,8 @@ def env_enabled(environ=None) -> bool:
 
 
 def env_budget(environ=None) -> float:
-    """`DSV41_GRAPHS_BUDGET_S`: seconds of warm-up + capture one `PieceGraphs` may spend (default 60)."""
+    """`DSV41_GRAPHS_BUDGET_S`: seconds of capture one `PieceGraphs` may spend (default 60; the warm-ups, which
+    compile kernels the eager path would compile too, are not counted)."""
     value = (os.environ if environ is None else environ).get(ENV_BUDGET, "")
     return float(value) if value.strip() else DEFAULT_BUDGET_S
 
@@ -254,7 +255,6 @@ class PieceGraphs:
         return piece.outputs()
 
     def _capture(self, key: tuple, fn: Callable, args: tuple):
-        t0 = time.perf_counter()
         try:
             piece = self._make(fn, args)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the piece eager, exactly as before
@@ -264,10 +264,8 @@ class PieceGraphs:
             self._log_once(("failed", type(exc).__name__, first),  # once per distinct error
                            f"CUDA graphs: capture of {key[0]} ({key[1]}, n={key[2]}) failed, it runs eagerly "
                            f"(and so does any other piece failing alike): {type(exc).__name__}: {first}")
-            self.stats.capture_s += time.perf_counter() - t0
             self._eager("capture failed")
             return fn(*args)
-        self.stats.capture_s += time.perf_counter() - t0
         self._pieces[key] = piece
         self.stats.captures += 1
         for t in piece.outs:
@@ -292,8 +290,12 @@ class PieceGraphs:
             fn(*static_args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-            out = fn(*static_args)
+        t0 = time.perf_counter()  # the budget counts captures, not the warm-up's one-off compiles
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                out = fn(*static_args)
+        finally:
+            self.stats.capture_s += time.perf_counter() - t0
         outs: list = []
         out_spec = flatten(out, outs)
         return Piece(graph, statics, adopted, out_spec, outs, keep=_kernel_buffers())
