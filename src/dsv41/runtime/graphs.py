@@ -19,7 +19,7 @@ functions of their tensor inputs, the weights captured as constants — and runs
   replays (the pool is shared: memory one piece's capture freed may hold a later piece's outputs). Within one forward
   the pieces replay in the order they were captured (the first forward of a (phase, n) captures them in forward
   order), so each output stays intact for the pieces after it; the caller must copy what it keeps past the forward
-  (`FastModel._forward` clones the logits; the sequence states only ever keep copies: `append_window` clones,
+  (`FastModel.forward` copies the logits out with its `torch.cat`; the states only keep copies: `append_window` clones,
   the compressor's open group clones, entries are new tensors). A piece never writes its inputs.
 - Refused (the piece runs eagerly, the reason logged once per `PieceGraphs`) when `DSV41_GRAPHS=0`, the device is
   not CUDA, the forward is traced (always eager then, captured or not: the trace records happen inside pieces),

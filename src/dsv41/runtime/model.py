@@ -200,7 +200,7 @@ class FastModel:
             group.append((state, ids))
             rows += ids.numel()
         out.append(self._forward(group, phase, logits, trace))
-        return torch.cat(out)
+        return torch.cat(out)  # always a new tensor: the logits outlive the graph pieces' output buffers
 
     __call__ = forward
 
@@ -242,11 +242,10 @@ class FastModel:
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
-        if is_fused(phase):  # every row is a sampling row; the logits outlive the pieces' buffers: a copy
+        if is_fused(phase):  # every row is a sampling row (`forward` copies them out of the piece's buffer)
             local = piece("final", partial(self._final, sites, n, phase), x, pending, pre)
             with section("comm"):
-                out = self.comm.gather_cat(local, dim=-1)
-            return out.clone() if out is local and self.graphs is not None and self.graphs.active else out
+                return self.comm.gather_cat(local, dim=-1)
         out = self._final_norm(sites, x, pending, pre)
         if logits == "all":
             return self._logits(out, n, phase)
