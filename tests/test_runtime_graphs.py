@@ -232,28 +232,42 @@ def test_forward_pieces_on_cpu(tmp_path):
     assert model.graphs.stats.refused == {"not CUDA": len(names)}
 
 
-class _Replayer:
-    """A stand-in for a captured graph with a graph's buffer semantics: the outputs are fixed tensors, scribbled
-    over (NaN / -1) and rewritten by each replay from the static inputs; nothing else survives a replay."""
+def _scribble(t: torch.Tensor) -> None:
+    t.fill_(float("nan") if t.is_floating_point() else -1)
 
-    def __init__(self, fn, static_args, outs):
-        self.fn, self.static_args, self.outs = fn, static_args, outs
+
+class _Replayer:
+    """A stand-in for a captured graph with a graph's buffer semantics, worst case: the outputs are fixed tensors,
+    rewritten by each replay from the static inputs; and since the pieces share one pool, a replay may overwrite
+    the outputs of every piece captured after it (its freed intermediates may hold them): all of them are scribbled
+    over (NaN / -1). Static inputs made by clone lie outside the pool and survive."""
+
+    def __init__(self, owner, fn, static_args, outs, pooled):
+        self.owner, self.fn, self.static_args, self.outs, self.pooled = owner, fn, static_args, outs, pooled
 
     def replay(self):
         fresh: list = []
         G.flatten(self.fn(*self.static_args), fresh)
-        for out, new in zip(self.outs, fresh):
-            if out is not new:
-                out.fill_(float("nan") if out.is_floating_point() else -1)
+        for later in self.owner.order[self.owner.order.index(self) + 1:]:
+            for out in later.pooled:
+                _scribble(out)
+        for out, new, pooled in zip(self.outs, fresh, self.pooled_mask):
+            if pooled:
+                _scribble(out)
                 out.copy_(new)
+
+    @property
+    def pooled_mask(self):
+        return [any(o is p for p in self.pooled) for o in self.outs]
 
 
 class _EmulatedGraphs(PieceGraphs):
     """PieceGraphs whose captures are `_Replayer`s (the CPU runs the pieces): the forward's use of static inputs,
-    adopted buffers and outputs is exercised as a CUDA graph would use them."""
+    adopted buffers and outputs is exercised as CUDA graphs in one shared pool could at worst treat them."""
 
     def __init__(self):
         super().__init__("cuda", LocalComm(), enabled=True, budget_s=1e9)
+        self.order: list = []
 
     def _make(self, fn, args):
         leaves: list = []
@@ -264,7 +278,10 @@ class _EmulatedGraphs(PieceGraphs):
         outs: list = []
         out_spec = G.flatten(fn(*static_args), outs)
         outs = [o if any(o is t for t in statics) else o.clone() for o in outs]
-        return Piece(_Replayer(fn, static_args, outs), statics, adopted, out_spec, outs)
+        pooled = [o for o in outs if not any(o is t for t in statics)]
+        graph = _Replayer(self, fn, static_args, outs, pooled)
+        self.order.append(graph)
+        return Piece(graph, statics, adopted, out_spec, outs)
 
 
 def test_forward_through_emulated_graphs_equals_eager(tmp_path):
