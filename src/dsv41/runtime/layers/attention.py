@@ -111,6 +111,8 @@ class FastAttention:
         with a host copy per call, which a graph capture refuses) and weights."""
         cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
         B = x.shape[0]
+        if step_kernels_run(x.device):
+            return self._project_rowops(x, n, P, phase)
         rope = self.ref._rope
         qa, kva = w.wq_a(x, n, phase), w.wkv(x, n, phase)
         with section("norms"):
@@ -126,7 +128,38 @@ class FastAttention:
             with section("indexer"):
                 iq = rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P)
                 iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
-        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw}
+        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iq_quantised": False}
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        """The layer's RoPE table on the device, made once (a per-call host copy would stop a graph capture)."""
+        if getattr(self, "_inv_freq_dev", None) is None or self._inv_freq_dev.device != device:
+            self._inv_freq_dev = self.ref.rope.inv_freq.to(device=device, dtype=torch.float32).contiguous()
+        return self._inv_freq_dev
+
+    def _project_rowops(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str) -> dict:
+        """`project` with the norms, RoPE and quantisers as the row-op kernels (kernels/step/rowops.py: one launch
+        each, RoPE and the quantisers the reference's bits on the same input); the index queries' FP4 is fused with
+        their RoPE here."""
+        from dsv41.kernels.step.rowops import norm_rope_rows, rms_norm_rows, rope_rows
+
+        cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
+        B, R, freqs = x.shape[0], cfg.qk_rope_head_dim, self._inv_freq(x.device)
+        qa, kva = w.wq_a(x, n, phase), w.wkv(x, n, phase)
+        with section("norms"):
+            qr = rms_norm_rows(qa, w.q_norm, eps)
+        qb = w.wq_b(qr, n, phase)
+        with section("norms"):
+            q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R)
+            kv = norm_rope_rows(kva, w.kv_norm, eps, P, freqs, R, quant="fp8_ue8m0" if self.fq else None, block=32)
+        proj = self._compressor_inputs(x, n, phase) if role.compresses else {}
+        iq = iw = None
+        if role.scores:
+            ib, wp = w.indexer.wq_b(qr, n, phase), w.indexer.weights_proj(x, n, phase)
+            with section("indexer"):
+                iq = rope_rows(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P, freqs, R,
+                               quant="fp4_ue8m0" if self.fq else None, block=32)
+                iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iq_quantised": True}
 
     def attend(self, a: dict, n: int, P: torch.Tensor, segs: Sequence[Segment], phase: str,
                trace: dict | None = None) -> torch.Tensor:
@@ -138,7 +171,7 @@ class FastAttention:
         iq = None
         if a["iq"] is not None:
             with section("indexer"):
-                iq = fp4_block_ue8m0(a["iq"], 32, self.fq)
+                iq = a["iq"] if a["iq_quantised"] else fp4_block_ue8m0(a["iq"], 32, self.fq)
         with section("attention"):
             wins = [append_window(s.state.window(role.index), kv[s.rows], cfg.sliding_window) for s in segs]
             closed = [self._pool(s, proj, a["dtype"]) for s in segs] if role.compresses else []
@@ -179,7 +212,12 @@ class FastAttention:
         partial [B, d]."""
         w = self.w
         with section("norms"):
-            o = self.ref._rope(o.to(dtype), P, inverse=True)
+            if step_kernels_run(o.device):
+                from dsv41.kernels.step.rowops import rope_rows
+
+                o = rope_rows(o, P, self._inv_freq(o.device), self.cfg.qk_rope_head_dim, inverse=True, out_dtype=dtype)
+            else:
+                o = self.ref._rope(o.to(dtype), P, inverse=True)
         groups = o.reshape(o.shape[0], len(w.wo_a), -1)
         u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)
