@@ -20,13 +20,14 @@ C up to 4,096, T 1..16 over several sequences and a 300-row prefill), compiled, 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from step_harness import interpreted, need_compiled_cuda  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 NINF = float("-inf")
@@ -186,13 +187,7 @@ def _interp_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("indexer") / "out.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
+    return interpreted(tmp_path_factory, __file__, "indexer")
 
 
 @pytest.mark.parametrize("name", ["random", "exact"])
@@ -363,11 +358,7 @@ def test_indexer_kernels_compile_for_every_target(arch):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+_need_cuda = need_compiled_cuda
 
 
 def _gpu_rows(T_per_seq, Cs, vis_of, dev, gen, fp4: bool):

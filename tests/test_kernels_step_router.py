@@ -9,12 +9,13 @@ rebuild the same inputs and judge them against the reference. GPU part (`-m gpu`
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from step_harness import interpreted, need_compiled_cuda  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,12 +89,7 @@ def _interp_worker(out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("router") / "out.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out)
+    return interpreted(tmp_path_factory, __file__, "router")
 
 
 def _reference(name: str, device="cpu"):
@@ -179,11 +175,7 @@ def test_interpreted_router_reads_a_bf16_gate_as_its_fp32_copy(interp):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _need_cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+_need_cuda = need_compiled_cuda
 
 
 @pytest.mark.gpu
