@@ -20,6 +20,8 @@ from dsv41.engine.scheduler import SchedulerConfig
 
 M61 = (1 << 61) - 1
 
+from test_engine_policy import run  # noqa: E402 (the engine driven to its end)
+
 
 class PagedFakeRunner:
     """Next token = f(the hash its ring slot holds, every token its page table holds up to the row's end, seed,
@@ -74,12 +76,6 @@ def siblings(k: int, n: int, events: dict, prompt_len=None, limit=None, stop=fro
                      emit=events.setdefault((k, i), []).append) for i in range(n)]
 
 
-def run(engine, max_steps=100_000):
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return
-        engine.step()
-    raise AssertionError("the engine did not finish")
 
 
 def alone(k: int, i: int, n: int, **kw) -> list:
