@@ -26,6 +26,7 @@ from dsv41.structured.grammar import GrammarError
 from .context import ServerContext
 from .errors import bad_request
 from .generation import (
+    StreamedReply,
     Generation,
     reply_of,
     submit_generations,
@@ -116,7 +117,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return reply_of(replies, req, len(ids))
 
 
-class _ChatReply:
+class _ChatReply(StreamedReply):
     def __init__(self, ctx: ServerContext, gen: Generation, req: ChatCompletionRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
@@ -197,15 +198,6 @@ class _ChatReply:
                   "finish_reason": finish_reason}
         return {"id": self.gen.request.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice]}
-
-    async def chunks(self):
-        """The SSE payloads; with stream_options.continuous_usage_stats every chunk carries the usage so far."""
-        options = self.req.stream_options
-        continuous = bool(options and options.continuous_usage_stats)
-        async for chunk in self._chunks():
-            if continuous and chunk["choices"]:
-                chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
-            yield chunk
 
     async def _chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)

@@ -10,6 +10,7 @@ from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
 from .context import ServerContext
 from .errors import bad_request
 from .generation import (
+    StreamedReply,
     Generation,
     reply_of,
     TokenText,
@@ -84,7 +85,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
                     None if ranked is None else (ranked, req.n))
 
 
-class _Reply:
+class _Reply(StreamedReply):
     def __init__(self, ctx: ServerContext, gen: Generation, req: CompletionRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
@@ -162,15 +163,6 @@ class _Reply:
             "model": self.model, "seed": self.gen.request.sampling.seed,
             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         }
-
-    async def chunks(self):
-        """The SSE payloads; with stream_options.continuous_usage_stats every chunk carries the usage so far."""
-        options = self.req.stream_options
-        continuous = bool(options and options.continuous_usage_stats)
-        async for chunk in self._chunks():
-            if continuous and chunk["choices"]:
-                chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
-            yield chunk
 
     async def _chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)

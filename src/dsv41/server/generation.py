@@ -305,6 +305,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
+class StreamedReply:
+    """What the chat and completions replies share: `chunks()` over their own `_chunks()` (`self.req`, `self.gen`)."""
+
+    async def chunks(self):
+        """The SSE payloads; with stream_options.continuous_usage_stats every chunk carries the usage so far."""
+        options = self.req.stream_options
+        continuous = bool(options and options.continuous_usage_stats)
+        async for chunk in self._chunks():
+            if continuous and chunk["choices"]:
+                chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            yield chunk
+
+
 class TokenText:
     """Token ids -> text for one reply: complete characters only; stop ids (EOS) are not shown."""
 
