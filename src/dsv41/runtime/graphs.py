@@ -116,15 +116,16 @@ def unflatten(spec, leaves) -> Any:
     return spec[0](unflatten(s, leaves) for s in spec[1])
 
 
-def signature(args: tuple) -> tuple:
-    """What a graph is specific to besides the piece: the structure, and each tensor's layout and place."""
-    leaves: list = []
+def signature(args: tuple, leaves: list | None = None) -> tuple:
+    """What a graph is specific to besides the piece: the structure, and each tensor's layout and place (the
+    tensors are appended to `leaves` when given, so a replay need not walk the inputs again)."""
+    leaves = [] if leaves is None else leaves
     spec = flatten(args, leaves)
     return spec, tuple((tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in leaves)
 
 
-def piece_key(name: str, phase: str, n: int, args: tuple) -> tuple:
-    return (name, phase, int(n), signature(args))
+def piece_key(name: str, phase: str, n: int, args: tuple, leaves: list | None = None) -> tuple:
+    return (name, phase, int(n), signature(args, leaves))
 
 
 def _kernel_buffers() -> list:
@@ -211,10 +212,11 @@ class PieceGraphs:
                        captures=self.stats.captures + self.stats.failed, max_captures=self.max_captures) or "capture"
 
     def run(self, name: str, phase: str, n: int, fn: Callable, *args, tracing: bool = False):
-        key = piece_key(name, phase, n, args)
+        leaves: list = []
+        key = piece_key(name, phase, n, args, leaves)
         what = self.decide(key, tracing)
         if what == "replay":
-            return self._replay(self._pieces[key], fn, args)
+            return self._replay(self._pieces[key], fn, args, leaves)
         if what == "capture":
             return self._capture(key, fn, args)
         self._eager(what)
@@ -237,9 +239,10 @@ class PieceGraphs:
             self._logged.add(tag)
             log.info(message)
 
-    def _replay(self, piece: Piece, fn: Callable, args: tuple):
-        leaves: list = []
-        flatten(args, leaves)
+    def _replay(self, piece: Piece, fn: Callable, args: tuple, leaves: list | None = None):
+        if leaves is None:
+            leaves = []
+            flatten(args, leaves)
         for static, adopted, t in zip(piece.statics, piece.adopted, leaves):
             if t is static:
                 continue
