@@ -54,6 +54,10 @@ CPU_CASES = [  # (hc, d, B, iters, dtype, splits: None = default_splits(d), 1 he
 # the release's d = 5120 (MODEL.md §3), and 4096; default splits (16)
 GPU_CASES = [(4, 5120, B, 20, "bfloat16", None) for B in (1, 5, 16)] + [(4, 4096, 16, 20, "bfloat16", None)]
 CASE_ID = "hc{}-d{}-B{}-it{}-{}-s{}".format
+# `rows=` (live rows first, the rest zero): a small case for the interpreter (splits 2: the last-arriver finish with
+# fewer programs than rows), the release's shape and bucket (16) on the GPU
+CPU_ROWS_CASE = (4, 128, 4, 20, "bfloat16", 2)
+GPU_ROWS_CASE = (4, 5120, 16, 20, "bfloat16", None)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -167,6 +171,54 @@ def measure(case, device: str, seed: int = 0) -> dict:
     return res
 
 
+def _run_rows(t, iters, splits, rows):
+    """Every launcher with `rows=` (None: the full launch), outputs named as `_run`'s."""
+    from dsv41.kernels.step import mhc as k
+
+    args = (t["fn"].t(), t["base"], t["scale"])
+    h, pre, post, comb = k.hc_site(t["x"], *args, t["pre_in"], t["w"], iters=iters, splits=splits, rows=rows, **EPS)
+    xo, h2, pre2, post2, comb2 = k.hc_expand_site(t["y"], t["x"], t["post"], t["comb"], *args, t["pre_in"], t["w"],
+                                                  iters=iters, splits=splits, rows=rows, **EPS)
+    return dict(h=h, pre=pre, post=post, comb=comb, xo=xo, h2=h2, pre2=pre2, post2=post2, comb2=comb2,
+                expand=k.hc_expand(t["y"], t["x"], t["post"], t["comb"], rows=rows),
+                final=k.collapse_norm(t["x"], t["pre_in"], t["w"], rms_eps=EPS["rms_eps"], rows=rows))
+
+
+def _is_zero(v: torch.Tensor) -> bool:
+    """Every element +0.0 (a memset's zero, not -0.0)."""
+    return bool((v == 0).all()) and not bool(torch.signbit(v).any())
+
+
+def measure_rows(case, device: str, seed: int = 0) -> dict:
+    """For rows = 0, 1, B - 1, B: per output, whether rows [0, k) are bitwise the full launch's and rows [k, B)
+    exactly zero; and whether a full launch after the partial ones gives the first one's bits again (the per-row
+    arrival counters are left clean)."""
+    hc, d, B, iters, dtype, splits = case
+    t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
+    full = _run_rows(t, iters, splits, None)
+    res = {}
+    for k in sorted({0, 1, B - 1, B}):
+        out = _run_rows(t, iters, splits, k)
+        res[str(k)] = {n: dict(shape=out[n].shape == full[n].shape, live=torch.equal(out[n][:k], full[n][:k]),
+                               zero=_is_zero(out[n][k:])) for n in full}
+    again = _run_rows(t, iters, splits, None)
+    res["again"] = all(torch.equal(again[n], full[n]) for n in full)
+    res["outputs"] = sorted(full)
+    return res
+
+
+def check_rows(case, res: dict) -> None:
+    B = case[2]
+    assert sorted(k for k in res if k not in ("again", "outputs")) == sorted(str(k) for k in {0, 1, B - 1, B})
+    assert len(res["outputs"]) == 11, res["outputs"]  # every output of the four launchers
+    for k, by_out in res.items():
+        if k in ("again", "outputs"):
+            continue
+        bad = {n: r for n, r in by_out.items() if not all(r.values())}
+        assert not bad, f"{case} rows={k}: {bad}"
+    assert res["again"], f"{case}: a full launch after partial ones differs from the first"
+
+
 def check(case, res: dict) -> None:
     dtype = case[4]
     for name, r in res.items():
@@ -218,6 +270,10 @@ def _interp_worker(out_path: str) -> None:
         except Exception as exc:  # report, so the tests show the worker's error
             results[json.dumps(case)] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
+        results["rows"] = measure_rows(CPU_ROWS_CASE, "cpu", seed=11)
+    except Exception as exc:  # noqa: BLE001
+        results["rows"] = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
         results["sites"] = _sites_both_ways()
     except Exception as exc:  # noqa: BLE001
         results["sites"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -247,6 +303,33 @@ def test_runtime_sites_agree_with_the_reference_math(interp):
     res = interp["sites"]
     assert "error" not in res, res.get("error")
     assert res["count"] == 12 and res["max_rel"] <= 1e-5, res
+
+
+def test_interpreted_live_rows_are_the_full_launch_and_the_rest_zero(interp):
+    """`rows=k` (k = 0, 1, B - 1, B): every output of the four launchers, rows [0, k) bitwise the `rows=None`
+    launch's, rows [k, B) +0.0."""
+    res = interp["rows"]
+    assert "error" not in res, res.get("error")
+    check_rows(CPU_ROWS_CASE, res)
+
+
+@pytest.mark.parametrize("rows", [-1, 3, 1.0, 1.5, True, "1", torch.tensor(1), [1]])
+def test_launchers_refuse_bad_rows(rows):
+    """`rows` must be None or an int in [0, B] (B = 2 here); refused before any launch."""
+    from dsv41.kernels.step import mhc as k
+
+    x, y, w = torch.zeros(2, 4, 8), torch.zeros(2, 8), torch.zeros(8)
+    pre, comb, fn_t, base, scale = torch.zeros(2, 4), torch.zeros(2, 4, 4), torch.zeros(32, 24), torch.zeros(24), \
+        torch.zeros(3)
+    calls = [
+        lambda: k.hc_site(x, fn_t, base, scale, pre, w, iters=20, rows=rows, **EPS),
+        lambda: k.hc_expand_site(y, x, pre, comb, fn_t, base, scale, pre, w, iters=20, rows=rows, **EPS),
+        lambda: k.hc_expand(y, x, pre, comb, rows=rows),
+        lambda: k.collapse_norm(x, pre, w, rms_eps=EPS["rms_eps"], rows=rows),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="rows"):
+            call()
 
 
 def test_launchers_refuse_wrong_layouts():
@@ -324,6 +407,46 @@ def test_gpu_mhc_kernels_full_shape(case):
         torch.backends.cuda.matmul.allow_tf32 = tf32
     print(case, json.dumps(res))
     check(case, res)
+
+
+@pytest.mark.gpu
+def test_gpu_live_rows_are_the_full_launch_and_the_rest_zero():
+    """The twin of the interpreted `rows=` test at the release's shape and bucket (B 16), compiled."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_harness import need_compiled_cuda
+
+    need_compiled_cuda()
+    res = measure_rows(GPU_ROWS_CASE, "cuda", seed=21)
+    check_rows(GPU_ROWS_CASE, res)
+
+
+@pytest.mark.gpu
+def test_gpu_live_rows_under_cuda_graph_capture():
+    """`rows=k` captured in a CUDA graph (the tail memsets included) and replayed on new inputs: the eager
+    launch's bits, the tail zero."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_harness import need_compiled_cuda
+
+    need_compiled_cuda()
+    hc, d, B, iters, dtype, splits = GPU_ROWS_CASE
+    k = 5
+    t = _inputs(hc, d, B, getattr(torch, dtype), "cuda", 31)
+    _run_rows(t, iters, splits, k)  # compile and allocate the counters outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run_rows(t, iters, splits, k)
+    fresh = _inputs(hc, d, B, getattr(torch, dtype), "cuda", 32)
+    for name, v in fresh.items():
+        t[name].copy_(v)
+    for name in out:
+        out[name].fill_(1)  # the replay must zero the tail again
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _run_rows(fresh, iters, splits, k)
+    for name in out:
+        assert torch.equal(out[name][:k], eager[name][:k]), name
+        assert _is_zero(out[name][k:]), name
 
 
 @pytest.mark.gpu

@@ -15,6 +15,13 @@ compiles for sm_80..sm_121 and runs in Triton's interpreter.
   site in one pass: X' is written once and never read back).
 - `hc_expand`: X' alone (the FFN site's expand); `collapse_norm`: the final collapse + norm.
 
+Live rows (`rows=`, every launcher): the decode path lays its rows out in a fixed bucket (runtime/model.py, BUCKET),
+real rows first, the rest padding. With `rows=k` the programs run for rows [0, k) only (grid k: padding rows cost
+nothing, Sinkhorn included) and every output's rows [k, B) are zero (a memset of the tail, no host sync, no
+data-dependent shape: CUDA-graph capturable). Zero padding rows keep every later row-wise op finite (RMSNorm of a
+zero row is zero). One program (set) per row either way: a live row's bits do not depend on `rows`; `rows=None`
+(= B) is the full launch.
+
 Numerics: fp32 throughout, sums in a fixed blocked order; the two rsqrt's in fp64 (IEEE sqrt and division, then one
 rounding, as the reference's `f64`), divisions correctly rounded (`div_rn`, as the reference's fp32 ones); exp in
 fp32 (the reference's is fp64 rounded to fp32: a few fp32 ulp apart). The collapse is rounded to the stream dtype
@@ -240,6 +247,25 @@ def _streams(x: torch.Tensor) -> tuple[int, int, int]:
     return tuple(x.shape)
 
 
+def _live_rows(rows, B: int) -> int:
+    """`rows=` of a launcher: None -> B, else an int in [0, B] (a Python int: a tensor would need a host sync)."""
+    if rows is None:
+        return B
+    if isinstance(rows, (bool, torch.Tensor)) or not hasattr(rows, "__index__"):
+        raise ValueError(f"rows must be None or an int in [0, {B}], got {rows!r}")
+    rows = rows.__index__()
+    if not 0 <= rows <= B:
+        raise ValueError(f"rows must be in [0, {B}] (the batch), got {rows}")
+    return rows
+
+
+def _zero_tail(rows: int, *outs: torch.Tensor) -> None:
+    """Rows [rows, B) of each output to zero (a memset each; nothing when every row is live)."""
+    for t in outs:
+        if rows < t.shape[0]:
+            t[rows:].zero_()
+
+
 def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     if tuple(t.shape) != shape or t.dtype != torch.float32:
         raise ValueError(f"{name} must be fp32 {list(shape)}, got {t.dtype} {list(t.shape)}")
@@ -247,8 +273,9 @@ def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
 
 
 def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-          splits):
+          splits, rows):
     B, hc, d = _streams(x)
+    rows = _live_rows(rows, B)
     nmix = (2 + hc) * hc
     if tuple(fn_t.shape) != (hc * d, nmix) or fn_t.dtype != torch.float32:
         raise ValueError(f"fn_t must be fp32 [{hc * d}, {nmix}], got {fn_t.dtype} {list(fn_t.shape)}")
@@ -271,55 +298,65 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
     block = min(BLOCK_D, triton.next_power_of_2(d))
     chunk = triton.cdiv(triton.cdiv(d, splits), block) * block
     np_ = triton.next_power_of_2(nmix + 2)  # the products, then the two sums of squares
-    if B:
-        part = torch.empty(B, splits, np_, dtype=torch.float32, device=x.device)
-        _site_kernel[(B, splits)](
+    _zero_tail(rows, *((xo,) if expand else ()), h, pre, post, comb)
+    if rows:
+        part = torch.empty(rows, splits, np_, dtype=torch.float32, device=x.device)
+        _site_kernel[(rows, splits)](
             x, y, post_in, comb_in, xo, fn_t, fn_t.stride(0), fn_t.stride(1), base.float().contiguous(),
             scale.float().contiguous(), pre_in, norm_weight.contiguous(), h, pre, post, comb, part,
-            _COUNTERS.get(x.device, B), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), HC=hc,
+            _COUNTERS.get(x.device, rows), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), HC=hc,
             HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits, EXPAND=expand, BLOCK=block,
             BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
     return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
 
 def hc_site(x, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float, iters: int,
-            rms_eps: float, splits: int | None = None):
+            rms_eps: float, splits: int | None = None, rows: int | None = None):
     """One mHC site: `(h, pre, post, comb)` with h = rms_norm(collapse(x, pre_in), norm_weight, rms_eps) [B, d] in
     x's dtype and pre, post [B, hc], comb [B, hc, hc] fp32 = `mhc.coefficients(x, (fn_t.T, base, scale), ...)`.
-    `splits`: programs per row (default from d: `default_splits`)."""
+    `splits`: programs per row (default from d: `default_splits`). `rows`: the live rows (module docstring): only
+    rows [0, rows) are computed, rows [rows, B) of h, pre, post and comb are zero; None = all B."""
     return _site(x, None, None, None, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-                 splits)
+                 splits, rows)
 
 
 def hc_expand_site(y, x, post, comb, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float,
-                   iters: int, rms_eps: float, splits: int | None = None):
-    """`x' = mhc.expand(y, x, post, comb)`, then `hc_site(x', ...)`: returns `(x', h, pre', post', comb')`."""
-    return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, splits)
+                   iters: int, rms_eps: float, splits: int | None = None, rows: int | None = None):
+    """`x' = mhc.expand(y, x, post, comb)`, then `hc_site(x', ...)`: returns `(x', h, pre', post', comb')`.
+    `rows`: the live rows (module docstring): rows [rows, B) of all five outputs (x' included) are zero."""
+    return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, splits,
+                 rows)
 
 
-def hc_expand(y, x, post, comb) -> torch.Tensor:
-    """`mhc.expand(y, x, post, comb)`: [B, hc, d] in x's dtype."""
+def hc_expand(y, x, post, comb, *, rows: int | None = None) -> torch.Tensor:
+    """`mhc.expand(y, x, post, comb)`: [B, hc, d] in x's dtype. `rows`: the live rows (module docstring): rows
+    [rows, B) of the result are zero; None = all B."""
     B, hc, d = _streams(x)
+    rows = _live_rows(rows, B)
     if tuple(y.shape) != (B, d) or y.dtype != x.dtype:
         raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
     post, comb = _coeff(post, (B, hc), "post"), _coeff(comb, (B, hc, hc), "comb")
     out = torch.empty_like(x)
+    _zero_tail(rows, out)
     block = min(BLOCK_E, triton.next_power_of_2(d))
-    if B:
-        _expand_kernel[(B, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, HC=hc,
+    if rows:
+        _expand_kernel[(rows, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, HC=hc,
                                                    HCP=triton.next_power_of_2(hc), BLOCK=block, num_warps=NUM_WARPS)
     return out
 
 
-def collapse_norm(x, pre, norm_weight, *, rms_eps: float) -> torch.Tensor:
-    """`rms_norm(mhc.collapse(x, pre), norm_weight, rms_eps)`: [B, d] in x's dtype."""
+def collapse_norm(x, pre, norm_weight, *, rms_eps: float, rows: int | None = None) -> torch.Tensor:
+    """`rms_norm(mhc.collapse(x, pre), norm_weight, rms_eps)`: [B, d] in x's dtype. `rows`: the live rows (module
+    docstring): rows [rows, B) of the result are zero; None = all B."""
     B, hc, d = _streams(x)
+    rows = _live_rows(rows, B)
     pre = _coeff(pre, (B, hc), "pre")
     if norm_weight.numel() != d:
         raise ValueError(f"norm_weight must have {d} elements, got {norm_weight.numel()}")
     h = torch.empty(B, d, dtype=x.dtype, device=x.device)
-    if B:
-        _collapse_norm_kernel[(B,)](x, pre, norm_weight.contiguous(), h, d, float(rms_eps), HC=hc,
+    _zero_tail(rows, h)
+    if rows:
+        _collapse_norm_kernel[(rows,)](x, pre, norm_weight.contiguous(), h, d, float(rms_eps), HC=hc,
                                     HCP=triton.next_power_of_2(hc), BLOCK=min(BLOCK_H, triton.next_power_of_2(d)),
                                     BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
     return h
