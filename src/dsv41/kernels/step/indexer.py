@@ -11,6 +11,15 @@ for c < n_vis[r] (and allow[r, c], the candidate pool, where given), -inf elsewh
 A block wholly past n_vis[r] reads nothing. The reduction order over hd and over the heads is fixed by the
 compile-time shapes: a row's bits depend on nothing but that row and its keys.
 
+Scores from the pool (`index_scores_pool`): the same kernel with its PAGED switch, which changes only how the key
+block is addressed and loaded: row r's entry c is row c % per_page of page pages[r, c // per_page] of the KV pool's
+index-key store (runtime/kv_pool.py), its fp32 values read in place through `codecs.load_values` (bit for bit the
+pool's `Codec.decode` to the compute dtype, read back as fp32), and row r's query is q[r]. Everything from the dot
+on is the one code path, so the scores are bit for bit `index_scores` over the keys gathered from the pages and
+decoded in torch (`KVPool.read_entries`, concatenated, q_row = arange). No host sync and no data-dependent
+allocation (CUDA-graph capturable); blocks wholly past n_vis[r] read nothing, so a column bucket much larger than
+the live entries costs a store of -inf per block.
+
 Top-k (`topk_select`): one program per row, the reference's rule exactly: the k largest scores, ties to the lower
 entry id (a stable descending sort's first k), picks of -inf entries -> -1, the ids sorted ascending (so the -1 come
 first). The program finds the k-th largest score by a 32-step bisection over an order-preserving int32 key of the
@@ -22,7 +31,9 @@ Optionally it writes the picked set as a mask instead (the candidate blocks).
 
 Padding: columns past a row's own entries hold -inf and are never picked. With k = min(index_topk, columns) the
 ids of a sequence of C entries are the last min(index_topk, C) columns of the row (every column before them -1), so
-sequences with different C share one launch and each row's bits are those it gets alone.
+sequences with different C share one launch and each row's bits are those it gets alone; the same holds for any
+column bucket larger than every row's entries (a fixed graph bucket of `index_scores_pool`), and the candidate
+pool agrees with the row's own on its first C columns (its last partial block may extend past C: cut to C).
 
 Candidate blocks (`candidate_mask`): the block maxima and the newest block's +inf in torch (no host sync, no
 boolean indexing: graph-safe), the top `candidate_topk_blocks` blocks (> -inf) with the top-k kernel in mask mode,
@@ -37,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
+
 BLOCK_C = 64  # entries per scores program
 TOPK_BLOCK = 1024  # entries per step of the top-k passes
 # key(-inf): the order-preserving int32 image of -inf's bits (negative floats: bits ^ 0x7fffffff)
@@ -45,8 +58,13 @@ NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFF
 
 @triton.jit
 def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, nvis_ptr, allow_ptr, sat,
-                   out_ptr, sot, H, HD, ncols,
-                   HP: tl.constexpr, HDP: tl.constexpr, BC: tl.constexpr, HAS_ALLOW: tl.constexpr):
+                   out_ptr, sot, H, HD, ncols, pg_ptr, spg, per_page, skp,
+                   HP: tl.constexpr, HDP: tl.constexpr, BC: tl.constexpr, HAS_ALLOW: tl.constexpr,
+                   PAGED: tl.constexpr, CODEC: tl.constexpr):
+    # PAGED: the keys are pool rows in place (k_ptr the uint8 store, skp / skc its page / row strides in bytes,
+    # pg_ptr the rows' page tables [R, P] of row stride spg, q row = r, CODEC the store's codecs.codec_id);
+    # otherwise a concatenated key tensor (k_ptr, row stride skc) at key_off[r], q row q_row[r]. Only the key
+    # block's addressing and load differ: everything from the dot on is one code path.
     r = tl.program_id(0)
     cb = tl.program_id(1)
     r64 = r.to(tl.int64)
@@ -57,8 +75,10 @@ def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, 
         live = live & (tl.load(allow_ptr + r64 * sat + c, mask=live, other=0) != 0)
     score = tl.full((BC,), float("-inf"), dtype=tl.float32)
     if cb * BC < nvis:
-        qr = tl.load(qrow_ptr + r).to(tl.int64)
-        koff = tl.load(koff_ptr + r).to(tl.int64)
+        if PAGED:
+            qr = r64
+        else:
+            qr = tl.load(qrow_ptr + r).to(tl.int64)
         h = tl.arange(0, HP)
         h_ok = h < H
         d = tl.arange(0, HDP)
@@ -66,8 +86,14 @@ def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, 
         q = tl.load(q_ptr + qr * sqt + h[:, None].to(tl.int64) * sqh + d[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptr + qr * swt + h, mask=h_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + (koff + c[:, None].to(tl.int64)) * skc + d[None, :],
-                    mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        if PAGED:
+            page = tl.load(pg_ptr + r64 * spg + c // per_page, mask=live, other=0).to(tl.int64)
+            row = k_ptr + page * skp + (c % per_page).to(tl.int64) * skc  # [BC] uint8 pointers
+            k = load_values(row[:, None], d[None, :], live[:, None] & d_ok[None, :], HD, CODEC)
+        else:
+            koff = tl.load(koff_ptr + r).to(tl.int64)
+            k = tl.load(k_ptr + (koff + c[:, None].to(tl.int64)) * skc + d[None, :],
+                        mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         per_head = tl.maximum(tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)  # [HP, BC]
         score = tl.where(live, tl.sum(w[:, None] * per_head, axis=0), score)
     tl.store(out_ptr + r64 * sot + c, score, mask=c < ncols)
@@ -155,8 +181,77 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: to
     a = allow if allow is not None else out
     _scores_kernel[(R, triton.cdiv(ncols, BLOCK_C))](
         q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), q_row, key_off, n_vis, a, a.stride(0),
-        out, out.stride(0), H, hd, ncols, HP=max(16, triton.next_power_of_2(H)),
-        HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C, HAS_ALLOW=allow is not None, num_warps=4)
+        out, out.stride(0), H, hd, ncols, n_vis, 0, 1, 0, HP=max(16, triton.next_power_of_2(H)),
+        HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C, HAS_ALLOW=allow is not None, PAGED=False, CODEC=0,
+        num_warps=4)
+    return out
+
+
+def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor, key_codec, pages: torch.Tensor,
+                      per_page: int, n_vis: torch.Tensor, ncols: int,
+                      allow: torch.Tensor | None = None) -> torch.Tensor:
+    """Index scores [B, ncols] fp32 reading the keys from the KV pool's pages in place: row r from q[r] [Hi, hd]
+    (quantised, any float dtype), w[r] [Hi] and entries c < n_vis[r] of its sequence, row c % per_page of page
+    pages[r, c // per_page] of key_store (uint8 [num_pages, per_page, row_bytes], `kv_pool.Codec` key_codec, read
+    through `codecs.load_values`). pages: int32 / int64 [B, P], one page table per row (rows of one sequence
+    repeat it; entries past n_vis[r] are never read, so their padding may hold anything); n_vis: int [B]. -inf at
+    c >= n_vis[r], where allow[r, c] (bool [B, ncols], optional) is False, and past n_vis. Bit for bit
+    `index_scores(q, w, keys, arange(B), key_off, n_vis, ncols, allow)` over the keys gathered and decoded in torch
+    (`KVPool.read_entries`). No host sync, no data-dependent allocation, one launch. The caller keeps n_vis[r] <=
+    P * per_page and the pages it reaches valid (they are not checked: that would read the device)."""
+    if q.dim() != 3 or not q.is_floating_point():
+        raise ValueError(f"q must be a float [B, Hi, hd] tensor, got {q.dtype} {list(q.shape)}")
+    B, H, hd = q.shape
+    dev = q.device
+    if w.shape != (B, H) or not w.is_floating_point():
+        raise ValueError(f"w must be a float [B={B}, Hi={H}] tensor, got {w.dtype} {list(w.shape)}")
+    cid = codec_id(key_codec)
+    if key_codec.dim != hd:
+        raise ValueError(f"the key codec stores {key_codec.dim} values a row, the queries have hd={hd}")
+    if per_page < 1:
+        raise ValueError(f"per_page must be >= 1, got {per_page}")
+    if (key_store.dtype != torch.uint8 or key_store.dim() != 3 or key_store.shape[1] != per_page
+            or key_store.shape[2] != key_codec.row_bytes):
+        raise ValueError(f"key_store must be uint8 [num_pages, per_page={per_page}, row_bytes="
+                         f"{key_codec.row_bytes}], got {key_store.dtype} {list(key_store.shape)}")
+    if key_store.stride(2) != 1:
+        raise ValueError("key_store's rows must be contiguous bytes (stride 1 in the last dim)")
+    if cid in (RAW_BF16, RAW_FP16, RAW_FP32):  # the raw rows are read as their dtype: element-aligned
+        size = key_codec.row_bytes // key_codec.dim
+        if (key_store.storage_offset() % size or key_store.stride(0) % size or key_store.stride(1) % size
+                or key_store.data_ptr() % size):
+            raise ValueError(f"key_store's rows are not aligned to {key_codec.name}'s {size}-byte values")
+    if pages.dim() != 2 or pages.shape[0] != B or pages.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"pages must be int32 / int64 [B={B}, P], got {pages.dtype} {list(pages.shape)}")
+    if n_vis.shape != (B,) or n_vis.dtype.is_floating_point or n_vis.dtype == torch.bool:
+        raise ValueError(f"n_vis must be an integer [B={B}] tensor, got {n_vis.dtype} {list(n_vis.shape)}")
+    if ncols < 0:
+        raise ValueError(f"ncols must be >= 0, got {ncols}")
+    for name, t in (("w", w), ("key_store", key_store), ("pages", pages), ("n_vis", n_vis)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device}, q on {dev}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    if pages.stride(1) != 1:
+        pages = pages.contiguous()
+    n_vis = n_vis.contiguous()
+    out = torch.empty(B, ncols, dtype=torch.float32, device=dev)
+    if allow is not None:
+        if allow.shape != (B, ncols) or allow.dtype not in (torch.bool, torch.uint8):
+            raise ValueError(f"allow must be bool [B={B}, ncols={ncols}], got {allow.dtype} {list(allow.shape)}")
+        if allow.device != dev:
+            raise ValueError(f"allow is on {allow.device}, q on {dev}")
+        allow = (allow.view(torch.uint8) if allow.dtype == torch.bool else allow).contiguous()
+    if B == 0 or ncols == 0:
+        return out
+    a = allow if allow is not None else out
+    _scores_kernel[(B, triton.cdiv(ncols, BLOCK_C))](
+        q, q.stride(0), q.stride(1), w, w.stride(0), key_store, key_store.stride(1), n_vis, n_vis, n_vis, a,
+        a.stride(0), out, out.stride(0), H, hd, ncols, pages, pages.stride(0), per_page, key_store.stride(0),
+        HP=max(16, triton.next_power_of_2(H)), HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C,
+        HAS_ALLOW=allow is not None, PAGED=True, CODEC=cid, num_warps=4)
     return out
 
 
