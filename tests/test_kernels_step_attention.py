@@ -3,6 +3,8 @@
 CPU part: the kernels run in Triton's interpreter, in one child process (this file run as a script; see
 tests/test_kernels_step_router.py for why), which saves the kernel's outputs on the cases below; the tests rebuild
 the inputs and judge. GPU part (`-m gpu`): the real shapes (64 or 32 local heads of 512, S = 128 + 512), compiled.
+`attention_pool` (keys read from a real KVPool in place) is judged bit for bit against `attention_core` over the
+same slots gathered and decoded in torch, in both parts.
 """
 
 from __future__ import annotations
@@ -93,7 +95,121 @@ def _interp_worker(out_path: str) -> None:
         rev = torch.arange(q.shape[0] - 1, -1, -1)
         res["reversed"] = core(q[rev], keys[rev], ok[rev]).flip(0)
         out[name] = res
+    for name in POOL_CASES:
+        out[name] = _pool_results(_pool_case(name))
     torch.save(out, out_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention_pool: the keys read from a real KVPool in place, against attention_core on the torch-gathered slots
+# ---------------------------------------------------------------------------------------------------------------
+
+# name: (heads, head_dim, window, width (0: swa-only), K, per_page, fake_quant, rows); a row is
+# (sequence, position, selected ids), a sequence (ring slot, last position written, page ids, entries)
+_SEQS = {
+    "pool-fp8": {"A": (2, 5, [7], 1), "B": (0, 30, [9, 3], 7), "C": (3, 42, [5, 1, 10], 10), "D": (1, 12, [], 0)},
+    "pool-raw": {"A": (1, 3, [], 0), "B": (0, 51, [4, 8, 2], 12), "C": (2, 20, [11, 6], 5)},
+    "swa-fp8": {"A": (0, 2, [], 0), "B": (3, 62, [], 0), "C": (1, 17, [], 0)},
+}
+POOL_SPECS = {
+    # window 8 (not a key block), ring 11 rows; K = 6 < width 12; verify rows C at 40..42 (the ring holds up to 42);
+    # A at position 5 (early window slots dead, one entry), B wrapped, D without entries (all -1)
+    "pool-fp8": (3, 64, 8, 12, 6, 4, True,
+                 [("C", 40, 6), ("A", 5, 1), ("C", 41, 4), ("D", 12, 0), ("B", 30, 6), ("C", 42, 6)]),
+    # raw bf16 rows (no fake quantiser), K = width = 16 with at most 12 entries (leading -1), two blocks
+    "pool-raw": (2, 128, 16, 16, 16, 4, False, [("B", 50, 12), ("A", 3, 0), ("C", 20, 5), ("B", 51, 9)]),
+    # no entry store: window slots only (positions 2 < window, wrapped rings, a verify run 60..62)
+    "swa-fp8": (3, 64, 16, 0, 0, 4, True, [("B", 60, 0), ("A", 2, 0), ("B", 61, 0), ("C", 17, 0), ("B", 62, 0)]),
+}
+POOL_CASES = tuple(POOL_SPECS)
+
+
+def _fill_pool(pool, seqs: dict, gen: torch.Generator, hd: int) -> None:
+    """Every sequence's window rows (positions 0..last, the ring overwritten as it wraps, ring_rows at a time)
+    and compressed entries, random; the rest of the pool stays 0xFF bytes (NaN / huge if a dead slot were read)."""
+    pool.buffer.fill_(255)
+    dev = pool.device
+    for slot, last, page_ids, n in seqs.values():
+        for first in range(0, last + 1, pool.ring_rows):
+            rows = torch.randn(min(pool.ring_rows, last + 1 - first), hd, generator=gen).to(pool.dtype)
+            pool.write_ring("window", 0, slot, first, rows.to(dev))
+        if n:
+            pool.write_entries(0, page_ids, 0, torch.randn(n, hd, generator=gen).to(pool.dtype).to(dev), None)
+
+
+def _pool_case(name: str, device="cpu", spec=None, seqs=None) -> dict:
+    """A filled KVPool and a launch over it: attention_pool's arguments (`args`), q and sink, and the same slots
+    gathered and decoded in torch (`keys`, `ok`: the window's, then `compressed_slots` of the selected ids)."""
+    from dsv41.model.attention import compressed_slots
+    from dsv41.runtime.kv_pool import KVPool, SourceLayout
+
+    H, hd, window, width, K, per_page, fq, rows = spec or POOL_SPECS[name]
+    seqs = seqs or _SEQS[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    dev = torch.device(device)
+    num_pages = 1 + max([p for s in seqs.values() for p in s[2]] + [0])
+    pool = KVPool(num_slots=1 + max(s[0] for s in seqs.values()), num_pages=num_pages, page_tokens=4 * per_page,
+                  ring_rows=window + 3, window_layers=[0], sources=[SourceLayout(0, 4, per_page, False)],
+                  head_dim=hd, index_head_dim=64, dtype=torch.bfloat16, fake_quant=fq, device=dev)
+    assert (pool.window_codec.name, pool.kv_codec.name) == (
+        ("fp8-e4m3/ue8m0-32", "fp4-e2m1/e4m3-16") if fq else ("raw-bfloat16", "raw-bfloat16"))
+    _fill_pool(pool, seqs, gen, hd)
+    B = len(rows)
+    P = max(1, max(len(s[2]) for s in seqs.values()))
+    slot = torch.tensor([seqs[r][0] for r, _, _ in rows], dtype=torch.int32)
+    pos = torch.tensor([p for _, p, _ in rows], dtype=torch.int64)
+    pages = torch.zeros(B, P, dtype=torch.int32 if fq else torch.int64)
+    ids = torch.full((B, K), -1, dtype=torch.int64)
+    keys, ok = [], []
+    for b, (r, p, k) in enumerate(rows):
+        s_slot, _, page_ids, n = seqs[r]
+        pages[b, :len(page_ids)] = torch.tensor(page_ids, dtype=pages.dtype)
+        if k:
+            ids[b, K - k:] = torch.randperm(n, generator=gen)[:k].sort().values
+        first = max(0, p - window + 1)
+        kw = torch.zeros(window, hd, dtype=pool.dtype, device=dev)
+        kw[window - (p + 1 - first):] = pool.read_ring("window", 0, s_slot, first, p + 1)
+        okw = torch.arange(window, device=dev) >= window - (p + 1 - first)
+        if width:
+            kv, _ = pool.read_entries(0, page_ids, n)
+            comp, comp_ok = compressed_slots(SimpleNamespace(kv=kv), ids[b:b + 1].to(dev) if K else None, width, 1,
+                                             hd, dev)
+            kw, okw = torch.cat((kw, comp[0].to(pool.dtype))), torch.cat((okw, comp_ok[0]))
+        keys.append(kw)
+        ok.append(okw)
+    q = (torch.randn(B, H, hd, generator=gen) * 2).bfloat16().to(dev)
+    sink = torch.randn(H, generator=gen).to(dev)
+    args = {"window_store": pool.stores[("window", 0)], "window_codec": pool.window_codec, "slot": slot.to(dev),
+            "pos": pos.to(dev), "window": window}
+    if width:
+        args.update(entry_store=pool.stores[("kv", 0)], entry_codec=pool.kv_codec, pages=pages.to(dev),
+                    per_page=per_page, ids=ids.to(dev), width=width)
+    return {"q": q, "sink": sink, "scale": hd ** -0.5, "args": args, "keys": torch.stack(keys), "ok": torch.stack(ok)}
+
+
+def _rows_of(args: dict, idx) -> dict:
+    """attention_pool's per-row arguments restricted to rows `idx` (a slice or an index tensor)."""
+    return {k: (v[idx] if k in ("slot", "pos", "pages", "ids") else v) for k, v in args.items()}
+
+
+def _pool_results(case: dict) -> dict:
+    """attention_pool together / each row alone / rows reversed, and attention_core on the gathered slots."""
+    from dsv41.kernels.step.attention import attention_core, attention_pool
+
+    q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
+    B = q.shape[0]
+    rev = torch.arange(B - 1, -1, -1, device=q.device)
+    return {
+        "core": attention_core(q, case["keys"], case["ok"], sink, scale),
+        "pool": attention_pool(q, sink, scale, **args),
+        "alone": torch.cat([attention_pool(q[b:b + 1], sink, scale, **_rows_of(args, slice(b, b + 1)))
+                            for b in range(B)]),
+        "reversed": attention_pool(q[rev], sink, scale, **_rows_of(args, rev)).flip(0),
+    }
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +245,64 @@ def test_interpreted_core_bits_ignore_dead_slots_padding_and_other_rows(interp, 
     res = interp[name]
     for key in ("garbage", "padded", "alone", "reversed"):
         assert torch.equal(res[key], res["out"]), key
+
+
+@pytest.mark.parametrize("name", POOL_CASES)
+def test_interpreted_pool_is_the_gathered_core_bitwise(interp, name):
+    """attention_pool over a real KVPool (FP8 window rows and FP4 entries, or raw bf16 rows; swa-only or with
+    entries) has the bits of attention_core over the same slots gathered and decoded in torch: early dead window
+    slots, wrapped rings, verify rows of one sequence, entries over non-sequential pages, leading -1 with K < width
+    and K = width, a row without entries; the rest of the pool is 0xFF bytes (never read). Within fp32 rounding of
+    the reference, and each row's bits are the same alone, together and in reversed order."""
+    res = interp[name]
+    case = _pool_case(name)
+    assert res["pool"].dtype == torch.float32 and res["pool"].shape == case["q"].shape
+    assert torch.isfinite(res["pool"]).all()
+    assert torch.equal(_bits(res["pool"]), _bits(res["core"]))
+    for key in ("alone", "reversed"):
+        assert torch.equal(_bits(res[key]), _bits(res["pool"])), key
+    rel, worst = _errors(res["pool"], _reference(case["q"], case["keys"], case["ok"], case["sink"]))
+    assert rel < 1e-5 and worst < 1e-5, (rel, worst)
+    if case["args"].get("width"):  # the layout exercised what it claims: dead and live entry slots
+        ok = case["ok"][:, case["args"]["window"]:]
+        assert ok.any() and not ok.all(dim=1).any() and not ok.any(dim=1).all()
+    assert not case["ok"][:, 0].all() and case["ok"][:, -1].any()
+
+
+def test_pool_rejects_bad_arguments():
+    """Clear ValueErrors (before any launch): shapes, dtypes, width < K, pieces missing or given without the
+    entry store, a window longer than the ring, a store that does not hold the codec."""
+    from dsv41.kernels.step.attention import attention_pool
+
+    case = _pool_case("pool-fp8")
+    q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
+
+    def bad(match, q_=q, sink_=sink, **change):
+        kw = dict(args)
+        for k, v in change.items():
+            if v is None:
+                kw.pop(k, None)
+            else:
+                kw[k] = v
+        with pytest.raises(ValueError, match=match):
+            attention_pool(q_, sink_, scale, **kw)
+
+    bad("q must be", q_=q[0])
+    bad("sink", sink_=sink[:-1])
+    bad("width 5 < K = 6", width=5)
+    bad("ids must be", ids=args["ids"][:-1])
+    bad("ids must be", ids=args["ids"].float())
+    bad("pages must be", pages=args["pages"][:, 0])
+    bad("slot must be", slot=args["slot"].float())
+    bad("pos must be", pos=args["pos"][:-1])
+    bad("longer than the ring", window=12)
+    bad("window must be", window=0)
+    bad("entry_store needs", pages=None)
+    bad("entry_store needs", entry_codec=None)
+    bad("without entry_store", entry_store=None)
+    bad("codec", window_codec=args["entry_codec"])
+    bad("per_page", per_page=8)
+    bad("window_store must be uint8", window_store=args["window_store"].float())
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,6 +347,48 @@ def test_gpu_core_real_shapes_vs_reference_and_row_invariance(H):
     assert torch.equal(attention_core(q[perm], keys[perm], ok[perm], sink, scale), out[perm])
     assert torch.equal(attention_core(q, *_padded(keys, ok, 130), sink, scale), out)
     assert torch.equal(attention_core(q, _garbage(keys, ok), ok, sink, scale), out)
+
+
+def _gpu_pool_case(H: int, fake_quant: bool) -> dict:
+    """The real shapes over a pool: 512-wide rows, window 128 (ring 131), top-k 512 (K = 512, fewer selected on
+    some rows), 64 entries per page, 16 rows of 6 sequences (verify runs, a wrapped ring, an early position, a
+    sequence without entries), entries over non-sequential pages."""
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
+    seqs = {"A": (3, 5, perm[0:1], 30), "B": (0, 700, perm[1:12], 700), "C": (5, 2045, perm[12:44], 1500),
+            "D": (1, 90, [], 0), "E": (2, 300, perm[44:46], 75), "F": (4, 1300, perm[46:52], 325)}
+    rows = [("C", 2042, 512), ("A", 5, 30), ("C", 2043, 512), ("B", 697, 512), ("D", 90, 0), ("C", 2044, 400),
+            ("E", 300, 75), ("B", 698, 512), ("F", 1300, 325), ("C", 2045, 512), ("B", 699, 100), ("E", 299, 60),
+            ("F", 1299, 1), ("B", 700, 512), ("D", 89, 0), ("A", 4, 29)]
+    return _pool_case(f"gpu-{H}-{fake_quant}", "cuda", (H, 512, 128, 512, 512, 64, fake_quant, rows), seqs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,fake_quant", [(64, True), (32, True), (64, False)])
+def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
+    """Compiled, the real shapes: attention_pool == attention_core on the torch-gathered slots bit for bit, and
+    each row's bits alone, together, reversed and in any contiguous part of the batch."""
+    from dsv41.kernels.step.attention import attention_pool
+
+    _need_cuda()
+    case = _gpu_pool_case(H, fake_quant)
+    res = _pool_results(case)
+    torch.cuda.synchronize()
+    assert torch.isfinite(res["pool"]).all()
+    assert torch.equal(_bits(res["pool"]), _bits(res["core"]))
+    for key in ("alone", "reversed"):
+        assert torch.equal(_bits(res[key]), _bits(res["pool"])), key
+    q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
+    for start, stop in ((0, 5), (3, 16), (7, 8)):
+        part = attention_pool(q[start:stop], sink, scale, **_rows_of(args, slice(start, stop)))
+        assert torch.equal(_bits(part), _bits(res["pool"][start:stop])), (start, stop)
+    rel, worst = _errors(res["pool"], _reference(q, case["keys"], case["ok"], sink))
+    assert rel < 1e-5 and worst < 1e-4, (rel, worst)
+    swa = {k: args[k] for k in ("window_store", "window_codec", "slot", "pos", "window")}
+    w = args["window"]
+    from dsv41.kernels.step.attention import attention_core
+
+    assert torch.equal(_bits(attention_pool(q, sink, scale, **swa)),
+                       _bits(attention_core(q, case["keys"][:, :w], case["ok"][:, :w], sink, scale)))
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

@@ -17,6 +17,21 @@ A row's bits depend only on that row: no program reads another row, and the prog
 fixed, so the grid's row count changes nothing. They do not depend on padding S either: extra slots past a row's own
 ones (dead) add exact zeros at the end of a block, extra blocks and splits change nothing, so rows of different
 sequences padded to one S can share a launch.
+
+`attention_pool`: the same core with the keys read from the KV pool in place (runtime/kv_pool.py), no gathered
+copy. Row b's slots are those `FastAttention._slots` gathers: window slots j = 0..window-1 hold key position
+kp = pos[b] - window + 1 + j, live iff kp >= 0, stored in ring row kp % ring_rows of ring slot slot[b]; then (layers
+that read a KV source) `width` compressed slots, the top-k ids [B, K] (ascending, -1 first) left-padded with dead
+slots to width as `compressed_slots` does: slot c reads ids[b, c - (width - K)] when c >= width - K, and id >= 0
+lives in page pages[b, id // per_page], row id % per_page. S = window + width (or window).
+
+Why it is bitwise the gathered call: it is the same `_core_split_kernel` launch (same grid, blocks, splits, S) with
+the constexpr POOL choosing only where a block's keys and live flags come from; everything from the scores on is
+one code path, and the combine kernel is the same. The keys it loads are the same fp32 values: a live slot's stored
+row decoded by `codecs.load_values` is bit for bit `Codec.decode` read back as fp32 (every product is exact in the
+compute dtype), a dead slot is 0.0 in both, and a block's window and compressed slots are merged by a select (no
+arithmetic on the values, so signed zeros survive). A dead slot's row is never read, and a row's bits still depend
+only on that row (its slot, position, ids and pages).
 """
 
 from __future__ import annotations
@@ -24,6 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .codecs import codec_id, load_values
 
 HEAD_BLOCK = 16
 KEY_BLOCK = 16
@@ -33,7 +50,10 @@ SPLIT_KEYS = 128  # slots per split (8 key blocks): parallelism for one row; the
 @triton.jit
 def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, m_ptr, l_ptr, acc_ptr,
                        H, S, HD, scale,
-                       HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr):
+                       w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                       e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
+                       HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
+                       POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1):
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -50,9 +70,15 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     acc = tl.zeros((HB, HDP), dtype=tl.float32)
     for c in range(BLOCKS):
         j = (sp * BLOCKS + c) * BS + tl.arange(0, BS)
-        live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
-        k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
-                    mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        # the only place the two variants differ: where a block's keys and live flags come from
+        if POOL:
+            live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                                  e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
+                                  WCODEC, ECODEC)
+        else:
+            live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
+            k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
+                        mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -65,6 +91,39 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     tl.store(m_ptr + at, m, mask=h_ok)
     tl.store(l_ptr + at, l, mask=h_ok)
     tl.store(acc_ptr + at[:, None] * HD + col[None, :], acc, mask=h_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
+                WCODEC: tl.constexpr, ECODEC: tl.constexpr):
+    """(live [BS], keys [BS, HDP] fp32) of slots j of row t read from the pool in place: what the gathered
+    variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's decode)."""
+    # window slots: position kp = pos - window + 1 + j, ring row kp % ring_rows of the row's ring slot
+    pos = tl.load(pos_ptr + t64).to(tl.int64)
+    ring = tl.load(slot_ptr + t64).to(tl.int64)
+    kp = pos - window + 1 + j
+    w_live = (j < window) & (kp >= 0)
+    w_row = w_ptr + ring * sws + (tl.where(w_live, kp, 0) % ring_rows) * swr
+    k = load_values(w_row[:, None], col[None, :], w_live[:, None] & col_ok[None, :], HD, WCODEC)
+    live = w_live
+    if ECODEC >= 0:
+        # compressed slots: slot c = j - window reads ids[t, c - (width - n_ids)] (left padding dead), id >= 0
+        # lives in page pages[t, id // per_page] at row id % per_page
+        cc = j - window
+        at = cc - (width - n_ids)
+        has = (cc >= 0) & (cc < width) & (at >= 0)
+        eid = tl.load(ids_ptr + t64 * sib + tl.where(has, at, 0), mask=has, other=-1).to(tl.int64)
+        e_live = has & (eid >= 0)
+        eid = tl.where(e_live, eid, 0)
+        pi = eid // per_page
+        e_live = e_live & (pi < n_pages)  # memory safety only: a valid id addresses one of the row's pages
+        page = tl.load(pages_ptr + t64 * spb + pi, mask=e_live, other=0).to(tl.int64)
+        e_row = e_ptr + page * sep + (eid % per_page) * ser
+        ke = load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
+        k = tl.where(w_live[:, None], k, ke)
+        live = w_live | e_live
+    return live, k
 
 
 @triton.jit
@@ -120,6 +179,113 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     hdp = triton.next_power_of_2(max(hd, 16))
     _core_split_kernel[(T, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
-        H, S, hd, float(scale), HB=HEAD_BLOCK, BS=KEY_BLOCK, BLOCKS=SPLIT_KEYS // KEY_BLOCK, HDP=hdp, num_warps=8)
+        H, S, hd, float(scale), *_no_pool(ok),
+        HB=HEAD_BLOCK, BS=KEY_BLOCK, BLOCKS=SPLIT_KEYS // KEY_BLOCK, HDP=hdp, num_warps=8)
     _core_combine_kernel[(T, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
+    return out
+
+
+def _no_pool(t: torch.Tensor) -> tuple:
+    """The pool arguments of the gathered variant (POOL=False never reads them)."""
+    return (t, 0, 0, 1, t, t, 0, t, 0, 0, t, 0, 0, 1, t, 0, 0, 0)
+
+
+def _int_vector(name: str, x: torch.Tensor, B: int) -> None:
+    if x.shape != (B,) or x.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32/int64 [B={B}], got {x.dtype} {list(x.shape)}")
+
+
+def _store(name: str, store: torch.Tensor, codec, hd: int) -> None:
+    if store.dtype != torch.uint8 or store.dim() != 3:
+        raise ValueError(f"{name} must be uint8 [n, rows, row_bytes], got {store.dtype} {list(store.shape)}")
+    if codec.dim != hd or store.shape[2] != codec.row_bytes:
+        raise ValueError(f"{name} rows of {store.shape[2]} bytes do not hold the codec {codec.name!r} "
+                         f"({codec.row_bytes} bytes of {codec.dim} values) at head_dim {hd}")
+    if store.stride(2) != 1:
+        raise ValueError(f"{name} must be contiguous within a row (stride(2) == 1), got {store.stride()}")
+
+
+def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_store: torch.Tensor, window_codec,
+                   slot: torch.Tensor, pos: torch.Tensor, window: int, entry_store: torch.Tensor | None = None,
+                   entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
+                   ids: torch.Tensor | None = None, width: int = 0) -> torch.Tensor:
+    """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call.
+
+    q [B, H, hd] (bf16 / fp16 / fp32, read as fp32), sink [H] fp32. Window slots j < window of row b: position
+    kp = pos[b] - window + 1 + j, live iff kp >= 0, ring row kp % ring_rows of ring slot slot[b] of
+    window_store (uint8 [slots, ring_rows, row_bytes], `window_codec`). With `entry_store` (uint8
+    [num_pages, per_page, row_bytes], `entry_codec`) the `width` compressed slots follow: slot c reads
+    ids[b, c - (width - K)] (ids [B, K] int64, K <= width, ascending with the -1 first; None: K = 0) when
+    c >= width - K, else dead; id >= 0 is live, page pages[b, id // per_page] (pages [B, P]), row id % per_page.
+    Returns o [B, H, hd] fp32; no host sync, no data-dependent allocation, one split and one combine launch."""
+    if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
+    B, H, hd = q.shape
+    if sink.shape != (H,):
+        raise ValueError(f"sink {list(sink.shape)} must be [H={H}]")
+    window = int(window)
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    _store("window_store", window_store, window_codec, hd)
+    if window > window_store.shape[1]:
+        raise ValueError(f"window {window} is longer than the ring ({window_store.shape[1]} rows)")
+    _int_vector("slot", slot, B)
+    _int_vector("pos", pos, B)
+    for name, x in (("window_store", window_store), ("slot", slot), ("pos", pos)):
+        if x.device != q.device:
+            raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+    wcodec = codec_id(window_codec)
+    sink = sink.float().contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    slot, pos = slot.contiguous(), pos.contiguous()
+    if entry_store is None:
+        if any(x is not None for x in (entry_codec, pages, ids)) or width:
+            raise ValueError("entry_codec / pages / ids / width given without entry_store")
+        S = window
+        ents = (q, 0, 0, q, 0, 0, 1, q, 0, 0, 0)
+        ecodec = -1
+    else:
+        if entry_codec is None or pages is None:
+            raise ValueError("entry_store needs entry_codec and pages")
+        _store("entry_store", entry_store, entry_codec, hd)
+        ecodec = codec_id(entry_codec)
+        per_page, width = int(per_page), int(width)
+        if per_page != entry_store.shape[1]:
+            raise ValueError(f"per_page {per_page} is not the entry store's {entry_store.shape[1]} rows per page")
+        if pages.dim() != 2 or pages.shape[0] != B or pages.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"pages must be int32/int64 [B={B}, P], got {pages.dtype} {list(pages.shape)}")
+        if ids is None:
+            ids = torch.empty(B, 0, dtype=torch.int64, device=q.device)
+        if ids.dim() != 2 or ids.shape[0] != B or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ids must be int64 [B={B}, K], got {ids.dtype} {list(ids.shape)}")
+        K = ids.shape[1]
+        if width < K:
+            raise ValueError(f"width {width} < K = {K} selected ids")
+        for name, x in (("entry_store", entry_store), ("pages", pages), ("ids", ids)):
+            if x.device != q.device:
+                raise ValueError(f"{name} is on {x.device}, q on {q.device}")
+        if pages.stride(1) != 1:
+            pages = pages.contiguous()
+        if ids.stride(1) != 1:
+            ids = ids.contiguous()
+        S = window + width
+        # an empty ids / pages is never read (no slot addresses it): any valid pointer stands in
+        ids_arg, pages_arg = (ids if K else pos), (pages if pages.shape[1] else pos)
+        ents = (entry_store, entry_store.stride(0), entry_store.stride(1), pages_arg, pages.stride(0),
+                pages.shape[1], per_page, ids_arg, ids.stride(0), K, width)
+    out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
+    if B == 0:
+        return out
+    n_splits = max(1, triton.cdiv(S, SPLIT_KEYS))
+    m = torch.empty(B, n_splits, H, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B, n_splits, H, hd, dtype=torch.float32, device=q.device)
+    hdp = triton.next_power_of_2(max(hd, 16))
+    _core_split_kernel[(B, triton.cdiv(H, HEAD_BLOCK), n_splits)](
+        q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
+        window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
+        *ents, HB=HEAD_BLOCK, BS=KEY_BLOCK, BLOCKS=SPLIT_KEYS // KEY_BLOCK, HDP=hdp,
+        POOL=True, WCODEC=wcodec, ECODEC=ecodec, num_warps=8)
+    _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
     return out
