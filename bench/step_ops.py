@@ -162,8 +162,9 @@ def install(model, rec: Recorder):
         def make(orig):
             def shim(*a, **k):
                 name = key(a, k) if callable(key) else key
+                grp = group(a, k) if callable(group) else group
                 acc = (lambda out: account(a, out)) if account else None
-                return rec.call(name, group, container, lambda: orig(*a, **k), acc)
+                return rec.call(name, grp, container, lambda: orig(*a, **k), acc)
             return shim
         patch(owner, attr, make)
 
@@ -174,7 +175,7 @@ def install(model, rec: Recorder):
         kind = "head" if lin.fused_only else linear_kind(lin.name)
         return f"{'head' if lin.fused_only else 'exl3'} {kind} {w.k}x{w.n} K{w.K}"
 
-    leaf(Exl3Linear, "__call__", exl3_key, "exl3",
+    leaf(Exl3Linear, "__call__", exl3_key, lambda a, k: "head" if a[0].fused_only else "exl3",
          lambda a, out: {"exl3_bytes": a[0].nbytes, "exl3_weights": a[0].in_features * a[0].out_features})
     leaf(DequantLinear, "__call__",
          lambda a, k: f"dense {linear_kind(a[0].name)} {a[0].in_features}x{a[0].out_features} {a[0].fmt}", "dense",
