@@ -45,7 +45,7 @@ from dsv41.parallel.comm import Comm  # noqa: E402
 from dsv41.runtime import sections  # noqa: E402
 from dsv41.runtime.graphs import PieceGraphs  # noqa: E402
 from dsv41.runtime.layers.linear import DequantLinear, Exl3Linear  # noqa: E402
-from dsv41.runtime.synthetic import synthetic_rank, synthetic_state  # noqa: E402
+from dsv41.runtime.synthetic import synthetic_pool_sequence, synthetic_rank, synthetic_state  # noqa: E402
 
 PREFILL_SHAPES = [(5120, 1152), (1152, 5120), (5120, 1280), (5120, 512), (1280, 16384), (4096, 1024),
                   (4096, 5120), (1280, 4096), (3072, 25600)]
@@ -204,8 +204,11 @@ def classify(prof) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ steps
+POOL = None  # the KV pool the decode and verify rows run over in place (`--attention pool`), set by main
+
+
 def run_step(model, rows, mode, trace=None):
-    logits = model.forward(rows, mode, trace=trace)
+    logits = model.forward(rows, mode, trace=trace, pool=POOL)
     with sections.section("sampling"):
         tokens = logits.argmax(dim=-1)
     return tokens.tolist()
@@ -220,8 +223,9 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
         batch = rows()
         sync(device)
         t0 = time.perf_counter()
-        run_step(model, batch, mode, trace if i == steps - 1 else None)  # the trace costs no device work
+        run_step(model, batch, mode)
         times.append((time.perf_counter() - t0) * 1e3)
+    run_step(model, rows(), mode, trace)  # untimed: a traced forward takes the eager load-and-store path
     prof = None
     if device.type == "cuda" and profiled:
         from torch.profiler import ProfilerActivity, profile
@@ -236,14 +240,22 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
     return statistics.median(times), times, trace, prof
 
 
+def _sequence(model, i, context, seed):
+    """Sequence i at `context`: a plain state, or (`--attention pool`) slot i of the pool and its own pages."""
+    if POOL is None:
+        return synthetic_state(model, context, seed=seed)
+    per = POOL.num_pages // POOL.num_slots
+    return synthetic_pool_sequence(model, POOL, i, list(range(i * per, (i + 1) * per)), context, seed=seed)
+
+
 def decode_rows(model, n, context, seed):
-    states = [synthetic_state(model, context, seed=seed + i) for i in range(n)]
+    states = [_sequence(model, i, context, seed + i) for i in range(n)]
     g = torch.Generator().manual_seed(seed)
     return lambda: lambda: [(s, torch.randint(0, model.cfg.vocab_size, (1,), generator=g)) for s in states]
 
 
 def verify_rows(model, n, context, seed):
-    state = synthetic_state(model, context, seed=seed)
+    state = _sequence(model, 0, context, seed)
     g = torch.Generator().manual_seed(seed)
     return lambda: lambda: [(state, torch.randint(0, model.cfg.vocab_size, (n,), generator=g))]
 
@@ -359,6 +371,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", default=None, help="a model folder whose config.json replaces the real shapes (smoke)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--no-graphs", action="store_true", help="run the decode/verify pieces eagerly (A/B)")
+    p.add_argument("--attention", choices=("pool", "gather"), default="pool",
+                   help="decode/verify attention over a KV pool in place (one graph a step), or over states "
+                        "loaded per sequence (the pieces' graphs, eager attention between them)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds this run may take: the prefill is skipped when less than 40 s are left")
     args = p.parse_args(argv)
@@ -407,6 +422,18 @@ def main(argv=None) -> int:
         results["memory"].update(allocated_bytes=torch.cuda.memory_allocated() - base,
                                  peak_bytes=torch.cuda.max_memory_allocated() - base)
     model.graphs = PieceGraphs(device, model.comm, enabled=not args.no_graphs)
+    global POOL
+    if args.attention == "pool":
+        from dsv41.runtime.fast_forward import pool_layout
+        from dsv41.runtime.kv_pool import pool_for_model
+
+        slots, longest = max(args.rows + [1]), max(args.verify_rows + [1])
+        tokens = args.context + (args.steps + 4) * longest + 64  # the measured steps grow every sequence
+        per = -(-tokens // 256)
+        POOL = pool_for_model(pool_layout(model), num_slots=slots, num_pages=slots * per, page_tokens=256,
+                              verify_rows=longest, device=device)
+        results["pool"] = POOL.describe()
+    results["attention"] = args.attention
     results["graphs"] = "on" if model.graphs.active else "off"
     log(f"built in {results['build_s']:.1f} s: {results['memory']}; graphs: {results['graphs']}")
     save()

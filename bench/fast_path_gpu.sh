@@ -38,6 +38,7 @@ mark cubins
 timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -m gpu -q -s -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
   ${RUNTIME_TESTS-tests/test_runtime_build.py tests/test_runtime_fast.py tests/test_runtime_fast_tp.py
     tests/test_runtime_fast_engine.py tests/test_runtime_prefill_core.py tests/test_runtime_moe_prefill.py
+    tests/test_runtime_pool_attention.py
     $(ls tests/test_kernels_step_*.py tests/test_runtime_graphs.py 2>/dev/null)} 2>&1 \
   | tee "$out/fast_path_gpu_tests.log"
 tests_rc=$?

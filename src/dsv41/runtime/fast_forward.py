@@ -1,11 +1,16 @@
 """The fast path (`FastModel`, runtime/model.py) behind the engine's forward seam (docs/ENGINE.md §5).
 
-`FastForward(model).execute(rows, pool)` loads each row's sequence from the KV pool as a `PoolSequence` (the
-same views `PoolForward` runs on: pool_forward.load_sequences, Engram history primed from `row.lookback`), makes
-one `FastModel.forward` call per phase present in the step (prefill rows as "prefill", decode rows as "decode",
+`FastForward(model).execute(rows, pool)` presents each row's sequence as a `PoolSequence` (the same views
+`PoolForward` runs on: pool_forward.load_sequences, Engram history primed from `row.lookback`), makes one
+`FastModel.forward` call per phase present in the step (prefill rows as "prefill", decode rows as "decode",
 verify rows as "verify"; a decode row of more than `BUCKET` tokens — a token plus a long forced text — goes with
 the prefill rows, the fused bucket holding at most BUCKET rows of one sequence), writes the step's new rows back
 (pool_forward.store_sequences) and returns, per row, the fp32 logits of `row.logit_offsets()`.
+
+Decode and verify rows run over the pool in place where the step kernels run (`FastModel.pool_runs`: CUDA, the
+interpreter) and the chunk fits the ring beside the window (`ring_rows - sliding_window + 1` rows): nothing is
+loaded into their views, the forward writes the pool itself. Other chunks (prefill, plain CPU, a forced text longer
+than the ring's spare rows) load their state from the pool and store it back.
 
 Prefill calls ask `logits="last"` when no prefill row of the step wants more than its last row, else "all"; the
 decode and verify calls return every row's logits. CED bounded replay, expert pruning and DSpark are not built on
@@ -35,8 +40,11 @@ def pool_layout(model) -> SimpleNamespace:
 
 
 class FastForward:
-    def __init__(self, model):
+    def __init__(self, model, *, in_place: bool = True):
+        """`in_place=False` keeps every chunk on the load-and-store path (the comparison the in-place path is
+        tested against)."""
         self.model, self.cfg = model, model.cfg
+        self.in_place = in_place
         self.decoder_from = decoder_start(model.cfg)
 
     @staticmethod
@@ -52,15 +60,18 @@ class FastForward:
             raise ValueError("the fast forward does not run CED bounded replay (--prefill replay)")
         views = load_sequences(pool, rows, self.cfg, self.decoder_from, m.engram_hasher)
         out: list[torch.Tensor | None] = [None] * len(rows)
-        for phase in (PREFILL, DECODE, VERIFY):
-            members = [i for i, r in enumerate(rows) if self.phase_of(r) == phase]
+        fits = pool.ring_rows - self.cfg.sliding_window + 1  # rows of one chunk the ring holds with its window
+        for phase, in_place in ((PREFILL, False), (DECODE, True), (DECODE, False), (VERIFY, True), (VERIFY, False)):
+            members = [i for i, r in enumerate(rows) if self.phase_of(r) == phase
+                       and in_place == (self.in_place and m.pool_runs(phase) and len(r.token_ids) <= fits)]
             if not members:
                 continue
             wanted = [rows[i].logit_offsets() for i in members]
             last_only = phase == PREFILL and all(o in ([], [len(rows[i].token_ids) - 1])
                                                  for i, o in zip(members, wanted))
             mode = "last" if last_only else "all"
-            logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode)
+            logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode,
+                               pool=pool if in_place else None)
             at = 0
             for i, offsets in zip(members, wanted):
                 n = 1 if mode == "last" else len(rows[i].token_ids)

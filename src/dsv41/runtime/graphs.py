@@ -211,14 +211,17 @@ class PieceGraphs:
         return refusal(**policy, spent_s=self.stats.capture_s, budget_s=self.budget_s,
                        captures=self.stats.captures + self.stats.failed, max_captures=self.max_captures) or "capture"
 
-    def run(self, name: str, phase: str, n: int, fn: Callable, *args, tracing: bool = False):
+    def run(self, name: str, phase: str, n: int, fn: Callable, *args, tracing: bool = False, warmup=None):
+        """`warmup`: a function returning the inputs of the capture's warm-up run, when they must differ from
+        `args` (a piece with side effects: the whole pool step warms up on tables that write nothing, so the step
+        is applied once, by the replay); same structure and shapes as `args`."""
         leaves: list = []
         key = piece_key(name, phase, n, args, leaves)
         what = self.decide(key, tracing)
         if what == "replay":
             return self._replay(self._pieces[key], fn, args, leaves)
         if what == "capture":
-            return self._capture(key, fn, args)
+            return self._capture(key, fn, args, warmup)
         self._eager(what)
         return fn(*args)
 
@@ -257,9 +260,9 @@ class PieceGraphs:
         self.stats.replays += 1
         return piece.outputs()
 
-    def _capture(self, key: tuple, fn: Callable, args: tuple):
+    def _capture(self, key: tuple, fn: Callable, args: tuple, warmup=None):
         try:
-            piece = self._make(fn, args)
+            piece = self._make(fn, args, warmup)
         except Exception as exc:  # noqa: BLE001 - any capture failure leaves the piece eager, exactly as before
             self._failed.add(key)
             self.stats.failed += 1
@@ -278,7 +281,7 @@ class PieceGraphs:
         self.stats.replays += 1
         return piece.outputs()
 
-    def _make(self, fn: Callable, args: tuple) -> Piece:
+    def _make(self, fn: Callable, args: tuple, warmup=None) -> Piece:
         leaves: list = []
         in_spec = flatten(args, leaves)
         adopted = [self._owned.get(id(t)) is t for t in leaves]
@@ -290,7 +293,7 @@ class PieceGraphs:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # the warm-up: lazy compiles and workspaces happen outside the graph
-            fn(*static_args)
+            fn(*(static_args if warmup is None else warmup()))
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         t0 = time.perf_counter()  # the budget counts captures, not the warm-up's one-off compiles

@@ -177,6 +177,7 @@ class KVPool:
         self.window_codec = codec_for("window", head_dim, dtype, fake_quant)
         self.kv_codec = codec_for("kv", head_dim, dtype, fake_quant)
         self.index_codec = codec_for("index_k", index_head_dim, dtype, fake_quant)
+        self.open_codec = Raw(2 * head_dim, torch.float32)  # an open group's (value, gate) row, as stored
         self.sources = {s.layer: s for s in sources}
         plan: list[tuple[tuple, tuple, torch.dtype]] = []  # (key, shape, dtype)
         for L in window_layers:

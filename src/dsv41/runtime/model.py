@@ -86,14 +86,15 @@ class MhcSites:
     hc_eps: float
     iters: int
     kernels: bool
+    rows: int | None = None  # the kernels run the first `rows` rows (the real ones); the others come out zero
 
     @classmethod
-    def of(cls, cfg: ModelConfig, device: torch.device) -> "MhcSites":
+    def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None) -> "MhcSites":
         return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                   device.type == "cuda" or interpreting())
+                   device.type == "cuda" or interpreting(), rows)
 
     def _k(self) -> dict:
-        return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps)
+        return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps, rows=self.rows)
 
     def site(self, x, p: HC, pre_in, norm):
         """(h = rms_norm(collapse(x, pre_in)), pre, post, comb = H(x))."""
@@ -114,11 +115,11 @@ class MhcSites:
         if pending is None:
             return x
         y, post, comb = pending
-        return step_mhc.hc_expand(y, x, post, comb) if self.kernels else mhc.expand(y, x, post, comb)
+        return step_mhc.hc_expand(y, x, post, comb, rows=self.rows) if self.kernels else mhc.expand(y, x, post, comb)
 
     def collapse_norm(self, x, pre, norm):
         if self.kernels:
-            return step_mhc.collapse_norm(x, pre, norm, rms_eps=self.eps)
+            return step_mhc.collapse_norm(x, pre, norm, rms_eps=self.eps, rows=self.rows)
         return rms_norm(mhc.collapse(x, pre), norm, self.eps)
 
 
@@ -180,9 +181,14 @@ class FastModel:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
-                logits: str = "last", trace: dict | None = None) -> torch.Tensor:
+                logits: str = "last", trace: dict | None = None, pool=None) -> torch.Tensor:
         """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
-        row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row)."""
+        row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row).
+
+        `pool` (a `KVPool`; decode / verify, untraced, where the step kernels run): the states are the pool's
+        sequences (`PoolSequence`: `.row` names the ring slot and page table) and attention works on the pool in
+        place (`FastAttention.attend_pool`), the whole bucket one CUDA graph (`_pool_step`); nothing of the
+        sequences is loaded into the states, and nothing is left to store back."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
@@ -195,16 +201,21 @@ class FastModel:
             if ids.numel() > BUCKET:
                 raise ValueError(f"a {phase} chunk has at most {BUCKET} rows, got {ids.numel()}")
             if rows + ids.numel() > BUCKET:
-                out.append(self._forward(group, phase, logits, trace))
+                out.append(self._forward(group, phase, logits, trace, pool))
                 group, rows = [], 0
             group.append((state, ids))
             rows += ids.numel()
-        out.append(self._forward(group, phase, logits, trace))
+        out.append(self._forward(group, phase, logits, trace, pool))
         return torch.cat(out)  # always a new tensor: the logits outlive the graph pieces' output buffers
 
     __call__ = forward
 
-    def _forward(self, chunks, phase: str, logits: str, trace: dict | None) -> torch.Tensor:
+    def pool_runs(self, phase: str, trace: dict | None = None) -> bool:
+        """Whether a forward of `phase` given a pool works on it in place (decode / verify, untraced, where the
+        step kernels run: CUDA, or the interpreter)."""
+        return is_fused(phase) and trace is None and (self.device.type == "cuda" or interpreting())
+
+    def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
         segs, at = [], 0
         for state, ids in chunks:
@@ -224,9 +235,11 @@ class FastModel:
                 live = self.engram_hasher.live(ids_b).to(dev)
                 rows = {L: e.table.gather(row_ids[:, cfg.engram_layer_ids.index(L)], device=dev)
                         for L, e in self.engram.items()}
+        if pool is not None and self.pool_runs(phase, trace):
+            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, rows, live)
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
-        sites = MhcSites.of(cfg, dev)
+        sites = MhcSites.of(cfg, dev, rows=n)
         pending = None  # the last FFN site's (y, post, comb): its expand runs fused with the next attention site
         for block in self.blocks:
             L = block.index
@@ -252,6 +265,48 @@ class FastModel:
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
 
+    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, rows, live):
+        """One bucket over the pool: the tables (one host-to-device copy), then the whole step as one graph
+        (`graphs.run("step", ...)`, keyed by phase, n and the tables' page bucket). The capture's warm-up runs on
+        tables that write nothing, so the step's writes to the pool happen once, in the replay."""
+        from .step_tables import StepTables
+
+        dev = self.device
+        for s in segs:
+            if s.T > pool.ring_rows - self.cfg.sliding_window + 1:
+                raise ValueError(f"a {phase} chunk of {s.T} rows does not fit a ring of {pool.ring_rows} rows "
+                                 f"over a window of {self.cfg.sliding_window}")
+        tables = StepTables.build(segs, B, pool, dev)
+        step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=n), n, phase, pool, tables)
+        args = (ids_b.to(dev), pos_b.to(dev), tables.packed, rows, live)
+        if self.graphs is None:
+            self.graphs = PieceGraphs(self.device, self.comm)
+        warm = lambda: (*args[:2], tables.without_writes().packed, *args[3:])  # noqa: E731
+        local = self.graphs.run("step", phase, n, step, *args, warmup=warm)
+        for s, (_, i) in zip(segs, chunks):
+            s.state.pos += s.T
+            s.state.ids.extend(i.tolist())
+        with section("comm"):
+            return self.comm.gather_cat(local, dim=-1)
+
+    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, ids, P, packed, rows, live):
+        """The whole decode / verify step of a bucket over the pool: a pure function of its tensors (the pool's
+        stores and the weights are constants), so it can be one CUDA graph. Returns this rank's logits [n, V/tp]."""
+        t = tables.on(packed)
+        eager = lambda name, fn, *args: fn(*args)  # noqa: E731
+        x, pre, P = self._streams(ids, P)
+        pending = None
+        for block in self.blocks:
+            L = block.index
+            if L in self.engram:
+                with section("mhc"):
+                    x, pending = sites.expanded(x, pending), None
+                with section("engram"):
+                    x = self.engram[L](x, rows[L], live, n, phase, self.comm).contiguous()
+            x, pre, pending = self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,
+                                          pool=(t, pool))
+        return self._final(sites, n, phase, x, pending, pre)
+
     def _piece_runner(self, phase: str, n: int, trace: dict | None):
         """`piece(name, fn, *args) -> fn(*args)`: through the graphs for decode and verify rows, else eager."""
         if not is_fused(phase):
@@ -261,7 +316,8 @@ class FastModel:
         graphs, tracing = self.graphs, trace is not None
         return lambda name, fn, *args: graphs.run(name, phase, n, fn, *args, tracing=tracing)
 
-    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace, piece=None):
+    def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace, piece=None,
+               pool=None):
         """Single-pass schedule (MODEL.md §6.3): the attention site collapses with `pre_in` and computes the pre the
         FFN site collapses with; the FFN site's pre goes to the next layer. `pending`: the previous layer's FFN
         output and coefficients `(y, post, comb)`, expanded into x in this attention site's launch (None: x is the
@@ -271,7 +327,10 @@ class FastModel:
         L = block.index
         x, a_pre, a_post, a_comb, proj = piece(f"attn_in.{L}", partial(self._attn_in, block, sites, n, phase),
                                                x, pre_in, pending, P)
-        o = block.attn.attend(proj, n, P, segs, phase, trace)
+        if pool is None:
+            o = block.attn.attend(proj, n, P, segs, phase, trace)
+        else:  # (tables, pool): attention over the pool in place
+            o = block.attn.attend_pool(proj, n, P, pool[0], pool[1], phase)
         x, f_pre, y, f_post, f_comb = piece(f"ffn.{L}", partial(self._ffn, block, sites, n, phase, trace),
                                             o, P, x, a_post, a_comb, a_pre)
         if trace is not None:  # the reference's per-layer record (model/transformer.py); one more launch, traced only

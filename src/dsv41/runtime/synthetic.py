@@ -12,7 +12,8 @@ tensor-parallel slice is cut as the loader cuts it (`split_range`, whole 128-blo
 unit-gain (suh scaled by 1/(sqrt(k)·rms of the codebook's values)) so activations stay finite through 40 layers.
 
 `synthetic_rank(...) -> FastModel`; `synthetic_state(model, pos)` gives a sequence at position `pos` with random
-window and compressed caches, so a decode step can be timed without a prefill.
+window and compressed caches, so a decode step can be timed without a prefill; `synthetic_pool_sequence` writes one
+into a KV pool for the forward over the pool in place.
 """
 
 from __future__ import annotations
@@ -252,3 +253,24 @@ def synthetic_state(model: FastModel, pos: int, seed: int = 0) -> SequenceState:
     if state.engram is not None:
         state.engram.ids = torch.randint(0, cfg.engram_compressed_vocab_size, state.engram.ids.shape)
     return state
+
+
+def synthetic_pool_sequence(model: FastModel, pool, slot: int, page_ids: list[int], pos: int, seed: int = 0):
+    """`synthetic_state(model, pos, seed)` written into the KV pool at ring slot `slot` and pages `page_ids` (window
+    rows, entries and index keys, open groups), returned as the pool's view of it (`PoolSequence`, what a forward
+    over the pool in place takes): a decode step over the pool timed without a prefill."""
+    from dsv41.engine.batch import Row
+
+    from .pool_forward import PoolSequence, decoder_start
+
+    state = synthetic_state(model, pos, seed)
+    for layer, win in state.windows.items():
+        if win.kv is not None:
+            pool.write_ring("window", layer, slot, pos - win.kv.shape[0], win.kv)
+    for layer, src in state.sources.items():
+        if src.kv is not None:
+            pool.write_entries(layer, page_ids, 0, src.kv, src.index_k)
+        pool.write_open(layer, slot, src.open_v, src.open_s)
+    view = PoolSequence(pool, Row(slot, slot, [], pos, list(page_ids)), model.cfg, decoder_start(model.cfg))
+    view.engram, view.ids = state.engram, state.ids
+    return view

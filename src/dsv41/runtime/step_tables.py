@@ -1,0 +1,159 @@
+"""The row tables of one decode / verify bucket over the KV pool (docs/ENGINE.md §3, §5).
+
+Every bucket row reads and writes the pool through small integer tables, built on the host from the step's
+segments and copied to the device in ONE transfer (one packed int64 tensor; `StepTables.on` rebinds the same
+layout to another buffer, e.g. a CUDA graph's static input). Nothing in them depends on a device value, so every
+kernel that reads them has fixed shapes and no host sync: attention over the pool joins the step's graphs.
+
+Per row b (real rows first; padding rows read what row 0 reads and write nothing):
+- `slot` ring slot, `ring_dest` the window row it writes (slot * ring_rows + pos % ring_rows; -1 for padding),
+- `pages` [B, P] its sequence's page table, P the number of pages rounded up to a power of two (the bucket that
+  fixes the index scores' columns: `ncols = P * per_page`; a graph per bucket),
+- per KV-source ratio r (`SourceTables`): `n_vis` the entries the row sees ((pos + 1) // r), `entry_dest` the flat
+  page row of the entry the row closes (the row whose position ends a group: "write by closer"; -1 otherwise),
+  `entry_pos` that entry's RoPE position (its group's first token), and for r > 1 where the group's earlier members
+  are: `back_row[d - 1]` the bucket row holding position pos - d when it is in this step, else -1 and
+  `back_open[d - 1]` its row in the open-group store; `open_dest` the open-store row of each row still open when the
+  step ends (the next step's open group), -1 otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+def page_bucket(pages: int) -> int:
+    """Pages per table row: the next power of two (at least 1)."""
+    return 1 << max(0, pages - 1).bit_length()
+
+
+@dataclass
+class SourceTables:
+    ratio: int
+    per_page: int
+    ncols: int
+    n_vis: torch.Tensor
+    entry_dest: torch.Tensor
+    entry_pos: torch.Tensor
+    open_dest: torch.Tensor | None = None
+    back_row: torch.Tensor | None = None  # [r - 1, B]
+    back_open: torch.Tensor | None = None  # [r - 1, B]
+
+
+@dataclass
+class StepTables:
+    B: int
+    n: int
+    packed: torch.Tensor  # every table, int64, one tensor
+    layout: dict  # name -> (offset, shape)
+    ratios: dict  # ratio -> per_page
+    pages_bucket: int
+    # per-step results shared across layers (index top-k of each scoring layer, the candidate pool)
+    topk: dict = field(default_factory=dict)
+    candidates: torch.Tensor | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        at, shape = self.layout[name]
+        size = 1
+        for s in shape:
+            size *= s
+        return self.packed[at:at + size].view(shape)
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self["slot"]
+
+    @property
+    def ring_dest(self) -> torch.Tensor:
+        return self["ring_dest"]
+
+    @property
+    def pages(self) -> torch.Tensor:
+        return self["pages"]
+
+    def source(self, ratio: int) -> SourceTables:
+        per = self.ratios[ratio]
+        g = lambda k: self[f"r{ratio}.{k}"]  # noqa: E731
+        back = ratio > 1
+        return SourceTables(ratio, per, self.pages_bucket * per, g("n_vis"), g("entry_dest"), g("entry_pos"),
+                            g("open_dest") if back else None, g("back_row") if back else None,
+                            g("back_open") if back else None)
+
+    def on(self, packed: torch.Tensor) -> "StepTables":
+        """The same tables over another buffer of the same layout (a graph's static copy of `packed`)."""
+        if packed.shape != self.packed.shape:
+            raise ValueError(f"tables of {list(self.packed.shape)} cannot move to {list(packed.shape)}")
+        return StepTables(self.B, self.n, packed, self.layout, self.ratios, self.pages_bucket)
+
+    def without_writes(self) -> "StepTables":
+        """A copy whose rows write nothing (every destination -1): what a graph's warm-up runs on."""
+        packed = self.packed.clone()
+        out = StepTables(self.B, self.n, packed, self.layout, self.ratios, self.pages_bucket)
+        for name in self.layout:
+            if name == "ring_dest" or name.endswith(".entry_dest") or name.endswith(".open_dest"):
+                out[name].fill_(-1)
+        return out
+
+    @classmethod
+    def build(cls, segs, B: int, pool, device) -> "StepTables":
+        """Tables of a bucket of B rows from the step's segments (`Segment`s whose state has `.row` with the
+        sequence's `slot` and `page_ids`, as `PoolSequence`), for `pool` (a `KVPool`)."""
+        n = sum(s.T for s in segs)
+        if not 0 < n <= B:
+            raise ValueError(f"a bucket of {B} rows cannot hold {n}")
+        ring = pool.ring_rows
+        slot, pos, j, end, tables = [], [], [], [], []
+        for s in segs:
+            row = s.state.row
+            for k in range(s.T):
+                slot.append(row.slot)
+                pos.append(s.pos + k)
+                j.append(k)
+                end.append(s.pos + s.T)
+                tables.append(row.page_ids)
+        P = page_bucket(max(len(t) for t in tables))
+        pad = B - n
+        real = torch.tensor([True] * n + [False] * pad)
+        slot_t = torch.tensor(slot + [slot[0]] * pad, dtype=torch.int64)
+        pos_t = torch.tensor(pos + [pos[0]] * pad, dtype=torch.int64)
+        j_t = torch.tensor(j + [j[0]] * pad, dtype=torch.int64)
+        end_t = torch.tensor(end + [end[0]] * pad, dtype=torch.int64)
+        pages = torch.zeros(B, P, dtype=torch.int64)
+        for b, t in enumerate(tables + [tables[0]] * pad):
+            pages[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        none = torch.full((B,), -1, dtype=torch.int64)
+        parts = {"slot": slot_t, "ring_dest": torch.where(real, slot_t * ring + pos_t % ring, none), "pages": pages}
+        ratios = {}
+        for src in pool.sources.values():
+            r, per = src.ratio, src.per_page
+            if r in ratios:
+                continue
+            ratios[r] = per
+            closes = ((pos_t + 1) % r == 0) & real
+            e = (pos_t + 1) // r - 1
+            flat = pages.gather(1, (e.clamp(min=0) // per).clamp(max=P - 1)[:, None])[:, 0] * per + e.clamp(min=0) % per
+            parts[f"r{r}.n_vis"] = (pos_t + 1) // r
+            parts[f"r{r}.entry_dest"] = torch.where(closes, flat, none)
+            parts[f"r{r}.entry_pos"] = e.clamp(min=0) * r
+            if r > 1:
+                first_open = end_t // r * r
+                open_row = slot_t * (r - 1) + (pos_t % r).clamp(max=r - 2)
+                parts[f"r{r}.open_dest"] = torch.where(real & (pos_t >= first_open) & (pos_t % r < r - 1),
+                                                       open_row, none)
+                d = torch.arange(1, r, dtype=torch.int64)[:, None]
+                rows = torch.arange(B, dtype=torch.int64)[None, :]
+                parts[f"r{r}.back_row"] = torch.where(j_t[None, :] >= d, rows - d, -1)
+                parts[f"r{r}.back_open"] = slot_t[None, :] * (r - 1) + ((pos_t[None, :] - d) % r).clamp(max=r - 2)
+        layout, flat_parts, at = {}, [], 0
+        for name, t in parts.items():
+            layout[name] = (at, tuple(t.shape))
+            flat_parts.append(t.reshape(-1))
+            at += t.numel()
+        packed = torch.cat(flat_parts)
+        if device.type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        return cls(B, n, packed, layout, ratios, P)

@@ -1,0 +1,167 @@
+"""Attention over the KV pool in place (FastAttention.attend_pool, FastModel._pool_step) == the load-and-store path.
+
+Both paths run the same fast forward over the same pool contents; the in-place one writes the pool itself (window
+rows, entries and index keys by their closer, open groups) and reads it through the step's tables, the other loads
+each sequence's state from the pool, runs `attend` and stores the new rows back. Claimed and checked bit for bit:
+every step's logits, and every stored value afterwards (each store decoded; an entry's bytes may differ where two
+encodings decode alike). The schedule covers decode rows of several sequences in one bucket, verify windows and
+multi-token decode chunks (rows that see the rows before them, groups closed and opened inside the step, entries
+crossing pages), a sequence still inside its first window, and the candidate pool and re-indexing layers of the
+slimmed tiny model (test_runtime_fast.LITE).
+
+CPU: the kernels in Triton's interpreter, in a child process (tests/step_harness.py); GPU: the same, in-process,
+where the in-place step runs as one CUDA graph.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from step_harness import interpreted, need_compiled_cuda  # noqa: E402
+
+PAGE_TOKENS = 8
+PROMPTS = ([0] + [(i * 37) % 500 + 5 for i in range(18)],  # 19 tokens: ratio-2 open group at the end
+           [0] + [(i * 91) % 500 + 7 for i in range(13)],  # 14
+           [0, 11, 12, 13, 14, 15])  # 6: inside its first window, few entries
+# per step: (sequence, phase, tokens) rows
+SCHEDULE = ([(0, "decode", 1), (1, "decode", 1), (2, "decode", 1)],
+            [(0, "verify", 4), (2, "verify", 3)],
+            [(0, "decode", 2), (1, "verify", 5), (2, "decode", 1)])
+
+
+def _pool(model, device):
+    from dsv41.runtime.fast_forward import pool_layout
+    from dsv41.runtime.kv_pool import pool_for_model
+
+    return pool_for_model(pool_layout(model), num_slots=3, num_pages=3 * 8, page_tokens=PAGE_TOKENS, verify_rows=5,
+                          device=device)
+
+
+def run(model_dir: str, device: str, dtype=torch.float32) -> dict:
+    from dsv41.engine.batch import PREFILL, Row
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.fast_forward import FastForward
+
+    torch.manual_seed(0)
+    fast = build_fast_model(model_dir, device, dtype, fake_quant=True)
+    pages = [[3 * p + s for p in (2, 0, 5, 1, 7, 3, 6, 4)] for s in range(3)]  # non-sequential page tables
+    pool = _pool(fast, device)
+    pos = [0, 0, 0]
+
+    def rows_of(step):
+        out = []
+        for seq, phase, T in step:
+            ids = [(pos[seq] * 7 + k * 13 + seq) % 500 + 3 for k in range(T)]
+            out.append(Row(seq, seq, ids, pos[seq], pages[seq], phase=phase, scores=[(k, 0, 0) for k in range(T)]))
+        return out
+
+    prefill = [Row(i, i, list(p), 0, pages[i], phase=PREFILL, scores=[(len(p) - 1, 0, 0)])
+               for i, p in enumerate(PROMPTS)]
+    FastForward(fast, in_place=False).execute(prefill, pool)
+    twin = _pool(fast, device)
+    twin.buffer.copy_(pool.buffer)
+    for i, p in enumerate(PROMPTS):
+        pos[i] = len(p)
+    in_place, loaded = FastForward(fast), FastForward(fast, in_place=False)
+    steps, pool_step = [], fast._pool_step
+    fast._pool_step = lambda *a: (steps.append(a[2]), pool_step(*a))[1]  # which phases ran in place
+    logits = {"in_place": [], "loaded": []}
+    for step in SCHEDULE:
+        rows = rows_of(step)
+        logits["in_place"].append([t.cpu() for t in in_place.execute(rows, pool)])
+        logits["loaded"].append([t.cpu() for t in loaded.execute(rows, twin)])
+        for seq, _, T in step:
+            pos[seq] += T
+    stores = {}
+    for key, store in pool.stores.items():
+        codec = {"window": pool.window_codec, "dspark": pool.window_codec, "kv": pool.kv_codec,
+                 "index_k": pool.index_codec}.get(key[0])
+        pair = (store, twin.stores[key])
+        if codec is not None:
+            pair = tuple(codec.decode(s.reshape(-1, codec.row_bytes), torch.float32) for s in pair)
+        stores[f"{key[0]}.{key[1]}"] = tuple(t.cpu() for t in pair)
+    graphs = fast.graphs.stats.as_dict() if fast.graphs is not None else None
+    return {"logits": logits, "stores": stores, "graphs": graphs, "in_place_steps": steps}
+
+
+def _check(res: dict) -> None:
+    a, b = res["logits"]["in_place"], res["logits"]["loaded"]
+    # every step ran in place once per phase present (and the loaded run never did)
+    assert res["in_place_steps"] == [p for step in SCHEDULE for p in ("decode", "verify")
+                                     if any(ph == p for _, ph, _ in step)], res["in_place_steps"]
+    assert len(a) == len(SCHEDULE)
+    for step, (x, y) in enumerate(zip(a, b)):
+        for r, (u, v) in enumerate(zip(x, y)):
+            assert u.shape == v.shape and u.shape[0] == SCHEDULE[step][r][2]
+            assert torch.equal(u.view(torch.int32), v.view(torch.int32)), (step, r, (u - v).abs().max())
+    for name, (u, v) in res["stores"].items():
+        assert torch.equal(u.view(torch.int32), v.view(torch.int32)), name
+
+
+@pytest.fixture(scope="module")
+def lite_dir(tmp_path_factory):
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    return make_tiny(tmp_path_factory.mktemp("lite") / "model", "exl3", seed=0, overrides=LITE)
+
+
+def _interp_worker(out_path: str) -> None:
+    torch.set_num_threads(1)
+    torch.save(run(sys.argv[3], "cpu"), out_path)
+
+
+def test_interpreted_in_place_equals_load_and_store(lite_dir, tmp_path_factory):
+    _check(interpreted(tmp_path_factory, __file__, "pool_attention", timeout=600, extra_args=[str(lite_dir)]))
+
+
+def test_step_tables_by_hand():
+    """The tables of a bucket of 8 rows: a 3-row verify window at positions 5-7 (at ratio 2, 5 closes the group
+    of 4 and 5, 7 the group of 6 and 7; the step ends at 8 with nothing open) and a decode row at position 10
+    (its group stays open), padding after them. A ring of 20 rows, 8-token pages."""
+    from types import SimpleNamespace
+
+    from dsv41.runtime.kv_pool import SourceLayout
+    from dsv41.runtime.layers.attention import Segment
+    from dsv41.runtime.step_tables import StepTables
+
+    pool = SimpleNamespace(ring_rows=20, sources={1: SourceLayout(1, 2, 4, True), 3: SourceLayout(3, 1, 8, True)})
+    a = SimpleNamespace(row=SimpleNamespace(slot=2, page_ids=[9, 4]))
+    b = SimpleNamespace(row=SimpleNamespace(slot=0, page_ids=[1, 6, 3]))
+    t = StepTables.build([Segment(a, 0, 3, 5), Segment(b, 3, 1, 10)], 8, pool, torch.device("cpu"))
+    assert t.pages_bucket == 4 and t.pages.shape == (8, 4)
+    assert t.slot.tolist() == [2, 2, 2, 0, 2, 2, 2, 2]
+    assert t.ring_dest.tolist() == [45, 46, 47, 10, -1, -1, -1, -1]
+    r2, r1 = t.source(2), t.source(1)
+    assert r2.ncols == 16 and r1.ncols == 32
+    assert r2.n_vis.tolist() == [3, 3, 4, 5, 3, 3, 3, 3]
+    # closers: positions 5 and 7 close entries 2 and 3 (page 9, rows 2 and 3 of 4 per page)
+    assert r2.entry_dest.tolist() == [9 * 4 + 2, -1, 9 * 4 + 3, -1, -1, -1, -1, -1]
+    assert r2.entry_pos.tolist()[:3] == [4, 4, 6]
+    # ratio 1: every real row closes its own entry: position 5 -> page 9 row 5; 10 -> page 6 row 2
+    assert r1.entry_dest.tolist()[:4] == [9 * 8 + 5, 9 * 8 + 6, 9 * 8 + 7, 6 * 8 + 2]
+    # the group of 4 (positions 4, 5): 4 is before the step -> the open store of slot 2; 7's mate 6 is row 1
+    assert r2.back_row[0].tolist()[:4] == [-1, 0, 1, -1]
+    assert r2.back_open[0].tolist()[:4] == [2, 2, 2, 0]
+    # open at the step's end: sequence a ends at 8 (no open group); b ends at 11: position 10 stays open
+    assert r2.open_dest.tolist() == [-1, -1, -1, 0, -1, -1, -1, -1]
+    w = t.without_writes()
+    assert w.ring_dest.tolist() == [-1] * 8 and w.source(2).open_dest.tolist() == [-1] * 8
+    assert w.source(1).entry_dest.tolist() == [-1] * 8 and torch.equal(w.pages, t.pages)
+    assert t.ring_dest.tolist()[0] == 45  # the original is untouched
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_equals_load_and_store(lite_dir):
+    need_compiled_cuda()
+    res = run(str(lite_dir), "cuda")
+    _check(res)
+    print("graphs:", res["graphs"])
+    assert res["graphs"]["captures"] >= 1 and res["graphs"]["failed"] == 0, res["graphs"]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
+    _interp_worker(sys.argv[2])
