@@ -180,6 +180,12 @@ def classify(prof) -> dict:
                     if e.name.startswith(sections.PREFIX)), key=lambda t: (t[0], -t[1]))
     kernels = sorted((e.time_range.start, e.time_range.end) for e in device
                      if not e.name.startswith(sections.PREFIX))
+    by_name, name_count = defaultdict(float), Counter()  # inside a graph the sections are one span: the kernels
+    for e in device:
+        if not e.name.startswith(sections.PREFIX):
+            by_name[e.name[:90]] += e.time_range.end - e.time_range.start
+            name_count[e.name[:90]] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
     us, launches, stack, j = defaultdict(float), Counter(), [], 0
     busy, reach = 0.0, -math.inf
     for start, end in kernels:
@@ -200,7 +206,8 @@ def classify(prof) -> dict:
             while p is not None and not p.name.startswith(sections.PREFIX):
                 p = p.cpu_parent
             linked[p.name[len(sections.PREFIX):] if p is not None else "other"] += k.duration
-    return {"device_us": dict(us), "launches": dict(launches), "busy_us": busy, "linked_us": dict(linked)}
+    return {"device_us": dict(us), "launches": dict(launches), "busy_us": busy, "linked_us": dict(linked),
+            "kernels_us": {k: [round(v, 1), name_count[k]] for k, v in top}}
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -273,7 +280,7 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
                 cls = classify(prof)
                 dev_ms = cls["busy_us"] / 1e3
                 row.update(ops=cls["device_us"], launches=cls["launches"], device_ms=dev_ms, host_ms=step_ms - dev_ms,
-                           ops_linked_us=cls["linked_us"],
+                           ops_linked_us=cls["linked_us"], kernels_us=cls["kernels_us"],
                            ops_per_layer_us={k: v / len(model.blocks) for k, v in cls["device_us"].items()})
             if floors_rates:
                 row["floors"] = {"bandwidth_ms": (reads["exl3_bytes"] + reads["dense_bytes"]) / ceiling_gbps / 1e6,

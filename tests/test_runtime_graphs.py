@@ -269,7 +269,9 @@ class _EmulatedGraphs(PieceGraphs):
         super().__init__("cuda", LocalComm(), enabled=True, budget_s=1e9)
         self.order: list = []
 
-    def _make(self, fn, args):
+    def _make(self, fn, args, warmup=None):
+        if warmup is not None:  # the warm-up run on its own inputs, as PieceGraphs._make does
+            fn(*warmup())
         leaves: list = []
         spec = G.flatten(args, leaves)
         adopted = [self._owned.get(id(t)) is t for t in leaves]

@@ -66,8 +66,8 @@ def run(model_dir: str, device: str, dtype=torch.float32) -> dict:
     for i, p in enumerate(PROMPTS):
         pos[i] = len(p)
     in_place, loaded = FastForward(fast), FastForward(fast, in_place=False)
-    steps, pool_step = [], fast._pool_step
-    fast._pool_step = lambda *a: (steps.append(a[2]), pool_step(*a))[1]  # which phases ran in place
+    steps, forward_pool = [], fast._forward_pool
+    fast._forward_pool = lambda *a: (steps.append(a[3]), forward_pool(*a))[1]  # which phases ran in place
     logits = {"in_place": [], "loaded": []}
     for step in SCHEDULE:
         rows = rows_of(step)
