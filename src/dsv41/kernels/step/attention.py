@@ -208,8 +208,10 @@ def _store(name: str, store: torch.Tensor, codec, hd: int) -> None:
 def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_store: torch.Tensor, window_codec,
                    slot: torch.Tensor, pos: torch.Tensor, window: int, entry_store: torch.Tensor | None = None,
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
-                   ids: torch.Tensor | None = None, width: int = 0) -> torch.Tensor:
-    """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call.
+                   ids: torch.Tensor | None = None, width: int = 0, split_keys: int = SPLIT_KEYS,
+                   key_block: int = KEY_BLOCK, num_warps: int = 8) -> torch.Tensor:
+    """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
+    same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
 
     q [B, H, hd] (bf16 / fp16 / fp32, read as fp32), sink [H] fp32. Window slots j < window of row b: position
     kp = pos[b] - window + 1 + j, live iff kp >= 0, ring row kp % ring_rows of ring slot slot[b] of
@@ -277,7 +279,9 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
-    n_splits = max(1, triton.cdiv(S, SPLIT_KEYS))
+    if key_block < 16 or split_keys % key_block:
+        raise ValueError(f"split_keys {split_keys} must be a multiple of key_block {key_block} (>= 16)")
+    n_splits = max(1, triton.cdiv(S, split_keys))
     m = torch.empty(B, n_splits, H, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B, n_splits, H, hd, dtype=torch.float32, device=q.device)
@@ -285,7 +289,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     _core_split_kernel[(B, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
         window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
-        *ents, HB=HEAD_BLOCK, BS=KEY_BLOCK, BLOCKS=SPLIT_KEYS // KEY_BLOCK, HDP=hdp,
-        POOL=True, WCODEC=wcodec, ECODEC=ecodec, num_warps=8)
+        *ents, HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
+        POOL=True, WCODEC=wcodec, ECODEC=ecodec, num_warps=num_warps)
     _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
     return out
