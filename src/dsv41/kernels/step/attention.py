@@ -40,11 +40,57 @@ import torch
 import triton
 import triton.language as tl
 
+from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
 
+MMA = tl.constexpr(not interpreting())  # the bf16 tensor-core products of `_split_dot` (compiled kernels)
 HEAD_BLOCK = 16
 KEY_BLOCK = 16
 SPLIT_KEYS = 128  # slots per split (8 key blocks): parallelism for one row; the split boundaries never move
+
+
+@triton.jit
+def _bf16_parts(x, PARTS: tl.constexpr):
+    """fp32 x as bf16 parts: PARTS 1 (x holds bf16 values: itself), 3 (hi + mid + lo == x exactly: each part takes
+    the next 8 significant bits, the remainders are exact fp32 differences)."""
+    hi = x.to(tl.bfloat16)
+    if PARTS == 1:
+        return hi, hi, hi
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _split_dot(a, b, acc, AP: tl.constexpr, BP: tl.constexpr):
+    """acc + a @ b for fp32 a, b on the bf16 tensor cores: each operand cut into AP / BP bf16 parts (`_bf16_parts`),
+    the part products (each exact in fp32) accumulated in fp32, smallest first; the terms below 2^-16 relative
+    (mid x lo, lo x lo) are left out. Against an fp32 FMA dot: the same products up to those terms, another
+    summation order (both fp32). (An IEEE fp32 dot of [16, 512] x [512, 16] compiles to FMA loops that spill: 0.2
+    ms a call at one row; bench/attention_sweep.py.) Triton's interpreter has no bf16 dot: there the plain fp32
+    dot stands in (`MMA` False), the same math up to the summation order."""
+    if not MMA:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    a0, a1, a2 = _bf16_parts(a, AP)
+    b0, b1, b2 = _bf16_parts(b, BP)
+    if AP == 3 and BP == 3:
+        acc = tl.dot(a0, b2, acc)
+        acc = tl.dot(a2, b0, acc)
+        acc = tl.dot(a1, b1, acc)
+    if BP == 3:
+        if AP == 1:
+            acc = tl.dot(a0, b2, acc)
+        acc = tl.dot(a0, b1, acc)
+    if AP == 3:
+        if BP == 1:
+            acc = tl.dot(a2, b0, acc)
+        acc = tl.dot(a1, b0, acc)
+    return tl.dot(a0, b0, acc)
+
+
+def _parts(dtype_exact: bool) -> int:
+    return 1 if dtype_exact else 3
 
 
 @triton.jit
@@ -53,6 +99,7 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                        e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
+                       QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1):
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -79,13 +126,13 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
             live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
             k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
                         mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        s = _split_dot(q, tl.trans(k), tl.zeros((HB, BS), dtype=tl.float32), QP, KP) * scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
         p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k, input_precision="ieee")
+        acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), 3, KP)
         m = m_new
     at = (t64 * n_splits + sp) * H + h
     tl.store(m_ptr + at, m, mask=h_ok)
@@ -149,9 +196,13 @@ def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, n_spli
 
 
 def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+                   scale: float, *, keys_bf16: bool | None = None, split_keys: int = SPLIT_KEYS,
+                   key_block: int = KEY_BLOCK, num_warps: int = 8) -> torch.Tensor:
     """`Attention._core` for rows q [T, H, hd] over keys [T, S, hd] (K = V; bf16 / fp16 / fp32, read as fp32) with
-    ok [T, S] bool (live slots) and sink [H] fp32. Returns o [T, H, hd] fp32 on q's device, no host sync."""
+    ok [T, S] bool (live slots) and sink [H] fp32. Returns o [T, H, hd] fp32 on q's device, no host sync.
+    `keys_bf16`: the keys' values are bf16 ones (default: keys.dtype is bf16; the caller knows it of fake-quantised
+    fp32 keys), so the products take one bf16 part of them (`_split_dot`); `attention_pool` over the same values
+    decides alike from its codecs, which keeps the two bitwise equal."""
     T, H, hd = q.shape
     if keys.dim() != 3 or keys.shape[0] != T or keys.shape[2] != hd:
         raise ValueError(f"keys {list(keys.shape)} do not fit q {list(q.shape)}")
@@ -172,7 +223,11 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
     if T == 0:
         return out
-    n_splits = max(1, triton.cdiv(S, SPLIT_KEYS))
+    if keys_bf16 is None:
+        keys_bf16 = keys.dtype == torch.bfloat16
+    if key_block < 16 or split_keys % key_block:
+        raise ValueError(f"split_keys {split_keys} must be a multiple of key_block {key_block} (>= 16)")
+    n_splits = max(1, triton.cdiv(S, split_keys))
     m = torch.empty(T, n_splits, H, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(T, n_splits, H, hd, dtype=torch.float32, device=q.device)
@@ -180,7 +235,8 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     _core_split_kernel[(T, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
         H, S, hd, float(scale), *_no_pool(ok),
-        HB=HEAD_BLOCK, BS=KEY_BLOCK, BLOCKS=SPLIT_KEYS // KEY_BLOCK, HDP=hdp, num_warps=8)
+        HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
+        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps)
     _core_combine_kernel[(T, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
     return out
 
@@ -276,6 +332,9 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
         ids_arg, pages_arg = (ids if K else pos), (pages if pages.shape[1] else pos)
         ents = (entry_store, entry_store.stride(0), entry_store.stride(1), pages_arg, pages.stride(0),
                 pages.shape[1], per_page, ids_arg, ids.stride(0), K, width)
+    # stored values a bf16 holds exactly: every quantised code times its scale, and bf16 rows
+    keys_bf16 = all(c is None or not c.name.startswith("raw") or c.name == "raw-bfloat16"
+                    for c in (window_codec, entry_codec))
     out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
@@ -290,6 +349,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
         q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
         window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
         *ents, HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-        POOL=True, WCODEC=wcodec, ECODEC=ecodec, num_warps=num_warps)
+        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec, ECODEC=ecodec,
+        num_warps=num_warps)
     _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
     return out

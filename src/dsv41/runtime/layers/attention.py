@@ -325,6 +325,11 @@ class FastAttention:
         comp, comp_ok = compressed_slots(src, sel, cfg.index_topk, rows.stop - rows.start, cfg.head_dim, win.device)
         return torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
 
+    def _keys_bf16(self, keys: torch.Tensor) -> bool:
+        """Whether every key value is a bf16 one: bf16 keys, or both fake quantisers on (the pool's FP8 window and
+        FP4 entry codecs: `kv_pool.codec_for`), as `attention_pool` decides from the codecs (the same bits)."""
+        return keys.dtype == torch.bfloat16 or (self.fq and self.cfg.head_dim % 32 == 0)
+
     def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
                       ids: torch.Tensor | None, src, block: int | None = None) -> None:
         """The core of a prefill segment's rows with the step kernel, `block` (default PREFILL_CORE_ROWS) rows per
@@ -339,7 +344,8 @@ class FastAttention:
             rows = slice(start, min(start + block, s.T))
             keys, ok = self._slots(s, win, ids, src, rows)
             at = slice(s.start + rows.start, s.start + rows.stop)
-            o[at] = attention_core(q[at], keys, ok, self.sink, self.cfg.head_dim ** -0.5)
+            o[at] = attention_core(q[at], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
+                                   keys_bf16=self._keys_bf16(keys))
 
     def _core_batched(self, q: torch.Tensor, gathered, o: torch.Tensor) -> None:
         """The core of every segment's rows in one launch: their key slots [T, S, hd] stacked in row order (dead
@@ -352,10 +358,12 @@ class FastAttention:
         rows = [s.rows for s, _, _ in gathered]
         first, last = rows[0].start, rows[-1].stop
         if all(a.stop == b.start for a, b in zip(rows, rows[1:])):
-            o[first:last] = attention_core(q[first:last], keys, ok, self.sink, self.cfg.head_dim ** -0.5)
+            o[first:last] = attention_core(q[first:last], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
+                                           keys_bf16=self._keys_bf16(keys))
             return
         idx = torch.cat([torch.arange(r.start, r.stop, device=q.device) for r in rows])
-        o[idx] = attention_core(q[idx], keys, ok, self.sink, self.cfg.head_dim ** -0.5)
+        o[idx] = attention_core(q[idx], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
+                                keys_bf16=self._keys_bf16(keys))
 
     # ------------------------------------------------------------------ compressor
     def _compressor_inputs(self, x, n, phase) -> dict:
