@@ -64,8 +64,8 @@ def main() -> int:
     for B in (1, 16):
         q, sink, kw, _ = build(B)
         base = attention_pool(q, sink, 512 ** -0.5, **kw)
-        for split, block, warps in [(128, 16, 8), (128, 16, 4), (64, 16, 4), (32, 16, 4), (32, 16, 8), (16, 16, 4),
-                                    (16, 16, 2), (32, 32, 4), (64, 32, 4), (64, 32, 8), (128, 32, 8), (64, 64, 8)]:
+        for split, block, warps in [(128, 16, 4), (128, 16, 8), (64, 16, 4), (32, 16, 4), (32, 16, 2), (16, 16, 2),
+                                    (64, 32, 4), (128, 32, 4), (32, 32, 4), (128, 64, 4), (64, 64, 4), (128, 64, 8)]:
             try:
                 us = timed(lambda: attention_pool(q, sink, 512 ** -0.5, split_keys=split, key_block=block,
                                                   num_warps=warps, **kw))
