@@ -194,14 +194,16 @@ def _rows_of(args: dict, idx) -> dict:
 
 def _pool_results(case: dict) -> dict:
     """attention_pool together / each row alone / rows reversed, and attention_core on the gathered slots."""
-    from dsv41.kernels.step.attention import attention_core, attention_pool, codecs_hold_bf16
+    from dsv41.kernels.step.attention import (DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, attention_pool,
+                                              codecs_hold_bf16)
 
     q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
     B = q.shape[0]
     rev = torch.arange(B - 1, -1, -1, device=q.device)
     exact = codecs_hold_bf16(args["window_codec"], args.get("entry_codec"))  # the gathered keys' values
     return {
-        "core": attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=exact),
+        "core": attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=exact,
+                               split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS),  # attention_pool's tiling
         "pool": attention_pool(q, sink, scale, **args),
         "alone": torch.cat([attention_pool(q[b:b + 1], sink, scale, **_rows_of(args, slice(b, b + 1)))
                             for b in range(B)]),
@@ -386,12 +388,13 @@ def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
     assert rel < 1e-5 and worst < 1e-4, (rel, worst)
     swa = {k: args[k] for k in ("window_store", "window_codec", "slot", "pos", "window")}
     w = args["window"]
-    from dsv41.kernels.step.attention import attention_core, codecs_hold_bf16
+    from dsv41.kernels.step.attention import DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, codecs_hold_bf16
 
     exact = codecs_hold_bf16(args["window_codec"])
     assert torch.equal(_bits(attention_pool(q, sink, scale, **swa)),
                        _bits(attention_core(q, case["keys"][:, :w], case["ok"][:, :w], sink, scale,
-                                            keys_bf16=exact)))
+                                            keys_bf16=exact, split_keys=DECODE_SPLIT_KEYS,
+                                            num_warps=DECODE_WARPS)))
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

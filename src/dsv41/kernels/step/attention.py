@@ -45,9 +45,14 @@ from .codecs import codec_id, load_values
 
 MMA = tl.constexpr(not interpreting())  # the bf16 tensor-core products of `_split_dot` (compiled kernels)
 HEAD_BLOCK = 16
-HD_CHUNK = 64  # head_dim columns per tile (the scores accumulate chunk by chunk; each program owns one output chunk)
 KEY_BLOCK = 16
-SPLIT_KEYS = 128  # slots per split (8 key blocks): parallelism for one row; the split boundaries never move
+SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scratch stays bounded at 256 rows
+# Decode and verify rows (attention_pool, and the gathered core of those phases, which must give the same bits):
+# smaller splits for parallelism at one row, 4 warps. bench/attention_sweep.py on the H200, 32 heads of 512, 640
+# slots: 219 us (1 row) / 499 us (16 rows) with the IEEE FMA dot at 128 / 8 warps; with the bf16 parts 33-40 us /
+# 126-145 us at 32-slot splits (docs/perf/decode_step.md).
+DECODE_SPLIT_KEYS = 32
+DECODE_WARPS = 4
 
 
 @triton.jit
@@ -101,76 +106,50 @@ def _parts(dtype_exact: bool) -> int:
 
 
 @triton.jit
-def _block_keys(t64, j, col, col_ok, S, k_ptr, skt, skj, ok_ptr, sot, HD, w_ptr, sws, swr, ring_rows, slot_ptr,
-                pos_ptr, window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                POOL: tl.constexpr, WCODEC: tl.constexpr, ECODEC: tl.constexpr):
-    """(live [BS], keys [BS, cols] fp32) of slots j, columns `col`: the only place the two variants differ."""
-    if POOL:
-        live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                              e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                              WCODEC, ECODEC)
-    else:
-        live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
-        k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
-                    mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    return live, k
-
-
-@triton.jit
 def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, m_ptr, l_ptr, acc_ptr,
                        H, S, HD, scale,
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                        e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
-                       DC: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
+                       QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1):
-    """Program (row t, head block x output chunk, split sp): the scores of its heads over the split's slots in
-    head_dim chunks of DC (every chunk program of a head block computes the same scores, bit for bit), the online
-    softmax, and the output's columns [ck * DC, (ck + 1) * DC) only: small tiles, no register spills."""
     t = tl.program_id(0)
-    n_chunks = HDP // DC
-    hb = tl.program_id(1) // n_chunks
-    ck = tl.program_id(1) % n_chunks
+    hb = tl.program_id(1)
     sp = tl.program_id(2)
     n_splits = tl.num_programs(2)
     h = hb * HB + tl.arange(0, HB)
     h_ok = h < H
-    dc = tl.arange(0, DC)
-    out_col = ck * DC + dc
-    out_ok = out_col < HD
+    col = tl.arange(0, HDP)
+    col_ok = col < HD
     t64 = t.to(tl.int64)
-    q_rows = q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh
+    q = tl.load(q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + col[None, :],
+                mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     m = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
     l = tl.zeros((HB,), dtype=tl.float32)
-    acc = tl.zeros((HB, DC), dtype=tl.float32)
+    acc = tl.zeros((HB, HDP), dtype=tl.float32)
     for c in range(BLOCKS):
         j = (sp * BLOCKS + c) * BS + tl.arange(0, BS)
-        s = tl.zeros((HB, BS), dtype=tl.float32)
-        live = j < 0
-        for cc in range(n_chunks):
-            col = cc * DC + dc
-            col_ok = col < HD
-            live, k = _block_keys(t64, j, col, col_ok, S, k_ptr, skt, skj, ok_ptr, sot, HD, w_ptr, sws, swr,
-                                  ring_rows, slot_ptr, pos_ptr, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
-                                  per_page, ids_ptr, sib, n_ids, width, POOL, WCODEC, ECODEC)
-            q = tl.load(q_rows + col[None, :], mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-            s = _split_dot(q, tl.trans(k), s, QP, KP)
-        s = s * scale
+        # the only place the two variants differ: where a block's keys and live flags come from
+        if POOL:
+            live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                                  e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
+                                  WCODEC, ECODEC)
+        else:
+            live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
+            k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
+                        mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        s = _split_dot(q, tl.trans(k), tl.zeros((HB, BS), dtype=tl.float32), QP, KP) * scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
         p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
         l = l * alpha + tl.sum(p, axis=1)
-        _, v = _block_keys(t64, j, out_col, out_ok, S, k_ptr, skt, skj, ok_ptr, sot, HD, w_ptr, sws, swr,
-                           ring_rows, slot_ptr, pos_ptr, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
-                           per_page, ids_ptr, sib, n_ids, width, POOL, WCODEC, ECODEC)
-        acc = acc * alpha[:, None] + _split_dot(p, v, tl.zeros((HB, DC), dtype=tl.float32), 3, KP)
+        acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), 3, KP)
         m = m_new
     at = (t64 * n_splits + sp) * H + h
-    if ck == 0:
-        tl.store(m_ptr + at, m, mask=h_ok)
-        tl.store(l_ptr + at, l, mask=h_ok)
-    tl.store(acc_ptr + at[:, None] * HD + out_col[None, :], acc, mask=h_ok[:, None] & out_ok[None, :])
+    tl.store(m_ptr + at, m, mask=h_ok)
+    tl.store(l_ptr + at, l, mask=h_ok)
+    tl.store(acc_ptr + at[:, None] * HD + col[None, :], acc, mask=h_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
@@ -265,12 +244,11 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     l = torch.empty_like(m)
     acc = torch.empty(T, n_splits, H, hd, dtype=torch.float32, device=q.device)
     hdp = triton.next_power_of_2(max(hd, 16))
-    _core_split_kernel[(T, triton.cdiv(H, HEAD_BLOCK) * (hdp // min(hdp, HD_CHUNK)), n_splits)](
+    _core_split_kernel[(T, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
         H, S, hd, float(scale), *_no_pool(ok),
         HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-        DC=min(hdp, HD_CHUNK), QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)),
-        num_warps=num_warps)
+        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps)
     _core_combine_kernel[(T, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
     return out
 
@@ -298,8 +276,8 @@ def _store(name: str, store: torch.Tensor, codec, hd: int) -> None:
 def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_store: torch.Tensor, window_codec,
                    slot: torch.Tensor, pos: torch.Tensor, window: int, entry_store: torch.Tensor | None = None,
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
-                   ids: torch.Tensor | None = None, width: int = 0, split_keys: int = SPLIT_KEYS,
-                   key_block: int = KEY_BLOCK, num_warps: int = 8) -> torch.Tensor:
+                   ids: torch.Tensor | None = None, width: int = 0, split_keys: int = DECODE_SPLIT_KEYS,
+                   key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS) -> torch.Tensor:
     """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
     same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
 
@@ -377,12 +355,11 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     l = torch.empty_like(m)
     acc = torch.empty(B, n_splits, H, hd, dtype=torch.float32, device=q.device)
     hdp = triton.next_power_of_2(max(hd, 16))
-    _core_split_kernel[(B, triton.cdiv(H, HEAD_BLOCK) * (hdp // min(hdp, HD_CHUNK)), n_splits)](
+    _core_split_kernel[(B, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
         window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
         *ents, HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-        DC=min(hdp, HD_CHUNK), QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True,
-        WCODEC=wcodec, ECODEC=ecodec,
+        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec, ECODEC=ecodec,
         num_warps=num_warps)
     _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
     return out

@@ -330,6 +330,12 @@ class FastAttention:
         FP4 entry codecs: `kv_pool.codec_for`), as `attention_pool` decides from the codecs (the same bits)."""
         return keys.dtype == torch.bfloat16 or (self.fq and self.cfg.head_dim % 32 == 0)
 
+    def _decode_tiling(self, keys: torch.Tensor) -> dict:
+        """The gathered core of decode / verify rows on `attention_pool`'s tiling (the same bits)."""
+        from dsv41.kernels.step.attention import DECODE_SPLIT_KEYS, DECODE_WARPS
+
+        return dict(keys_bf16=self._keys_bf16(keys), split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS)
+
     def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
                       ids: torch.Tensor | None, src, block: int | None = None) -> None:
         """The core of a prefill segment's rows with the step kernel, `block` (default PREFILL_CORE_ROWS) rows per
@@ -359,11 +365,10 @@ class FastAttention:
         first, last = rows[0].start, rows[-1].stop
         if all(a.stop == b.start for a, b in zip(rows, rows[1:])):
             o[first:last] = attention_core(q[first:last], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
-                                           keys_bf16=self._keys_bf16(keys))
+                                           **self._decode_tiling(keys))
             return
         idx = torch.cat([torch.arange(r.start, r.stop, device=q.device) for r in rows])
-        o[idx] = attention_core(q[idx], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
-                                keys_bf16=self._keys_bf16(keys))
+        o[idx] = attention_core(q[idx], keys, ok, self.sink, self.cfg.head_dim ** -0.5, **self._decode_tiling(keys))
 
     # ------------------------------------------------------------------ compressor
     def _compressor_inputs(self, x, n, phase) -> dict:
