@@ -1,8 +1,9 @@
 """Projection of the 1-row decode step onto one GB10 rank (DGX Spark) from the H200's per-op numbers.
 
 Input: bench/results/step_ops.json (per op class: calls, measured H200 ms, bytes), or, when that file does not
-exist yet (or with --from-decode-step), the profiled sections of the 1-row step in bench/results/decode_step.json
-(launches as calls, the step's weight bytes on the "graph" section, which holds every static piece).
+exist yet (or with --from-decode-step), the 1-row step in bench/results/decode_step.json: its profiled kernels by
+class where the profile has them (`kernels_us`: the whole step is one CUDA graph), else its profiled sections
+(launches as calls, the step's weight bytes on the "graph" section).
 Per op (docs/perf/gb10-projection.md gives the reasoning):
   achieved = bytes / (t_h200 * BW_h200)            per_call = t_h200 / calls
   latency-bound      per_call < --latency-us        t = calls * max(--launch-us, per_call)
@@ -85,6 +86,38 @@ def ops_from_decode_step(d: dict) -> list[dict]:
     return sorted(out, key=lambda o: -o["ms"])
 
 
+# kernel name prefix -> op class (the 1-row step's profiled kernels, decode_step.json `kernels_us`: inside the step's
+# CUDA graph the sections are one span, the kernels keep their names)
+KERNEL_CLASSES = (("exl3_", "EXL3 linears + MoE"), ("_core_", "attention core"), ("_store_rows", "cache writes"),
+                  ("_scores", "indexer"), ("_topk", "indexer"), ("_site", "mHC"), ("_expand", "mHC"),
+                  ("_collapse", "mHC"), ("_router", "router"), ("_rowops", "norms / RoPE / quantisers"))
+
+
+def ops_from_kernels(d: dict) -> list[dict]:
+    """The 1-row step's kernels by class: the EXL3 bytes on the EXL3 class, the dense bytes (router gate, mHC
+    matrices, norms) on the router and mHC classes by their time; kernels outside the profile's top list and
+    torch's own (copies, fills, elementwise) as 'torch ops + rest' (device busy minus the named classes)."""
+    one = next(s for s in d["steps"] if s["mode"] == "decode" and s["rows"] == 1)
+    acc: dict = {}
+    for name, (us, calls) in one["kernels_us"].items():
+        cls = next((c for prefix, c in KERNEL_CLASSES if name.startswith(prefix)), None)
+        if cls is None:
+            continue
+        a = acc.setdefault(cls, {"class": cls, "group": cls, "calls": 0, "ms": 0.0, "bytes": 0.0})
+        a["calls"] += calls
+        a["ms"] += us / 1e3
+    named = sum(a["ms"] for a in acc.values())
+    rest_calls = sum(c for n, (_, c) in one["kernels_us"].items()
+                     if not any(n.startswith(p) for p, _ in KERNEL_CLASSES))
+    acc["torch"] = {"class": "torch ops + rest", "group": "torch", "calls": max(1, rest_calls),
+                    "ms": max(0.0, one["device_ms"] - named), "bytes": 0.0}
+    acc["EXL3 linears + MoE"]["bytes"] = float(one["exl3_bytes"])
+    dense = [acc[c] for c in ("router", "mHC") if c in acc]
+    for a in dense:
+        a["bytes"] = float(one["dense_bytes"]) * a["ms"] / sum(x["ms"] for x in dense)
+    return sorted(acc.values(), key=lambda o: -o["ms"])
+
+
 def decode_step_terms(d: dict) -> tuple[float, float]:
     """(host_ms of the graph-on 1-row step, verify ratio 6-row verify / 1-row decode)."""
     one = next(s for s in d["steps"] if s["mode"] == "decode" and s["rows"] == 1)
@@ -133,6 +166,9 @@ def main(argv=None) -> int:
         ops, source = ops_from_step_ops(so), {"step_ops": str(args.step_ops), "commit": so.get("commit"),
                                                "device": so.get("device")}
         p["h200_gbps"] = p["h200_gbps"] or so.get("ceiling_gbps")
+    elif any("kernels_us" in st for st in d["steps"] if st["mode"] == "decode" and st["rows"] == 1):
+        ops, source = ops_from_kernels(d), {"decode_step": str(args.decode_step), "commit": d.get("commit"),
+                                            "from": "profiled kernels"}
     else:
         ops, source = ops_from_decode_step(d), {"decode_step": str(args.decode_step), "commit": d.get("commit")}
     if not p["h200_gbps"]:
