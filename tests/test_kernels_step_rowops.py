@@ -125,22 +125,25 @@ CASES = ("q_norm", "q_norm_fp32", "latent_norm_fp16", "q_rope", "q_rope_plain", 
          "iq", "entries", "kv", "kv_fp32", "index_k", "odd_rope", "crafted_bf16", "crafted_fp32")
 
 
-def _kernel(kind, c, rows=None):
+def _kernel(kind, c, rows=None, live=None):
+    """The kernels of a case; `rows` picks input rows, `live` is the launchers' `rows=` (programs for the first
+    `live` rows only)."""
     from dsv41.kernels.step import rowops
 
     tab = _tables(c.get("tables", 64))[c["tab"]]
     x, P = c["x"], c["P"]
     if rows is not None:
         x, P = x[rows], P[rows]
+    kw = {} if live is None else {"rows": live}
     if kind == "norm":
-        return [rowops.rms_norm_rows(x, c["w"], EPS)]
+        return [rowops.rms_norm_rows(x, c["w"], EPS, **kw)]
     if kind == "rope":
         return [rowops.rope_rows(x, P, tab.inv_freq, c["R"], inverse=c.get("inverse", False), quant=c.get("quant"),
-                                 out_dtype=c.get("out"))]
+                                 out_dtype=c.get("out"), **kw)]
     if kind == "chain":  # the chain, and its norm alone
-        return [rowops.norm_rope_rows(x, c["w"], EPS, P, tab.inv_freq, c["R"], quant=c["quant"]),
-                rowops.rms_norm_rows(x, c["w"], EPS)]
-    return [rowops.fake_quant_rows(x, q, block) for q in QUANT_FN for block in (16, 32)]
+        return [rowops.norm_rope_rows(x, c["w"], EPS, P, tab.inv_freq, c["R"], quant=c["quant"], **kw),
+                rowops.rms_norm_rows(x, c["w"], EPS, **kw)]
+    return [rowops.fake_quant_rows(x, q, block, **kw) for q in QUANT_FN for block in (16, 32)]
 
 
 def _reference(kind, c, normed=None):
@@ -168,13 +171,34 @@ def _interp_worker(out_path: str) -> None:
         alone = [_kernel(kind, c, rows=slice(r, r + 1)) for r in range(B)]
         rev = torch.arange(B - 1, -1, -1)
         out[name] = {"got": got, "alone": [torch.cat([a[i] for a in alone]) for i in range(len(got))],
-                     "reversed": [t.flip(0) for t in _kernel(kind, c, rows=rev)]}
+                     "reversed": [t.flip(0) for t in _kernel(kind, c, rows=rev)],
+                     "live": {k: _kernel(kind, c, live=k) for k in {0, 1, B - 1}}}
     torch.save(out, out_path)
 
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
     return interpreted(tmp_path_factory, __file__, "rowops")
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_live_rows_are_the_full_launch_and_the_rest_zero(interp, name):
+    """`rows=k` (a bucket's real rows): rows [0, k) of every output are the full launch's bits, the rest +0.0."""
+    got = interp[name]
+    for k, outs in got["live"].items():
+        for full, part in zip(got["got"], outs):
+            assert part.shape == full.shape and part.dtype == full.dtype
+            assert torch.equal(part[:k], full[:k]), (name, k)
+            assert torch.equal(part[k:], torch.zeros_like(part[k:])) and not torch.signbit(part[k:].float()).any()
+
+
+def test_live_rows_are_checked():
+    from dsv41.kernels.step.rowops import rms_norm_rows
+
+    x = torch.ones(2, 8)
+    for bad in (-1, 3, 1.0, True, torch.tensor(1)):
+        with pytest.raises(ValueError, match="rows"):
+            rms_norm_rows(x, torch.ones(8), EPS, rows=bad)
 
 
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

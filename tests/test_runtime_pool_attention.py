@@ -27,9 +27,9 @@ PROMPTS = ([0] + [(i * 37) % 500 + 5 for i in range(18)],  # 19 tokens: ratio-2 
            [0] + [(i * 91) % 500 + 7 for i in range(13)],  # 14
            [0, 11, 12, 13, 14, 15])  # 6: inside its first window, few entries
 # per step: (sequence, phase, tokens) rows
-SCHEDULE = ([(0, "decode", 1), (1, "decode", 1), (2, "decode", 1)],
-            [(0, "verify", 4), (2, "verify", 3)],
-            [(0, "decode", 2), (1, "verify", 5), (2, "decode", 1)])
+SCHEDULE = ([(0, "decode", 1), (1, "decode", 1), (2, "decode", 2)],
+            [(0, "verify", 4), (1, "verify", 5), (2, "verify", 3)],
+            [(0, "decode", 2), (1, "decode", 1), (2, "decode", 1)])
 
 
 def _pool(model, device):

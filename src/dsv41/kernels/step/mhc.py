@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .live import live_rows as _live_rows, zero_tail as _zero_tail
+
 BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 + hc) * hc] product tile
 BLOCK_H = 1024  # columns per step of the norm pass
 BLOCK_E = 256  # columns per program of a lone expand (its [hc, hc, BLOCK_E] product: 128 registers at 1024)
@@ -245,25 +247,6 @@ def _streams(x: torch.Tensor) -> tuple[int, int, int]:
     if x.dim() != 3 or not x.is_contiguous():
         raise ValueError(f"streams must be a contiguous [B, hc, d] tensor, got {tuple(x.shape)}")
     return tuple(x.shape)
-
-
-def _live_rows(rows, B: int) -> int:
-    """`rows=` of a launcher: None -> B, else an int in [0, B] (a Python int: a tensor would need a host sync)."""
-    if rows is None:
-        return B
-    if isinstance(rows, (bool, torch.Tensor)) or not hasattr(rows, "__index__"):
-        raise ValueError(f"rows must be None or an int in [0, {B}], got {rows!r}")
-    rows = rows.__index__()
-    if not 0 <= rows <= B:
-        raise ValueError(f"rows must be in [0, {B}] (the batch), got {rows}")
-    return rows
-
-
-def _zero_tail(rows: int, *outs: torch.Tensor) -> None:
-    """Rows [rows, B) of each output to zero (a memset each; nothing when every row is live)."""
-    for t in outs:
-        if rows < t.shape[0]:
-            t[rows:].zero_()
 
 
 def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:

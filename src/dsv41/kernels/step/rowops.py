@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .live import live_rows as _live_rows, zero_tail as _zero_tail
+
 QUANT_MODES = {None: 0, "fp8_ue8m0": 1, "fp4_ue8m0": 2, "fp4_e4m3": 3}
 DEFAULT_BLOCK = {"fp8_ue8m0": 32, "fp4_ue8m0": 32, "fp4_e4m3": 16}
 TILE = 32  # values per tile row when no quantiser sets the block
@@ -178,7 +180,7 @@ def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_pt
 
 
 def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, inv_freq=None, rope_dim: int = 0,
-            inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None):
+            inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None, rows=None):
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [rows, dim] or [rows, heads, dim], got {list(x.shape)}")
     if quant not in QUANT_MODES:
@@ -216,13 +218,15 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
             raise ValueError(f"block must be a power of two, got {blk}")
         if D % blk:
             mode = 0  # the reference skips a quantiser whose block does not divide the vector (MODEL.md §15b.6)
+    live = _live_rows(rows, B)
     out = torch.empty(x.shape, dtype=out_dtype, device=dev)
-    if B == 0 or H == 0:
+    _zero_tail(live, out)
+    if live == 0 or H == 0:
         return out
     nb = triton.next_power_of_2(triton.cdiv(D, blk))
     hb = blk // 2
     dummy = x
-    _rowops_kernel[(B, H)](
+    _rowops_kernel[(live, H)](
         x, x.stride(0), stride_h, out, weight if weight is not None else dummy,
         positions if rope else dummy, inv_freq if rope else dummy, float(eps), D,
         NORM=weight is not None, ROPE=rope, R=rope_dim if rope else 0, INVERSE=bool(inverse), QUANT=mode,
@@ -230,39 +234,43 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
     return out
 
 
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None):
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
+                  rows: int | None = None):
     """`rms_norm(x, weight, eps)` for x [rows, n] (or [rows, heads, n], each head normalised on its own), one
-    program per row (and head). Replaces the q_norm (qa -> qr, n = q_lora_rank) and the compressor's latent norms."""
-    return _launch(x, weight=weight, eps=eps, out_dtype=out_dtype)
+    program per row (and head). Replaces the q_norm (qa -> qr, n = q_lora_rank) and the compressor's latent norms.
+    `rows` (every launcher): programs for the first `rows` rows only, the others' output zero (a bucket's padding
+    rows cost nothing; None: all)."""
+    return _launch(x, weight=weight, eps=eps, out_dtype=out_dtype, rows=rows)
 
 
 def rope_rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, *,
               inverse: bool = False, quant: str | None = None, block: int | None = None,
-              out_dtype: torch.dtype | None = None):
+              out_dtype: torch.dtype | None = None, rows: int | None = None):
     """`quant(RopeTable(inv_freq).apply(x.to(out_dtype), positions, rope_dim, inverse))` for x [rows, heads, dim]
     (or [rows, dim]), positions [rows] (any integer dtype), inv_freq the table's fp32 [rope_dim / 2]; quant None,
     "fp8_ue8m0", "fp4_ue8m0" or "fp4_e4m3" (`block` defaults to 32 / 32 / 16). Replaces the q RoPE, the output's
     inverse RoPE (x the fp32 o, out_dtype the activations'), the index queries' RoPE + FP4 and the compressed
     entries' RoPE + FP4 (e4m3 scales / 16)."""
     return _launch(x, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim, inverse=inverse, quant=quant,
-                   block=block, out_dtype=out_dtype)
+                   block=block, out_dtype=out_dtype, rows=rows)
 
 
 def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                    inv_freq: torch.Tensor, rope_dim: int, *, quant: str | None = None, block: int | None = None,
-                   out_dtype: torch.dtype | None = None):
+                   out_dtype: torch.dtype | None = None, rows: int | None = None):
     """`quant(rope(rms_norm(x, weight, eps)))` over each row's (and head's) last dim, in one launch. Replaces the
     window KV (kv_norm -> RoPE -> FP8 ue8m0 / 32) and the index keys (k_norm -> RoPE -> FP4 ue8m0 / 32)."""
     return _launch(x, weight=weight, eps=eps, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim,
-                   quant=quant, block=block, out_dtype=out_dtype)
+                   quant=quant, block=block, out_dtype=out_dtype, rows=rows)
 
 
-def fake_quant_rows(x: torch.Tensor, quant: str, block: int | None = None, out_dtype: torch.dtype | None = None):
+def fake_quant_rows(x: torch.Tensor, quant: str, block: int | None = None, out_dtype: torch.dtype | None = None, *,
+                    rows: int | None = None):
     """`model.quant`'s quantiser `quant` on x.to(out_dtype) [rows, heads, dim] (or [rows, dim]), blocks along the
     last dim: for a call site that keeps its RoPE elsewhere (the index queries' FP4 in `attend` today)."""
     if quant is None:
         raise ValueError("fake_quant_rows needs a quantiser")
-    return _launch(x, quant=quant, block=block, out_dtype=out_dtype)
+    return _launch(x, quant=quant, block=block, out_dtype=out_dtype, rows=rows)
 
 
 __all__ = ["rms_norm_rows", "rope_rows", "norm_rope_rows", "fake_quant_rows", "QUANT_MODES", "DEFAULT_BLOCK"]

@@ -35,6 +35,7 @@ from dsv41.model.state import SequenceState
 
 from ..sections import section
 from .linear import is_fused
+from .pool_attention import InPlaceAttention
 
 # Rows of one prefill sequence per core launch: bounds the block's gathered key slots [rows, S, hd] (S = window +
 # index top-k = 128 + 512 at full shape, hd 512: 160 MiB in bf16 at 256 rows) and the kernel's split scratch
@@ -77,7 +78,7 @@ def window_slots(win: torch.Tensor, s: Segment, window: int,
     return win[(key_pos - first).clamp(min=0)], key_pos >= 0
 
 
-class FastAttention:
+class FastAttention(InPlaceAttention):
     def __init__(self, cfg: ModelConfig, role: LayerRole, w: AttentionParams, rope: RopeTable, *, local_heads: int,
                  fake_quant: bool = True):
         """`w`: the reference's parameter record, its linears fast ones (this rank's heads and groups)."""
@@ -145,19 +146,20 @@ class FastAttention:
         cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
         B, R, freqs = x.shape[0], cfg.qk_rope_head_dim, self._inv_freq(x.device)
         qa, kva = w.wq_a(x, n, phase), w.wkv(x, n, phase)
-        with section("norms"):
-            qr = rms_norm_rows(qa, w.q_norm, eps)
+        with section("norms"):  # the row ops run the n real rows (the padding rows come out zero)
+            qr = rms_norm_rows(qa, w.q_norm, eps, rows=n)
         qb = w.wq_b(qr, n, phase)
         with section("norms"):
-            q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R)
-            kv = norm_rope_rows(kva, w.kv_norm, eps, P, freqs, R, quant="fp8_ue8m0" if self.fq else None, block=32)
+            q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R, rows=n)
+            kv = norm_rope_rows(kva, w.kv_norm, eps, P, freqs, R, quant="fp8_ue8m0" if self.fq else None, block=32,
+                                rows=n)
         proj = self._compressor_inputs(x, n, phase) if role.compresses else {}
         iq = iw = None
         if role.scores:
             ib, wp = w.indexer.wq_b(qr, n, phase), w.indexer.weights_proj(x, n, phase)
             with section("indexer"):
                 iq = rope_rows(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P, freqs, R,
-                               quant="fp4_ue8m0" if self.fq else None, block=32)
+                               quant="fp4_ue8m0" if self.fq else None, block=32, rows=n)
                 iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
         return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iq_quantised": True}
 
@@ -207,98 +209,6 @@ class FastAttention:
                 self._core_batched(q, gathered, o)
         return o
 
-    def attend_pool(self, a: dict, n: int, P: torch.Tensor, t, pool, phase: str) -> torch.Tensor:
-        """`attend` for decode / verify rows over the KV pool in place (`t`: the bucket's `StepTables`): fixed
-        shapes, the pool read and written through the tables, no host sync, so a whole step can be one CUDA graph.
-        The kernels run the n real rows (the padding rows' o is zero). In order: the window rows stored into the
-        ring (the rows of a verify window see the ones before them), the groups the rows close pooled and their
-        entries and index keys stored by the closer, the index scores over the source's pages (candidate pool,
-        top-k), the core over the ring and the selected entries (`attention_pool`: the keys are read and
-        dequantised in the kernel's load). The bits are those of `attend` over the same state loaded from the pool
-        (tests/test_runtime_pool_attention.py)."""
-        from dsv41.kernels.step.attention import attention_pool
-        from dsv41.kernels.step.cache import store_rows
-
-        cfg, role, L = self.cfg, self.role, self.role.index
-        q = a["q"]
-        with section("attention"):
-            store_rows(pool.stores[("window", L)], a["kv"][:n], t.ring_dest[:n], pool.window_codec)
-            if role.compresses:
-                self._close_groups(a["proj"], n, t, pool, a["dtype"], phase)
-        window = dict(window_store=pool.stores[("window", L)], window_codec=pool.window_codec, slot=t.slot[:n],
-                      pos=P[:n], window=cfg.sliding_window)
-        entries = {}
-        if not role.swa_only:
-            src = pool.sources[role.kv_source]
-            st = t.source(src.ratio)
-            with section("indexer"):
-                if role.scores:
-                    t.topk[L] = self._index_pool(a["iq"][:n], a["iw"][:n], n, t, st, pool)
-                ids = t.topk[role.index_source]
-            entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
-                           pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
-        with section("attention"):
-            o = torch.zeros(q.shape[0], self.heads, cfg.head_dim, dtype=torch.float32, device=q.device)
-            o[:n] = attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries)
-        return o
-
-    def _close_groups(self, proj: dict, n: int, t, pool, dtype: torch.dtype, phase: str) -> None:
-        """The compressor over the real rows (`_pool` and `_append_entries` of every row at once): each row whose
-        position ends a group pools its group (its earlier members from the step's rows or the open-group store),
-        and stores its entry (RoPE at the group's first token, FP4) and index key in the source's pages; the rows
-        still open at the step's end go to the open-group store. Rows that close nothing compute values nobody
-        stores (their destinations are -1)."""
-        from dsv41.kernels.step.cache import store_rows
-        from dsv41.kernels.step.rowops import rope_rows
-
-        cfg, comp, L = self.cfg, self.w.compressor, self.role.index
-        r = self.role.compress_ratio
-        st = t.source(r)
-        eps, R = cfg.rms_norm_eps, cfg.qk_rope_head_dim
-        if r == 1:
-            latent = proj["latent"][:n]
-        else:
-            v, g = proj["v"][:n], proj["s"][:n]
-            open_store = pool.stores[("open", L)]
-            flat = open_store.view(-1, 2, open_store.shape[-1])
-            members_v, members_g = [], []
-            for d in range(r - 1, 0, -1):  # the group's members in position order, the closer last
-                here = st.back_row[d - 1, :n]
-                at_row, at_open = here.clamp(min=0), st.back_open[d - 1, :n]
-                inside = (here >= 0)[:, None]
-                members_v.append(torch.where(inside, v[at_row], flat[at_open, 0]))
-                members_g.append(torch.where(inside, g[at_row], flat[at_open, 1]))
-            gv, gs = torch.stack(members_v + [v], dim=1), torch.stack(members_g + [g], dim=1)
-            pooled = (torch.softmax(gs, dim=1) * gv).sum(1)
-            latent = rms_norm(pooled.to(dtype), comp.norm, eps)
-            store_rows(open_store, torch.cat((v, g), dim=1), st.open_dest[:n], pool.open_codec)
-        freqs, entry_pos, dest = self._inv_freq(latent.device), st.entry_pos[:n], st.entry_dest[:n]
-        store_rows(pool.stores[("kv", L)], rope_rows(latent[:, None, :], entry_pos, freqs, R)[:, 0], dest,
-                   pool.kv_codec)
-        if comp.index_wk is not None and ("index_k", L) in pool.stores:
-            k = rms_norm(comp.index_wk(latent, n, phase), comp.index_k_norm, eps)
-            store_rows(pool.stores[("index_k", L)], rope_rows(k[:, None, :], entry_pos, freqs, R)[:, 0], dest,
-                       pool.index_codec)
-
-    def _index_pool(self, iq: torch.Tensor, iw: torch.Tensor, n: int, t, st, pool) -> torch.Tensor:
-        """`_index_kernels` over the pool for the n real rows: each row's scores over its own sequence's index keys
-        in the source's pages (`ncols` the page bucket's entries; columns past a row's entries are -inf, which
-        neither the candidate blocks nor the top-k ever pick), the candidate pool at the candidate source, the
-        top-k (ids ascending, -1 first; `attention_pool` left-pads them to index_topk as `compressed_slots`)."""
-        from dsv41.kernels.step.indexer import candidate_mask, index_scores_pool, topk_select
-
-        cfg, role = self.cfg, self.role
-        allow = None
-        if role.uses_candidates:
-            allow = t.candidates
-            if allow is None or allow.shape != (n, st.ncols):
-                raise RuntimeError(f"layer {role.index}: no candidate pool of {st.ncols} columns in this step")
-        sc = index_scores_pool(iq, iw, pool.stores[("index_k", role.kv_source)], pool.index_codec, t.pages[:n],
-                               st.per_page, st.n_vis[:n], st.ncols, allow)
-        if role.is_candidate_source:
-            t.candidates = candidate_mask(sc, st.n_vis[:n], cfg.candidate_block_size, cfg.candidate_topk_blocks)
-        return topk_select(sc, min(cfg.index_topk, st.ncols))
-
     def output(self, o: torch.Tensor, n: int, P: torch.Tensor, phase: str, dtype: torch.dtype) -> torch.Tensor:
         """The tail over the bucket: inverse RoPE of o (rounded to `dtype`), wo_a per group, wo_b: this rank's
         partial [B, d]."""
@@ -307,7 +217,8 @@ class FastAttention:
             if step_kernels_run(o.device):
                 from dsv41.kernels.step.rowops import rope_rows
 
-                o = rope_rows(o, P, self._inv_freq(o.device), self.cfg.qk_rope_head_dim, inverse=True, out_dtype=dtype)
+                o = rope_rows(o, P, self._inv_freq(o.device), self.cfg.qk_rope_head_dim, inverse=True, out_dtype=dtype,
+                              rows=n)
             else:
                 o = self.ref._rope(o.to(dtype), P, inverse=True)
         groups = o.reshape(o.shape[0], len(w.wo_a), -1)

@@ -1,0 +1,115 @@
+"""Attention of decode / verify rows over the KV pool in place (docs/ENGINE.md §5): `FastAttention`'s in-place half.
+
+`attend_pool` replaces `FastAttention.attend` when the forward is given the pool: the bucket's `StepTables`
+(runtime/step_tables.py) say where each row reads and writes, and every op has the bucket's shape, so the whole
+step can be one CUDA graph. The kernels run the n real rows. In order, per layer: the window rows stored into the
+ring (`kernels.step.cache.store_rows`: the rows of a verify window see the ones before them), the groups the rows
+close pooled and their entries and index keys stored by the closer, the index scores over the source's pages
+(`index_scores_pool`, candidate pool, top-k), the core over the ring and the selected entries (`attention_pool`,
+the keys dequantised in the kernel's load). The bits are those of `attend` over the same state loaded from the
+pool (tests/test_runtime_pool_attention.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41.model.norm import rms_norm
+
+from ..sections import section
+
+
+class InPlaceAttention:
+    """Mixed into `FastAttention` (which holds cfg, role, w, heads, sink and `_inv_freq`)."""
+
+    def attend_pool(self, a: dict, n: int, P: torch.Tensor, t, pool, phase: str) -> torch.Tensor:
+        """`attend` for decode / verify rows over the KV pool in place (`t`: the bucket's `StepTables`): fixed
+        shapes, the pool read and written through the tables, no host sync, so a whole step can be one CUDA graph.
+        The kernels run the n real rows (the padding rows' o is zero). In order: the window rows stored into the
+        ring (the rows of a verify window see the ones before them), the groups the rows close pooled and their
+        entries and index keys stored by the closer, the index scores over the source's pages (candidate pool,
+        top-k), the core over the ring and the selected entries (`attention_pool`: the keys are read and
+        dequantised in the kernel's load). The bits are those of `attend` over the same state loaded from the pool
+        (tests/test_runtime_pool_attention.py)."""
+        from dsv41.kernels.step.attention import attention_pool
+        from dsv41.kernels.step.cache import store_rows
+
+        cfg, role, L = self.cfg, self.role, self.role.index
+        q = a["q"]
+        with section("attention"):
+            store_rows(pool.stores[("window", L)], a["kv"][:n], t.ring_dest[:n], pool.window_codec)
+            if role.compresses:
+                self._close_groups(a["proj"], n, t, pool, a["dtype"], phase)
+        window = dict(window_store=pool.stores[("window", L)], window_codec=pool.window_codec, slot=t.slot[:n],
+                      pos=P[:n], window=cfg.sliding_window)
+        entries = {}
+        if not role.swa_only:
+            src = pool.sources[role.kv_source]
+            st = t.source(src.ratio)
+            with section("indexer"):
+                if role.scores:
+                    t.topk[L] = self._index_pool(a["iq"][:n], a["iw"][:n], n, t, st, pool)
+                ids = t.topk[role.index_source]
+            entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
+                           pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
+        with section("attention"):
+            o = torch.zeros(q.shape[0], self.heads, cfg.head_dim, dtype=torch.float32, device=q.device)
+            o[:n] = attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries)
+        return o
+
+    def _close_groups(self, proj: dict, n: int, t, pool, dtype: torch.dtype, phase: str) -> None:
+        """The compressor over the real rows (`_pool` and `_append_entries` of every row at once): each row whose
+        position ends a group pools its group (its earlier members from the step's rows or the open-group store),
+        and stores its entry (RoPE at the group's first token, FP4) and index key in the source's pages; the rows
+        still open at the step's end go to the open-group store. Rows that close nothing compute values nobody
+        stores (their destinations are -1)."""
+        from dsv41.kernels.step.cache import store_rows
+        from dsv41.kernels.step.rowops import rope_rows
+
+        cfg, comp, L = self.cfg, self.w.compressor, self.role.index
+        r = self.role.compress_ratio
+        st = t.source(r)
+        eps, R = cfg.rms_norm_eps, cfg.qk_rope_head_dim
+        if r == 1:
+            latent = proj["latent"][:n]
+        else:
+            v, g = proj["v"][:n], proj["s"][:n]
+            open_store = pool.stores[("open", L)]
+            flat = open_store.view(-1, 2, open_store.shape[-1])
+            members_v, members_g = [], []
+            for d in range(r - 1, 0, -1):  # the group's members in position order, the closer last
+                here = st.back_row[d - 1, :n]
+                at_row, at_open = here.clamp(min=0), st.back_open[d - 1, :n]
+                inside = (here >= 0)[:, None]
+                members_v.append(torch.where(inside, v[at_row], flat[at_open, 0]))
+                members_g.append(torch.where(inside, g[at_row], flat[at_open, 1]))
+            gv, gs = torch.stack(members_v + [v], dim=1), torch.stack(members_g + [g], dim=1)
+            pooled = (torch.softmax(gs, dim=1) * gv).sum(1)
+            latent = rms_norm(pooled.to(dtype), comp.norm, eps)
+            store_rows(open_store, torch.cat((v, g), dim=1), st.open_dest[:n], pool.open_codec)
+        freqs, entry_pos, dest = self._inv_freq(latent.device), st.entry_pos[:n], st.entry_dest[:n]
+        store_rows(pool.stores[("kv", L)], rope_rows(latent[:, None, :], entry_pos, freqs, R)[:, 0], dest,
+                   pool.kv_codec)
+        if comp.index_wk is not None and ("index_k", L) in pool.stores:
+            k = rms_norm(comp.index_wk(latent, n, phase), comp.index_k_norm, eps)
+            store_rows(pool.stores[("index_k", L)], rope_rows(k[:, None, :], entry_pos, freqs, R)[:, 0], dest,
+                       pool.index_codec)
+
+    def _index_pool(self, iq: torch.Tensor, iw: torch.Tensor, n: int, t, st, pool) -> torch.Tensor:
+        """`_index_kernels` over the pool for the n real rows: each row's scores over its own sequence's index keys
+        in the source's pages (`ncols` the page bucket's entries; columns past a row's entries are -inf, which
+        neither the candidate blocks nor the top-k ever pick), the candidate pool at the candidate source, the
+        top-k (ids ascending, -1 first; `attention_pool` left-pads them to index_topk as `compressed_slots`)."""
+        from dsv41.kernels.step.indexer import candidate_mask, index_scores_pool, topk_select
+
+        cfg, role = self.cfg, self.role
+        allow = None
+        if role.uses_candidates:
+            allow = t.candidates
+            if allow is None or allow.shape != (n, st.ncols):
+                raise RuntimeError(f"layer {role.index}: no candidate pool of {st.ncols} columns in this step")
+        sc = index_scores_pool(iq, iw, pool.stores[("index_k", role.kv_source)], pool.index_codec, t.pages[:n],
+                               st.per_page, st.n_vis[:n], st.ncols, allow)
+        if role.is_candidate_source:
+            t.candidates = candidate_mask(sc, st.n_vis[:n], cfg.candidate_block_size, cfg.candidate_topk_blocks)
+        return topk_select(sc, min(cfg.index_topk, st.ncols))
