@@ -240,18 +240,15 @@ class FastModel:
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
         sites = MhcSites.of(cfg, dev, rows=n)
-        pending = None  # the last FFN site's (y, post, comb): its expand runs fused with the next attention site
-        for block in self.blocks:
-            L = block.index
-            if L in self.engram:
-                with section("mhc"):
-                    x, pending = sites.expanded(x, pending), None
-                with section("engram"):
-                    x = self.engram[L](x, rows[L], live, n, phase, self.comm).contiguous()
+
+        def run_block(block, x, pre, pending):
             layer_trace = {} if trace is not None else None
-            x, pre, pending = self._block(block, sites, x, pre, pending, n, P, segs, phase, layer_trace, piece)
+            out = self._block(block, sites, x, pre, pending, n, P, segs, phase, layer_trace, piece)
             if trace is not None:
-                trace.setdefault(L, []).append(layer_trace)
+                trace.setdefault(block.index, []).append(layer_trace)
+            return out
+
+        x, pre, pending = self._layers(sites, x, pre, n, phase, rows, live, run_block)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
@@ -295,17 +292,25 @@ class FastModel:
         t = tables.on(packed)
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
         x, pre, P = self._streams(ids, P)
+        x, pre, pending = self._layers(
+            sites, x, pre, n, phase, rows, live,
+            lambda block, x, pre, pending: self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,
+                                                       pool=(t, pool)))
+        return self._final(sites, n, phase, x, pending, pre)
+
+    def _layers(self, sites: MhcSites, x, pre, n: int, phase: str, rows, live, run_block):
+        """The blocks in order (`run_block(block, x, pre, pending) -> (x, pre, pending)`), each Engram layer before
+        its block with the pending FFN expand applied first. `pending`: the last FFN site's (y, post, comb), whose
+        expand runs fused with the next attention site. Returns the last `(x, pre, pending)`."""
         pending = None
         for block in self.blocks:
-            L = block.index
-            if L in self.engram:
+            if block.index in self.engram:
                 with section("mhc"):
                     x, pending = sites.expanded(x, pending), None
                 with section("engram"):
-                    x = self.engram[L](x, rows[L], live, n, phase, self.comm).contiguous()
-            x, pre, pending = self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,
-                                          pool=(t, pool))
-        return self._final(sites, n, phase, x, pending, pre)
+                    x = self.engram[block.index](x, rows[block.index], live, n, phase, self.comm).contiguous()
+            x, pre, pending = run_block(block, x, pre, pending)
+        return x, pre, pending
 
     def _piece_runner(self, phase: str, n: int, trace: dict | None):
         """`piece(name, fn, *args) -> fn(*args)`: through the graphs for decode and verify rows, else eager."""

@@ -95,6 +95,16 @@ def _split_dot(a, b, acc, AP: tl.constexpr, BP: tl.constexpr):
     return tl.dot(a0, b0, acc)
 
 
+def _split_scratch(rows: int, S: int, H: int, hd: int, split_keys: int, key_block: int, device):
+    """(n_splits, m, l, acc, HDP): the split launch's per-split results, read by the combine launch."""
+    if key_block < 16 or split_keys % key_block:
+        raise ValueError(f"split_keys {split_keys} must be a multiple of key_block {key_block} (>= 16)")
+    n_splits = max(1, triton.cdiv(S, split_keys))
+    m = torch.empty(rows, n_splits, H, dtype=torch.float32, device=device)
+    acc = torch.empty(rows, n_splits, H, hd, dtype=torch.float32, device=device)
+    return n_splits, m, torch.empty_like(m), acc, triton.next_power_of_2(max(hd, 16))
+
+
 def codecs_hold_bf16(*codecs) -> bool:
     """Whether every value the pool codecs decode is a bf16 one: a quantised code times its scale always is (at
     most 6 significant bits), raw rows are when they are bf16 rows. (None: a store not read.)"""
@@ -237,13 +247,7 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
         return out
     if keys_bf16 is None:
         keys_bf16 = keys.dtype == torch.bfloat16
-    if key_block < 16 or split_keys % key_block:
-        raise ValueError(f"split_keys {split_keys} must be a multiple of key_block {key_block} (>= 16)")
-    n_splits = max(1, triton.cdiv(S, split_keys))
-    m = torch.empty(T, n_splits, H, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(T, n_splits, H, hd, dtype=torch.float32, device=q.device)
-    hdp = triton.next_power_of_2(max(hd, 16))
+    n_splits, m, l, acc, hdp = _split_scratch(T, S, H, hd, split_keys, key_block, q.device)
     _core_split_kernel[(T, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
         H, S, hd, float(scale), *_no_pool(ok),
@@ -348,13 +352,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
     if B == 0:
         return out
-    if key_block < 16 or split_keys % key_block:
-        raise ValueError(f"split_keys {split_keys} must be a multiple of key_block {key_block} (>= 16)")
-    n_splits = max(1, triton.cdiv(S, split_keys))
-    m = torch.empty(B, n_splits, H, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
-    acc = torch.empty(B, n_splits, H, hd, dtype=torch.float32, device=q.device)
-    hdp = triton.next_power_of_2(max(hd, 16))
+    n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)
     _core_split_kernel[(B, triton.cdiv(H, HEAD_BLOCK), n_splits)](
         q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
         window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
