@@ -29,6 +29,7 @@ import torch
 from ..engine.batch import DECODE, PREFILL, VERIFY, Row
 from .model import BUCKET
 from .pool_forward import decoder_start, load_sequences, store_sequences
+from .step_tables import ring_chunk_rows
 
 
 def pool_layout(model) -> SimpleNamespace:
@@ -60,7 +61,7 @@ class FastForward:
             raise ValueError("the fast forward does not run CED bounded replay (--prefill replay)")
         views = load_sequences(pool, rows, self.cfg, self.decoder_from, m.engram_hasher)
         out: list[torch.Tensor | None] = [None] * len(rows)
-        fits = pool.ring_rows - self.cfg.sliding_window + 1  # rows of one chunk the ring holds with its window
+        fits = ring_chunk_rows(pool, self.cfg.sliding_window)
         for phase, in_place in ((PREFILL, False), (DECODE, True), (DECODE, False), (VERIFY, True), (VERIFY, False)):
             members = [i for i, r in enumerate(rows) if self.phase_of(r) == phase
                        and in_place == (self.in_place and m.pool_runs(phase) and len(r.token_ids) <= fits)]

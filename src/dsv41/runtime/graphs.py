@@ -30,6 +30,9 @@ functions of their tensor inputs, the weights captured as constants — and runs
   warm-up and replay, where an eager peer runs them once): there only the count budget applies, not the seconds.
   `refusal` is the whole policy, a plain function (tested on the CPU).
 
+The in-place step over the KV pool (`FastModel._pool_step`) is a single piece, "step": it writes the pool, so its
+capture warms up on `run(..., warmup=...)`'s inputs (tables that write nothing) and the replay applies it once.
+
 Replay == eager bitwise: a replay launches the kernels the eager run launched, on the same shapes and the same
 static buffers; only the padding rows' unwritten memory differs, and no real row reads it (every op is row-wise).
 Python-side counters inside a piece (`TorchComm.calls` / `traffic`, sections) do not advance on replay.

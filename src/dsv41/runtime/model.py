@@ -23,6 +23,8 @@ per layer "attn_in.L" (the attention mHC site, with the previous FFN's expand, a
 projections) and "ffn.L" (the attention's output projections, the reduction, the FFN mHC site, the MoE and its
 reduction), and "final" (the last expand, the final norm and the head's local logits). Between them the per-sequence
 attention work (`FastAttention.attend`) and the Engram layers run eagerly. Prefill and traced forwards are eager.
+Given the KV pool (`forward(..., pool=...)`, decode / verify), attention works on the pool in place and the whole
+bucket is one graph instead (`_forward_pool`, `_pool_step`; runtime/step_tables.py).
 A replay is the eager run's kernels on the same buffers: the same bits (tests/test_runtime_graphs.py).
 """
 
@@ -36,7 +38,6 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engram.hashing import EngramHasher
-from dsv41.kernels.exl3.backend import interpreting
 from dsv41.kernels.step import mhc as step_mhc
 from dsv41.model import mhc
 from dsv41.model.engram import engram_mix, engram_project
@@ -46,7 +47,7 @@ from dsv41.model.state import SequenceState
 from dsv41.parallel.comm import Comm, LocalComm
 
 from .graphs import PieceGraphs
-from .layers.attention import FastAttention, Segment
+from .layers.attention import FastAttention, Segment, step_kernels_run
 from .layers.linear import PrefillWorkspace, is_fused
 from .layers.moe import FusedMoE
 from .sections import section
@@ -91,7 +92,7 @@ class MhcSites:
     @classmethod
     def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None) -> "MhcSites":
         return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                   device.type == "cuda" or interpreting(), rows)
+                   step_kernels_run(device), rows)
 
     def _k(self) -> dict:
         return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps, rows=self.rows)
@@ -213,7 +214,7 @@ class FastModel:
     def pool_runs(self, phase: str, trace: dict | None = None) -> bool:
         """Whether a forward of `phase` given a pool works on it in place (decode / verify, untraced, where the
         step kernels run: CUDA, or the interpreter)."""
-        return is_fused(phase) and trace is None and (self.device.type == "cuda" or interpreting())
+        return is_fused(phase) and trace is None and step_kernels_run(self.device)
 
     def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
@@ -266,11 +267,11 @@ class FastModel:
         """One bucket over the pool: the tables (one host-to-device copy), then the whole step as one graph
         (`graphs.run("step", ...)`, keyed by phase, n and the tables' page bucket). The capture's warm-up runs on
         tables that write nothing, so the step's writes to the pool happen once, in the replay."""
-        from .step_tables import StepTables
+        from .step_tables import StepTables, ring_chunk_rows
 
         dev = self.device
         for s in segs:
-            if s.T > pool.ring_rows - self.cfg.sliding_window + 1:
+            if s.T > ring_chunk_rows(pool, self.cfg.sliding_window):
                 raise ValueError(f"a {phase} chunk of {s.T} rows does not fit a ring of {pool.ring_rows} rows "
                                  f"over a window of {self.cfg.sliding_window}")
         tables = StepTables.build(segs, B, pool, dev)

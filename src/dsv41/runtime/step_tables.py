@@ -24,6 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 
+def ring_chunk_rows(pool, window: int) -> int:
+    """The most rows one sequence's chunk may have in place: the ring must still hold every window position its
+    first row reads after the chunk's rows are written (ring_rows >= window + rows - 1)."""
+    return pool.ring_rows - window + 1
+
+
 def page_bucket(pages: int) -> int:
     """Pages per table row: the next power of two (at least 1)."""
     return 1 << max(0, pages - 1).bit_length()

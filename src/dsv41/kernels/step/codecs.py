@@ -18,6 +18,7 @@ subnormals, e2m1 is 1-2-1 with bias 1; ue8m0 byte b is 2^(b - 127) put into an f
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -101,8 +102,6 @@ def _decode_kernel(raw_ptr, out_ptr, row_bytes, DIM, CODEC: tl.constexpr, DP: tl
 
 def decode_rows(raw, codec):
     """Stored rows uint8 [n, row_bytes] -> fp32 [n, dim] through `load_values` (what the kernels read; tests)."""
-    import torch
-
     raw = raw.contiguous()
     out = torch.empty(raw.shape[0], codec.dim, dtype=torch.float32, device=raw.device)
     if raw.shape[0]:

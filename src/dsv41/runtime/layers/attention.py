@@ -237,9 +237,14 @@ class FastAttention(InPlaceAttention):
         return torch.cat((keys, comp.to(keys.dtype)), dim=1), torch.cat((ok, comp_ok), dim=1)
 
     def _keys_bf16(self, keys: torch.Tensor) -> bool:
-        """Whether every key value is a bf16 one: bf16 keys, or both fake quantisers on (the pool's FP8 window and
-        FP4 entry codecs: `kv_pool.codec_for`), as `attention_pool` decides from the codecs (the same bits)."""
-        return keys.dtype == torch.bfloat16 or (self.fq and self.cfg.head_dim % 32 == 0)
+        """Whether every key value is a bf16 one: bf16 keys, or keys the pool's codecs for this layer's stores
+        (`kv_pool.codec_for`) would hold as bf16 values: the rule `attention_pool` applies to them (the same bits)."""
+        from dsv41.kernels.step.attention import codecs_hold_bf16
+        from dsv41.runtime.kv_pool import codec_for
+
+        hd = self.cfg.head_dim
+        return keys.dtype == torch.bfloat16 or codecs_hold_bf16(codec_for("window", hd, keys.dtype, self.fq),
+                                                                codec_for("kv", hd, keys.dtype, self.fq))
 
     def _decode_tiling(self, keys: torch.Tensor) -> dict:
         """The gathered core of decode / verify rows on `attention_pool`'s tiling (the same bits)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dsv41.kernels.step.live import zero_tail
 from dsv41.model.norm import rms_norm
 
 from ..sections import section
@@ -53,8 +54,9 @@ class InPlaceAttention:
             entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
                            pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
         with section("attention"):
-            o = torch.zeros(q.shape[0], self.heads, cfg.head_dim, dtype=torch.float32, device=q.device)
+            o = torch.empty(q.shape[0], self.heads, cfg.head_dim, dtype=torch.float32, device=q.device)
             o[:n] = attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries)
+            zero_tail(n, o)
         return o
 
     def _close_groups(self, proj: dict, n: int, t, pool, dtype: torch.dtype, phase: str) -> None:
