@@ -67,10 +67,16 @@ def _run(name: str, device="cpu", rows=None):
     return route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp)
 
 
+KNOBS = dict(block_e=8, block_d=64, d_splits=8, num_warps=2)  # "tiny": more splits than its 4 chunks of d
+
+
 def _interp_worker(out_path: str) -> None:
     from dsv41.kernels.step.router import route_rows
 
     out = {}
+    for name in ("tiny", "nobias"):
+        x, gate, bias, k, scale, renorm, temp = _case(name)
+        out["knobs_" + name] = route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp, **KNOBS)
     for name in CASES:
         ids, w, logits, select = _run(name)
         out[name] = {"ids": ids, "weights": w, "logits": logits, "select": select}
@@ -163,6 +169,22 @@ def test_interpreted_router_rows_alone_and_reordered_keep_their_bits(interp, nam
     for other in (got["alone"], got["reversed"]):
         for a, b in zip(full, other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["tiny", "nobias"])
+def test_interpreted_router_launch_knobs_match_reference(interp, name):
+    """Other tiles and splits (another fp32 reduction order): the reference's result as the defaults are held to,
+    and the defaults' ids."""
+    ids, w, logits, select = interp["knobs_" + name]
+    r_ids, r_w, _, r_select = _reference(name)
+    exact = _logits_fp64(name)
+    assert float((logits.double() - exact).norm() / exact.norm()) < 1e-6
+    assert float((logits - interp[name]["logits"]).abs().max() / interp[name]["logits"].abs().max()) < 1e-5
+    clear = _margins(r_select, r_ids.shape[1]) > 10 * float((select.double() - r_select.double()).abs().max()) + 1e-6
+    assert clear.float().mean() >= 0.8
+    assert torch.equal(ids[clear], r_ids[clear])
+    assert torch.equal(ids, interp[name]["ids"])
+    assert torch.allclose(w, r_w, rtol=1e-5, atol=1e-7)
 
 
 def test_interpreted_router_reads_a_bf16_gate_as_its_fp32_copy(interp):

@@ -15,6 +15,9 @@ best first, exactly the stable descending sort's first k.
 Outputs stay on the device (no host sync): ids [B, k] int64 and weights [B, k] fp32 in the layout the MoE kernels
 read (`kernels.exl3.moe`: row-major top-k tables), plus logits and select [B, E] fp32 (what the parity traces read).
 A row's bits depend only on that row and the matrices: the grid grows with B, never the programs' shape.
+Launch knobs (`route_rows`'s block_e / block_d / d_splits / num_warps, bench/step_kernel_sweep.py times them): they
+set the reduction order, so a caller may pick them from d and E, never from B (a row's bits would then change with
+the batch it rides in).
 """
 
 from __future__ import annotations
@@ -103,11 +106,15 @@ def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, w
 
 
 def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
-               renorm: bool, temp: float = 1.0):
+               renorm: bool, temp: float = 1.0, block_e: int = BLOCK_E, block_d: int = BLOCK_D,
+               d_splits: int = D_SPLITS, num_warps: int = 4):
     """`model.moe.route` for rows x [B, d] and gate_t [d, E] (fp32, or the release's bf16: both read as fp32, the
-    bf16 one at half the bytes; compiled, the two reduce their lanes in other orders, so their bits differ; any strides: the transposed view of the stored
-    [E, d] gate reads coalesced). Returns (ids [B, k] int64, weights [B, k] fp32,
-    logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync."""
+    bf16 one at half the bytes; compiled, the two reduce their lanes in other orders, so their bits differ; any
+    strides: the transposed view of the stored [E, d] gate reads coalesced). Returns (ids [B, k] int64, weights
+    [B, k] fp32, logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync.
+    block_e / block_d (powers of two): the logits launch's tile; d_splits: its programs along d; num_warps: its
+    warps (the select launch keeps 4). Other knobs give other logits bits (another reduction order), the same
+    within fp32 rounding; the defaults are the module constants."""
     B, d = x.shape
     if gate_t.shape[0] != d or gate_t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"gate_t must be fp32 / bf16 / fp16 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
@@ -116,25 +123,30 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
         raise ValueError(f"top-k {k} out of range for {E} experts")
     if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
         raise ValueError(f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}")
+    for name, v in (("block_e", block_e), ("block_d", block_d), ("num_warps", num_warps)):
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    if d_splits < 1:
+        raise ValueError(f"d_splits must be >= 1, got {d_splits}")
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
     dev = x.device
-    chunks = triton.cdiv(d, BLOCK_D)
-    per_split = triton.cdiv(chunks, D_SPLITS)
-    part = torch.empty(B, D_SPLITS, E, dtype=torch.float32, device=dev)
+    chunks = triton.cdiv(d, block_d)
+    per_split = triton.cdiv(chunks, d_splits)
+    part = torch.empty(B, d_splits, E, dtype=torch.float32, device=dev)
     logits = torch.empty(B, E, dtype=torch.float32, device=dev)
     select = torch.empty(B, E, dtype=torch.float32, device=dev)
     ids = torch.empty(B, k, dtype=torch.int64, device=dev)
     weights = torch.empty(B, k, dtype=torch.float32, device=dev)
     if B == 0:
         return ids, weights, logits, select
-    _router_logits_kernel[(B, triton.cdiv(E, BLOCK_E), D_SPLITS)](
+    _router_logits_kernel[(B, triton.cdiv(E, block_e), d_splits)](
         x, x.stride(0), gate_t, gate_t.stride(0), gate_t.stride(1), part, d, E,
-        CHUNKS_PER_SPLIT=per_split, BE=BLOCK_E, BD=BLOCK_D, num_warps=4)
+        CHUNKS_PER_SPLIT=per_split, BE=block_e, BD=block_d, num_warps=num_warps)
     _router_select_kernel[(B,)](
         part, bias if bias is not None else part, logits, select, ids, weights, E, float(temp), float(scale),
-        SPLITS=D_SPLITS, EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
+        SPLITS=d_splits, EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
         HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1), num_warps=4)
     return ids, weights, logits, select
