@@ -199,6 +199,15 @@ def classify(prof) -> dict:
         launches[inner] += 1
         busy += max(0.0, end - max(start, reach))
         reach = max(reach, end)
+    # the step's timeline: host work before the first kernel, the device span (busy + the gaps between kernels,
+    # which inside one graph are the launch latency of its nodes), and what follows the last kernel (the read-back)
+    cpu = [e for e in events if not str(e.device_type).endswith("CUDA")]
+    timeline = {}
+    if kernels and cpu:
+        t0, t1 = min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu)
+        k0, k1 = kernels[0][0], max(end for _, end in kernels)
+        timeline = {"lead_us": k0 - t0, "span_us": k1 - k0, "gaps_us": (k1 - k0) - busy, "tail_us": max(0.0, t1 - k1),
+                    "kernels": len(kernels)}
     linked = defaultdict(float)
     for fe in events:
         for k in getattr(fe, "kernels", None) or []:
@@ -207,7 +216,7 @@ def classify(prof) -> dict:
                 p = p.cpu_parent
             linked[p.name[len(sections.PREFIX):] if p is not None else "other"] += k.duration
     return {"device_us": dict(us), "launches": dict(launches), "busy_us": busy, "linked_us": dict(linked),
-            "kernels_us": {k: [round(v, 1), name_count[k]] for k, v in top}}
+            "kernels_us": {k: [round(v, 1), name_count[k]] for k, v in top}, "timeline_us": timeline}
 
 
 # ------------------------------------------------------------------------------------------------ steps
@@ -280,7 +289,7 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
                 cls = classify(prof)
                 dev_ms = cls["busy_us"] / 1e3
                 row.update(ops=cls["device_us"], launches=cls["launches"], device_ms=dev_ms, host_ms=step_ms - dev_ms,
-                           ops_linked_us=cls["linked_us"], kernels_us=cls["kernels_us"],
+                           ops_linked_us=cls["linked_us"], kernels_us=cls["kernels_us"], timeline_us=cls["timeline_us"],
                            ops_per_layer_us={k: v / len(model.blocks) for k, v in cls["device_us"].items()})
             if floors_rates:
                 row["floors"] = {"bandwidth_ms": (reads["exl3_bytes"] + reads["dense_bytes"]) / ceiling_gbps / 1e6,
@@ -288,6 +297,11 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             log(f"{mode} rows={n} graphs {row['graphs']}: {step_ms:.1f} ms "
                 f"(device {row.get('device_ms', float('nan')):.1f} ms), "
                 f"{reads['exl3_bytes'] / 1e9:.2f} GB EXL3, {reads['distinct_experts_per_layer']:.1f} experts/layer")
+            tl_us = row.get("timeline_us") or {}
+            if tl_us:
+                log(f"  profiled step: host lead {tl_us['lead_us'] / 1e3:.2f} ms, device span {tl_us['span_us'] / 1e3:.2f} "
+                    f"ms of which gaps {tl_us['gaps_us'] / 1e3:.2f} ms over {tl_us['kernels']} kernels, tail "
+                    f"{tl_us['tail_us'] / 1e3:.2f} ms")
             out.append(row)
     return out
 

@@ -185,7 +185,7 @@ def _run_rows(t, iters, splits, rows):
 
 
 def _is_zero(v: torch.Tensor) -> bool:
-    """Every element +0.0 (a memset's zero, not -0.0)."""
+    """Every element +0.0 (not -0.0)."""
     return bool((v == 0).all()) and not bool(torch.signbit(v).any())
 
 
@@ -347,9 +347,9 @@ def test_launchers_refuse_wrong_layouts():
 
 
 _SITE_ARGS = ("x_ptr y_ptr post_in_ptr comb_in_ptr xo_ptr fn_ptr stride_fk stride_fn base_ptr scale_ptr pre_in_ptr w_ptr "
-              "h_ptr pre_ptr post_ptr comb_ptr part_ptr count_ptr d chunk norm_eps hc_eps rms_eps iters").split()
+              "h_ptr pre_ptr post_ptr comb_ptr part_ptr count_ptr d chunk norm_eps hc_eps rms_eps iters live_rows").split()
 _SITE_TYPES = "*S *S *fp32 *fp32 *S *fp32 i32 i32 *fp32 *fp32 *fp32 *S *S *fp32 *fp32 *fp32 *fp32 *i32 i32 i32 fp32 fp32 " \
-    "fp32 i32"
+    "fp32 i32 i32"
 
 
 @pytest.mark.parametrize("arch", [80, 90, 121])
@@ -371,9 +371,9 @@ def test_kernels_compile_for_every_target_without_hopper_only_instructions(arch)
         (k._site_kernel, site, dict(HC=4, HCP=4, NP=32, SPLITS=16, EXPAND=True, BLOCK=32, BLOCK_N=1024)),
         (k._site_kernel, site, dict(HC=4, HCP=4, NP=32, SPLITS=16, EXPAND=False, BLOCK=32, BLOCK_N=1024)),
         (k._expand_kernel, dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", xo_ptr="*bf16",
-                                d="i32"), dict(HC=4, HCP=4, BLOCK=256)),
+                                d="i32", live_rows="i32"), dict(HC=4, HCP=4, BLOCK=256)),
         (k._collapse_norm_kernel, dict(x_ptr="*bf16", pre_ptr="*fp32", w_ptr="*bf16", h_ptr="*bf16", d="i32",
-                                       rms_eps="fp32"), dict(HC=4, HCP=4, BLOCK=1024, BLOCK_N=1024)),
+                                       rms_eps="fp32", live_rows="i32"), dict(HC=4, HCP=4, BLOCK=1024, BLOCK_N=1024)),
     ]
     for fn, sig, const in kernels:
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
@@ -422,7 +422,7 @@ def test_gpu_live_rows_are_the_full_launch_and_the_rest_zero():
 
 @pytest.mark.gpu
 def test_gpu_live_rows_under_cuda_graph_capture():
-    """`rows=k` captured in a CUDA graph (the tail memsets included) and replayed on new inputs: the eager
+    """`rows=k` captured in a CUDA graph (the padding rows' zeros included) and replayed on new inputs: the eager
     launch's bits, the tail zero."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from step_harness import need_compiled_cuda

@@ -281,7 +281,8 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
                    slot: torch.Tensor, pos: torch.Tensor, window: int, entry_store: torch.Tensor | None = None,
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
                    ids: torch.Tensor | None = None, width: int = 0, split_keys: int = DECODE_SPLIT_KEYS,
-                   key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS) -> torch.Tensor:
+                   key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
     same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
 
@@ -291,7 +292,9 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     [num_pages, per_page, row_bytes], `entry_codec`) the `width` compressed slots follow: slot c reads
     ids[b, c - (width - K)] (ids [B, K] int64, K <= width, ascending with the -1 first; None: K = 0) when
     c >= width - K, else dead; id >= 0 is live, page pages[b, id // per_page] (pages [B, P]), row id % per_page.
-    Returns o [B, H, hd] fp32; no host sync, no data-dependent allocation, one split and one combine launch."""
+    Returns o [B, H, hd] fp32 (written into `out` when given: contiguous fp32 [B, H, hd], e.g. the real rows of a
+    bucket's o, which then needs no copy); no host sync, no data-dependent allocation, one split and one combine
+    launch."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
@@ -349,7 +352,11 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
         ents = (entry_store, entry_store.stride(0), entry_store.stride(1), pages_arg, pages.stride(0),
                 pages.shape[1], per_page, ids_arg, ids.stride(0), K, width)
     keys_bf16 = codecs_hold_bf16(window_codec, entry_codec)
-    out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
+    elif out.shape != (B, H, hd) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"out must be contiguous fp32 [{B}, {H}, {hd}] on {q.device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
     if B == 0:
         return out
     n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)

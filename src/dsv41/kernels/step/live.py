@@ -1,9 +1,10 @@
 """`rows=` of the step launchers: a bucket's real rows are its first ones; programs run for them only.
 
 A decode / verify bucket has a fixed row count (runtime/model.py `BUCKET`) so every op has one shape whatever the
-number of real rows; the launchers given `rows` launch over the first `rows` rows and zero the rest of their
-outputs (a memset: no host sync, CUDA-graph capturable), so padding rows cost nothing and hold zeros, which every
-later row-wise op keeps finite (RMSNorm of a zero row is zero).
+number of real rows. The launchers given `rows` still launch over all B rows: the programs of rows [rows, B) read
+nothing and write +0.0 to their outputs, so padding rows cost next to nothing, need no memset launch beside the
+kernel (no host sync, CUDA-graph capturable), and hold zeros, which every later row-wise op keeps finite (RMSNorm of
+a zero row is zero).
 """
 
 from __future__ import annotations
@@ -21,10 +22,3 @@ def live_rows(rows, B: int) -> int:
     if not 0 <= rows <= B:
         raise ValueError(f"rows must be in [0, {B}] (the batch), got {rows}")
     return rows
-
-
-def zero_tail(rows: int, *outs: torch.Tensor) -> None:
-    """Rows [rows, B) of each output to zero (a memset each; nothing when every row is live)."""
-    for t in outs:
-        if rows < t.shape[0]:
-            t[rows:].zero_()

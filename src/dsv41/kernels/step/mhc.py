@@ -16,8 +16,8 @@ compiles for sm_80..sm_121 and runs in Triton's interpreter.
 - `hc_expand`: X' alone (the FFN site's expand); `collapse_norm`: the final collapse + norm.
 
 Live rows (`rows=`, every launcher): the decode path lays its rows out in a fixed bucket (runtime/model.py, BUCKET),
-real rows first, the rest padding. With `rows=k` the programs run for rows [0, k) only (grid k: padding rows cost
-nothing, Sinkhorn included) and every output's rows [k, B) are zero (a memset of the tail, no host sync, no
+real rows first, the rest padding. With `rows=k` the programs of rows [k, B) skip the work (Sinkhorn included)
+and write +0.0 to every output of their row, in the same launch (no memset beside it, no host sync, no
 data-dependent shape: CUDA-graph capturable). Zero padding rows keep every later row-wise op finite (RMSNorm of a
 zero row is zero). One program (set) per row either way: a live row's bits do not depend on `rows`; `rows=None`
 (= B) is the full launch.
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .live import live_rows as _live_rows, zero_tail as _zero_tail
+from .live import live_rows as _live_rows
 
 BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 + hc) * hc] product tile
 BLOCK_H = 1024  # columns per step of the norm pass
@@ -141,16 +141,50 @@ def _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK: tl.constexpr):
 @triton.jit
 def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
-                 rms_eps, iters, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
-                 EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                 rms_eps, iters, live_rows, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
+                 SPLITS: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (row, split): over the split's `chunk` columns of d, [X' = expand(y, X, post_in, comb_in), written to
     xo;] the partial mixing product and sum of squares of X (or X'), and u = collapse(X (or X'), pre_in) rounded to
     the stream dtype, into h. Partials go to part [B, SPLITS, NP] (lanes: the (2 + hc) hc products, then Σx², then
     Σu²); the row's last program to arrive sums them in split order and finishes: coefficients, h = rms_norm(u) * w.
-    Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided."""
-    NMIX: tl.constexpr = (2 + HC) * HC
+    Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided. Rows from `live_rows`
+    on (a bucket's padding) write +0.0 to every output (`_zero_row`) and read nothing."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if row >= live_rows:
+        _zero_row(xo_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, row, split, d, chunk, HC, HCP, EXPAND, BLOCK)
+    else:
+        _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
+                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps,
+                  hc_eps, rms_eps, iters, row, split, HC, HCP, NP, SPLITS, EXPAND, BLOCK, BLOCK_N)
+
+
+@triton.jit
+def _zero_row(xo_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, row, split, d, chunk, HC: tl.constexpr, HCP: tl.constexpr,
+              EXPAND: tl.constexpr, BLOCK: tl.constexpr):
+    """A padding row's share of a site's outputs as +0.0: its split's columns of h (and X'), the coefficients by
+    split 0."""
+    c = tl.arange(0, HCP)
+    c_live = c < HC
+    for d0 in range(split * chunk, split * chunk + chunk, BLOCK):
+        cols = d0 + tl.arange(0, BLOCK)
+        if EXPAND:
+            tl.store(xo_ptr + row * HC * d + c[:, None] * d + cols[None, :],
+                     tl.zeros((HCP, BLOCK), dtype=xo_ptr.dtype.element_ty), mask=c_live[:, None] & (cols < d)[None, :])
+        tl.store(h_ptr + row * d + cols, tl.zeros((BLOCK,), dtype=h_ptr.dtype.element_ty), mask=cols < d)
+    if split == 0:
+        tl.store(pre_ptr + row * HC + c, tl.zeros((HCP,), tl.float32), mask=c_live)
+        tl.store(post_ptr + row * HC + c, tl.zeros((HCP,), tl.float32), mask=c_live)
+        tl.store(comb_ptr + row * HC * HC + c[:, None] * HC + c[None, :], tl.zeros((HCP, HCP), tl.float32),
+                 mask=c_live[:, None] & c_live[None, :])
+
+
+@triton.jit
+def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
+              pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
+              rms_eps, iters, row, split, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
+              EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+    NMIX: tl.constexpr = (2 + HC) * HC
     c = tl.arange(0, HCP)
     c_live = c < HC
     n = tl.arange(0, NP)
@@ -200,18 +234,28 @@ def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
 
 
 @triton.jit
-def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, HC: tl.constexpr, HCP: tl.constexpr,
+def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, live_rows, HC: tl.constexpr, HCP: tl.constexpr,
                    BLOCK: tl.constexpr):
-    """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction)."""
+    """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction);
+    +0.0 for rows from `live_rows` on."""
     row = tl.program_id(0)
     c = tl.arange(0, HCP)
     c_live = c < HC
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = c_live[:, None] & (cols < d)[None, :]
+    at = row * HC * d + c[:, None] * d + cols[None, :]
+    if row >= live_rows:
+        tl.store(xo_ptr + at, tl.zeros((HCP, BLOCK), dtype=xo_ptr.dtype.element_ty), mask=live)
+    else:
+        _expand_row(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, row, c, c_live, cols, live, at, HC, HCP)
+
+
+@triton.jit
+def _expand_row(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, row, c, c_live, cols, live, at, HC: tl.constexpr,
+                HCP: tl.constexpr):
     post = tl.load(post_ptr + row * HC + c, mask=c_live, other=0.0)
     comb = tl.load(comb_ptr + row * HC * HC + c[:, None] * HC + c[None, :], mask=c_live[:, None] & c_live[None, :],
                    other=0.0)
-    at = row * HC * d + c[:, None] * d + cols[None, :]
     xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32)
     mixed = tl.sum(comb[:, :, None] * xs[:, None, :], axis=0)
@@ -219,9 +263,20 @@ def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, HC: tl.constexpr
 
 
 @triton.jit
-def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, HC: tl.constexpr, HCP: tl.constexpr,
+def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, live_rows, HC: tl.constexpr, HCP: tl.constexpr,
                           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0)
+    if row >= live_rows:
+        for d0 in range(0, d, BLOCK_N):
+            cols = d0 + tl.arange(0, BLOCK_N)
+            tl.store(h_ptr + row * d + cols, tl.zeros((BLOCK_N,), dtype=h_ptr.dtype.element_ty), mask=cols < d)
+    else:
+        _collapse_norm_row(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, row, HC, HCP, BLOCK, BLOCK_N)
+
+
+@triton.jit
+def _collapse_norm_row(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, row, HC: tl.constexpr, HCP: tl.constexpr,
+                       BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
     c = tl.arange(0, HCP)
     c_live = c < HC
     pre = tl.load(pre_ptr + row * HC + c, mask=c_live, other=0.0)
@@ -256,7 +311,7 @@ def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
 
 
 def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-          splits, rows):
+          splits, rows, num_warps=None):
     B, hc, d = _streams(x)
     rows = _live_rows(rows, B)
     nmix = (2 + hc) * hc
@@ -281,34 +336,36 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
     block = min(BLOCK_D, triton.next_power_of_2(d))
     chunk = triton.cdiv(triton.cdiv(d, splits), block) * block
     np_ = triton.next_power_of_2(nmix + 2)  # the products, then the two sums of squares
-    _zero_tail(rows, *((xo,) if expand else ()), h, pre, post, comb)
-    if rows:
-        part = torch.empty(rows, splits, np_, dtype=torch.float32, device=x.device)
-        _site_kernel[(rows, splits)](
+    if B:  # the padding rows' programs write the zeros: no memset launches beside the kernel
+        part = torch.empty(max(rows, 1), splits, np_, dtype=torch.float32, device=x.device)
+        _site_kernel[(B, splits)](
             x, y, post_in, comb_in, xo, fn_t, fn_t.stride(0), fn_t.stride(1), base.float().contiguous(),
             scale.float().contiguous(), pre_in, norm_weight.contiguous(), h, pre, post, comb, part,
-            _COUNTERS.get(x.device, rows), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), HC=hc,
+            _COUNTERS.get(x.device, rows), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), rows,
+            HC=hc,
             HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits, EXPAND=expand, BLOCK=block,
-            BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
+            BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=num_warps or NUM_WARPS)
     return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
 
 def hc_site(x, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float, iters: int,
-            rms_eps: float, splits: int | None = None, rows: int | None = None):
+            rms_eps: float, splits: int | None = None, rows: int | None = None, num_warps: int | None = None):
     """One mHC site: `(h, pre, post, comb)` with h = rms_norm(collapse(x, pre_in), norm_weight, rms_eps) [B, d] in
     x's dtype and pre, post [B, hc], comb [B, hc, hc] fp32 = `mhc.coefficients(x, (fn_t.T, base, scale), ...)`.
     `splits`: programs per row (default from d: `default_splits`). `rows`: the live rows (module docstring): only
-    rows [0, rows) are computed, rows [rows, B) of h, pre, post and comb are zero; None = all B."""
+    rows [0, rows) are computed, rows [rows, B) of h, pre, post and comb are zero; None = all B. `num_warps` (default
+    NUM_WARPS) sets how a program's sums are laid out, so their bits: like `splits`, never a function of B."""
     return _site(x, None, None, None, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-                 splits, rows)
+                 splits, rows, num_warps)
 
 
 def hc_expand_site(y, x, post, comb, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float,
-                   iters: int, rms_eps: float, splits: int | None = None, rows: int | None = None):
+                   iters: int, rms_eps: float, splits: int | None = None, rows: int | None = None,
+                   num_warps: int | None = None):
     """`x' = mhc.expand(y, x, post, comb)`, then `hc_site(x', ...)`: returns `(x', h, pre', post', comb')`.
     `rows`: the live rows (module docstring): rows [rows, B) of all five outputs (x' included) are zero."""
     return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, splits,
-                 rows)
+                 rows, num_warps)
 
 
 def hc_expand(y, x, post, comb, *, rows: int | None = None) -> torch.Tensor:
@@ -320,10 +377,9 @@ def hc_expand(y, x, post, comb, *, rows: int | None = None) -> torch.Tensor:
         raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
     post, comb = _coeff(post, (B, hc), "post"), _coeff(comb, (B, hc, hc), "comb")
     out = torch.empty_like(x)
-    _zero_tail(rows, out)
     block = min(BLOCK_E, triton.next_power_of_2(d))
-    if rows:
-        _expand_kernel[(rows, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, HC=hc,
+    if B:
+        _expand_kernel[(B, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, rows, HC=hc,
                                                    HCP=triton.next_power_of_2(hc), BLOCK=block, num_warps=NUM_WARPS)
     return out
 
@@ -337,9 +393,8 @@ def collapse_norm(x, pre, norm_weight, *, rms_eps: float, rows: int | None = Non
     if norm_weight.numel() != d:
         raise ValueError(f"norm_weight must have {d} elements, got {norm_weight.numel()}")
     h = torch.empty(B, d, dtype=x.dtype, device=x.device)
-    _zero_tail(rows, h)
-    if rows:
-        _collapse_norm_kernel[(rows,)](x, pre, norm_weight.contiguous(), h, d, float(rms_eps), HC=hc,
+    if B:
+        _collapse_norm_kernel[(B,)](x, pre, norm_weight.contiguous(), h, d, float(rms_eps), rows, HC=hc,
                                     HCP=triton.next_power_of_2(hc), BLOCK=min(BLOCK_H, triton.next_power_of_2(d)),
                                     BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
     return h

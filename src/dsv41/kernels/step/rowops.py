@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .live import live_rows as _live_rows, zero_tail as _zero_tail
+from .live import live_rows as _live_rows
 
 QUANT_MODES = {None: 0, "fp8_ue8m0": 1, "fp4_ue8m0": 2, "fp4_e4m3": 3}
 DEFAULT_BLOCK = {"fp8_ue8m0": 32, "fp4_ue8m0": 32, "fp4_e4m3": 16}
@@ -131,11 +131,12 @@ def _fake_quant(ev, od, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D,
+def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D, live_rows,
                    NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr,
                    QUANT: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr):
     """Program (row, head): the head vector x[row, head, :D] as two [NB, HB] tiles (block b's values 2k and 2k + 1),
-    through [norm] -> [rope] -> [quantiser], each stage rounded to OUT; written to out [rows, heads, D]."""
+    through [norm] -> [rope] -> [quantiser], each stage rounded to OUT; written to out [rows, heads, D]. Rows from
+    `live_rows` on (a bucket's padding) read nothing and write +0.0."""
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     nh = tl.num_programs(1)
@@ -143,6 +144,20 @@ def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_pt
     k = tl.arange(0, HB)[None, :]
     col = b * (2 * HB) + 2 * k  # the even member's column
     live = col < D
+    dst = out_ptr + (row * nh + head) * D + col
+    if row >= live_rows:
+        zero = tl.zeros((NB, HB), dtype=out_ptr.dtype.element_ty)
+        tl.store(dst, zero, mask=live)
+        tl.store(dst + 1, zero, mask=live)
+    else:
+        _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps, D, row, head, col, live,
+                    NORM, ROPE, R, INVERSE, QUANT, OUT)
+
+
+@triton.jit
+def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps, D, row, head, col, live,
+                NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr,
+                OUT: tl.constexpr):
     src = x_ptr + row * stride_xr + head * stride_xh + col
     ev = tl.load(src, mask=live, other=0.0).to(tl.float32)
     od = tl.load(src + 1, mask=live, other=0.0).to(tl.float32)
@@ -174,9 +189,8 @@ def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_pt
         ev, od = _fake_quant(ev, od, QUANT)
         ev = _cast(ev, OUT)
         od = _cast(od, OUT)
-    dst = out_ptr + (row * nh + head) * D + col
-    tl.store(dst, ev.to(out_ptr.dtype.element_ty), mask=live)
-    tl.store(dst + 1, od.to(out_ptr.dtype.element_ty), mask=live)
+    tl.store(dst, ev.to(dst.dtype.element_ty), mask=live)
+    tl.store(dst + 1, od.to(dst.dtype.element_ty), mask=live)
 
 
 def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, inv_freq=None, rope_dim: int = 0,
@@ -220,15 +234,14 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
             mode = 0  # the reference skips a quantiser whose block does not divide the vector (MODEL.md §15b.6)
     live = _live_rows(rows, B)
     out = torch.empty(x.shape, dtype=out_dtype, device=dev)
-    _zero_tail(live, out)
-    if live == 0 or H == 0:
+    if B == 0 or H == 0:
         return out
     nb = triton.next_power_of_2(triton.cdiv(D, blk))
     hb = blk // 2
     dummy = x
-    _rowops_kernel[(live, H)](
+    _rowops_kernel[(B, H)](  # the padding rows' programs write zeros: no memset launch beside the kernel
         x, x.stride(0), stride_h, out, weight if weight is not None else dummy,
-        positions if rope else dummy, inv_freq if rope else dummy, float(eps), D,
+        positions if rope else dummy, inv_freq if rope else dummy, float(eps), D, live,
         NORM=weight is not None, ROPE=rope, R=rope_dim if rope else 0, INVERSE=bool(inverse), QUANT=mode,
         NB=nb, HB=hb, OUT=_DTYPES[out_dtype], num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False)
     return out

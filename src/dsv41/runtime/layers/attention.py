@@ -34,7 +34,7 @@ from dsv41.model.rowwise import row_blocks
 from dsv41.model.state import SequenceState
 
 from ..sections import section
-from .linear import is_fused
+from .linear import Exl3Linear, is_fused
 from .pool_attention import InPlaceAttention
 
 # Rows of one prefill sequence per core launch: bounds the block's gathered key slots [rows, S, hd] (S = window +
@@ -222,7 +222,15 @@ class FastAttention(InPlaceAttention):
             else:
                 o = self.ref._rope(o.to(dtype), P, inverse=True)
         groups = o.reshape(o.shape[0], len(w.wo_a), -1)
-        u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
+        if is_fused(phase) and all(isinstance(wo, Exl3Linear) for wo in w.wo_a):
+            # each group's product straight into its columns of u (no concatenation launch)
+            u = torch.empty(o.shape[0], sum(wo.out_features for wo in w.wo_a), dtype=o.dtype, device=o.device)
+            at = 0
+            for g, wo in enumerate(w.wo_a):
+                wo(groups[:, g], n, phase, out=u[:, at:at + wo.out_features])
+                at += wo.out_features
+        else:
+            u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)
 
     def _slots(self, s: Segment, win: torch.Tensor, ids: torch.Tensor | None, src, rows: slice):

@@ -135,15 +135,23 @@ class Exl3Linear:
         return self.weight.nbytes
 
     def __call__(self, x: torch.Tensor, n: int | None = None, phase: str = "decode",
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out` (fused path only): the [B, out_features] tensor to write, any row stride (e.g. the columns of
+        a concatenation, which then needs no copy); its rows from n on are left as they are."""
         out_dtype = out_dtype or x.dtype
         with section("head" if self.fused_only else "exl3"):
             if self.fused_only or is_fused(phase):
                 n = x.shape[0] if n is None else n
-                out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype, device=x.device)
+                if out is None:
+                    out = torch.empty((x.shape[0], self.out_features), dtype=out_dtype, device=x.device)
+                elif out.shape != (x.shape[0], self.out_features) or out.device != x.device:
+                    raise ValueError(f"{self.name}: out must be [{x.shape[0]}, {self.out_features}] on {x.device}, "
+                                     f"got {list(out.shape)} on {out.device}")
                 if n:
                     self.launch.run(x[:n], self.weight, out[:n])
                 return out
+            if out is not None:
+                raise ValueError(f"{self.name}: out= is for the fused path, not {phase!r}")
             return self.workspace.matmul(x, self.weight).to(out_dtype)
 
 

@@ -129,16 +129,32 @@ class FusedMoE:
                 ids, weights, logits, select = self.route(x)
         if trace is not None:
             trace.update(router_ids=ids[:n], router_logits=logits[:n], router_select=select[:n])
-        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for w1, w3, w2 in self.shared:
-            y += swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
-                                          w3=partial(w3, n=n, phase=phase)), self.limit, None)
+        y = self._shared(x, n, phase)
         with section("moe"):
             if is_fused(phase) and isinstance(self.experts, StackedExperts):
                 s = self.experts
-                y[:n] += s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit)
+                y[:n].add_(s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit))
             else:
                 self._grouped(x, ids[:n], weights[:n], y)
+        return y
+
+    def _shared(self, x: torch.Tensor, n: int, phase: str) -> torch.Tensor:
+        """The shared experts' sum [B, d] fp32 (a new tensor the routed experts add into). Decode / verify rows
+        where the step kernels run take the SwiGLU between the matmuls as one launch (`kernels.step.swiglu`) and
+        start the sum at the first expert's output (no zero fill and add)."""
+        y = None
+        for w1, w3, w2 in self.shared:
+            if is_fused(phase) and step_kernels_run(x.device):
+                from dsv41.kernels.step.swiglu import swiglu_rows
+
+                h = swiglu_rows(w1(x, n, phase), w3(x, n, phase), self.limit, rows=n)
+                out = w2(h, n, phase).float()
+            else:
+                out = swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
+                                               w3=partial(w3, n=n, phase=phase)), self.limit, None)
+            y = out if y is None else y.add_(out)
+        if y is None:
+            y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         return y
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:

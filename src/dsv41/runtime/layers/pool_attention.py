@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.kernels.step.live import zero_tail
 from dsv41.model.norm import rms_norm
 
 from ..sections import section
@@ -26,8 +25,9 @@ class InPlaceAttention:
     def attend_pool(self, a: dict, n: int, P: torch.Tensor, t, pool, phase: str) -> torch.Tensor:
         """`attend` for decode / verify rows over the KV pool in place (`t`: the bucket's `StepTables`): fixed
         shapes, the pool read and written through the tables, no host sync, so a whole step can be one CUDA graph.
-        The kernels run the n real rows (the padding rows' o is zero). In order: the window rows stored into the
-        ring (the rows of a verify window see the ones before them), the groups the rows close pooled and their
+        The kernels run the n real rows (the padding rows' o is left unwritten: nothing reads it). In order: the
+        window rows stored into the ring (the rows of a verify window see the ones before them), the groups the
+        rows close pooled and their
         entries and index keys stored by the closer, the index scores over the source's pages (candidate pool,
         top-k), the core over the ring and the selected entries (`attention_pool`: the keys are read and
         dequantised in the kernel's load). The bits are those of `attend` over the same state loaded from the pool
@@ -54,9 +54,10 @@ class InPlaceAttention:
             entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
                            pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
         with section("attention"):
+            # the padding rows of o stay unwritten: `output` runs the n real rows only (its first op, the inverse
+            # RoPE, reads rows [0, n) and writes zeros below)
             o = torch.empty(q.shape[0], self.heads, cfg.head_dim, dtype=torch.float32, device=q.device)
-            o[:n] = attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries)
-            zero_tail(n, o)
+            attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries, out=o[:n])
         return o
 
     def _close_groups(self, proj: dict, n: int, t, pool, dtype: torch.dtype, phase: str) -> None:
