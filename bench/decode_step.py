@@ -242,6 +242,7 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
         run_step(model, batch, mode)
         times.append((time.perf_counter() - t0) * 1e3)
     run_step(model, rows(), mode, trace)  # untimed: a traced forward takes the eager load-and-store path
+    host = host_profile(model, rows, mode, device) if profiled else None
     prof = None
     if device.type == "cuda" and profiled:
         from torch.profiler import ProfilerActivity, profile
@@ -253,7 +254,31 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
                 sync(device)
         finally:
             sections.enable(False)
-    return statistics.median(times), times, trace, prof
+    return statistics.median(times), times, trace, prof, host
+
+
+def host_profile(model, rows, mode, device, top: int = 25) -> dict:
+    """Where the host's time of one step goes: cProfile of one untimed step (device synchronised before and
+    after), the functions by their own time and by their cumulative time (ms; cProfile's overhead inflates both,
+    the ranking is what it is for)."""
+    import cProfile
+    import pstats
+
+    batch = rows()
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    run_step(model, batch, mode)
+    sync(device)
+    prof.disable()
+    st = pstats.Stats(prof)
+    entries = []
+    for (file, line, name), (_, calls, tottime, cumtime, _) in st.stats.items():
+        entries.append({"fn": f"{Path(file).name}:{line}:{name}", "calls": calls, "own_ms": tottime * 1e3,
+                        "cum_ms": cumtime * 1e3})
+    own = sorted(entries, key=lambda e: -e["own_ms"])[:top]
+    cum = sorted(entries, key=lambda e: -e["cum_ms"])[:top]
+    return {"total_ms": st.total_tt * 1e3, "by_own": own, "by_cumulative": cum}
 
 
 def _sequence(model, i, context, seed):
@@ -280,8 +305,8 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
     out = []
     for mode, maker, counts in (("decode", decode_rows, args.rows), ("verify", verify_rows, args.verify_rows)):
         for n in counts:
-            step_ms, times, trace, prof = time_steps(model, lambda: maker(model, n, args.context, 100 + n)(), mode,
-                                                     args.steps, device, n in args.profile_rows)
+            step_ms, times, trace, prof, host = time_steps(model, lambda: maker(model, n, args.context, 100 + n)(),
+                                                           mode, args.steps, device, n in args.profile_rows)
             reads = step_reads(model, trace)
             row = {"rows": n, "mode": mode, "step_ms": step_ms, "times_ms": times, **reads,
                    "graphs": "on" if model.graphs.active else "off", "graph_stats": model.graphs.stats.as_dict()}
@@ -297,6 +322,10 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             log(f"{mode} rows={n} graphs {row['graphs']}: {step_ms:.1f} ms "
                 f"(device {row.get('device_ms', float('nan')):.1f} ms), "
                 f"{reads['exl3_bytes'] / 1e9:.2f} GB EXL3, {reads['distinct_experts_per_layer']:.1f} experts/layer")
+            if host is not None:
+                row["host_profile"] = host
+                log(f"  host (cProfile, {host['total_ms']:.1f} ms): " + ", ".join(
+                    f"{e['fn']} {e['own_ms']:.2f}" for e in host["by_own"][:8]))
             tl_us = row.get("timeline_us") or {}
             if tl_us:
                 log(f"  profiled step: host lead {tl_us['lead_us'] / 1e3:.2f} ms, device span {tl_us['span_us'] / 1e3:.2f} "

@@ -90,6 +90,8 @@ def _interp_worker(out_path: str) -> None:
     g16 = gate.bfloat16()
     out["bf16_gate"] = [route_rows(x, g.t(), bias, k, scale=scale, renorm=renorm, temp=temp)
                         for g in (g16, g16.float())]
+    out["int32_ids"] = [route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp, ids_dtype=dt)
+                        for dt in (torch.int32, torch.int64)]
     torch.save(out, out_path)
 
 
@@ -185,6 +187,22 @@ def test_interpreted_router_launch_knobs_match_reference(interp, name):
     assert torch.equal(ids[clear], r_ids[clear])
     assert torch.equal(ids, interp[name]["ids"])
     assert torch.allclose(w, r_w, rtol=1e-5, atol=1e-7)
+
+
+def test_interpreted_router_int32_ids_are_the_int64_ones(interp):
+    """`ids_dtype=torch.int32` (the MoE kernels' table): the same ids, the other outputs the same bits."""
+    (ids32, *rest32), (ids64, *rest64) = interp["int32_ids"]
+    assert ids32.dtype == torch.int32 and ids64.dtype == torch.int64
+    assert torch.equal(ids32.long(), ids64)
+    for a, b in zip(rest32, rest64):
+        assert torch.equal(a, b)
+
+
+def test_router_refuses_other_id_dtypes():
+    from dsv41.kernels.step.router import route_rows
+
+    with pytest.raises(ValueError, match="ids_dtype"):
+        route_rows(torch.zeros(1, 8), torch.zeros(8, 4), None, 2, scale=1.0, renorm=True, ids_dtype=torch.int16)
 
 
 def test_interpreted_router_reads_a_bf16_gate_as_its_fp32_copy(interp):

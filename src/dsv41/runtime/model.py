@@ -371,8 +371,8 @@ class FastModel:
         `(x, pre, y, post, comb)`."""
         comm = self.comm
         y = block.attn.output(o, n, P, phase, x.dtype)
-        with section("comm"):
-            y = comm.sum_partials(y.float()).to(x.dtype)
+        with section("comm"):  # the partials are x.dtype: the comm widens them to fp32 for the sum and rounds once
+            y = comm.sum_partials(y)
         with section("mhc"):
             x, h, f_pre, f_post, f_comb = sites.expand_site(y, x, a_post, a_comb, block.hc_ffn, a_pre, block.ffn_norm)
         y = block.moe.partial(h, n, phase, trace)

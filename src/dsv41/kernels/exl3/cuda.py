@@ -21,7 +21,7 @@ import torch
 from dsv41.kernels.cuda_build import exl3_defines
 from dsv41.kernels.cuda_build import tuning as configured_tuning
 from dsv41.kernels.cuda_module import load_kernels, shared_memory_limit
-from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
 
 SOURCE = "exl3_fused.cu"
 KERNELS = [
@@ -337,6 +337,7 @@ def moe_forward_cuda(
     out_dtype: torch.dtype = torch.float32,
     config: MoeCudaConfig | None = None,
     tuning: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row (e = topk_ids[row, i]), slots summed in order i.
 
@@ -350,7 +351,7 @@ def moe_forward_cuda(
     if MAX_ROWS * topk > THREADS:
         raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
     cfg = config or moe_config(w1, w2, x.device, tuning)
-    out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
+    out = moe_out(out, T, hidden, out_dtype, x.device)
     x = _vector_ready(x)
     for start in range(0, T, MAX_ROWS):
         stop = min(T, start + MAX_ROWS)

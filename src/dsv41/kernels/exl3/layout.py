@@ -99,3 +99,14 @@ def check_moe_inputs(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torc
         raise ValueError("expert stacks do not chain: need w1/w3 [hidden, inter] and w2 [inter, hidden]")
     if w1.K != w3.K or w1.codebook != w3.codebook:
         raise ValueError("gate and up stacks must share K and codebook")
+
+
+def moe_out(out: torch.Tensor | None, T: int, hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The MoE launch's output: a new [T, hidden] tensor, or the caller's `out` (contiguous, of that shape, dtype
+    and device: e.g. the real rows of a bucket's sum, which then needs no copy)."""
+    if out is None:
+        return torch.empty((T, hidden), dtype=dtype, device=device)
+    if out.shape != (T, hidden) or out.dtype != dtype or not out.is_contiguous() or out.device != torch.device(device):
+        raise ValueError(f"out must be contiguous {dtype} [{T}, {hidden}] on {device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    return out

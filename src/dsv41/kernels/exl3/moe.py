@@ -24,7 +24,7 @@ import triton.language as tl
 from dsv41.kernels.exl3.backend import use_cuda_backend, use_inline_asm
 from dsv41.kernels.exl3.cuda import moe_forward_cuda
 from dsv41.kernels.exl3.decode import accumulate_kslice, hadamard_signs, rotate_rows_fp32
-from dsv41.kernels.exl3.layout import Exl3ExpertStack, check_moe_inputs
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, check_moe_inputs, moe_out
 
 MAX_ROWS = 16
 
@@ -278,6 +278,7 @@ def moe_forward(
     swiglu_limit: float = 10.0,
     out_dtype: torch.dtype = torch.float32,
     config: MoeConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i.
 
@@ -285,11 +286,11 @@ def moe_forward(
     Windows of more than 16 rows run as consecutive 16-row windows (same bits per row).
     """
     if config is None and use_cuda_backend(x.device):
-        return moe_forward_cuda(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit, out_dtype)
+        return moe_forward_cuda(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit, out_dtype, out=out)
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     cfg = config or MoeConfig()
     T, hidden = x.shape
-    out = torch.empty((T, hidden), dtype=out_dtype, device=x.device)
+    out = moe_out(out, T, hidden, out_dtype, x.device)
     for start in range(0, T, MAX_ROWS):
         stop = min(T, start + MAX_ROWS)
         _moe_window(x[start:stop], topk_ids[start:stop], topk_weights[start:stop], w1, w3, w2,

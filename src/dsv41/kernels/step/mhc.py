@@ -40,12 +40,14 @@ BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 +
 BLOCK_H = 1024  # columns per step of the norm pass
 BLOCK_E = 256  # columns per program of a lone expand (its [hc, hc, BLOCK_E] product: 128 registers at 1024)
 NUM_WARPS = 4
-MAX_SPLITS = 16  # programs per row of a site launch (each streams 1/splits of fn): from d only, never from B
-SPLIT_COLUMNS = 256
+MAX_SPLITS = 32  # programs per row of a site launch (each streams 1/splits of fn): from d only, never from B
+# d = 5120: 32 splits of 160 columns, the fastest over 1 and 16 rows with cold weights on the H200
+# (bench/results/step_kernel_sweep.json: the expand + site 14.1 + 13.6 us at one row against 20.5 + 18.5 at 16)
+SPLIT_COLUMNS = 160
 
 
 def default_splits(d: int) -> int:
-    """Programs per row: about SPLIT_COLUMNS columns each, at most MAX_SPLITS (d = 5120: 16 of 320 columns)."""
+    """Programs per row: about SPLIT_COLUMNS columns each, at most MAX_SPLITS (d = 5120: 32 of 160 columns)."""
     return max(1, min(MAX_SPLITS, triton.cdiv(d, SPLIT_COLUMNS)))
 
 

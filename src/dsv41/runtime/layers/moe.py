@@ -50,14 +50,15 @@ class MoeLaunch:
 
         return cls("triton", MoeConfig(splits_gate_up=1, splits_down=1) if interpreting() else MoeConfig())
 
-    def run(self, x, ids, weights, w1, w3, w2, limit: float) -> torch.Tensor:
+    def run(self, x, ids, weights, w1, w3, w2, limit: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' fp32 sum [T, d] (into `out` when given: contiguous fp32 [T, d])."""
         if self.backend == "cuda":
             from dsv41.kernels.exl3.cuda import moe_forward_cuda
 
-            return moe_forward_cuda(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config)
+            return moe_forward_cuda(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config, out=out)
         from dsv41.kernels.exl3.moe import moe_forward
 
-        return moe_forward(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config)
+        return moe_forward(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config, out=out)
 
 
 class StackedExperts:
@@ -122,39 +123,43 @@ class FusedMoE:
             if is_fused(phase) and step_kernels_run(x.device):
                 from dsv41.kernels.step.router import route_rows
 
-                ids, weights, logits, select = route_rows(x[:n], self.gate_t, self.gate_bias, self.topk,
-                                                          scale=self.route_scale, renorm=self.renorm,
-                                                          temp=self.gate_temp)
+                ids, weights, logits, select = route_rows(
+                    x[:n], self.gate_t, self.gate_bias, self.topk, scale=self.route_scale, renorm=self.renorm,
+                    temp=self.gate_temp,  # int32 ids: the table the MoE kernels read, no conversion launch
+                    ids_dtype=torch.int32 if isinstance(self.experts, StackedExperts) else torch.int64)
             else:
                 ids, weights, logits, select = self.route(x)
         if trace is not None:
-            trace.update(router_ids=ids[:n], router_logits=logits[:n], router_select=select[:n])
-        y = self._shared(x, n, phase)
-        with section("moe"):
-            if is_fused(phase) and isinstance(self.experts, StackedExperts):
+            trace.update(router_ids=ids[:n].long(), router_logits=logits[:n], router_select=select[:n])
+        if is_fused(phase) and isinstance(self.experts, StackedExperts):
+            with section("moe"):  # the routed sum written straight into the bucket's rows, the shared added to it
                 s = self.experts
-                y[:n].add_(s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit))
-            else:
-                self._grouped(x, ids[:n], weights[:n], y)
+                y = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+                s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit, out=y[:n])
+            shared = self._shared(x, n, phase)
+            if shared is not None:
+                y.add_(shared)  # fp32 + (shared + ...): the order of `_shared` first, then the routed (add commutes)
+            return y
+        y = self._shared(x, n, phase)
+        y = y.float() if y is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        with section("moe"):
+            self._grouped(x, ids[:n], weights[:n], y)
         return y
 
-    def _shared(self, x: torch.Tensor, n: int, phase: str) -> torch.Tensor:
-        """The shared experts' sum [B, d] fp32 (a new tensor the routed experts add into). Decode / verify rows
-        where the step kernels run take the SwiGLU between the matmuls as one launch (`kernels.step.swiglu`) and
-        start the sum at the first expert's output (no zero fill and add)."""
+    def _shared(self, x: torch.Tensor, n: int, phase: str) -> torch.Tensor | None:
+        """The shared experts' sum [B, d] (None without any): fp32, or one expert's output as the linear gives it
+        (x's dtype; an fp32 add of it widens it exactly, as `.float()` would, without the launch). Decode / verify
+        rows where the step kernels run take the SwiGLU between the matmuls as one launch (`kernels.step.swiglu`)."""
         y = None
         for w1, w3, w2 in self.shared:
             if is_fused(phase) and step_kernels_run(x.device):
                 from dsv41.kernels.step.swiglu import swiglu_rows
 
-                h = swiglu_rows(w1(x, n, phase), w3(x, n, phase), self.limit, rows=n)
-                out = w2(h, n, phase).float()
+                out = w2(swiglu_rows(w1(x, n, phase), w3(x, n, phase), self.limit, rows=n), n, phase)
             else:
                 out = swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
                                                w3=partial(w3, n=n, phase=phase)), self.limit, None)
-            y = out if y is None else y.add_(out)
-        if y is None:
-            y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+            y = out if y is None else y.float().add_(out)
         return y
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
