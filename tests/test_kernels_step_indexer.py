@@ -349,6 +349,7 @@ def test_indexer_kernels_compile_for_every_target(arch):
     kernels += [(k._topk_kernel, tk, dict(NEG=k.NEG_INF_KEY, BLOCK=k.TOPK_BLOCK, WRITE_IDS=not m, WRITE_MASK=m))
                 for m in (False, True)]
     for fn, sig, const in kernels:
+        const = {**const, "PDL": arch >= 90}  # dependent launch exists from sm_90 on (kernels/step/pdl.py)
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
@@ -356,6 +357,7 @@ def test_indexer_kernels_compile_for_every_target(arch):
             pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
         assert compiled.asm.get("cubin"), (fn.__name__, arch)
         ptx = compiled.asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == (arch >= 90), (fn.__name__, arch)
         for op in ("wgmma", "cp.async.bulk", "setmaxnreg", "tcgen05", ".local"):
             assert op not in ptx, (fn.__name__, arch, op)
 

@@ -262,21 +262,30 @@ def _sites_both_ways(seed: int = 7) -> dict:
     return {"max_rel": max(diffs), "count": len(diffs)}
 
 
+def _fp32_y_is_its_rounding(seed: int = 5) -> dict:
+    """bf16 streams, y as fp32 (a reduced partial) and as its `.to(bf16)`: per launcher, the same bits everywhere?"""
+    from dsv41.kernels.step import mhc as k
+
+    t = _inputs(4, 160, 3, torch.bfloat16, "cpu", seed)
+    y32 = t["y"].float() * (1 + 1e-3 * torch.rand(t["y"].shape, generator=torch.Generator().manual_seed(seed)))
+    calls = {"expand_site": lambda y: k.hc_expand_site(y, t["x"], t["post"], t["comb"], t["fn"].t(), t["base"],
+                                                         t["scale"], t["pre_in"], t["w"], iters=20, splits=2, rows=2,
+                                                         **EPS),
+             "expand": lambda y: (k.hc_expand(y, t["x"], t["post"], t["comb"], rows=2),)}
+    return {name: all(torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+                      for u, v in zip(call(y32), call(y32.to(torch.bfloat16)))) for name, call in calls.items()}
+
+
 def _interp_worker(out_path: str) -> None:
-    results = {}
-    for i, case in enumerate(CPU_CASES):
+    def caught(fn, *args, **kw):  # report errors, so the tests show the worker's
         try:
-            results[json.dumps(case)] = measure(case, "cpu", seed=i)
-        except Exception as exc:  # report, so the tests show the worker's error
-            results[json.dumps(case)] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        results["rows"] = measure_rows(CPU_ROWS_CASE, "cpu", seed=11)
-    except Exception as exc:  # noqa: BLE001
-        results["rows"] = {"error": f"{type(exc).__name__}: {exc}"}
-    try:
-        results["sites"] = _sites_both_ways()
-    except Exception as exc:  # noqa: BLE001
-        results["sites"] = {"error": f"{type(exc).__name__}: {exc}"}
+            return fn(*args, **kw)
+        except Exception as exc:  # noqa: BLE001
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    results = {json.dumps(case): caught(measure, case, "cpu", seed=i) for i, case in enumerate(CPU_CASES)}
+    results.update(rows=caught(measure_rows, CPU_ROWS_CASE, "cpu", seed=11), sites=caught(_sites_both_ways),
+                   fp32_y=caught(_fp32_y_is_its_rounding))
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
@@ -289,6 +298,11 @@ def interp(tmp_path_factory):
                           text=True, timeout=600)
     assert proc.returncode == 0, f"interpreted worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return json.loads(out.read_text())
+
+
+def test_interpreted_fp32_y_gives_the_bits_of_its_rounding(interp):
+    """An fp32 y (the MoE's reduced sum) is the bf16 one it rounds to: every output bitwise."""
+    assert interp["fp32_y"] == {"expand_site": True, "expand": True}, interp["fp32_y"]
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: CASE_ID(*c))
@@ -376,6 +390,7 @@ def test_kernels_compile_for_every_target_without_hopper_only_instructions(arch)
                                        rms_eps="fp32", live_rows="i32"), dict(HC=4, HCP=4, BLOCK=1024, BLOCK_N=1024)),
     ]
     for fn, sig, const in kernels:
+        const = {**const, "PDL": arch >= 90}  # dependent launch exists from sm_90 on (kernels/step/pdl.py)
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=k.NUM_WARPS))
@@ -383,6 +398,7 @@ def test_kernels_compile_for_every_target_without_hopper_only_instructions(arch)
             pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
         assert compiled.asm.get("cubin"), (fn.__name__, arch)
         ptx = compiled.asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == (arch >= 90), (fn.__name__, arch)
         for op in ("wgmma", "cp.async.bulk", "setmaxnreg", "tcgen05"):
             assert op not in ptx, (fn.__name__, arch, op)
 

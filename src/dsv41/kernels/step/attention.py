@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
 
@@ -122,7 +124,9 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
-                       POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1):
+                       POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
+                       PDL: tl.constexpr = False):
+    wait_previous(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -196,7 +200,9 @@ def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, p
 
 
 @triton.jit
-def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, n_splits, HDP: tl.constexpr):
+def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, n_splits, HDP: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     col = tl.arange(0, HDP)
@@ -252,8 +258,10 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
         q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
         H, S, hd, float(scale), *_no_pool(ok),
         HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps)
-    _core_combine_kernel[(T, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
+        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps,
+        **pdl_launch(q.device))
+    _core_combine_kernel[(T, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4,
+                                 **pdl_launch(q.device))
     return out
 
 
@@ -365,6 +373,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
         window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
         *ents, HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
         QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec, ECODEC=ecodec,
-        num_warps=num_warps)
-    _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4)
+        num_warps=num_warps, **pdl_launch(q.device))
+    _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4,
+                                 **pdl_launch(q.device))
     return out

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 from .codecs import codec_id
 from .rowops import FP4_E4M3_FLOOR, FP4_UE8M0_FLOOR, _cast, _round_e2m1, _round_e4m3, _ue8m0
 
@@ -69,9 +71,10 @@ def _load_x(ptr, mask, XBITS: tl.constexpr):
 @triton.jit
 def _store_rows_kernel(store_ptr, x_ptr, stride_xr, stride_xc, dest_ptr, stride_d, row_bytes, DIM,
                        CODEC: tl.constexpr, XBITS: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr,
-                       DP: tl.constexpr):
+                       DP: tl.constexpr, PDL: tl.constexpr = False):
     """Program b: x[b] encoded into row dest[b]. Quantised codecs see the row as [NB, HB] tiles of the even and the
     odd members of each block (so an e2m1 pair is one byte of one program); Raw as one [DP] tile."""
+    wait_previous(PDL)
     b = tl.program_id(0).to(tl.int64)
     d = tl.load(dest_ptr + b * stride_d).to(tl.int64)
     keep = d >= 0
@@ -147,7 +150,7 @@ def store_rows(store: torch.Tensor, x: torch.Tensor, dest: torch.Tensor, codec) 
         rows, x.view(torch.int16) if xbits else x, x.stride(0), x.stride(1), dest, dest.stride(0),
         codec.row_bytes, codec.dim,
         CODEC=cid, XBITS=xbits, NB=nb, HB=block // 2, DP=triton.next_power_of_2(codec.dim),
-        num_warps=1 if codec.dim <= 256 else 4, enable_fp_fusion=False)
+        num_warps=1 if codec.dim <= 256 else 4, enable_fp_fusion=False, **pdl_launch(x.device))
 
 
 __all__ = ["store_rows"]

@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
 
 BLOCK_C = 64  # entries per scores program
@@ -60,7 +62,8 @@ NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFF
 def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, nvis_ptr, allow_ptr, sat,
                    out_ptr, sot, H, HD, ncols, pg_ptr, spg, per_page, skp,
                    HP: tl.constexpr, HDP: tl.constexpr, BC: tl.constexpr, HAS_ALLOW: tl.constexpr,
-                   PAGED: tl.constexpr, CODEC: tl.constexpr):
+                   PAGED: tl.constexpr, CODEC: tl.constexpr, PDL: tl.constexpr = False):
+    wait_previous(PDL)
     # PAGED: the keys are pool rows in place (k_ptr the uint8 store, skp / skc its page / row strides in bytes,
     # pg_ptr the rows' page tables [R, P] of row stride spg, q row = r, CODEC the store's codecs.codec_id);
     # otherwise a concatenated key tensor (k_ptr, row stride skc) at key_off[r], q row q_row[r]. Only the key
@@ -110,7 +113,9 @@ def _keys(s_ptr, c, ncols):
 
 @triton.jit
 def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
-                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr):
+                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    wait_previous(PDL)
     r = tl.program_id(0).to(tl.int64)
     row = s_ptr + r * sst
     offs = tl.arange(0, BLOCK)
@@ -183,7 +188,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: to
         q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), q_row, key_off, n_vis, a, a.stride(0),
         out, out.stride(0), H, hd, ncols, n_vis, 0, 1, 0, HP=max(16, triton.next_power_of_2(H)),
         HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C, HAS_ALLOW=allow is not None, PAGED=False, CODEC=0,
-        num_warps=4)
+        num_warps=4, **pdl_launch(q.device))
     return out
 
 
@@ -251,7 +256,7 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
         q, q.stride(0), q.stride(1), w, w.stride(0), key_store, key_store.stride(1), n_vis, n_vis, n_vis, a,
         a.stride(0), out, out.stride(0), H, hd, ncols, pages, pages.stride(0), per_page, key_store.stride(0),
         HP=max(16, triton.next_power_of_2(H)), HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C,
-        HAS_ALLOW=allow is not None, PAGED=True, CODEC=cid, num_warps=4)
+        HAS_ALLOW=allow is not None, PAGED=True, CODEC=cid, num_warps=4, **pdl_launch(q.device))
     return out
 
 
@@ -273,7 +278,8 @@ def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False) -> torch.Te
             keep.zero_()
         else:
             _topk_kernel[(R,)](scores, scores.stride(0), ids, keep, max(keep.stride(0), 1), N, k, NEG=NEG_INF_KEY,
-                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask, num_warps=4)
+                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask, num_warps=4,
+                               **pdl_launch(scores.device))
     return keep.view(torch.bool) if mask else ids
 
 

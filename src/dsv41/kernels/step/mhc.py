@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 from .live import live_rows as _live_rows
 
 BLOCK_D = 32  # columns of d per step of the mixing loop: the [hc, BLOCK_D, (2 + hc) * hc] product tile
@@ -144,13 +146,15 @@ def _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK: tl.constexpr):
 def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
                  rms_eps, iters, live_rows, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
-                 SPLITS: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                 SPLITS: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Program (row, split): over the split's `chunk` columns of d, [X' = expand(y, X, post_in, comb_in), written to
     xo;] the partial mixing product and sum of squares of X (or X'), and u = collapse(X (or X'), pre_in) rounded to
     the stream dtype, into h. Partials go to part [B, SPLITS, NP] (lanes: the (2 + hc) hc products, then Σx², then
     Σu²); the row's last program to arrive sums them in split order and finishes: coefficients, h = rms_norm(u) * w.
     Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided. Rows from `live_rows`
     on (a bucket's padding) write +0.0 to every output (`_zero_row`) and read nothing."""
+    wait_previous(PDL)
     row = tl.program_id(0)
     split = tl.program_id(1)
     if row >= live_rows:
@@ -204,7 +208,9 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
         at = row * HC * d + c[:, None] * d + cols[None, :]
         xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)  # [HCP, BLOCK]
         if EXPAND:
-            y = tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32)
+            # an fp32 y (a reduced partial) is rounded to the stream dtype first, as its `.to(dtype)` would
+            y = _cast(tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32),
+                      xo_ptr.dtype.element_ty).to(tl.float32)
             mixed = tl.sum(comb_in[:, :, None] * xs[:, None, :], axis=0)  # Σ_j comb[j, k] X[j]: [k, BLOCK]
             xn = _cast(post_in[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty)
             tl.store(xo_ptr + at, xn, mask=live)
@@ -237,9 +243,10 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
 
 @triton.jit
 def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, live_rows, HC: tl.constexpr, HCP: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction);
     +0.0 for rows from `live_rows` on."""
+    wait_previous(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, HCP)
     c_live = c < HC
@@ -259,14 +266,16 @@ def _expand_row(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, row, c, c_live, col
     comb = tl.load(comb_ptr + row * HC * HC + c[:, None] * HC + c[None, :], mask=c_live[:, None] & c_live[None, :],
                    other=0.0)
     xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32)
+    y = _cast(tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32),
+              xo_ptr.dtype.element_ty).to(tl.float32)  # an fp32 y rounded to the stream dtype first
     mixed = tl.sum(comb[:, :, None] * xs[:, None, :], axis=0)
     tl.store(xo_ptr + at, _cast(post[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty), mask=live)
 
 
 @triton.jit
 def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, live_rows, HC: tl.constexpr, HCP: tl.constexpr,
-                          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+    wait_previous(PDL)
     row = tl.program_id(0)
     if row >= live_rows:
         for d0 in range(0, d, BLOCK_N):
@@ -325,8 +334,8 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
     expand = y is not None
     xo = torch.empty_like(x) if expand else x
     if expand:
-        if tuple(y.shape) != (B, d) or y.dtype != x.dtype:
-            raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
+        if tuple(y.shape) != (B, d) or y.dtype not in (x.dtype, torch.float32):
+            raise ValueError(f"y must be [{B}, {d}] {x.dtype} or fp32, got {y.dtype} {list(y.shape)}")
         y, post_in, comb_in = y.contiguous(), _coeff(post_in, (B, hc), "post"), _coeff(comb_in, (B, hc, hc), "comb")
     else:
         y, post_in, comb_in = x, pre_in, pre_in  # unused (EXPAND off)
@@ -346,7 +355,8 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
             _COUNTERS.get(x.device, rows), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), rows,
             HC=hc,
             HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits, EXPAND=expand, BLOCK=block,
-            BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=num_warps or NUM_WARPS)
+            BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=num_warps or NUM_WARPS,
+            **pdl_launch(x.device))
     return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
 
@@ -365,24 +375,27 @@ def hc_expand_site(y, x, post, comb, fn_t, base, scale, pre_in, norm_weight, *, 
                    iters: int, rms_eps: float, splits: int | None = None, rows: int | None = None,
                    num_warps: int | None = None):
     """`x' = mhc.expand(y, x, post, comb)`, then `hc_site(x', ...)`: returns `(x', h, pre', post', comb')`.
-    `rows`: the live rows (module docstring): rows [rows, B) of all five outputs (x' included) are zero."""
+    y [B, d] in x's dtype, or fp32 (a reduced partial: rounded to x's dtype in the kernel, the bits of
+    `y.to(x.dtype)`, without that launch). `rows`: the live rows (module docstring): rows [rows, B) of all five
+    outputs (x' included) are zero."""
     return _site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, splits,
                  rows, num_warps)
 
 
 def hc_expand(y, x, post, comb, *, rows: int | None = None) -> torch.Tensor:
-    """`mhc.expand(y, x, post, comb)`: [B, hc, d] in x's dtype. `rows`: the live rows (module docstring): rows
-    [rows, B) of the result are zero; None = all B."""
+    """`mhc.expand(y, x, post, comb)`: [B, hc, d] in x's dtype (y in x's dtype or fp32, as `hc_expand_site`).
+    `rows`: the live rows (module docstring): rows [rows, B) of the result are zero; None = all B."""
     B, hc, d = _streams(x)
     rows = _live_rows(rows, B)
-    if tuple(y.shape) != (B, d) or y.dtype != x.dtype:
-        raise ValueError(f"y must be [{B}, {d}] {x.dtype}, got {y.dtype} {list(y.shape)}")
+    if tuple(y.shape) != (B, d) or y.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"y must be [{B}, {d}] {x.dtype} or fp32, got {y.dtype} {list(y.shape)}")
     post, comb = _coeff(post, (B, hc), "post"), _coeff(comb, (B, hc, hc), "comb")
     out = torch.empty_like(x)
     block = min(BLOCK_E, triton.next_power_of_2(d))
     if B:
         _expand_kernel[(B, triton.cdiv(d, block))](y.contiguous(), x, post, comb, out, d, rows, HC=hc,
-                                                   HCP=triton.next_power_of_2(hc), BLOCK=block, num_warps=NUM_WARPS)
+                                                   HCP=triton.next_power_of_2(hc), BLOCK=block, num_warps=NUM_WARPS,
+                                                   **pdl_launch(x.device))
     return out
 
 
@@ -398,5 +411,6 @@ def collapse_norm(x, pre, norm_weight, *, rms_eps: float, rows: int | None = Non
     if B:
         _collapse_norm_kernel[(B,)](x, pre, norm_weight.contiguous(), h, d, float(rms_eps), rows, HC=hc,
                                     HCP=triton.next_power_of_2(hc), BLOCK=min(BLOCK_H, triton.next_power_of_2(d)),
-                                    BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS)
+                                    BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=NUM_WARPS,
+                                    **pdl_launch(x.device))
     return h

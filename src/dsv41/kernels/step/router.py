@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 # the fastest summed over 1 and 16 rows at the release's shape (d 5120, E 384), cold gate, H200
 # (bench/results/step_kernel_sweep.json): 10.3 / 17.2 us against 16.3 / 22.6 for 16 / 128 / 4
 BLOCK_E = 32
@@ -35,7 +37,9 @@ D_SPLITS = 16  # programs along d per (row, expert block): parallelism for one r
 
 @triton.jit
 def _router_logits_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, part_ptr, d, E,
-                          CHUNKS_PER_SPLIT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr):
+                          CHUNKS_PER_SPLIT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    wait_previous(PDL)
     row = tl.program_id(0)
     eb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -64,7 +68,8 @@ def _log1p_f64(u):
 @triton.jit
 def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
                           SPLITS: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                          HAS_BIAS: tl.constexpr, RENORM: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
+    wait_previous(PDL)
     row = tl.program_id(0)
     e = tl.arange(0, EP)
     e_ok = e < E
@@ -112,8 +117,8 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
                d_splits: int = D_SPLITS, num_warps: int = 4, ids_dtype: torch.dtype = torch.int64):
     """`model.moe.route` for rows x [B, d] and gate_t [d, E] (fp32, or the release's bf16: both read as fp32, the
     bf16 one at half the bytes; compiled, the two reduce their lanes in other orders, so their bits differ; any
-    strides: the transposed view of the stored [E, d] gate reads coalesced). Returns (ids [B, k] int64 (`ids_dtype`), weights
-    [B, k] fp32, logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync.
+    strides: the transposed view of the stored [E, d] gate reads coalesced). Returns (ids [B, k] int64
+    (`ids_dtype`), weights [B, k] fp32, logits [B, E] fp32, select [B, E] fp32), all on x's device, no host sync.
     block_e / block_d (powers of two): the logits launch's tile; d_splits: its programs along d; num_warps: its
     warps (the select launch keeps 4). Other knobs give other logits bits (another reduction order), the same
     within fp32 rounding; the defaults are the module constants. `ids_dtype` int32 writes the ids as the MoE
@@ -149,9 +154,9 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
         return ids, weights, logits, select
     _router_logits_kernel[(B, triton.cdiv(E, block_e), d_splits)](
         x, x.stride(0), gate_t, gate_t.stride(0), gate_t.stride(1), part, d, E,
-        CHUNKS_PER_SPLIT=per_split, BE=block_e, BD=block_d, num_warps=num_warps)
+        CHUNKS_PER_SPLIT=per_split, BE=block_e, BD=block_d, num_warps=num_warps, **pdl_launch(dev))
     _router_select_kernel[(B,)](
         part, bias if bias is not None else part, logits, select, ids, weights, E, float(temp), float(scale),
         SPLITS=d_splits, EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
-        HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1), num_warps=4)
+        HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1), num_warps=4, **pdl_launch(dev))
     return ids, weights, logits, select

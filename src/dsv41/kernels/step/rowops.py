@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 from .live import live_rows as _live_rows
 
 QUANT_MODES = {None: 0, "fp8_ue8m0": 1, "fp4_ue8m0": 2, "fp4_e4m3": 3}
@@ -133,10 +135,12 @@ def _fake_quant(ev, od, QUANT: tl.constexpr):
 @triton.jit
 def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D, live_rows,
                    NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr,
-                   QUANT: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr):
+                   QUANT: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr,
+                   PDL: tl.constexpr = False):
     """Program (row, head): the head vector x[row, head, :D] as two [NB, HB] tiles (block b's values 2k and 2k + 1),
     through [norm] -> [rope] -> [quantiser], each stage rounded to OUT; written to out [rows, heads, D]. Rows from
     `live_rows` on (a bucket's padding) read nothing and write +0.0."""
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     nh = tl.num_programs(1)
@@ -243,7 +247,8 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
         x, x.stride(0), stride_h, out, weight if weight is not None else dummy,
         positions if rope else dummy, inv_freq if rope else dummy, float(eps), D, live,
         NORM=weight is not None, ROPE=rope, R=rope_dim if rope else 0, INVERSE=bool(inverse), QUANT=mode,
-        NB=nb, HB=hb, OUT=_DTYPES[out_dtype], num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False)
+        NB=nb, HB=hb, OUT=_DTYPES[out_dtype], num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False,
+        **pdl_launch(dev))
     return out
 
 

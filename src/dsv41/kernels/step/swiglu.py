@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import launch as pdl_launch, wait_previous
+
 from .live import live_rows as _live_rows
 
 BLOCK = 1024
@@ -32,7 +34,9 @@ def _cast(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, h_ptr, stride_g, stride_u, width, limit, live_rows, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, h_ptr, stride_g, stride_u, width, limit, live_rows, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < width
@@ -63,5 +67,5 @@ def swiglu_rows(g: torch.Tensor, u: torch.Tensor, limit: float, *, rows: int | N
     if B and width:
         block = min(BLOCK, triton.next_power_of_2(width))
         _swiglu_kernel[(B, triton.cdiv(width, block))](g, u, h, g.stride(0), u.stride(0), width, float(limit), live,
-                                                       BLOCK=block, num_warps=4)
+                                                       BLOCK=block, num_warps=4, **pdl_launch(g.device))
     return h
