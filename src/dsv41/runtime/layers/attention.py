@@ -305,7 +305,10 @@ class FastAttention(InPlaceAttention):
         return {"v": c.wkv(x, n, phase, out_dtype=torch.float32), "s": c.wgate(x, n, phase, out_dtype=torch.float32)}
 
     def _pool(self, s: Segment, proj: dict, dtype: torch.dtype):
-        """The groups this segment closes: (latent [g, hd], entry positions [g]) or None; keeps the open group."""
+        """The groups this segment closes: (latent [g, hd], entry positions [g]) or None; keeps the open group.
+        Ratio > 1 where the step kernels run: the softmax pooling and its norm are one launch
+        (`kernels.step.compress.pool_norm_rows`, the members in position order: `_close_groups`' kernel program, so
+        the in-place path's bits); elsewhere the reference's torch ops."""
         r = self.role.compress_ratio
         src = s.state.source(self.role.kv_source)
         if r == 1:
@@ -320,19 +323,31 @@ class FastAttention(InPlaceAttention):
             src.open_v, src.open_s = (v[done:].clone(), g[done:].clone()) if done < v.shape[0] else (None, None)
             if n_groups == 0:
                 return None
-            pooled = (torch.softmax(g[:done].view(n_groups, r, -1), dim=1) * v[:done].view(n_groups, r, -1)).sum(1)
-            latent = rms_norm(pooled.to(dtype), self.w.compressor.norm, self.cfg.rms_norm_eps)
+            gv, gs = v[:done].view(n_groups, r, -1), g[:done].view(n_groups, r, -1)
+            if step_kernels_run(v.device):
+                from dsv41.kernels.step.compress import pool_norm_rows
+
+                latent = pool_norm_rows(gv, gs, self.w.compressor.norm, self.cfg.rms_norm_eps, dtype)
+            else:
+                pooled = (torch.softmax(gs, dim=1) * gv).sum(1)
+                latent = rms_norm(pooled.to(dtype), self.w.compressor.norm, self.cfg.rms_norm_eps)
         g0 = first // r
         return latent, (torch.arange(latent.shape[0], device=latent.device) + g0) * r
 
     def _append_entries(self, segs, closed, phase) -> None:
         """Entries (RoPE at the group's first token, FP4) and index keys of every closed group, appended per
-        sequence; the index-key projection runs once over all of them."""
+        sequence; the index-key projection runs once over all of them, and so does their norm where the step
+        kernels run (`kernels.step.rowops.rms_norm_rows`, row-invariant: `_close_groups`' bits; elsewhere the
+        reference's per sequence)."""
         comp, cfg = self.w.compressor, self.cfg
-        keys = None
+        keys, normed = None, False
         if comp.index_wk is not None:
             latents = torch.cat([c[0] for c in closed if c is not None])
             keys = comp.index_wk(latents, None, phase)
+            if step_kernels_run(keys.device):
+                from dsv41.kernels.step.rowops import rms_norm_rows
+
+                keys, normed = rms_norm_rows(keys, comp.index_k_norm, cfg.rms_norm_eps), True
         at = 0
         with section("attention"):
             for s, c in zip(segs, closed):
@@ -343,7 +358,8 @@ class FastAttention(InPlaceAttention):
                 kv = fp4_block_e4m3(self.ref._rope(latent, entry_pos), 16, self.fq)
                 src.kv = kv if src.kv is None else torch.cat((src.kv, kv))
                 if keys is not None:
-                    k = rms_norm(keys[at:at + latent.shape[0]], comp.index_k_norm, cfg.rms_norm_eps)
+                    k = keys[at:at + latent.shape[0]]
+                    k = k if normed else rms_norm(k, comp.index_k_norm, cfg.rms_norm_eps)
                     k = fp4_block_ue8m0(self.ref._rope(k, entry_pos), 32, self.fq)
                     src.index_k = k if src.index_k is None else torch.cat((src.index_k, k))
                 at += latent.shape[0]

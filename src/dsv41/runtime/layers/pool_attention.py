@@ -4,7 +4,8 @@
 (runtime/step_tables.py) say where each row reads and writes, and every op has the bucket's shape, so the whole
 step can be one CUDA graph. The kernels run the n real rows. In order, per layer: the window rows stored into the
 ring (`kernels.step.cache.store_rows`: the rows of a verify window see the ones before them), the groups the rows
-close pooled and their entries and index keys stored by the closer, the index scores over the source's pages
+close pooled and their entries and index keys stored by the closer (the members' gather, the softmax pooling and
+its norm one launch: `kernels.step.compress.close_norm_rows`), the index scores over the source's pages
 (`index_scores_pool`, candidate pool, top-k), the core over the ring and the selected entries (`attention_pool`,
 the keys dequantised in the kernel's load). The bits are those of `attend` over the same state loaded from the
 pool (tests/test_runtime_pool_attention.py).
@@ -13,8 +14,6 @@ pool (tests/test_runtime_pool_attention.py).
 from __future__ import annotations
 
 import torch
-
-from dsv41.model.norm import rms_norm
 
 from ..sections import section
 
@@ -65,9 +64,13 @@ class InPlaceAttention:
         position ends a group pools its group (its earlier members from the step's rows or the open-group store),
         and stores its entry (RoPE at the group's first token, FP4) and index key in the source's pages; the rows
         still open at the step's end go to the open-group store. Rows that close nothing compute values nobody
-        stores (their destinations are -1)."""
+        stores (their destinations are -1). Ratio > 1 gathers, pools and norms in one launch, the members read in
+        the kernel's load (`kernels.step.compress.close_norm_rows`: `_pool`'s program on the same members in the same
+        order, so `attend`'s bits), and the index keys' norm is `rms_norm_rows` (as `_append_entries`). No torch
+        fallback: the in-place path runs only where the step kernels do (`store_rows` is one)."""
         from dsv41.kernels.step.cache import store_rows
-        from dsv41.kernels.step.rowops import rope_rows
+        from dsv41.kernels.step.compress import close_norm_rows
+        from dsv41.kernels.step.rowops import rms_norm_rows, rope_rows
 
         cfg, comp, L = self.cfg, self.w.compressor, self.role.index
         r = self.role.compress_ratio
@@ -78,23 +81,13 @@ class InPlaceAttention:
         else:
             v, g = proj["v"][:n], proj["s"][:n]
             open_store = pool.stores[("open", L)]
-            flat = open_store.view(-1, 2, open_store.shape[-1])
-            members_v, members_g = [], []
-            for d in range(r - 1, 0, -1):  # the group's members in position order, the closer last
-                here = st.back_row[d - 1, :n]
-                at_row, at_open = here.clamp(min=0), st.back_open[d - 1, :n]
-                inside = (here >= 0)[:, None]
-                members_v.append(torch.where(inside, v[at_row], flat[at_open, 0]))
-                members_g.append(torch.where(inside, g[at_row], flat[at_open, 1]))
-            gv, gs = torch.stack(members_v + [v], dim=1), torch.stack(members_g + [g], dim=1)
-            pooled = (torch.softmax(gs, dim=1) * gv).sum(1)
-            latent = rms_norm(pooled.to(dtype), comp.norm, eps)
+            latent = close_norm_rows(v, g, open_store, st.back_row, st.back_open, comp.norm, eps, dtype)
             store_rows(open_store, torch.cat((v, g), dim=1), st.open_dest[:n], pool.open_codec)
         freqs, entry_pos, dest = self._inv_freq(latent.device), st.entry_pos[:n], st.entry_dest[:n]
         store_rows(pool.stores[("kv", L)], rope_rows(latent[:, None, :], entry_pos, freqs, R)[:, 0], dest,
                    pool.kv_codec)
         if comp.index_wk is not None and ("index_k", L) in pool.stores:
-            k = rms_norm(comp.index_wk(latent, n, phase), comp.index_k_norm, eps)
+            k = rms_norm_rows(comp.index_wk(latent, n, phase), comp.index_k_norm, eps)
             store_rows(pool.stores[("index_k", L)], rope_rows(k[:, None, :], entry_pos, freqs, R)[:, 0], dest,
                        pool.index_codec)
 
