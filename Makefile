@@ -32,8 +32,15 @@ install: $(BIN)/.installed
 run: $(BIN)/.installed
 	$(BIN)/dsv41 generate --prompt "$(PROMPT)" --max-tokens 32
 
+# TEST_WORKERS=N runs the suite on N processes (pytest-xdist, from requirements/dev.in), whole files per worker
+# (--dist loadfile: each module-scoped fixture, several of which build tiny checkpoints, is made once), handed out
+# in collection order (--no-loadscope-reorder: tests/conftest.py puts the longest files first, xdist would
+# otherwise order files by their number of tests). 0, the default, runs serially as before: two workers on the
+# 2-core CI machine are not yet measured on an idle machine (this one was shared with other runs).
+TEST_WORKERS ?= 0
+
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The lock: pyproject.toml's dependencies with its serve and test extras, plus requirements/dev.in, for CPython 3.11
 # on Linux, against the flake's pins (requirements/nix-pins.txt, written from nix/python/wheels.nix), with every

@@ -33,8 +33,34 @@ def tiny_model_dir() -> Path:
     return default_model_dir()
 
 
+# The longest files on the 2-core CI machine (measured under two workers, `make test TEST_WORKERS=2`). Under
+# pytest-xdist (--dist loadfile hands out whole files in collection order) they are collected first, so that no
+# worker starts one of them while the other is finishing the rest of the suite; a serial run keeps file order.
+LONGEST_FILES = (
+    "test_exl3_cuda.py",  # nvcc builds every variant, 2 jobs
+    "test_runtime_fast_tp.py",  # interpreted TP-2 parity, 2 ranks
+    "test_runtime_pool_attention.py",  # interpreted, child process
+    "test_kernels_step_mhc.py",
+    "test_runtime_fast_engine.py",
+    "test_server_tools.py",
+    "test_kernels_step_indexer.py",
+    "test_runtime_fast.py",
+    "test_server_disconnect.py",
+    "test_server_params.py",
+)
+
+
+def _longest_first(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    # sorted() is stable: the order inside a file, and of the other files, is kept
+    items[:] = sorted(items, key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip with a printed reason where CUDA is absent (CI, developer machines)."""
+    """GPU tests skip with a printed reason where CUDA is absent (CI, developer machines); under pytest-xdist the
+    longest files come first (LONGEST_FILES)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _longest_first(items)
     try:
         import torch
         has_cuda = torch.cuda.is_available()

@@ -18,6 +18,7 @@ The weights are random (seeded): EXL3 groups are random valid trellises (see wei
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -104,8 +105,15 @@ def default_model_dir() -> Path:
     """The built-in tiny model, created on first use under $DSV41_HOME (default ~/.cache/dsv41)."""
     home = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
     folder = home / f"tiny-{DEFAULT_FORMAT}-seed0-v{GENERATOR_VERSION}"
-    if not (folder / "model.safetensors.index.json").is_file():
-        make_tiny(folder, DEFAULT_FORMAT, seed=0)
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        # One builder at a time: processes that start together (pytest-xdist workers, servers) would otherwise each
+        # build it, and the last rename would delete the folder under a process already reading the first one.
+        home.mkdir(parents=True, exist_ok=True)
+        with open(home / f".{folder.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not index.is_file():
+                make_tiny(folder, DEFAULT_FORMAT, seed=0)
     return folder
 
 
