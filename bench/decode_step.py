@@ -267,18 +267,12 @@ def host_profile(model, rows, mode, device, top: int = 25) -> dict:
     batch = rows()
     sync(device)
     prof = cProfile.Profile()
-    prof.enable()
-    run_step(model, batch, mode)
-    sync(device)
-    prof.disable()
+    prof.runcall(lambda: (run_step(model, batch, mode), sync(device)))
     st = pstats.Stats(prof)
-    entries = []
-    for (file, line, name), (_, calls, tottime, cumtime, _) in st.stats.items():
-        entries.append({"fn": f"{Path(file).name}:{line}:{name}", "calls": calls, "own_ms": tottime * 1e3,
-                        "cum_ms": cumtime * 1e3})
-    own = sorted(entries, key=lambda e: -e["own_ms"])[:top]
-    cum = sorted(entries, key=lambda e: -e["cum_ms"])[:top]
-    return {"total_ms": st.total_tt * 1e3, "by_own": own, "by_cumulative": cum}
+    entries = [{"fn": f"{Path(file).name}:{line}:{name}", "calls": calls, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
+               for (file, line, name), (_, calls, own, cum, _) in st.stats.items()]
+    return {"total_ms": st.total_tt * 1e3, "by_own": sorted(entries, key=lambda e: -e["own_ms"])[:top],
+            "by_cumulative": sorted(entries, key=lambda e: -e["cum_ms"])[:top]}
 
 
 def _sequence(model, i, context, seed):

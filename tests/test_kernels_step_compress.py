@@ -219,7 +219,7 @@ def test_kernel_compiles_for_every_target(arch):
         sig = dict(v_ptr="*fp32", s_ptr="*fp32", sv_r="i32", sv_m="i32", ss_r="i32", ss_m="i32", o_ptr="*fp32",
                    so_r="i32", so_k="i32", br_ptr=tab, bo_ptr=tab, sb="i32", out_ptr="*bf16", w_ptr="*fp32",
                    eps="fp32", C="i32", live_rows="i32")
-        const = dict(RATIO=2, GATHER=gather, NORM=True, NB=16, HB=16, OUT=tl.bfloat16)
+        const = dict(RATIO=2, GATHER=gather, NORM=True, NB=16, HB=16, OUT=tl.bfloat16, PDL=arch >= 90)
         src = ASTSource(fn=k._pool_norm_kernel, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
@@ -227,6 +227,7 @@ def test_kernel_compiles_for_every_target(arch):
         except RuntimeError as exc:  # no ptxas for this target in this Triton
             pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
         assert compiled.asm.get("cubin"), (gather, arch)
+        assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == (arch >= 90), (gather, arch)
 
 
 @pytest.mark.gpu

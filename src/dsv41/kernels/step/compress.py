@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .live import live_rows as _live_rows
+from .pdl import launch as pdl_launch, wait_previous
 from .rowops import TILE, _DTYPES, _cast
 
 
@@ -88,9 +89,10 @@ def _pooled(v_ptr, s_ptr, sv_r, sv_m, ss_r, ss_m, o_ptr, so_r, so_k, br_ptr, bo_
 @triton.jit
 def _pool_norm_kernel(v_ptr, s_ptr, sv_r, sv_m, ss_r, ss_m, o_ptr, so_r, so_k, br_ptr, bo_ptr, sb, out_ptr, w_ptr,
                       eps, C, live_rows, RATIO: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr,
-                      NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr):
+                      NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr = False):
     """Program `row`: its group's latent as two [NB, HB] tiles (block b's columns 2k and 2k + 1: rowops' layout,
     so the norm's reduction tree is rowops'). Rows from `live_rows` on write +0.0."""
+    wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, NB)[:, None]
     k = tl.arange(0, HB)[None, :]
@@ -141,7 +143,7 @@ def _launch(R, C, ratio, v, s, sv, ss, opn, so, br, bo, sb, norm_weight, eps, ou
     _pool_norm_kernel[(R,)](  # the padding rows' programs write zeros: no memset launch beside the kernel
         v, s, sv[0], sv[1], ss[0], ss[1], opn, so[0], so[1], br, bo, sb, out, w, float(eps), C, live,
         RATIO=ratio, GATHER=gather, NORM=norm_weight is not None, NB=nb, HB=hb, OUT=_DTYPES[out_dtype],
-        num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False)
+        num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False, **pdl_launch(v.device))
     return out
 
 
