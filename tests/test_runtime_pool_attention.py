@@ -154,6 +154,59 @@ def test_step_tables_by_hand():
     assert t.ring_dest.tolist()[0] == 45  # the original is untouched
 
 
+def _tables_by_rule(segs, B, pool):
+    """The tables row by row from step_tables.py's docstring, in plain Python: what `StepTables.build` must give."""
+    rows = [(s.state.row, s.pos + k, k, s.pos + s.T) for s in segs for k in range(s.T)]
+    n = len(rows)
+    rows += [rows[0]] * (B - n)
+    P = max(1, 1 << (max(len(r[0].page_ids) for r in rows) - 1).bit_length())
+    out = {"slot": [r[0].slot for r in rows], "pages": [r[0].page_ids + [0] * (P - len(r[0].page_ids)) for r in rows],
+           "ring_dest": [r[0].slot * pool.ring_rows + r[1] % pool.ring_rows if b < n else -1
+                         for b, r in enumerate(rows)]}
+    for src in pool.sources.values():
+        q, per = src.ratio, src.per_page
+        out[f"r{q}.n_vis"] = [(pos + 1) // q for _, pos, _, _ in rows]
+        ents = [max((pos + 1) // q - 1, 0) for _, pos, _, _ in rows]
+        out[f"r{q}.entry_pos"] = [e * q for e in ents]
+        out[f"r{q}.entry_dest"] = [out["pages"][b][min(e // per, P - 1)] * per + e % per
+                                   if b < n and (rows[b][1] + 1) % q == 0 else -1 for b, e in enumerate(ents)]
+        if q > 1:
+            out[f"r{q}.open_dest"] = [row.slot * (q - 1) + min(pos % q, q - 2)
+                                      if b < n and pos >= end // q * q and pos % q < q - 1 else -1
+                                      for b, (row, pos, _, end) in enumerate(rows)]
+            out[f"r{q}.back_row"] = [[b - d if rows[b][2] >= d else -1 for b in range(B)] for d in range(1, q)]
+            out[f"r{q}.back_open"] = [[row.slot * (q - 1) + min((pos - d) % q, q - 2) for row, pos, _, _ in rows]
+                                      for d in range(1, q)]
+    return out
+
+
+def test_step_tables_follow_their_rule_on_random_buckets():
+    """Random buckets (1-16 rows of 1-4 sequences: decode rows, verify windows, a first window; ratios 1, 2, 4 and
+    128; page tables of 1-9 pages): every table of `StepTables.build` equals the row-by-row rule."""
+    import random
+    from types import SimpleNamespace
+
+    from dsv41.runtime.kv_pool import SourceLayout
+    from dsv41.runtime.layers.attention import Segment
+    from dsv41.runtime.step_tables import StepTables
+
+    rng = random.Random(3)
+    pool = SimpleNamespace(ring_rows=134, sources={1: SourceLayout(1, 1, 16, True), 2: SourceLayout(2, 2, 8, True),
+                                                   3: SourceLayout(3, 4, 8, False), 4: SourceLayout(4, 128, 2, True)})
+    for _ in range(60):
+        segs, at = [], 0
+        for slot in rng.sample(range(8), rng.randint(1, 4)):
+            T = rng.randint(1, 4)
+            if at + T > 16:
+                break
+            row = SimpleNamespace(slot=slot, page_ids=rng.sample(range(40), rng.randint(1, 9)))
+            segs.append(Segment(SimpleNamespace(row=row), at, T, rng.choice([0, 3, rng.randint(0, 2000)])))
+            at += T
+        t = StepTables.build(segs, 16, pool, torch.device("cpu"))
+        for name, want in _tables_by_rule(segs, 16, pool).items():
+            assert t[name].tolist() == want, name
+
+
 @pytest.mark.gpu
 def test_gpu_in_place_equals_load_and_store(lite_dir):
     need_compiled_cuda()

@@ -274,12 +274,12 @@ class FastModel:
             if s.T > ring_chunk_rows(pool, self.cfg.sliding_window):
                 raise ValueError(f"a {phase} chunk of {s.T} rows does not fit a ring of {pool.ring_rows} rows "
                                  f"over a window of {self.cfg.sliding_window}")
-        tables = StepTables.build(segs, B, pool, dev)
+        tables = StepTables.build(segs, B, pool, dev, inputs={"ids": ids_b, "pos": pos_b})  # one copy for all
         step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=n), n, phase, pool, tables)
-        args = (ids_b.to(dev), pos_b.to(dev), tables.packed, rows, live)
+        args = (tables.packed, rows, live)
         if self.graphs is None:
             self.graphs = PieceGraphs(self.device, self.comm)
-        warm = lambda: (*args[:2], tables.without_writes().packed, *args[3:])  # noqa: E731
+        warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
         local = self.graphs.run("step", phase, n, step, *args, warmup=warm)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
@@ -287,12 +287,13 @@ class FastModel:
         with section("comm"):
             return self.comm.gather_cat(local, dim=-1)
 
-    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, ids, P, packed, rows, live):
+    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, packed, rows, live):
         """The whole decode / verify step of a bucket over the pool: a pure function of its tensors (the pool's
-        stores and the weights are constants), so it can be one CUDA graph. Returns this rank's logits [n, V/tp]."""
+        stores and the weights are constants), so it can be one CUDA graph. The bucket's token ids and positions
+        travel in the tables' buffer. Returns this rank's logits [n, V/tp]."""
         t = tables.on(packed)
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
-        x, pre, P = self._streams(ids, P)
+        x, pre, P = self._streams(t["ids"], t["pos"])
         x, pre, pending = self._layers(
             sites, x, pre, n, phase, rows, live,
             lambda block, x, pre, pending: self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -103,9 +104,12 @@ class StepTables:
         return out
 
     @classmethod
-    def build(cls, segs, B: int, pool, device) -> "StepTables":
+    def build(cls, segs, B: int, pool, device, inputs: dict | None = None) -> "StepTables":
         """Tables of a bucket of B rows from the step's segments (`Segment`s whose state has `.row` with the
-        sequence's `slot` and `page_ids`, as `PoolSequence`), for `pool` (a `KVPool`)."""
+        sequence's `slot` and `page_ids`, as `PoolSequence`), for `pool` (a `KVPool`). Built in numpy (a few µs an
+        op where torch's CPU ops cost ~10: this runs on the host before every step's graph), one host array, one
+        copy to the device. `inputs`: more integer vectors of the step (the bucket's token ids and positions) to
+        travel in the same copy, read back by name (`tables["ids"]`)."""
         n = sum(s.T for s in segs)
         if not 0 < n <= B:
             raise ValueError(f"a bucket of {B} rows cannot hold {n}")
@@ -113,51 +117,49 @@ class StepTables:
         slot, pos, j, end, tables = [], [], [], [], []
         for s in segs:
             row = s.state.row
-            for k in range(s.T):
-                slot.append(row.slot)
-                pos.append(s.pos + k)
-                j.append(k)
-                end.append(s.pos + s.T)
-                tables.append(row.page_ids)
+            slot += [row.slot] * s.T
+            pos += range(s.pos, s.pos + s.T)
+            j += range(s.T)
+            end += [s.pos + s.T] * s.T
+            tables += [row.page_ids] * s.T
         P = page_bucket(max(len(t) for t in tables))
         pad = B - n
-        real = torch.tensor([True] * n + [False] * pad)
-        slot_t = torch.tensor(slot + [slot[0]] * pad, dtype=torch.int64)
-        pos_t = torch.tensor(pos + [pos[0]] * pad, dtype=torch.int64)
-        j_t = torch.tensor(j + [j[0]] * pad, dtype=torch.int64)
-        end_t = torch.tensor(end + [end[0]] * pad, dtype=torch.int64)
-        pages = torch.zeros(B, P, dtype=torch.int64)
+        real = np.arange(B) < n
+        slot_t = np.array(slot + [slot[0]] * pad, dtype=np.int64)
+        pos_t = np.array(pos + [pos[0]] * pad, dtype=np.int64)
+        j_t = np.array(j + [j[0]] * pad, dtype=np.int64)
+        end_t = np.array(end + [end[0]] * pad, dtype=np.int64)
+        pages = np.zeros((B, P), dtype=np.int64)
         for b, t in enumerate(tables + [tables[0]] * pad):
-            pages[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
-        none = torch.full((B,), -1, dtype=torch.int64)
-        parts = {"slot": slot_t, "ring_dest": torch.where(real, slot_t * ring + pos_t % ring, none), "pages": pages}
+            pages[b, :len(t)] = t
+        parts = {"slot": slot_t, "ring_dest": np.where(real, slot_t * ring + pos_t % ring, -1), "pages": pages}
         ratios = {}
+        rows = np.arange(B, dtype=np.int64)[None, :]
         for src in pool.sources.values():
             r, per = src.ratio, src.per_page
             if r in ratios:
                 continue
             ratios[r] = per
             closes = ((pos_t + 1) % r == 0) & real
-            e = (pos_t + 1) // r - 1
-            flat = pages.gather(1, (e.clamp(min=0) // per).clamp(max=P - 1)[:, None])[:, 0] * per + e.clamp(min=0) % per
+            e = np.maximum((pos_t + 1) // r - 1, 0)
+            flat = pages[np.arange(B), np.minimum(e // per, P - 1)] * per + e % per
             parts[f"r{r}.n_vis"] = (pos_t + 1) // r
-            parts[f"r{r}.entry_dest"] = torch.where(closes, flat, none)
-            parts[f"r{r}.entry_pos"] = e.clamp(min=0) * r
+            parts[f"r{r}.entry_dest"] = np.where(closes, flat, -1)
+            parts[f"r{r}.entry_pos"] = e * r
             if r > 1:
                 first_open = end_t // r * r
-                open_row = slot_t * (r - 1) + (pos_t % r).clamp(max=r - 2)
-                parts[f"r{r}.open_dest"] = torch.where(real & (pos_t >= first_open) & (pos_t % r < r - 1),
-                                                       open_row, none)
-                d = torch.arange(1, r, dtype=torch.int64)[:, None]
-                rows = torch.arange(B, dtype=torch.int64)[None, :]
-                parts[f"r{r}.back_row"] = torch.where(j_t[None, :] >= d, rows - d, -1)
-                parts[f"r{r}.back_open"] = slot_t[None, :] * (r - 1) + ((pos_t[None, :] - d) % r).clamp(max=r - 2)
-        layout, flat_parts, at = {}, [], 0
+                open_row = slot_t * (r - 1) + np.minimum(pos_t % r, r - 2)
+                parts[f"r{r}.open_dest"] = np.where(real & (pos_t >= first_open) & (pos_t % r < r - 1), open_row, -1)
+                d = np.arange(1, r, dtype=np.int64)[:, None]
+                parts[f"r{r}.back_row"] = np.where(j_t[None, :] >= d, rows - d, -1)
+                parts[f"r{r}.back_open"] = slot_t[None, :] * (r - 1) + np.minimum((pos_t[None, :] - d) % r, r - 2)
+        for name, t in (inputs or {}).items():
+            parts[name] = np.asarray(t, dtype=np.int64)
+        layout, at = {}, 0
         for name, t in parts.items():
             layout[name] = (at, tuple(t.shape))
-            flat_parts.append(t.reshape(-1))
-            at += t.numel()
-        packed = torch.cat(flat_parts)
+            at += t.size
+        packed = torch.from_numpy(np.concatenate([t.reshape(-1) for t in parts.values()]).astype(np.int64))
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
