@@ -123,6 +123,26 @@ def cycling(fn, copies: list):
     return call, max(20, len(copies))
 
 
+def measure_config(entries: dict, config: dict, rows_list, timer, copies: list, call, check) -> None:
+    """One configuration at every row count: `call(rows, copy)` run once for its outputs (judged by
+    `check(rows, outputs)`) and timed over the weight `copies`; appended to `entries[rows]`, with whether the first
+    row's bits are the same at the fewest and the most rows."""
+    got = {}
+    for r in rows_list:
+        try:
+            got[r] = call(r)
+            timed, iters = cycling(lambda c: call(r, c), copies)
+            us, verdict = timer(timed, iters), check(r, got[r])
+        except Exception as e:  # noqa: BLE001 - a configuration that fails is a row of the table
+            us, verdict = float("nan"), {"ok": False, "error": repr(e)[:200]}
+        entries[r].append({"config": config, "us": us, "check": verdict})
+    if len(got) == len(rows_list):
+        lo, hi = min(rows_list), max(rows_list)
+        same = all(torch.equal(a[:lo], b[:lo]) for a, b in zip(got[lo], got[hi]))
+        for r in rows_list:
+            entries[r][-1]["check"]["row_invariant"] = same
+
+
 def mhc_call(kernel: str, inp: dict, cfg, splits, rows, num_warps=None, fn_t=None):
     kw = dict(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_norm_eps,
               splits=splits, rows=rows, num_warps=num_warps)
@@ -161,21 +181,9 @@ def sweep_mhc(cfg, d: int, B: int, rows_list, splits_list, device, timer, warps_
             chunk = _cdiv(_cdiv(d, splits), MHC_BLOCK) * MHC_BLOCK  # as the launcher sizes a split
             config = {"splits": splits, "num_warps": warps or step_mhc.NUM_WARPS, "used_splits": _cdiv(d, chunk),
                       "default": splits == default and (warps or step_mhc.NUM_WARPS) == step_mhc.NUM_WARPS}
-            got = {}
-            for r in rows_list:
-                try:
-                    got[r] = mhc_call(kernel, inp, cfg, splits, r, warps)
-                    call, iters = cycling(lambda f: mhc_call(kernel, inp, cfg, splits, r, warps, f), fns)
-                    us = timer(call, iters)
-                    check = mhc_check(got[r], ref[r], kernel)
-                except Exception as e:  # noqa: BLE001 - a configuration that fails is a row of the table
-                    us, check = float("nan"), {"ok": False, "error": repr(e)[:200]}
-                entries[r].append({"config": config, "us": us, "check": check})
-            if len(got) == len(rows_list):
-                lo, hi = min(rows_list), max(rows_list)
-                same = all(torch.equal(a[:lo], b[:lo]) for a, b in zip(got[lo], got[hi]))
-                for r in rows_list:
-                    entries[r][-1]["check"]["row_invariant"] = same
+            measure_config(entries, config, rows_list, timer, fns,
+                           lambda r, f=None: mhc_call(kernel, inp, cfg, splits, r, warps, f),
+                           lambda r, got: mhc_check(got, ref[r], kernel))
         shape = {"B": B, "hc": cfg.hc_mult, "d": d, "dtype": "bfloat16", "iters": cfg.hc_sinkhorn_iters}
         out += [{"kernel": kernel, "shape": shape, "rows": r, "configs": entries[r]} for r in rows_list]
     return out
@@ -239,21 +247,8 @@ def sweep_router(cfg, d: int, E: int, k: int, B: int, rows_list, device, timer, 
         chunks = _cdiv(d, knobs["block_d"])
         config = dict(knobs, used_splits=_cdiv(chunks, _cdiv(chunks, knobs["d_splits"])),
                       default=knobs == ROUTER_DEFAULT)
-        got = {}
-        for r in rows_list:
-            try:
-                got[r] = call(r, knobs)
-                timed_call, iters = cycling(lambda g: call(r, knobs, g), gates)
-                us = timer(timed_call, iters)
-                check = router_check(got[r], ref[r], k)
-            except Exception as e:  # noqa: BLE001 - a configuration that fails is a row of the table
-                us, check = float("nan"), {"ok": False, "error": repr(e)[:200]}
-            entries[r].append({"config": config, "us": us, "check": check})
-        if len(got) == len(rows_list):
-            lo, hi = min(rows_list), max(rows_list)
-            same = all(torch.equal(a[:lo], b[:lo]) for a, b in zip(got[lo], got[hi]))
-            for r in rows_list:
-                entries[r][-1]["check"]["row_invariant"] = same
+        measure_config(entries, config, rows_list, timer, gates,
+                       lambda r, g=gate_t: call(r, knobs, g), lambda r, got: router_check(got, ref[r], k))
     shape = {"d": d, "E": E, "k": k, "gate": f"{gate_t.dtype} [d, E] view of the stored [E, d]", "x": str(x.dtype)}
     return [{"kernel": "route_rows", "shape": shape, "rows": r, "configs": entries[r]} for r in rows_list]
 

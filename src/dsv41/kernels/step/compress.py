@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .live import live_rows as _live_rows
 from .pdl import launch as pdl_launch, wait_previous
-from .rowops import TILE, _DTYPES, _cast
+from .rowops import TILE, _DTYPES, _cast, norm_pairs
 
 
 @triton.jit
@@ -108,14 +108,8 @@ def _pool_norm_kernel(v_ptr, s_ptr, sv_r, sv_m, ss_r, ss_m, o_ptr, so_r, so_k, b
                            RATIO, GATHER), OUT)
         od = _cast(_pooled(v_ptr, s_ptr, sv_r, sv_m, ss_r, ss_m, o_ptr, so_r, so_k, br_ptr, bo_ptr, sb, row, col + 1,
                            lo, RATIO, GATHER), OUT)
-        if NORM:  # rowops' `_rowops_row` norm, line for line
-            sq = tl.sum(tl.sum(ev * ev + od * od, axis=1), axis=0)
-            ms = tl.math.div_rn(sq, (C + 0.0).to(tl.float32)) + eps
-            r = (1.0 / tl.sqrt(ms.to(tl.float64))).to(tl.float32)
-            we = tl.load(w_ptr + col, mask=le, other=0.0).to(tl.float32)
-            wo = tl.load(w_ptr + col + 1, mask=lo, other=0.0).to(tl.float32)
-            ev = _cast((ev * r) * we, OUT)
-            od = _cast((od * r) * wo, OUT)
+        if NORM:  # rowops' norm itself (one reduction tree)
+            ev, od = norm_pairs(ev, od, w_ptr, col, le, lo, C, eps, OUT)
         tl.store(dst, ev.to(out_ptr.dtype.element_ty), mask=le)
         tl.store(dst + 1, od.to(out_ptr.dtype.element_ty), mask=lo)
 

@@ -133,6 +133,19 @@ def _fake_quant(ev, od, QUANT: tl.constexpr):
 
 
 @triton.jit
+def norm_pairs(ev, od, w_ptr, col, live_e, live_o, D, eps, OUT: tl.constexpr):
+    """RMSNorm of a vector held as its even and odd members ([NB, HB] tiles at columns col and col + 1): the sum
+    of squares in this fixed tree, rsqrt in fp64 rounded once, times the weight, each rounded to OUT. Shared with
+    the compressor's kernel (kernels/step/compress.py), so the two norms are one reduction tree."""
+    sq = tl.sum(tl.sum(ev * ev + od * od, axis=1), axis=0)
+    ms = tl.math.div_rn(sq, (D + 0.0).to(tl.float32)) + eps
+    r = (1.0 / tl.sqrt(ms.to(tl.float64))).to(tl.float32)
+    we = tl.load(w_ptr + col, mask=live_e, other=0.0).to(tl.float32)
+    wo = tl.load(w_ptr + col + 1, mask=live_o, other=0.0).to(tl.float32)
+    return _cast((ev * r) * we, OUT), _cast((od * r) * wo, OUT)
+
+
+@triton.jit
 def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D, live_rows,
                    NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr,
                    QUANT: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr,
@@ -166,13 +179,7 @@ def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps,
     ev = tl.load(src, mask=live, other=0.0).to(tl.float32)
     od = tl.load(src + 1, mask=live, other=0.0).to(tl.float32)
     if NORM:
-        sq = tl.sum(tl.sum(ev * ev + od * od, axis=1), axis=0)
-        ms = tl.math.div_rn(sq, (D + 0.0).to(tl.float32)) + eps
-        r = (1.0 / tl.sqrt(ms.to(tl.float64))).to(tl.float32)
-        we = tl.load(w_ptr + col, mask=live, other=0.0).to(tl.float32)
-        wo = tl.load(w_ptr + col + 1, mask=live, other=0.0).to(tl.float32)
-        ev = _cast((ev * r) * we, OUT)
-        od = _cast((od * r) * wo, OUT)
+        ev, od = norm_pairs(ev, od, w_ptr, col, live, live, D, eps, OUT)
     else:
         ev = _cast(ev, OUT)
         od = _cast(od, OUT)

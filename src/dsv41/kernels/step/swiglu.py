@@ -18,19 +18,9 @@ import triton.language as tl
 from .pdl import launch as pdl_launch, wait_previous
 
 from .live import live_rows as _live_rows
+from .mhc import _cast  # fp32 -> the dtype, nearest even (bf16 by its bits)
 
 BLOCK = 1024
-
-
-@triton.jit
-def _cast(v, DT: tl.constexpr):
-    """fp32 -> DT, nearest even (bf16 by its bits: the interpreter would truncate a plain cast)."""
-    if DT == tl.bfloat16:
-        b = v.to(tl.uint32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-        return b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return v.to(DT)
 
 
 @triton.jit
