@@ -38,6 +38,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engram.hashing import EngramHasher
+from dsv41.kernels.step import engram as step_engram
 from dsv41.kernels.step import mhc as step_mhc
 from dsv41.model import mhc
 from dsv41.model.engram import engram_mix, engram_project
@@ -145,11 +146,19 @@ class FastEngram:
     q_weight: torch.Tensor
     k_weight: torch.Tensor
     eps: float
+    gate_weight: torch.Tensor | None = None  # q_weight * k_weight in fp32 (the gate kernel's form), made at build
+
+    def __post_init__(self):
+        if self.gate_weight is None:
+            self.gate_weight = step_engram.gate_weight(self.q_weight, self.k_weight)
 
     def __call__(self, x, rows, live, n, phase, comm: Comm):
         """`rows`: this layer's gathered table rows `[B, cols, head_dim]` on the device (read at the step's start,
-        so no host copy waits inside the forward)."""
+        so no host copy waits inside the forward). Where the step kernels run, the gate and the mix are one launch
+        (`kernels.step.engram`; the padding rows from n on come out zero)."""
         kv = comm.sum_partials(engram_project(rows, partial(self.wkv, n=n, phase=phase), x.dtype))
+        if step_kernels_run(x.device):
+            return step_engram.engram_mix_rows(x.contiguous(), kv, self.gate_weight, self.eps, live, rows=n)
         return engram_mix(x, kv, self.q_weight, self.k_weight, self.eps, live)
 
 
