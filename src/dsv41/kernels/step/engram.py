@@ -22,16 +22,11 @@ import triton
 import triton.language as tl
 
 from .live import live_rows as _live_rows
-from .mhc import _cast
+from .mhc import _cast, _rsqrt64
 from .pdl import launch as pdl_launch, wait_previous
 
 BLOCK = 512
-GATE_SQRT_FLOOR: tl.constexpr = tl.constexpr(1e-6)  # model.engram.GATE_SQRT_FLOOR
-
-
-@triton.jit
-def _rsqrt64(v):
-    return (1.0 / tl.sqrt(v.to(tl.float64))).to(tl.float32)
+GATE_SQRT_FLOOR: tl.constexpr = tl.constexpr(1e-6)  # model.engram.GATE_SQRT_FLOOR (kernels do not import model/)
 
 
 @triton.jit
