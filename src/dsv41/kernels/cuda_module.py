@@ -156,8 +156,8 @@ class CudaKernel:
         for a in args:
             if isinstance(a, torch.Tensor):
                 values.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, ctypes._SimpleCData):
-                values.append(a)
+            elif isinstance(a, (ctypes._SimpleCData, ctypes.Structure)):
+                values.append(a)  # a structure goes by value, its bytes the kernel parameter's
             elif isinstance(a, float):
                 values.append(ctypes.c_float(a))
             else:

@@ -884,7 +884,8 @@ __device__ __forceinline__ void finish_columns_by_warp(const float* acc, uint2 s
     }
 }
 
-// grid (G, splits): block (b, sp) takes column block b of split sp, then (when G < n/128) further column blocks
+// grid (G, splits) (or a group launch's share of its grid: cb0, sp, gx = G): block (b, sp) takes column block b of
+// split sp, then (when G < n/128) further column blocks
 // of split sp as they come from a per-split counter (counters[n/128 + sp]), so that blocks that finish early take
 // more. G = n/128 normally; for matrices with many more blocks than fit on the GPU at once (the head) the host
 // picks G so that all blocks are resident: each block then rotates its k slice of the input once for all its
@@ -894,16 +895,16 @@ template <int ROWS, int BATCH, bool PRE, int MAXU = 2>
 __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype, int m, const u32* trellis,
                                             const u16* suh, const u16* svh, void* y, int ldy, int y_dtype,
                                             float* part, int* counters, int k, int n, int splits, int xs_stride,
-                                            int options) {
+                                            int options, int cb0, int sp, int gx) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm = carve<ROWS>(smem_raw);
-    const int sp = blockIdx.y, ncb = n / 128;
+    const int ncb = n / 128;
     const bool cluster = options & OPT_CLUSTER;
     // (uniform over the block: every warp takes the same epilogue)
-    const bool warp_epilogue = ROWS == 8 && m == 1 && splits > 1 && !cluster && (int)gridDim.x >= ncb &&
+    const bool warp_epilogue = ROWS == 8 && m == 1 && splits > 1 && !cluster && gx >= ncb &&
                                !(options & OPT_BLOCK_EPILOGUE);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int cb = blockIdx.x;
+    int cb = cb0;
     int kb_lo, nkb;
     kslice(k, sp, splits, &kb_lo, &nkb);
     if (threadIdx.x < ROWS) sm.ints[threadIdx.x] = (int)threadIdx.x < m ? (int)threadIdx.x : -1;
@@ -924,7 +925,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
                                 }) && PREDECODE;
     // (after the wait in rotate_input: the previous launch has reset the counter)
     int* const take = counters + ncb + sp;
-    if (threadIdx.x == 0) sm.ints[33] = (int)gridDim.x < ncb ? (int)gridDim.x + atomicAdd(take, 1) : ncb;
+    if (threadIdx.x == 0) sm.ints[33] = gx < ncb ? gx + atomicAdd(take, 1) : ncb;
     __syncthreads();  // the rotated input is read by every warp
     for (;;) {
         const int next = sm.ints[33];
@@ -933,7 +934,7 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
         for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
 #if EXL3_ABLATE != 2
         main_loop<ROWS, PRE>(acc, sm, xs_stride, m, col0 + (long long)cb * ROW_WORDS, row_stride_words, nkb, warp,
-                             lane, pre, predecoded && cb == (int)blockIdx.x);
+                             lane, pre, predecoded && cb == cb0);
 #endif
         if (next < ncb) {
             // the warp's ring is free (main_loop waited for its copies and consumed them): the next column block's
@@ -974,10 +975,10 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
         finish_column_block<ROWS, BATCH>(sm, sv, y, ldy, y_dtype, part, counters, m, n, cb, sp, splits);
         if (next >= ncb) {
             // every block ends with one draw past the end; the last of those draws resets the counter
-            if (threadIdx.x == 0 && next == ncb + (int)gridDim.x - 1) *take = 0;
+            if (threadIdx.x == 0 && next == ncb + gx - 1) *take = 0;
             return;
         }
-        if (threadIdx.x == 0) sm.ints[33] = (int)gridDim.x + atomicAdd(take, 1);
+        if (threadIdx.x == 0) sm.ints[33] = gx + atomicAdd(take, 1);
         __syncthreads();  // the reduction above has read ys before the next stash; the next draw is visible
         cb = next;
         sv = load_svh4(svh + cb * 128, lane);
@@ -987,8 +988,9 @@ __device__ __forceinline__ void linear_body(const void* x, int ldx, int x_dtype,
 #define LINEAR_ARGS                                                                                          \
     const void *x, int ldx, int x_dtype, int m, const u32 *trellis, const u16 *suh, const u16 *svh, void *y, \
         int ldy, int y_dtype, float *part, int *counters, int k, int n, int splits, int xs_stride, int options
-#define LINEAR_PASS \
-    x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, options
+#define LINEAR_PASS                                                                                  \
+    x, ldx, x_dtype, m, trellis, suh, svh, y, ldy, y_dtype, part, counters, k, n, splits, xs_stride, options, \
+        (int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_linear_r8(LINEAR_ARGS) { linear_body<8, 4, false>(LINEAR_PASS); }
 // 2..8 rows whose units fit EXL3_ROWS_WARP_UNITS per warp: the input rotated by warp (a kernel of its own, as below)
@@ -999,6 +1001,74 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3
 // that path made one-row launches slower in the kernel above (its register allocation; docs/perf/exl3.md).
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_rows_r8(LINEAR_ARGS) { linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE, EXL3_WARP_UNITS>(LINEAR_PASS); }
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_few_r16(LINEAR_ARGS) { linear_body<16, EXL3_SUM_BATCH, EXL3_PREDECODE>(LINEAR_PASS); }
+
+// ------------------------------------------------------------------------------------------------------------
+// grouped linear: up to GROUP_MAX matrices of one K whose inputs are ready at the same point of a step (a layer's
+// projections of one x; wo_a's groups; the shared expert's gate and up), <= 8 rows, in one launch. Member i owns
+// the blocks [first_block, first_block + n/128 * splits) of a 1-D grid, in the (column block, split) order of its
+// own launch, and its own partials and counters; each block runs linear_body on its member's arguments. So a
+// member's bits are those of its own launch with the same split count, whichever members share the grid.
+// ------------------------------------------------------------------------------------------------------------
+
+#define GROUP_MAX 8
+
+struct GroupMember {
+    const void* x;
+    const u32* trellis;
+    const u16* suh;
+    const u16* svh;
+    void* y;
+    float* part;
+    int* counters;
+    int ldx, x_dtype, ldy, y_dtype, k, n, splits, xs_stride;
+    int first_block, pad0, pad1, pad2;
+};
+
+struct LinearGroup {
+    GroupMember mem[GROUP_MAX];
+    int count, m, options, pad;
+};
+
+// (the host's ctypes mirror, kernels/exl3/cuda.py, is checked against these sizes)
+static_assert(sizeof(GroupMember) == 104, "GroupMember layout");
+static_assert(sizeof(LinearGroup) == 848, "LinearGroup layout");
+
+template <int MAXU>
+__device__ __forceinline__ void group_body(const LinearGroup& g) {
+    const int b = (int)blockIdx.x;
+    // (unrolled with constant indices: the members stay in the parameter bank, no local-memory copy)
+    int i = 0;
+#pragma unroll
+    for (int j = 1; j < GROUP_MAX; ++j)
+        if (j < g.count && b >= g.mem[j].first_block) i = j;
+    const void* x = g.mem[0].x;
+    const u32* trellis = g.mem[0].trellis;
+    const u16 *suh = g.mem[0].suh, *svh = g.mem[0].svh;
+    void* y = g.mem[0].y;
+    float* part = g.mem[0].part;
+    int* counters = g.mem[0].counters;
+    int ldx = g.mem[0].ldx, x_dtype = g.mem[0].x_dtype, ldy = g.mem[0].ldy, y_dtype = g.mem[0].y_dtype;
+    int k = g.mem[0].k, n = g.mem[0].n, splits = g.mem[0].splits, xs_stride = g.mem[0].xs_stride;
+    int first = g.mem[0].first_block;
+#pragma unroll
+    for (int j = 1; j < GROUP_MAX; ++j) {
+        if (j == i) {
+            x = g.mem[j].x; trellis = g.mem[j].trellis; suh = g.mem[j].suh; svh = g.mem[j].svh; y = g.mem[j].y;
+            part = g.mem[j].part; counters = g.mem[j].counters; ldx = g.mem[j].ldx; x_dtype = g.mem[j].x_dtype;
+            ldy = g.mem[j].ldy; y_dtype = g.mem[j].y_dtype; k = g.mem[j].k; n = g.mem[j].n;
+            splits = g.mem[j].splits; xs_stride = g.mem[j].xs_stride; first = g.mem[j].first_block;
+        }
+    }
+    const int ncb = n / 128, local = b - first;
+    linear_body<8, EXL3_SUM_BATCH, EXL3_PREDECODE, MAXU>(x, ldx, x_dtype, g.m, trellis, suh, svh, y, ldy, y_dtype,
+                                                          part, counters, k, n, splits, xs_stride, g.options,
+                                                          local % ncb, local / ncb, ncb);
+}
+
+// one row (the one-row rotation), and 2..8 rows (the input rotated by warp up to EXL3_WARP_UNITS units per warp),
+// with the larger register budget: a group's grid is sized to fill the GPU once at 2 blocks per SM
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_group_r8(const LinearGroup g) { group_body<2>(g); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_FEW_MIN_BLOCKS) exl3_linear_group_rows_r8(const LinearGroup g) { group_body<EXL3_WARP_UNITS>(g); }
 
 // ------------------------------------------------------------------------------------------------------------
 // routed-expert MoE for a window of T <= 16 tokens, top-k slots s = token * topk + i

@@ -27,6 +27,7 @@ SOURCE = "exl3_fused.cu"
 KERNELS = [
     "exl3_linear_r8", "exl3_linear_rows_r8", "exl3_linear_r16",
     "exl3_linear_few_r8", "exl3_linear_few_rows_r8", "exl3_linear_few_r16",
+    "exl3_linear_group_r8", "exl3_linear_group_rows_r8",
     "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
@@ -263,6 +264,82 @@ def warp_epilogue_enabled() -> bool:
 def persistent_enabled() -> bool:
     """Column-block loops for very wide matrices (on by default; DSV41_EXL3_PERSIST=0 for A/B runs)."""
     return os.environ.get("DSV41_EXL3_PERSIST", "1") not in ("0", "")
+
+
+# at most this many matrices in one group launch (GROUP_MAX in exl3_fused.cu); rows of a group launch (ROWS = 8)
+GROUP_MAX, GROUP_ROWS = 8, 8
+
+
+class _GroupMember(ctypes.Structure):
+    # GroupMember in exl3_fused.cu
+    _fields_ = [(f, ctypes.c_void_p) for f in ("x", "trellis", "suh", "svh", "y", "part", "counters")] + [
+        (f, ctypes.c_int) for f in ("ldx", "x_dtype", "ldy", "y_dtype", "k", "n", "splits", "xs_stride",
+                                    "first_block", "pad0", "pad1", "pad2")]
+
+
+class _LinearGroup(ctypes.Structure):
+    _fields_ = [("mem", _GroupMember * GROUP_MAX), ("count", ctypes.c_int), ("m", ctypes.c_int),
+                ("options", ctypes.c_int), ("pad", ctypes.c_int)]
+
+
+def group_splits(shapes: list[tuple[int, int]], K: int, device: torch.device, tuning: dict | None = None) -> list[int]:
+    """Split counts of the members `[(k, n), ...]` of one group launch: the shortest common k slice (in 128-blocks)
+    at which the group's blocks fit the GPU once at the larger register budget's blocks per SM, so every block does
+    about the same work; from the shapes, K and the device only (never the row count)."""
+    return group_splits_for(shapes, few_blocks(tuning) * _sm_count(device),
+                            slice_limit(K, _shared_limit(device), MAX_SLICE_BLOCKS, tuning))
+
+
+def group_splits_for(shapes: list[tuple[int, int]], budget: int, max_slice: int) -> list[int]:
+    """`group_splits`' rule for a budget of `budget` blocks and k slices of at most `max_slice` 128-blocks."""
+    for length in range(1, max_slice + 1):
+        splits = [min(k // 128, math.ceil((k // 128) / length)) for k, _ in shapes]
+        if sum(s * (n // 128) for s, (_, n) in zip(splits, shapes)) <= budget:
+            return splits
+    return [math.ceil((k // 128) / max_slice) for k, _ in shapes]
+
+
+def linear_group_cuda(xs: list[torch.Tensor], weights: list[Exl3Tensor], outs: list[torch.Tensor],
+                      splits: list[int], tuning: dict | None = None) -> None:
+    """`outs[i] = xs[i] @ W_eff_i` for 2..GROUP_MAX matrices of one K and codebook and 1..8 rows, in one launch.
+
+    Each member's bits are those of `fused_matmul_cuda(xs[i], weights[i], splits=splits[i])`: its blocks run the
+    same k slices in the same order on its own partials (exl3_fused.cu, "grouped linear")."""
+    count = len(weights)
+    if not 1 <= count <= GROUP_MAX or not len(xs) == len(outs) == len(splits) == count:
+        raise ValueError(f"a group launch takes 1..{GROUP_MAX} matching inputs, weights, outputs and splits")
+    K, codebook, dev, m = weights[0].K, weights[0].codebook, xs[0].device, xs[0].shape[0]
+    if not 1 <= m <= GROUP_ROWS:
+        raise ValueError(f"a group launch takes 1..{GROUP_ROWS} rows, got {m}")
+    group, first, shared, seen, ready = _LinearGroup(), 0, 0, {}, []
+    for i, (x, w, y, s) in enumerate(zip(xs, weights, outs, splits)):
+        if (w.K, w.codebook) != (K, codebook):
+            raise ValueError(f"{w.name}: a group is one K and codebook ({K}, {codebook}), got ({w.K}, {w.codebook})")
+        if x.dim() != 2 or x.shape != (m, w.k) or x.device != dev or x.dtype not in DTYPE_CODES:
+            raise ValueError(f"{w.name}: x must be [{m}, {w.k}] fp16/bf16/fp32 on {dev}, got {list(x.shape)}")
+        if y.shape != (m, w.n) or y.dtype not in DTYPE_CODES or y.stride(1) != 1:
+            raise ValueError(f"{w.name}: out must be [{m}, {w.n}] with unit column stride, got {list(y.shape)}")
+        if not 1 <= s <= w.k // 128:
+            raise ValueError(f"{w.name}: splits={s} does not fit k={w.k}")
+        x = _vector_ready(x)
+        ready.append(x)  # (alive until the launch has read its pointer)
+        # members of one (splits, n) take distinct partials (slot 0 is a lone launch's: stream order keeps them apart)
+        slot = seen[(s, w.n)] = seen.get((s, w.n), -1) + 1
+        part, counters = _WORKSPACE.get(
+            ("linear", str(dev), s, w.n, GROUP_ROWS) + ((slot,) if slot else ()),
+            lambda: (torch.empty((s, GROUP_ROWS, w.n), dtype=torch.float32, device=dev),
+                     torch.zeros((w.n // 128 + s,), dtype=torch.int32, device=dev)))
+        xs_stride = _xs_stride(w.k, s)
+        group.mem[i] = _GroupMember(x.data_ptr(), w.words.data_ptr(), w.suh.data_ptr(), w.svh.data_ptr(),
+                                    y.data_ptr(), part.data_ptr(), counters.data_ptr(), x.stride(0),
+                                    DTYPE_CODES[x.dtype], y.stride(0), DTYPE_CODES[y.dtype], w.k, w.n, s, xs_stride,
+                                    first, 0, 0, 0)
+        first += (w.n // 128) * s
+        shared = max(shared, _shared_bytes(K, GROUP_ROWS, m, xs_stride, tuning))
+    group.count, group.m = count, m
+    group.options = 0 if warp_epilogue_enabled() else OPT_BLOCK_EPILOGUE
+    kernel = kernels_for(dev, K, codebook, tuning)["exl3_linear_group_r8" if m == 1 else "exl3_linear_group_rows_r8"]
+    kernel.launch((first, 1, 1), THREADS, shared, [group])
 
 
 # The column-block loop pays off from 3 rows on: with more rows each block's input rotation and reduction cost

@@ -34,7 +34,7 @@ from dsv41.model.rowwise import row_blocks
 from dsv41.model.state import SequenceState
 
 from ..sections import section
-from .linear import Exl3Linear, is_fused
+from .linear import Exl3Linear, LinearGroup, is_fused
 from .pool_attention import InPlaceAttention
 
 # Rows of one prefill sequence per core launch: bounds the block's gathered key slots [rows, S, hd] (S = window +
@@ -89,6 +89,11 @@ class FastAttention(InPlaceAttention):
         # (it never calls the linears)
         self.ref = Attention(cfg, role, w, rope, local_heads=local_heads, fake_quant=fake_quant)
         self.sink = w.sink.float().contiguous()  # what the core kernel reads
+        # the matrices that read one input at one point of the step, one launch each on the fused path
+        c = w.compressor if role.compresses else None
+        self.x_group = LinearGroup([w.wq_a, w.wkv] + ([] if c is None else [c.wkv] + ([c.wgate] if c.wgate else [])))
+        self.qr_group = LinearGroup([w.wq_b] + ([w.indexer.wq_b] if role.scores else []))
+        self.wo_a_group = LinearGroup(w.wo_a)
 
     def linears(self) -> list:
         """Every linear of the layer (for accounting)."""
@@ -115,17 +120,16 @@ class FastAttention(InPlaceAttention):
         if step_kernels_run(x.device):
             return self._project_rowops(x, n, P, phase)
         rope = self.ref._rope
-        qa, kva = w.wq_a(x, n, phase), w.wkv(x, n, phase)
+        qa, kva, proj = self._project_x(x, n, phase)
         with section("norms"):
             qr = rms_norm(qa, w.q_norm, eps)
-        qb = w.wq_b(qr, n, phase)
+        qb, ib = self._project_qr(qr, n, phase)
         with section("norms"):
             q = rope(qb.view(B, self.heads, cfg.head_dim), P)
             kv = fp8_block_ue8m0(rope(rms_norm(kva, w.kv_norm, eps), P), 32, self.fq)
-        proj = self._compressor_inputs(x, n, phase) if role.compresses else {}
         iq = iw = None
         if role.scores:
-            ib, wp = w.indexer.wq_b(qr, n, phase), w.indexer.weights_proj(x, n, phase)
+            wp = w.indexer.weights_proj(x, n, phase)
             with section("indexer"):
                 iq = rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P)
                 iw = wp.float() * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
@@ -145,18 +149,17 @@ class FastAttention(InPlaceAttention):
 
         cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
         B, R, freqs = x.shape[0], cfg.qk_rope_head_dim, self._inv_freq(x.device)
-        qa, kva = w.wq_a(x, n, phase), w.wkv(x, n, phase)
+        qa, kva, proj = self._project_x(x, n, phase)
         with section("norms"):  # the row ops run the n real rows (the padding rows come out zero)
             qr = rms_norm_rows(qa, w.q_norm, eps, rows=n)
-        qb = w.wq_b(qr, n, phase)
+        qb, ib = self._project_qr(qr, n, phase)
         with section("norms"):
             q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R, rows=n)
             kv = norm_rope_rows(kva, w.kv_norm, eps, P, freqs, R, quant="fp8_ue8m0" if self.fq else None, block=32,
                                 rows=n)
-        proj = self._compressor_inputs(x, n, phase) if role.compresses else {}
         iq = iw = None
         if role.scores:
-            ib, wp = w.indexer.wq_b(qr, n, phase), w.indexer.weights_proj(x, n, phase)
+            wp = w.indexer.weights_proj(x, n, phase)
             with section("indexer"):
                 iq = rope_rows(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P, freqs, R,
                                quant="fp4_ue8m0" if self.fq else None, block=32, rows=n)
@@ -223,12 +226,13 @@ class FastAttention(InPlaceAttention):
                 o = self.ref._rope(o.to(dtype), P, inverse=True)
         groups = o.reshape(o.shape[0], len(w.wo_a), -1)
         if is_fused(phase) and all(isinstance(wo, Exl3Linear) for wo in w.wo_a):
-            # each group's product straight into its columns of u (no concatenation launch)
+            # each group's product straight into its columns of u (no concatenation launch), all in one launch
             u = torch.empty(o.shape[0], sum(wo.out_features for wo in w.wo_a), dtype=o.dtype, device=o.device)
-            at = 0
-            for g, wo in enumerate(w.wo_a):
-                wo(groups[:, g], n, phase, out=u[:, at:at + wo.out_features])
-                at += wo.out_features
+            edges = [0]
+            for wo in w.wo_a:
+                edges.append(edges[-1] + wo.out_features)
+            self.wo_a_group([groups[:, g] for g in range(len(w.wo_a))], n, phase,
+                            outs=[u[:, a:b] for a, b in zip(edges, edges[1:])])
         else:
             u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)
@@ -295,14 +299,24 @@ class FastAttention(InPlaceAttention):
         o[idx] = attention_core(q[idx], keys, ok, self.sink, self.cfg.head_dim ** -0.5, **self._decode_tiling(keys))
 
     # ------------------------------------------------------------------ compressor
-    def _compressor_inputs(self, x, n, phase) -> dict:
-        c = self.w.compressor
-        if self.role.compress_ratio == 1:
-            latent = c.wkv(x, n, phase)
-            with section("norms"):
-                return {"latent": rms_norm(latent, c.norm, self.cfg.rms_norm_eps)}
+    def _project_x(self, x, n, phase):
+        """q_a, the window KV latent and the compressor's inputs: the projections of x, one group."""
+        r = self.role.compress_ratio if self.role.compresses else 0
         # ratio > 1 pools in fp32 (the reference feeds x.float(); the kernels round either to fp16 alike)
-        return {"v": c.wkv(x, n, phase, out_dtype=torch.float32), "s": c.wgate(x, n, phase, out_dtype=torch.float32)}
+        cmp_dtype = torch.float32 if r > 1 else x.dtype
+        dtypes = [x.dtype, x.dtype] + [cmp_dtype] * (len(self.x_group.linears) - 2)
+        qa, kva, *cmp = self.x_group([x] * len(dtypes), n, phase, dtypes)
+        if not r:
+            return qa, kva, {}
+        if r == 1:
+            with section("norms"):
+                return qa, kva, {"latent": rms_norm(cmp[0], self.w.compressor.norm, self.cfg.rms_norm_eps)}
+        return qa, kva, {"v": cmp[0], "s": cmp[1]}
+
+    def _project_qr(self, qr, n, phase):
+        """q (before RoPE) and the index queries (layers that score; else None): the projections of q_a's norm."""
+        out = self.qr_group([qr] * len(self.qr_group.linears), n, phase)
+        return out[0], (out[1] if len(out) > 1 else None)
 
     def _pool(self, s: Segment, proj: dict, dtype: torch.dtype):
         """The groups this segment closes: (latent [g, hd], entry positions [g]) or None; keeps the open group.

@@ -16,7 +16,9 @@ by the reader (`weights.linear.Linear.from_checkpoint`); the caller sums row-par
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -153,6 +155,75 @@ class Exl3Linear:
             if out is not None:
                 raise ValueError(f"{self.name}: out= is for the fused path, not {phase!r}")
             return self.workspace.matmul(x, self.weight).to(out_dtype)
+
+
+def grouping_enabled() -> bool:
+    """Group launches of the matrices that share a point of the step (on by default; DSV41_EXL3_GROUP=0 for A/B
+    runs: each matrix then launches alone with its own split count, other bits)."""
+    return os.environ.get("DSV41_EXL3_GROUP", "1") not in ("0", "")
+
+
+class LinearGroup:
+    """Linears whose inputs are all ready at one point of a step (a layer's projections of one x, wo_a's groups,
+    the shared expert's gate and up), called together: `group(xs, n, phase)` -> the members' outputs.
+
+    Where the CUDA kernels run, decode and verify windows of 1..8 rows take ONE launch per (K, codebook) among
+    the members (`kernels.exl3.cuda.linear_group_cuda`): one launch's latency instead of one per matrix. The
+    members' split counts are chosen together at build (`group_splits`: the group's blocks fill the GPU once) and
+    made each member's own, so a member that runs alone (more rows, prefill's other path aside) gives the group's
+    bits. Elsewhere (Triton, other formats, prefill) each member runs on its own as before."""
+
+    def __init__(self, linears: Sequence):
+        self.linears = list(linears)
+        self.parts: list[tuple[list[int], list[int]]] = []  # (member indices, their splits) per group launch
+        cuda = [i for i, lin in enumerate(self.linears)
+                if isinstance(lin, Exl3Linear) and not lin.fused_only and lin.launch.backend == "cuda"]
+        if not grouping_enabled():
+            return
+        from dsv41.kernels.exl3.cuda import GROUP_MAX, group_splits
+
+        by_kind: dict[tuple, list[int]] = {}
+        for i in cuda:
+            w = self.linears[i].weight
+            by_kind.setdefault((w.K, w.codebook, str(w.device)), []).append(i)
+        for (K, _, _), members in by_kind.items():
+            for at in range(0, len(members), GROUP_MAX):
+                chunk = members[at:at + GROUP_MAX]
+                if len(chunk) < 2:
+                    continue
+                lins = [self.linears[i] for i in chunk]
+                splits = group_splits([(lin.in_features, lin.out_features) for lin in lins], K, lins[0].weight.device)
+                for lin, sp in zip(lins, splits):
+                    lin.launch = Exl3Launch("cuda", splits=sp)
+                self.parts.append((chunk, splits))
+
+    def __call__(self, xs: Sequence[torch.Tensor], n: int, phase: str, out_dtypes: Sequence | None = None,
+                 outs: Sequence | None = None) -> list[torch.Tensor]:
+        """xs: each member's input [B, in] (the n real rows first); out_dtypes: each output's dtype (default: its
+        input's); outs: tensors to write (fused path; None entries are allocated). Returns the outputs [B, out]."""
+        count = len(self.linears)
+        out_dtypes = list(out_dtypes or [x.dtype for x in xs])
+        outs = list(outs or [None] * count)
+        grouped: set[int] = set()
+        if self.parts and is_fused(phase) and 1 <= n <= 8:  # 8: the group kernel's rows (cuda.GROUP_ROWS)
+            from dsv41.kernels.exl3.cuda import linear_group_cuda
+
+            with section("exl3"):
+                for i in [i for chunk, _ in self.parts for i in chunk]:
+                    if outs[i] is None:
+                        outs[i] = torch.empty((xs[i].shape[0], self.linears[i].out_features), dtype=out_dtypes[i],
+                                              device=xs[i].device)
+                for chunk, splits in self.parts:
+                    linear_group_cuda([xs[i][:n] for i in chunk], [self.linears[i].weight for i in chunk],
+                                      [outs[i][:n] for i in chunk], splits)
+                    grouped.update(chunk)
+        for i, lin in enumerate(self.linears):
+            if i not in grouped:
+                kw = {"out": outs[i]} if outs[i] is not None else {}
+                if out_dtypes[i] != xs[i].dtype:
+                    kw["out_dtype"] = out_dtypes[i]
+                outs[i] = lin(xs[i], n, phase, **kw)
+        return outs
 
 
 class DequantLinear:

@@ -30,7 +30,7 @@ from dsv41.model.topk import topk_lowest_index_ties
 
 from ..sections import section
 from .attention import step_kernels_run
-from .linear import PrefillWorkspace, is_fused
+from .linear import LinearGroup, PrefillWorkspace, is_fused
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ class FusedMoE:
         self.gate_bias = None if gate_bias is None else gate_bias.float()
         self.experts = experts
         self.shared = list(shared)
+        # each shared expert's gate and up read the same x: one launch on the fused path
+        self.shared_gate_up = [LinearGroup([w1, w3]) for w1, w3, _ in self.shared]
         self.topk, self.route_scale, self.renorm = topk, route_scale, renorm
         self.limit, self.gate_temp = swiglu_limit, gate_temp
 
@@ -151,11 +153,11 @@ class FusedMoE:
         (x's dtype; an fp32 add of it widens it exactly, as `.float()` would, without the launch). Decode / verify
         rows where the step kernels run take the SwiGLU between the matmuls as one launch (`kernels.step.swiglu`)."""
         y = None
-        for w1, w3, w2 in self.shared:
+        for (w1, w3, w2), gate_up in zip(self.shared, self.shared_gate_up):
             if is_fused(phase) and step_kernels_run(x.device):
                 from dsv41.kernels.step.swiglu import swiglu_rows
 
-                out = w2(swiglu_rows(w1(x, n, phase), w3(x, n, phase), self.limit, rows=n), n, phase)
+                out = w2(swiglu_rows(*gate_up([x, x], n, phase), self.limit, rows=n), n, phase)
             else:
                 out = swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
                                                w3=partial(w3, n=n, phase=phase)), self.limit, None)
