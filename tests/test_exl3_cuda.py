@@ -306,6 +306,11 @@ def test_gpu_cuda_moe(T, hidden, inter, cb):
     for t in range(T):
         alone = moe_forward_cuda(x[t : t + 1], ids[t : t + 1], weights[t : t + 1], w1, w3, w2)
         assert torch.equal(alone[0].view(torch.int32), y[t].view(torch.int32)), f"row {t}"
+    # an addend (the shared experts' output) added in the down launch's epilogue: the bits of adding it after
+    for dtype in (torch.bfloat16, torch.float32):
+        a = torch.randn(T, 2 * hidden, generator=gen).to(dtype).cuda()[:, hidden:]  # a strided view
+        got = moe_forward_cuda(x, ids, weights, w1, w3, w2, addend=a)
+        assert torch.equal(got.view(torch.int32), (y + a.float()).view(torch.int32)), dtype
 
 
 def test_warmup_builds_nothing_without_a_gpu_and_says_so(caplog, monkeypatch):

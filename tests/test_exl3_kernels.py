@@ -199,6 +199,10 @@ def _worker_moe(results: dict) -> None:
         "row2_alone_max_elem_fp64": _max_elem(alone[0], ref[2]),
         "shared_experts": int(T * topk - len(set(ids.flatten().tolist()))),
     }
+    # an addend (the shared experts' output): the sum, then one add of it, bit for bit
+    a = torch.randn(T, 256, generator=gen).bfloat16()
+    got = moe_forward(x, ids, weights, w1, w3, w2, config=cfg, addend=a)
+    results["moe/mul1/K3"]["addend_is_one_add_after"] = bool(torch.equal(got, y + a.float()))
 
 
 def _interp_worker(out_path: str) -> None:
@@ -289,6 +293,7 @@ def test_interpreted_moe(interp):
     assert r["rel_fp64"] <= 2e-3, r
     assert r["max_elem_fp64"] <= 1e-2, r
     assert r["row2_alone_rel_fp64"] <= 2e-3 and r["row2_alone_max_elem_fp64"] <= 1e-2, r
+    assert r["addend_is_one_add_after"], r
 
 
 # ---------------------------------------------------------------------------------------------------------------

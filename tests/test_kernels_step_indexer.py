@@ -169,10 +169,14 @@ def _interp_worker(out_path: str) -> None:
         q, w, keys, meta = _rows(name)
         ncols = int(meta[3].max())
         full = index_scores(q, w, keys, meta[0], meta[1], meta[2], ncols)
+        # the raw head weights (weights_proj's bf16 output) with the two scales applied in the load
+        raw = w.bfloat16()
+        scaled = index_scores(q, raw.float() * 0.125 * 0.0883883, keys, meta[0], meta[1], meta[2], ncols)
+        in_load = index_scores(q, raw, keys, meta[0], meta[1], meta[2], ncols, w_scales=(0.125, 0.0883883))
         alone = [index_scores(q, w, keys, meta[0, i:i + 1], meta[1, i:i + 1], meta[2, i:i + 1], int(meta[3, i]))
                  for i in range(meta.shape[1])]
         k = min(8, ncols)
-        out[name] = {"scores": full, "alone": alone, "ids": topk_select(full, k),
+        out[name] = {"scores": full, "alone": alone, "scaled_outside": scaled, "scaled_in_load": in_load, "ids": topk_select(full, k),
                      "ids_alone": [topk_select(a, min(8, a.shape[1])) for a in alone],
                      "cand": candidate_mask(full, meta[2], 4, 3),
                      "cand_alone": [candidate_mask(a, meta[2, i:i + 1], 4, 3) for i, a in enumerate(alone)]}
@@ -248,6 +252,15 @@ def test_interpreted_topk_tie_rule_infinities_and_short_rows(interp):
     assert torch.equal(interp["ties"][7][3], torch.tensor([-1, -1, 0, 1, 2, 3, 4]))
     assert torch.equal(interp["ties"][7][4], torch.arange(7))  # all equal: the lowest ids
     assert torch.equal(interp["ties"][7][7], torch.tensor([-1] * 6 + [499]))
+
+
+@pytest.mark.parametrize("name", ["random", "exact"])
+def test_interpreted_head_weights_scaled_in_the_load_are_the_scaled_weights(interp, name):
+    """`w_scales` (the decode step hands weights_proj's raw output to the kernel): the bits of the weights scaled
+    by `w.float() * a * b` first."""
+    got = interp[name]
+    assert torch.equal(got["scaled_in_load"], got["scaled_outside"])
+    assert not torch.equal(got["scaled_in_load"], got["scores"])  # the scales took effect
 
 
 @pytest.mark.parametrize("name", ["random", "exact"])

@@ -193,6 +193,19 @@ _MODULES: dict[tuple, dict[str, CudaKernel]] = {}
 _LOCK = threading.Lock()
 
 
+def _ensure_context(lib, index: int) -> None:
+    """Makes the device's primary context current when nothing has yet (a fresh process whose first CUDA call is
+    this load: torch creates its context lazily, and selecting the device already selected creates none)."""
+    ctx = ctypes.c_void_p()
+    _check(lib, lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    _check(lib, lib.cuDeviceGet(ctypes.byref(dev), index), f"cuDeviceGet({index})")
+    _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), f"cuDevicePrimaryCtxRetain({index})")
+    _check(lib, lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
 def load_kernels(source_name: str, defines: dict[str, int], names: list[str], device: torch.device) -> dict:
     """The named `extern "C"` kernels of `cuda/<source_name>` built with `defines`, loaded on `device`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -207,6 +220,7 @@ def load_kernels(source_name: str, defines: dict[str, int], names: list[str], de
         image = compile_image(SOURCE_DIR / source_name, defines, f"sm_{major}{minor}")
         torch.cuda.init()
         with torch.cuda.device(index):  # makes the device's primary context current in this thread
+            _ensure_context(lib, index)
             module = ctypes.c_void_p()
             data = ctypes.create_string_buffer(image, len(image) + 1)
             _check(lib, lib.cuModuleLoadData(ctypes.byref(module), data), f"load {source_name} {defines}")

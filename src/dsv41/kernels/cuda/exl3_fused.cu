@@ -48,6 +48,10 @@ typedef unsigned short u16;
 #define EXL3_MIN_BLOCKS 4
 #endif
 #define MIN_BLOCKS EXL3_MIN_BLOCKS
+// Blocks per SM the routed-expert MoE kernels' register budget allows (bench/exl3_moe_splits.py --tuning).
+#ifndef EXL3_MOE_MIN_BLOCKS
+#define EXL3_MOE_MIN_BLOCKS EXL3_MIN_BLOCKS
+#endif
 // The same linear kernel for launches of at most 2 blocks per SM (wq_b: 256 blocks): a register budget for 2
 // blocks (up to 128 registers) lets ptxas keep more of the loop's state and loads in flight.
 #ifndef EXL3_FEW_MIN_BLOCKS
@@ -290,6 +294,12 @@ __device__ __forceinline__ void raw4_as_half(uint4 r, int dtype, float* v) {
         const u16 bits = (u16)(e & 1 ? w[e >> 1] >> 16 : w[e >> 1] & 0xFFFFu);
         v[e] = dtype == 0 ? half_to_float(bits) : half_to_float(float_to_half(__uint_as_float((u32)bits << 16)));
     }
+}
+
+__device__ __forceinline__ float load_value(const void* p, long long i, int dtype) {
+    if (dtype == 2) return ((const float*)p)[i];
+    const u16 bits = ((const u16*)p)[i];
+    return dtype == 0 ? half_to_float(bits) : __uint_as_float((u32)bits << 16);
 }
 
 __device__ __forceinline__ void store_value(void* p, long long i, int dtype, float v) {
@@ -1153,13 +1163,14 @@ __device__ __forceinline__ void moe_gate_up_body(const void* x, int ldx, int x_d
 
 // Launch 2: down. grid (n_slots, n2/128, splits). The leader's last split block writes each of its slots'
 // rows to y[slot][n2] (fp32); the block that completes the column block for all n_slots slots sums every token's
-// topk rows in slot order into out.
+// topk rows in slot order into out, plus addend's row (when given: the shared experts' output, one fp32 add after
+// the slot sum, the bits of adding it to out afterwards).
 template <int ROWS>
 __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int n_slots, int T, int topk,
                                               const u32* w2, const u16* suh2, const u16* svh2, long long expert_words,
                                               float* yslots, void* out, int ldo, int out_dtype, float* part,
                                               int* counters, int* counters_out, int k2, int n2, int splits,
-                                              int xs_stride) {
+                                              int xs_stride, const void* addend, int lda, int addend_dtype) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     const Smem sm = carve<ROWS>(smem_raw);
     const int leader = blockIdx.x, cb = blockIdx.y, sp = blockIdx.z;
@@ -1205,6 +1216,10 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
         float v[4];
         // slots in order 0..topk-1 (the same partial-sum routine, the slot stride as its "split" stride)
         sum_partials(yslots + (long long)t * topk * n2, n2, cb * 128 + 4 * lane, topk, v);
+        if (addend != nullptr) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) v[q] += load_value(addend, (long long)t * lda + cb * 128 + 4 * lane + q, addend_dtype);
+        }
 #pragma unroll
         for (int q = 0; q < 4; ++q) store_value(out, (long long)t * ldo + cb * 128 + 4 * lane + q, out_dtype, v[q]);
     }
@@ -1221,15 +1236,15 @@ __device__ __forceinline__ void moe_down_body(const u16* h, const int* ids, int 
 #define DOWN_ARGS                                                                                               \
     const u16 *h, const int *ids, int n_slots, int T, int topk, const u32 *w2, const u16 *suh2, const u16 *svh2, \
         long long expert_words, float *yslots, void *out, int ldo, int out_dtype, float *part, int *counters,    \
-        int *counters_out, int k2, int n2, int splits, int xs_stride
+        int *counters_out, int k2, int n2, int splits, int xs_stride, const void *addend, int lda, int addend_dtype
 #define DOWN_PASS                                                                                              \
     h, ids, n_slots, T, topk, w2, suh2, svh2, expert_words, yslots, out, ldo, out_dtype, part, counters,       \
-        counters_out, k2, n2, splits, xs_stride
+        counters_out, k2, n2, splits, xs_stride, addend, lda, addend_dtype
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_gate_up_r8(GATE_UP_ARGS) { moe_gate_up_body<8>(GATE_UP_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_gate_up_r16(GATE_UP_ARGS) { moe_gate_up_body<16>(GATE_UP_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_down_r8(DOWN_ARGS) { moe_down_body<8>(DOWN_PASS); }
-extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_BLOCKS) exl3_moe_down_r16(DOWN_ARGS) { moe_down_body<16>(DOWN_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_MOE_MIN_BLOCKS) exl3_moe_gate_up_r8(GATE_UP_ARGS) { moe_gate_up_body<8>(GATE_UP_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_MOE_MIN_BLOCKS) exl3_moe_gate_up_r16(GATE_UP_ARGS) { moe_gate_up_body<16>(GATE_UP_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_MOE_MIN_BLOCKS) exl3_moe_down_r8(DOWN_ARGS) { moe_down_body<8>(DOWN_PASS); }
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_MOE_MIN_BLOCKS) exl3_moe_down_r16(DOWN_ARGS) { moe_down_body<16>(DOWN_PASS); }
 
 // ------------------------------------------------------------------------------------------------------------
 // decode only (tests and tools): W_q[k, n] fp16 from the trellis through the same fragment decode, one warp per tile

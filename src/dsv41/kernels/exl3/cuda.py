@@ -415,10 +415,13 @@ def moe_forward_cuda(
     config: MoeCudaConfig | None = None,
     tuning: dict | None = None,
     out: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row (e = topk_ids[row, i]), slots summed in order i.
 
-    Two launches per window of at most 16 rows; every expert's trellis is read once per window.
+    Two launches per window of at most 16 rows; every expert's trellis is read once per window. `addend` [T, hidden]
+    (fp16/bf16/fp32, unit column stride): added to each row's sum in the down launch's epilogue, one fp32 add (the
+    bits of `out + addend` after the launch, without that launch).
     """
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     T, hidden = x.shape
@@ -429,15 +432,21 @@ def moe_forward_cuda(
         raise ValueError(f"top-k {topk} too large for the MoE kernel (at most {THREADS // MAX_ROWS})")
     cfg = config or moe_config(w1, w2, x.device, tuning)
     out = moe_out(out, T, hidden, out_dtype, x.device)
+    if addend is not None and (addend.shape != (T, hidden) or addend.dtype not in DTYPE_CODES
+                               or addend.stride(1) != 1 or addend.device != x.device):
+        raise ValueError(f"addend must be [{T}, {hidden}] fp16/bf16/fp32 with unit column stride on {x.device}, got "
+                         f"{addend.dtype} {list(addend.shape)}")
     x = _vector_ready(x)
     for start in range(0, T, MAX_ROWS):
         stop = min(T, start + MAX_ROWS)
         _moe_window(x[start:stop], topk_ids[start:stop], topk_weights[start:stop], w1, w3, w2,
-                    float(swiglu_limit), out[start:stop], cfg, tuning)
+                    float(swiglu_limit), out[start:stop], cfg, tuning,
+                    None if addend is None else addend[start:stop])
     return out
 
 
-def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaConfig, tuning=None) -> None:
+def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaConfig, tuning=None,
+                addend=None) -> None:
     T, topk = topk_ids.shape
     n_slots = T * topk
     variant = _rows_variant(T)
@@ -476,5 +485,6 @@ def _moe_window(x, topk_ids, topk_weights, w1, w3, w2, limit, out, cfg: MoeCudaC
         (n_slots, n2 // 128, sb), THREADS, _shared_bytes(w2.K, variant, min(n_slots, variant), xs_b, tuning),
         [ws["h"], ids, n_slots, T, topk, w2.words, w2.suh, w2.svh, ctypes.c_longlong(w2.words[0].numel()),
          ws["y"], out, out.stride(0), DTYPE_CODES[out.dtype], ws["part_b"], ws["count_b"], ws["count_out"],
-         w2.k, n2, sb, xs_b],
+         w2.k, n2, sb, xs_b, ctypes.c_void_p(0 if addend is None else addend.data_ptr()),
+         0 if addend is None else addend.stride(0), DTYPE_CODES[addend.dtype] if addend is not None else 0],
     )

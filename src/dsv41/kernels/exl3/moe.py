@@ -279,14 +279,17 @@ def moe_forward(
     out_dtype: torch.dtype = torch.float32,
     config: MoeConfig | None = None,
     out: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i.
 
     x `[T, hidden]` (rounded to fp16 at the input rotation), topk_ids `[T, topk]` int, topk_weights `[T, topk]`.
-    Windows of more than 16 rows run as consecutive 16-row windows (same bits per row).
+    Windows of more than 16 rows run as consecutive 16-row windows (same bits per row). `addend` [T, hidden]: added
+    to the sum (one add in the output's precision; the CUDA kernel does it in its epilogue, the same bits).
     """
     if config is None and use_cuda_backend(x.device):
-        return moe_forward_cuda(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit, out_dtype, out=out)
+        return moe_forward_cuda(x, topk_ids, topk_weights, w1, w3, w2, swiglu_limit, out_dtype, out=out,
+                                addend=addend)
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     cfg = config or MoeConfig()
     T, hidden = x.shape
@@ -295,6 +298,8 @@ def moe_forward(
         stop = min(T, start + MAX_ROWS)
         _moe_window(x[start:stop], topk_ids[start:stop], topk_weights[start:stop], w1, w3, w2,
                     swiglu_limit, out[start:stop], cfg)
+    if addend is not None:
+        out.add_(addend)
     return out
 
 

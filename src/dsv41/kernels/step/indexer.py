@@ -60,7 +60,7 @@ NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFF
 
 @triton.jit
 def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, nvis_ptr, allow_ptr, sat,
-                   out_ptr, sot, H, HD, ncols, pg_ptr, spg, per_page, skp,
+                   out_ptr, sot, H, HD, ncols, pg_ptr, spg, per_page, skp, wa, wb,
                    HP: tl.constexpr, HDP: tl.constexpr, BC: tl.constexpr, HAS_ALLOW: tl.constexpr,
                    PAGED: tl.constexpr, CODEC: tl.constexpr, PDL: tl.constexpr = False):
     wait_previous(PDL)
@@ -88,7 +88,9 @@ def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, 
         d_ok = d < HD
         q = tl.load(q_ptr + qr * sqt + h[:, None].to(tl.int64) * sqh + d[None, :],
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + qr * swt + h, mask=h_ok, other=0.0).to(tl.float32)
+        # the head weights' two scales (weights_proj's raw output in; 1.0 and 1.0 for weights already scaled):
+        # fp32 products in the reference's order, exactly `w.float() * wa * wb`
+        w = (tl.load(w_ptr + qr * swt + h, mask=h_ok, other=0.0).to(tl.float32) * wa) * wb
         if PAGED:
             page = tl.load(pg_ptr + r64 * spg + c // per_page, mask=live, other=0).to(tl.int64)
             row = k_ptr + page * skp + (c % per_page).to(tl.int64) * skc  # [BC] uint8 pointers
@@ -162,8 +164,10 @@ def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: torch.Tensor, key_off: torch.Tensor,
-                 n_vis: torch.Tensor, ncols: int, allow: torch.Tensor | None = None) -> torch.Tensor:
-    """Index scores [R, ncols] fp32 of R rows: row r from q[q_row[r]] [Hi, hd] (quantised), w[q_row[r]] [Hi] fp32
+                 n_vis: torch.Tensor, ncols: int, allow: torch.Tensor | None = None,
+                 w_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """Index scores [R, ncols] fp32 of R rows: row r from q[q_row[r]] [Hi, hd] (quantised), w[q_row[r]] [Hi]
+    (`w.float() * w_scales[0] * w_scales[1]` in the load: weights_proj's output as it comes, no scaling launches)
     and keys[key_off[r] : key_off[r] + n_vis[r]] [hd]; -inf at c >= n_vis[r], where allow[r, c] (bool [R, ncols],
     optional) is False, and past the row's entries. q_row / key_off / n_vis: int [R] on q's device. No host sync."""
     R = q_row.shape[0]
@@ -186,7 +190,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: to
     a = allow if allow is not None else out
     _scores_kernel[(R, triton.cdiv(ncols, BLOCK_C))](
         q, q.stride(0), q.stride(1), w, w.stride(0), keys, keys.stride(0), q_row, key_off, n_vis, a, a.stride(0),
-        out, out.stride(0), H, hd, ncols, n_vis, 0, 1, 0, HP=max(16, triton.next_power_of_2(H)),
+        out, out.stride(0), H, hd, ncols, n_vis, 0, 1, 0, float(w_scales[0]), float(w_scales[1]),
+        HP=max(16, triton.next_power_of_2(H)),
         HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C, HAS_ALLOW=allow is not None, PAGED=False, CODEC=0,
         num_warps=4, **pdl_launch(q.device))
     return out
@@ -194,9 +199,9 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: to
 
 def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor, key_codec, pages: torch.Tensor,
                       per_page: int, n_vis: torch.Tensor, ncols: int,
-                      allow: torch.Tensor | None = None) -> torch.Tensor:
+                      allow: torch.Tensor | None = None, w_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Index scores [B, ncols] fp32 reading the keys from the KV pool's pages in place: row r from q[r] [Hi, hd]
-    (quantised, any float dtype), w[r] [Hi] and entries c < n_vis[r] of its sequence, row c % per_page of page
+    (quantised, any float dtype), w[r] [Hi] (scaled in the load as `index_scores` does) and entries c < n_vis[r] of its sequence, row c % per_page of page
     pages[r, c // per_page] of key_store (uint8 [num_pages, per_page, row_bytes], `kv_pool.Codec` key_codec, read
     through `codecs.load_values`). pages: int32 / int64 [B, P], one page table per row (rows of one sequence
     repeat it; entries past n_vis[r] are never read, so their padding may hold anything); n_vis: int [B]. -inf at
@@ -255,7 +260,7 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
     _scores_kernel[(B, triton.cdiv(ncols, BLOCK_C))](
         q, q.stride(0), q.stride(1), w, w.stride(0), key_store, key_store.stride(1), n_vis, n_vis, n_vis, a,
         a.stride(0), out, out.stride(0), H, hd, ncols, pages, pages.stride(0), per_page, key_store.stride(0),
-        HP=max(16, triton.next_power_of_2(H)), HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C,
+        float(w_scales[0]), float(w_scales[1]), HP=max(16, triton.next_power_of_2(H)), HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C,
         HAS_ALLOW=allow is not None, PAGED=True, CODEC=cid, num_warps=4, **pdl_launch(q.device))
     return out
 

@@ -50,15 +50,19 @@ class MoeLaunch:
 
         return cls("triton", MoeConfig(splits_gate_up=1, splits_down=1) if interpreting() else MoeConfig())
 
-    def run(self, x, ids, weights, w1, w3, w2, limit: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The routed experts' fp32 sum [T, d] (into `out` when given: contiguous fp32 [T, d])."""
+    def run(self, x, ids, weights, w1, w3, w2, limit: float, out: torch.Tensor | None = None,
+            addend: torch.Tensor | None = None) -> torch.Tensor:
+        """The routed experts' fp32 sum [T, d] (into `out` when given: contiguous fp32 [T, d]), plus `addend`
+        [T, d] when given (the CUDA kernel adds it in its epilogue: no launch of its own)."""
         if self.backend == "cuda":
             from dsv41.kernels.exl3.cuda import moe_forward_cuda
 
-            return moe_forward_cuda(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config, out=out)
+            return moe_forward_cuda(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config, out=out,
+                                    addend=addend)
         from dsv41.kernels.exl3.moe import moe_forward
 
-        return moe_forward(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config, out=out)
+        return moe_forward(x, ids, weights, w1, w3, w2, limit, torch.float32, config=self.config, out=out,
+                           addend=addend)
 
 
 class StackedExperts:
@@ -134,13 +138,15 @@ class FusedMoE:
         if trace is not None:
             trace.update(router_ids=ids[:n].long(), router_logits=logits[:n], router_select=select[:n])
         if is_fused(phase) and isinstance(self.experts, StackedExperts):
-            with section("moe"):  # the routed sum written straight into the bucket's rows, the shared added to it
+            shared = self._shared(x, n, phase)
+            with section("moe"):
+                # the routed sum written straight into the bucket's real rows, the shared output added to it in
+                # the MoE's epilogue: fp32 + (shared + ...), the order of `_shared` first then the routed (the add
+                # commutes); the padding rows stay unwritten (row-wise from here on)
                 s = self.experts
                 y = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-                s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit, out=y[:n])
-            shared = self._shared(x, n, phase)
-            if shared is not None:
-                y.add_(shared)  # fp32 + (shared + ...): the order of `_shared` first, then the routed (add commutes)
+                s.launch.run(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit, out=y[:n],
+                             addend=None if shared is None else shared[:n])
             return y
         y = self._shared(x, n, phase)
         y = y.float() if y is not None else torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

@@ -48,7 +48,8 @@ class InPlaceAttention:
             st = t.source(src.ratio)
             with section("indexer"):
                 if role.scores:
-                    t.topk[L] = self._index_pool(a["iq"][:n], a["iw"][:n], n, t, st, pool)
+                    t.topk[L] = self._index_pool(a["iq"][:n], a["iw"][:n], n, t, st, pool,
+                                                 a.get("iw_scales", (1.0, 1.0)))
                 ids = t.topk[role.index_source]
             entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
                            pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
@@ -91,7 +92,8 @@ class InPlaceAttention:
             store_rows(pool.stores[("index_k", L)], rope_rows(k[:, None, :], entry_pos, freqs, R)[:, 0], dest,
                        pool.index_codec)
 
-    def _index_pool(self, iq: torch.Tensor, iw: torch.Tensor, n: int, t, st, pool) -> torch.Tensor:
+    def _index_pool(self, iq: torch.Tensor, iw: torch.Tensor, n: int, t, st, pool,
+                    w_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """`_index_kernels` over the pool for the n real rows: each row's scores over its own sequence's index keys
         in the source's pages (`ncols` the page bucket's entries; columns past a row's entries are -inf, which
         neither the candidate blocks nor the top-k ever pick), the candidate pool at the candidate source, the
@@ -105,7 +107,7 @@ class InPlaceAttention:
             if allow is None or allow.shape != (n, st.ncols):
                 raise RuntimeError(f"layer {role.index}: no candidate pool of {st.ncols} columns in this step")
         sc = index_scores_pool(iq, iw, pool.stores[("index_k", role.kv_source)], pool.index_codec, t.pages[:n],
-                               st.per_page, st.n_vis[:n], st.ncols, allow)
+                               st.per_page, st.n_vis[:n], st.ncols, allow, w_scales=w_scales)
         if role.is_candidate_source:
             t.candidates = candidate_mask(sc, st.n_vis[:n], cfg.candidate_block_size, cfg.candidate_topk_blocks)
         return topk_select(sc, min(cfg.index_topk, st.ncols))
