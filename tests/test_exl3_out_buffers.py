@@ -38,4 +38,3 @@ def test_exl3_linear_out_is_checked_before_any_launch(monkeypatch):
         lin(torch.zeros(4, 128), 2, "decode", out=torch.zeros(4, 128))
     with pytest.raises(ValueError, match="out= is for the fused path"):
         lin(torch.zeros(4, 128), 2, "prefill", out=torch.zeros(4, 256))
-
