@@ -77,3 +77,36 @@ def test_ring_slots_and_pages_round_trip_through_one_allocation():
     pool.write_open(2, 2, v, s)
     assert all(torch.equal(a, b) for a, b in zip(pool.read_open(2, 2, 1), (v, s)))
     assert pool.read_open(2, 2, 0) == (None, None)
+
+
+def test_load_and_store_keeps_entries_whose_fake_quantiser_is_not_idempotent():
+    """A compressed entry block with its amax in the e4m3 scale's band (~0.0176-0.0195): fake_quant(fake_quant(x))
+    != fake_quant(x) there, so a pool that encoded the fake-quantised rows would read back other values than the
+    step's attention read. The load-and-store path (PoolSequence) stores the entries as they were before their FP4:
+    the pool then holds exactly fake_quant(x), for those blocks and for ordinary ones, across two steps."""
+    from types import SimpleNamespace
+
+    from dsv41.runtime.pool_forward import PoolSequence
+
+    sources = [SourceLayout(2, 2, 8, True)]
+    pool = KVPool(num_slots=2, num_pages=4, page_tokens=16, ring_rows=10, window_layers=[2], sources=sources,
+                  head_dim=128, index_head_dim=128)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 128, generator=g)
+    blocks = x.view(6, 8, 16)
+    blocks[:3] *= 0.0185 / blocks[:3].abs().amax(dim=-1, keepdim=True)  # rows 0-2: every block in the band
+    fq = fp4_block_e4m3(x, 16)
+    again = pool.kv_codec.decode(pool.kv_codec.encode(fq), torch.float32)
+    assert not torch.equal(again[:3], fq[:3]), "the case must hit the non-idempotent band"
+    cfg = SimpleNamespace(sliding_window=8)
+    ik = fp4_block_ue8m0(torch.randn(6, 128, generator=g))
+    for first, rows in ((0, slice(0, 4)), (8, slice(4, 6))):  # two steps: 4 entries at positions 0-7, then 2
+        n = rows.stop - rows.start
+        row = SimpleNamespace(slot=0, page_ids=[3, 1], start_pos=first, token_ids=[0] * (2 * n), replay_start=0)
+        view = PoolSequence(pool, row, cfg, decoder_from=99)
+        src = view.source(2)
+        src.append_entries(x[rows], fp4_block_e4m3(x[rows], 16))
+        src.index_k = ik[rows] if src.index_k is None else torch.cat((src.index_k, ik[rows]))
+        view.store()
+    kv, index_k = pool.read_entries(2, [3, 1], 6)
+    assert torch.equal(kv, fq) and torch.equal(index_k, ik)

@@ -139,8 +139,8 @@ class Attention:
             first = first_tok
         g0 = first // r
         entry_pos = (torch.arange(latent.shape[0], device=x.device) + g0) * r  # rotated at the group's first token
-        kv = fp4_block_e4m3(self._rope(latent, entry_pos), 16, self.fake_quant)
-        src.kv = kv if src.kv is None else torch.cat((src.kv, kv))
+        rotated = self._rope(latent, entry_pos)
+        src.append_entries(rotated, fp4_block_e4m3(rotated, 16, self.fake_quant))
         if c.index_wk is not None:
             k = rms_norm(c.index_wk(latent), c.index_k_norm, cfg.rms_norm_eps)  # from the pre-RoPE latent
             k = fp4_block_ue8m0(self._rope(k, entry_pos), 32, self.fake_quant)

@@ -27,10 +27,22 @@ class SourceCache:
     index_k: torch.Tensor | None = None  # [C, index_head_dim] after RoPE + FP4
     open_v: torch.Tensor | None = None  # [p < ratio, head_dim] fp32 values of the incomplete group
     open_s: torch.Tensor | None = None  # [p < ratio, head_dim] fp32 gate logits of the incomplete group
+    # a pool-backed state (runtime/pool_forward.PoolSequence) keeps the entries it appends as they were before
+    # their FP4, so the pool stores encode(x), which decodes to fake_quant(x) exactly: encoding fake_quant(x) again
+    # is not that for every block (the e4m3 scale's band, docs/ENGINE.md §3)
+    keep_unquantised: bool = False
+    appended_unquantised: torch.Tensor | None = None  # [entries appended, head_dim] before their FP4
 
     @property
     def entries(self) -> int:
         return 0 if self.kv is None else self.kv.shape[0]
+
+    def append_entries(self, rotated: torch.Tensor, quantised: torch.Tensor) -> None:
+        """Append compressed entries: `quantised` (what attention reads) = the fake quantiser of `rotated`."""
+        self.kv = quantised if self.kv is None else torch.cat((self.kv, quantised))
+        if self.keep_unquantised:
+            a = self.appended_unquantised
+            self.appended_unquantised = rotated if a is None else torch.cat((a, rotated))
 
 
 @dataclass

@@ -72,7 +72,7 @@ class PoolSequence(SequenceState):
             n = self.start // r
             kv, index_k = self.pool.read_entries(layer, self.row.page_ids, n)
             open_v, open_s = self.pool.read_open(layer, self.row.slot, self.start % r) if r > 1 else (None, None)
-            self.sources[layer] = SourceCache(kv, index_k, open_v, open_s)
+            self.sources[layer] = SourceCache(kv, index_k, open_v, open_s, keep_unquantised=True)
             self._entries[layer] = n
         return self.sources[layer]
 
@@ -91,7 +91,13 @@ class PoolSequence(SequenceState):
             if src.entries != self.end // r:
                 raise RuntimeError(f"layer {layer}: {src.entries} compressed entries after position {self.end}")
             if src.kv is not None:
-                pool.write_entries(layer, self.row.page_ids, old, src.kv[old:],
+                # the new entries as they were before their FP4 (the codec's encode is the fake quantiser's
+                # own rounding: it gives the bits attention read; `src.kv[old:]` re-encoded would not always)
+                new = src.appended_unquantised if src.appended_unquantised is not None else src.kv[old:0]
+                if new.shape[0] != src.entries - old:
+                    raise RuntimeError(f"layer {layer}: {src.entries - old} new entries, {new.shape[0]} appended "
+                                       "through SourceCache.append_entries")
+                pool.write_entries(layer, self.row.page_ids, old, new,
                                    None if src.index_k is None else src.index_k[old:])
             pool.write_open(layer, slot, src.open_v, src.open_s)
 

@@ -376,8 +376,8 @@ class FastAttention(InPlaceAttention):
                     continue
                 latent, entry_pos = c
                 src = s.state.source(self.role.kv_source)
-                kv = fp4_block_e4m3(self.ref._rope(latent, entry_pos), 16, self.fq)
-                src.kv = kv if src.kv is None else torch.cat((src.kv, kv))
+                rotated = self.ref._rope(latent, entry_pos)
+                src.append_entries(rotated, fp4_block_e4m3(rotated, 16, self.fq))
                 if keys is not None:
                     k = keys[at:at + latent.shape[0]]
                     k = k if normed else rms_norm(k, comp.index_k_norm, cfg.rms_norm_eps)
