@@ -80,6 +80,8 @@ def test_linear_group_without_cuda_kernels_runs_each_member_alone():
         y32, y64 = group([x, x], 3, phase, [torch.float32, torch.float64])
         assert torch.equal(y32, lins[0](x, 3, phase)) and y64.dtype == torch.float64
         assert torch.equal(y64, lins[1](x, 3, phase, out_dtype=torch.float64))
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        group([x], 3, "decode")
 
 
 def _need_cuda():

@@ -170,15 +170,17 @@ class LinearGroup:
     Where the CUDA kernels run, decode and verify windows of 1..8 rows take ONE launch per (K, codebook) among
     the members (`kernels.exl3.cuda.linear_group_cuda`): one launch's latency instead of one per matrix. The
     members' split counts are chosen together at build (`group_splits`: the group's blocks fill the GPU once) and
-    made each member's own, so a member that runs alone (more rows, prefill's other path aside) gives the group's
-    bits. Elsewhere (Triton, other formats, prefill) each member runs on its own as before."""
+    made each member's own, so a member that runs alone (windows of more than 8 rows) gives the group's bits.
+    Elsewhere (Triton, other formats, prefill) each member runs on its own as before."""
 
     def __init__(self, linears: Sequence):
         self.linears = list(linears)
         self.parts: list[tuple[list[int], list[int]]] = []  # (member indices, their splits) per group launch
+        if not grouping_enabled():
+            return
         cuda = [i for i, lin in enumerate(self.linears)
                 if isinstance(lin, Exl3Linear) and not lin.fused_only and lin.launch.backend == "cuda"]
-        if not grouping_enabled():
+        if len(cuda) < 2:
             return
         from dsv41.kernels.exl3.cuda import GROUP_MAX, group_splits
 
@@ -204,19 +206,16 @@ class LinearGroup:
         count = len(self.linears)
         out_dtypes = list(out_dtypes or [x.dtype for x in xs])
         outs = list(outs or [None] * count)
+        if not len(xs) == len(out_dtypes) == len(outs) == count:
+            raise ValueError(f"a group of {count} linears takes {count} inputs, dtypes and outputs, got {len(xs)}, "
+                             f"{len(out_dtypes)}, {len(outs)}")
         grouped: set[int] = set()
-        if self.parts and is_fused(phase) and 1 <= n <= 8:  # 8: the group kernel's rows (cuda.GROUP_ROWS)
-            from dsv41.kernels.exl3.cuda import linear_group_cuda
+        if self.parts and is_fused(phase):
+            from dsv41.kernels.exl3.cuda import GROUP_ROWS
 
-            with section("exl3"):
-                for i in [i for chunk, _ in self.parts for i in chunk]:
-                    if outs[i] is None:
-                        outs[i] = torch.empty((xs[i].shape[0], self.linears[i].out_features), dtype=out_dtypes[i],
-                                              device=xs[i].device)
-                for chunk, splits in self.parts:
-                    linear_group_cuda([xs[i][:n] for i in chunk], [self.linears[i].weight for i in chunk],
-                                      [outs[i][:n] for i in chunk], splits)
-                    grouped.update(chunk)
+            if 1 <= n <= GROUP_ROWS:
+                self._launch(xs, n, out_dtypes, outs)
+                grouped = {i for chunk, _ in self.parts for i in chunk}
         for i, lin in enumerate(self.linears):
             if i not in grouped:
                 kw = {"out": outs[i]} if outs[i] is not None else {}
@@ -224,6 +223,19 @@ class LinearGroup:
                     kw["out_dtype"] = out_dtypes[i]
                 outs[i] = lin(xs[i], n, phase, **kw)
         return outs
+
+    def _launch(self, xs, n: int, out_dtypes: list, outs: list) -> None:
+        """The group launches (outs filled in place: allocated where None)."""
+        from dsv41.kernels.exl3.cuda import linear_group_cuda
+
+        with section("exl3"):
+            for chunk, splits in self.parts:
+                for i in chunk:
+                    if outs[i] is None:
+                        outs[i] = torch.empty((xs[i].shape[0], self.linears[i].out_features), dtype=out_dtypes[i],
+                                              device=xs[i].device)
+                linear_group_cuda([xs[i][:n] for i in chunk], [self.linears[i].weight for i in chunk],
+                                  [outs[i][:n] for i in chunk], splits)
 
 
 class DequantLinear:
