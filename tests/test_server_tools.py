@@ -42,11 +42,13 @@ def _check_calls(calls, allowed=("get_weather", "get_time")):
 
 
 def test_tool_choice_required_always_calls(client):
-    for seed in range(2):
-        resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-                                              parallel_tool_calls=False, max_tokens=400, seed=seed,
-                                              extra_body=NO_THINKING)
-        choice = resp.choices[0]
+    # seeds 0 and 1 as the two choices of one request (choice i draws with seed + i: the single request's draw,
+    # test_server_params.py), the prompt prefilled once
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=400, seed=0, n=2,
+                                          extra_body=NO_THINKING)
+    assert len(resp.choices) == 2
+    for choice in resp.choices:
         assert choice.finish_reason == "tool_calls", choice
         assert len(choice.message.tool_calls) == 1
         _check_calls(choice.message.tool_calls)
@@ -58,11 +60,12 @@ def test_tool_choice_required_always_calls(client):
 
 
 def test_named_tool_choice_and_no_parallel_calls(client):
-    for seed in range(2):
-        resp = client.chat.completions.create(
-            model=SERVED_NAME, messages=ASK, tools=TOOLS, max_tokens=400, seed=seed, extra_body=NO_THINKING,
-            tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
-        calls = resp.choices[0].message.tool_calls
+    resp = client.chat.completions.create(  # seeds 0 and 1, as the two choices
+        model=SERVED_NAME, messages=ASK, tools=TOOLS, max_tokens=400, seed=0, n=2, extra_body=NO_THINKING,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False)
+    assert len(resp.choices) == 2
+    for choice in resp.choices:
+        calls = choice.message.tool_calls
         assert len(calls) == 1
         _check_calls(calls, allowed=("get_time",))
 
@@ -91,10 +94,10 @@ def test_streamed_tool_call_shape(client):
 
 
 def test_tool_choice_auto_is_well_formed(client):
-    for seed in range(3):
-        resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS, max_tokens=20,
-                                              seed=seed, extra_body=NO_THINKING)
-        choice = resp.choices[0]
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, tools=TOOLS, max_tokens=20,
+                                          seed=0, n=3, extra_body=NO_THINKING)  # seeds 0, 1 and 2, as the choices
+    assert len(resp.choices) == 3
+    for choice in resp.choices:
         assert choice.finish_reason in ("stop", "length", "tool_calls")
         if choice.message.tool_calls:
             assert choice.finish_reason == "tool_calls"
@@ -138,11 +141,12 @@ CITY = {
 
 def test_response_format_json_schema(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
-    for seed in range(2):
-        resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, response_format=fmt, max_tokens=200,
-                                              seed=seed, extra_body=NO_THINKING)
-        assert resp.choices[0].finish_reason == "stop"
-        jsonschema.validate(json.loads(resp.choices[0].message.content), CITY)
+    resp = client.chat.completions.create(model=SERVED_NAME, messages=ASK, response_format=fmt, max_tokens=200,
+                                          seed=0, n=2, extra_body=NO_THINKING)  # seeds 0 and 1, as the choices
+    assert len(resp.choices) == 2
+    for choice in resp.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), CITY)
     stream = client.chat.completions.create(model=SERVED_NAME, messages=ASK, response_format=fmt, max_tokens=200,
                                             seed=5, stream=True, extra_body=NO_THINKING)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
