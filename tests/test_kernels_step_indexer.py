@@ -352,7 +352,8 @@ def test_indexer_kernels_compile_for_every_target(arch):
         pytest.skip("kernels decorated for the interpreter in this process")
     sc = dict(q_ptr="*bf16", sqt="i32", sqh="i32", w_ptr="*fp32", swt="i32", k_ptr="*bf16", skc="i32",
               qrow_ptr="*i64", koff_ptr="*i64", nvis_ptr="*i64", allow_ptr="*u8", sat="i32", out_ptr="*fp32",
-              sot="i32", H="i32", HD="i32", ncols="i32", pg_ptr="*i64", spg="i32", per_page="i32", skp="i32")
+              sot="i32", H="i32", HD="i32", ncols="i32", pg_ptr="*i64", spg="i32", per_page="i32", skp="i32",
+              wa="fp32", wb="fp32")
     tk = dict(s_ptr="*fp32", sst="i32", ids_ptr="*i64", mask_ptr="*i8", smt="i32", ncols="i32", k="i32")
     kernels = [(k._scores_kernel, sc, dict(HP=32, HDP=128, BC=k.BLOCK_C, HAS_ALLOW=a, PAGED=False, CODEC=0))
                for a in (False, True)]
