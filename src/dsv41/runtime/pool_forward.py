@@ -93,12 +93,14 @@ class PoolSequence(SequenceState):
             if src.kv is not None:
                 # the new entries as they were before their FP4 (the codec's encode is the fake quantiser's
                 # own rounding: it gives the bits attention read; `src.kv[old:]` re-encoded would not always)
-                new = src.appended_unquantised if src.appended_unquantised is not None else src.kv[old:0]
-                if new.shape[0] != src.entries - old:
-                    raise RuntimeError(f"layer {layer}: {src.entries - old} new entries, {new.shape[0]} appended "
+                new = src.appended_unquantised
+                appended = 0 if new is None else new.shape[0]
+                if appended != src.entries - old:
+                    raise RuntimeError(f"layer {layer}: {src.entries - old} new entries, {appended} appended "
                                        "through SourceCache.append_entries")
-                pool.write_entries(layer, self.row.page_ids, old, new,
-                                   None if src.index_k is None else src.index_k[old:])
+                if new is not None:
+                    pool.write_entries(layer, self.row.page_ids, old, new,
+                                       None if src.index_k is None else src.index_k[old:])
             pool.write_open(layer, slot, src.open_v, src.open_s)
 
 

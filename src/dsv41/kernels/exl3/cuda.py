@@ -301,7 +301,7 @@ def group_splits_for(shapes: list[tuple[int, int]], budget: int, max_slice: int)
 
 def linear_group_cuda(xs: list[torch.Tensor], weights: list[Exl3Tensor], outs: list[torch.Tensor],
                       splits: list[int], tuning: dict | None = None) -> None:
-    """`outs[i] = xs[i] @ W_eff_i` for 2..GROUP_MAX matrices of one K and codebook and 1..8 rows, in one launch.
+    """`outs[i] = xs[i] @ W_eff_i` for 1..GROUP_MAX matrices of one K and codebook and 1..8 rows, in one launch.
 
     Each member's bits are those of `fused_matmul_cuda(xs[i], weights[i], splits=splits[i])`: its blocks run the
     same k slices in the same order on its own partials (exl3_fused.cu, "grouped linear")."""

@@ -201,14 +201,15 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
                       per_page: int, n_vis: torch.Tensor, ncols: int,
                       allow: torch.Tensor | None = None, w_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Index scores [B, ncols] fp32 reading the keys from the KV pool's pages in place: row r from q[r] [Hi, hd]
-    (quantised, any float dtype), w[r] [Hi] (scaled in the load as `index_scores` does) and entries c < n_vis[r] of its sequence, row c % per_page of page
-    pages[r, c // per_page] of key_store (uint8 [num_pages, per_page, row_bytes], `kv_pool.Codec` key_codec, read
-    through `codecs.load_values`). pages: int32 / int64 [B, P], one page table per row (rows of one sequence
-    repeat it; entries past n_vis[r] are never read, so their padding may hold anything); n_vis: int [B]. -inf at
-    c >= n_vis[r], where allow[r, c] (bool [B, ncols], optional) is False, and past n_vis. Bit for bit
-    `index_scores(q, w, keys, arange(B), key_off, n_vis, ncols, allow)` over the keys gathered and decoded in torch
-    (`KVPool.read_entries`). No host sync, no data-dependent allocation, one launch. The caller keeps n_vis[r] <=
-    P * per_page and the pages it reaches valid (they are not checked: that would read the device)."""
+    (quantised, any float dtype), w[r] [Hi] (scaled in the load as `index_scores` does) and entries c < n_vis[r]
+    of its sequence, row c % per_page of page pages[r, c // per_page] of key_store (uint8 [num_pages, per_page,
+    row_bytes], `kv_pool.Codec` key_codec, read through `codecs.load_values`). pages: int32 / int64 [B, P], one
+    page table per row (rows of one sequence repeat it; entries past n_vis[r] are never read, so their padding may
+    hold anything); n_vis: int [B]. -inf at c >= n_vis[r], where allow[r, c] (bool [B, ncols], optional) is
+    False, and past n_vis. Bit for bit `index_scores(q, w, keys, arange(B), key_off, n_vis, ncols, allow)` over
+    the keys gathered and decoded in torch (`KVPool.read_entries`). No host sync, no data-dependent allocation, one
+    launch. The caller keeps n_vis[r] <= P * per_page and the pages it reaches valid (they are not checked: that
+    would read the device)."""
     if q.dim() != 3 or not q.is_floating_point():
         raise ValueError(f"q must be a float [B, Hi, hd] tensor, got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
@@ -260,7 +261,8 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
     _scores_kernel[(B, triton.cdiv(ncols, BLOCK_C))](
         q, q.stride(0), q.stride(1), w, w.stride(0), key_store, key_store.stride(1), n_vis, n_vis, n_vis, a,
         a.stride(0), out, out.stride(0), H, hd, ncols, pages, pages.stride(0), per_page, key_store.stride(0),
-        float(w_scales[0]), float(w_scales[1]), HP=max(16, triton.next_power_of_2(H)), HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C,
+        float(w_scales[0]), float(w_scales[1]), HP=max(16, triton.next_power_of_2(H)),
+        HDP=max(16, triton.next_power_of_2(hd)), BC=BLOCK_C,
         HAS_ALLOW=allow is not None, PAGED=True, CODEC=cid, num_warps=4, **pdl_launch(q.device))
     return out
 

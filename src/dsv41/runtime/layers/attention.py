@@ -134,7 +134,8 @@ class FastAttention(InPlaceAttention):
                 iq = rope(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P)
                 a, b = self._iw_scales()
                 iw = wp.float() * a * b
-        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iq_quantised": False}
+        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iw_scales": (1.0, 1.0),
+                "iq_quantised": False}
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         """The layer's RoPE table on the device, made once (a per-call host copy would stop a graph capture)."""
@@ -160,15 +161,14 @@ class FastAttention(InPlaceAttention):
                                 rows=n)
         iq = iw = None
         if role.scores:
-            wp = w.indexer.weights_proj(x, n, phase)
+            # the head weights as weights_proj gives them: the score kernels scale them in their load (the bits of
+            # `wp.float() * a * b`, three launches fewer)
+            iw = w.indexer.weights_proj(x, n, phase)
             with section("indexer"):
                 iq = rope_rows(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P, freqs, R,
                                quant="fp4_ue8m0" if self.fq else None, block=32, rows=n)
-            # the head weights as weights_proj gives them: the score kernels scale them in their load (the bits of
-            # `wp.float() * a * b`, three launches fewer)
-            return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": wp, "iq_quantised": True,
-                    "iw_scales": self._iw_scales()}
-        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iq_quantised": True}
+        return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iw_scales": self._iw_scales(),
+                "iq_quantised": True}
 
     def _iw_scales(self) -> tuple[float, float]:
         return (self.cfg.index_head_dim ** -0.5, self.cfg.index_n_heads ** -0.5)
@@ -196,7 +196,7 @@ class FastAttention(InPlaceAttention):
         indexed = kernels and role.scores
         if indexed:
             with section("indexer"):
-                self._index_kernels(segs, iq, iw, trace, w_scales=a.get("iw_scales", (1.0, 1.0)))
+                self._index_kernels(segs, iq, iw, trace, w_scales=a["iw_scales"])
         for s, win in zip(segs, wins):
             ids = src = None
             if not role.swa_only:
@@ -234,12 +234,9 @@ class FastAttention(InPlaceAttention):
         groups = o.reshape(o.shape[0], len(w.wo_a), -1)
         if is_fused(phase) and all(isinstance(wo, Exl3Linear) for wo in w.wo_a):
             # each group's product straight into its columns of u (no concatenation launch), all in one launch
-            u = torch.empty(o.shape[0], sum(wo.out_features for wo in w.wo_a), dtype=o.dtype, device=o.device)
-            edges = [0]
-            for wo in w.wo_a:
-                edges.append(edges[-1] + wo.out_features)
-            self.wo_a_group([groups[:, g] for g in range(len(w.wo_a))], n, phase,
-                            outs=[u[:, a:b] for a, b in zip(edges, edges[1:])])
+            widths = [wo.out_features for wo in w.wo_a]
+            u = torch.empty(o.shape[0], sum(widths), dtype=o.dtype, device=o.device)
+            self.wo_a_group([groups[:, g] for g in range(len(w.wo_a))], n, phase, outs=list(u.split(widths, dim=1)))
         else:
             u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
         return w.wo_b(u, n, phase)

@@ -48,8 +48,7 @@ class InPlaceAttention:
             st = t.source(src.ratio)
             with section("indexer"):
                 if role.scores:
-                    t.topk[L] = self._index_pool(a["iq"][:n], a["iw"][:n], n, t, st, pool,
-                                                 a.get("iw_scales", (1.0, 1.0)))
+                    t.topk[L] = self._index_pool(a["iq"][:n], a["iw"][:n], n, t, st, pool, a["iw_scales"])
                 ids = t.topk[role.index_source]
             entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
                            pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
