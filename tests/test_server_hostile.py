@@ -104,7 +104,9 @@ def test_random_disconnects_leave_no_error_and_no_trace(server):  # noqa: F811
 
 def test_health_stays_quick_while_a_maximum_size_request_is_processed(server):  # noqa: F811
     """A chat body at the server's limit (1 MB in the harness) is parsed, rendered and tokenized off the event
-    loop: /health answers within 100 ms throughout."""
+    loop: /health keeps answering throughout. Work on the loop shows as one probe that waits for most of the
+    request (~1 s here when the preparation threads are bypassed); a loaded 2-core machine shows lone scheduling
+    stalls of up to ~0.2 s whatever the request does, so the bound is a quarter of the request's own time."""
     limit = 1_000_000
     words = "The lighthouse keeper climbs ninety-one steps, counts the flashes and notes the wind. "
     content = (words * (limit // len(words)))[: limit - 200]
@@ -125,6 +127,7 @@ def test_health_stays_quick_while_a_maximum_size_request_is_processed(server):  
     with httpx.Client(base_url=server.url, timeout=30) as probe:
         probe.get("/health")  # the connection is open before the big request starts
         thread = threading.Thread(target=big)
+        started = time.perf_counter()
         thread.start()
         latencies = []
         while not done.is_set():
@@ -132,11 +135,13 @@ def test_health_stays_quick_while_a_maximum_size_request_is_processed(server):  
             assert probe.get("/health").status_code == 200
             latencies.append(time.perf_counter() - t0)
             time.sleep(0.02)
+        elapsed = time.perf_counter() - started
         thread.join()
     assert result["status"] == 200 and result["count"] > 100_000, result
-    print(f"\n/health during a {len(body)}-byte request: {len(latencies)} probes, max {max(latencies) * 1000:.0f} ms")
+    print(f"\n/health during a {len(body)}-byte request of {elapsed:.2f} s: {len(latencies)} probes, "
+          f"max {max(latencies) * 1000:.0f} ms")
     assert len(latencies) >= 5, "the request finished too fast to measure anything"
-    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+    assert max(latencies) < 0.25 * elapsed, (elapsed, sorted(latencies)[-5:])
 
 
 def test_browser_reach_content_type_host_and_slashes(server):  # noqa: F811
