@@ -230,7 +230,7 @@ def run_step(model, rows, mode, trace=None):
     return tokens.tolist()
 
 
-def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
+def time_steps(model, rows_fn, mode, steps, device, profiled: bool, n: int):
     rows = rows_fn()
     for _ in range(2):
         run_step(model, rows(), mode)
@@ -241,6 +241,7 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
         t0 = time.perf_counter()
         run_step(model, batch, mode)
         times.append((time.perf_counter() - t0) * 1e3)
+    split = step_split(model, rows, mode, device, n)
     run_step(model, rows(), mode, trace)  # untimed: a traced forward takes the eager load-and-store path
     host = host_profile(model, rows, mode, device) if profiled else None
     prof = None
@@ -254,10 +255,41 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool):
                 sync(device)
         finally:
             sections.enable(False)
-    return statistics.median(times), times, trace, prof, host
+    return statistics.median(times), times, trace, prof, host, split
 
 
-def host_profile(model, rows, mode, device, top: int = 25) -> dict:
+def step_split(model, rows, mode, device, n: int, reps: int = 5) -> dict:
+    """The step's wall time taken apart without a profiler: `enqueue_ms`, the host's work from the call to the
+    moment the forward returns with the device idle at its start (tables, Engram rows, copies, the replay's
+    launch), and `graph_ms`, the step's captured graph replayed alone (CUDA events: its kernels and the gaps
+    between its nodes, no host work). The step's wall time minus `graph_ms` is what the host adds."""
+    if device.type != "cuda" or model.graphs is None:
+        return {}
+    enq = []
+    for _ in range(reps):
+        batch = rows()
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model.forward(batch, mode, pool=POOL)
+        enq.append((time.perf_counter() - t0) * 1e3)
+        logits.argmax(dim=-1).tolist()
+    pieces = [p for k, p in model.graphs._pieces.items() if k[:3] == ("step", mode, n)]
+    if not pieces:
+        return {"enqueue_ms": statistics.median(enq)}
+    graph = pieces[-1].graph  # the bucket just run (the pieces are kept in capture order)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"enqueue_ms": statistics.median(enq), "graph_ms": statistics.median(times)}
+
+
+def host_profile(model, rows, mode, device, top: int = 45) -> dict:
     """Where the host's time of one step goes: cProfile of one untimed step (device synchronised before and
     after), the functions by their own time and by their cumulative time (ms; cProfile's overhead inflates both,
     the ranking is what it is for)."""
@@ -299,11 +331,12 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
     out = []
     for mode, maker, counts in (("decode", decode_rows, args.rows), ("verify", verify_rows, args.verify_rows)):
         for n in counts:
-            step_ms, times, trace, prof, host = time_steps(model, lambda: maker(model, n, args.context, 100 + n)(),
-                                                           mode, args.steps, device, n in args.profile_rows)
+            step_ms, times, trace, prof, host, split = time_steps(model, lambda: maker(model, n, args.context, 100 + n)(),
+                                                           mode, args.steps, device, n in args.profile_rows, n)
             reads = step_reads(model, trace)
             row = {"rows": n, "mode": mode, "step_ms": step_ms, "times_ms": times, **reads,
-                   "graphs": "on" if model.graphs.active else "off", "graph_stats": model.graphs.stats.as_dict()}
+                   "graphs": "on" if model.graphs.active else "off", "graph_stats": model.graphs.stats.as_dict(),
+                   **split}
             if prof is not None:
                 cls = classify(prof)
                 dev_ms = cls["busy_us"] / 1e3
@@ -316,6 +349,9 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             log(f"{mode} rows={n} graphs {row['graphs']}: {step_ms:.1f} ms "
                 f"(device {row.get('device_ms', float('nan')):.1f} ms), "
                 f"{reads['exl3_bytes'] / 1e9:.2f} GB EXL3, {reads['distinct_experts_per_layer']:.1f} experts/layer")
+            if split.get("graph_ms") is not None:
+                log(f"  graph replayed alone {split['graph_ms']:.2f} ms, the host's enqueue {split['enqueue_ms']:.2f} "
+                    f"ms: the host adds {step_ms - split['graph_ms']:.2f} ms")
             if host is not None:
                 row["host_profile"] = host
                 log(f"  host (cProfile, {host['total_ms']:.1f} ms): " + ", ".join(

@@ -13,7 +13,7 @@ import torch
 from dsv41.engram import reader as reader_mod
 from dsv41.engram.hashing import head_shard
 from dsv41.engram.reader import ReadPool, ShardRows, plan_reads
-from dsv41.engram.shards import dequant_fp8_rows, shard_file_name
+from dsv41.engram.shards import decode_row_bytes, dequant_fp8_rows, shard_file_name
 from dsv41.engram.tables import EngramTable
 from dsv41.errors import CheckpointError
 from dsv41.model.engram import EngramLayer
@@ -104,6 +104,21 @@ def test_several_reads_in_flight(packed):
         assert same(p.wait(), source_rows(tables[4], ids))
     with pytest.raises(RuntimeError, match="twice"):
         pending[0].wait()
+
+
+def test_stored_bytes_are_the_files_rows_in_the_asked_order(packed):
+    """`wait_bytes` gives each asked row's bytes as the file stores them (repeats and order kept), and decoding
+    them anywhere (`RowBytes.decode`, `decode_row_bytes`: what a step's graph runs) gives `wait`'s rows."""
+    _, tables, _ = packed
+    table = open_table(packed, 4, 1)
+    rng = np.random.default_rng(8)
+    ids = torch.from_numpy(rng.integers(table.lo, table.hi, size=(40, 12)))
+    ids[3] = ids[30]
+    stored = table.submit(ids).wait_bytes()
+    assert stored.kind == "fp8" and stored.head_dim == 256 and stored.data.shape == (40, 12, 264)
+    assert np.array_equal(stored.data, tables[4][ids.numpy()])
+    assert same(stored.decode(), table.gather(ids))
+    assert same(decode_row_bytes(torch.from_numpy(stored.data), "fp8", 256), source_rows(tables[4], ids))
 
 
 def test_full_column_ids_are_restricted_to_the_rank(packed):

@@ -6,13 +6,14 @@ import os
 import struct
 from types import SimpleNamespace
 
+import numpy as np
 import psutil
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from dsv41.engram.hashing import EngramConstants, engram_primes, head_shard
-from dsv41.engram.shards import read_shard_header, shard_file_name, write_engram_shard, write_engram_shards
+from dsv41.engram.shards import decode_row_bytes, read_shard_header, shard_file_name, write_engram_shard, write_engram_shards
 from dsv41.engram.tables import EngramTable
 from dsv41.errors import CheckpointError
 from engram_harness import (  # noqa: F401 (pytest fixtures)
@@ -47,6 +48,10 @@ def test_fp8_checkpoint_table(tmp_path, cfg, fp8_table, hasher, input_ids):
     row_ids = hasher.hash(input_ids)[:, cfg.engram_layer_ids.index(3)]
     expected = fp8_reference_rows(values, scales)[row_ids]
     assert torch.equal(table.gather(row_ids), expected)
+    stored = table.submit(row_ids).wait_bytes()  # the row's e4m3 bytes, then its scale bytes
+    assert stored.kind == "fp8" and stored.data.shape == (*row_ids.shape, values.shape[1] + scales.shape[1])
+    assert torch.equal(torch.from_numpy(stored.data), torch.cat((values, scales), dim=1)[row_ids])
+    assert torch.equal(decode_row_bytes(torch.from_numpy(stored.data), "fp8", values.shape[1]), expected)
 
 
 def test_checkpoint_table_errors(tmp_path, cfg, weights):
@@ -192,6 +197,19 @@ def test_bf16_checkpoint_table_equals_fp32(cfg, weights, hasher, input_ids):
     row_ids = hasher.hash(input_ids)[:, cfg.engram_layer_ids.index(1)]
     expected = weights["layers.1.engram.embed.weight"][row_ids]
     assert torch.equal(bf16.gather(row_ids), expected)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "model.bf16.safetensors"])
+def test_checkpoint_rows_as_stored_decode_to_the_gathered_rows(cfg, hasher, input_ids, name):
+    """`wait_bytes` of a checkpoint table (fp32 or bf16 values): the stored bytes of each asked row, which
+    `decode_row_bytes` (what a step's graph runs) turns into `gather`'s rows bit for bit."""
+    table = EngramTable.from_checkpoint(ORACLE / name, 1, cfg)
+    row_ids = hasher.hash(input_ids)[:, cfg.engram_layer_ids.index(1)]
+    stored = table.submit(row_ids).wait_bytes()
+    width = {"f32": 4, "bf16": 2}[stored.kind] * stored.head_dim
+    assert stored.data.dtype == np.uint8 and stored.data.shape == (*row_ids.shape, width)
+    assert torch.equal(decode_row_bytes(torch.from_numpy(stored.data), stored.kind, stored.head_dim),
+                       table.gather(row_ids))
 
 
 def test_gather_reads_on_the_host_and_returns_on_the_asked_device(cfg, hasher, input_ids):

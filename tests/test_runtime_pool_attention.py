@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -152,6 +153,28 @@ def test_step_tables_by_hand():
     assert w.ring_dest.tolist() == [-1] * 8 and w.source(2).open_dest.tolist() == [-1] * 8
     assert w.source(1).entry_dest.tolist() == [-1] * 8 and torch.equal(w.pages, t.pages)
     assert t.ring_dest.tolist()[0] == 45  # the original is untouched
+
+
+def test_step_tables_carry_byte_inputs_whole():
+    """A uint8 input (the step's Engram rows as stored) travels in the same int64 buffer as whole words, its last
+    dimension padded; `bytes_of` gives back exactly its bytes, also over another buffer (`on`, a graph's static
+    copy) and in the tables without writes."""
+    from types import SimpleNamespace
+
+    from dsv41.runtime.kv_pool import SourceLayout
+    from dsv41.runtime.layers.attention import Segment
+    from dsv41.runtime.step_tables import StepTables
+
+    pool = SimpleNamespace(ring_rows=20, sources={1: SourceLayout(1, 2, 4, True)})
+    a = SimpleNamespace(row=SimpleNamespace(slot=1, page_ids=[3]))
+    rng = np.random.default_rng(0)
+    inputs = {"ids": np.arange(4), "engram.1": rng.integers(0, 256, (4, 3, 13), dtype=np.uint8),
+              "engram.14": rng.integers(0, 256, (4, 2, 264), dtype=np.uint8)}
+    t = StepTables.build([Segment(a, 0, 1, 7)], 4, pool, torch.device("cpu"), inputs=inputs)
+    for tables in (t, t.on(t.packed.clone()), t.without_writes()):
+        for name in ("engram.1", "engram.14"):
+            assert torch.equal(tables.bytes_of(name), torch.from_numpy(inputs[name]))
+        assert tables["ids"].tolist() == [0, 1, 2, 3]
 
 
 def _tables_by_rule(segs, B, pool):

@@ -7,9 +7,8 @@ The plan: the requested rows, sorted and made unique, become sector-aligned byte
 closer than `merge_gap` bytes are read as one (a hole of a few KiB costs less than another request). Each extent
 is one `pread` with O_DIRECT (no page cache: on GB10 it would be the GPU's memory) into an aligned host buffer,
 on a thread pool that lives as long as the process (`os.preadv` releases the GIL, so the reads run in parallel
-and the queue depth is the pool's size). `wait` copies each unique row out of the buffer (into pinned memory when
-the rows go to a GPU), sends them with a non-blocking copy, dequantises them there and expands them back to the
-requested order.
+and the queue depth is the pool's size). `wait_bytes` copies each requested row's bytes out of the buffer, in the
+requested order; `wait` sends them from pinned memory with a non-blocking copy and dequantises them there.
 
 Where a filesystem refuses O_DIRECT (tmpfs) the file is read through the page cache and the pages read are
 dropped again (`posix_fadvise DONTNEED`). Every I/O failure names the file, the offset and the length.
@@ -29,7 +28,7 @@ import torch
 
 from dsv41.errors import CheckpointError
 
-from .shards import SHARD_HEADER_BYTES, dequant_fp8_rows
+from .shards import SHARD_HEADER_BYTES, RowBytes
 
 SECTOR_SIZES = (512, 4096)  # O_DIRECT alignments tried at open, smallest first
 MERGE_GAP = 4096  # holes up to this many bytes are read rather than split into two requests
@@ -211,23 +210,24 @@ class PendingRead:
             if exc is not None:
                 raise exc  # the buffer is dropped, not reused: the failed frame may still reference it
 
-    def wait(self, device: torch.device | str = "cpu") -> torch.Tensor:
+    def wait_bytes(self) -> RowBytes:
+        """The rows' stored bytes `[n, row_bytes]` in the requested order (once per read)."""
         if self._done:
             raise RuntimeError("PendingRead.wait called twice")
         self._done = True
-        device = torch.device(device)
         src, rb = self._rows, self._rows.row_bytes
         self.wait_io()  # every read has finished before the buffer is touched
-        n_unique = self._plan.row_pos.size
-        host = torch.empty((n_unique, rb), dtype=torch.uint8,
-                           pin_memory=device.type == "cuda" and torch.cuda.is_available())
-        if n_unique:  # each row's bytes out of the read buffer: a sliding-window view, rows picked by offset
+        host = np.empty((self._inverse.size, rb), dtype=np.uint8)
+        if host.size:  # each row's bytes out of the read buffer: a sliding-window view, rows picked by offset
             window = np.lib.stride_tricks.sliding_window_view(
                 np.frombuffer(self._buf, dtype=np.uint8, count=self._plan.total), rb)
-            host.numpy()[:] = window[self._plan.row_pos]  # numpy: no intra-op threads to wake on a busy host
+            host[:] = window[self._plan.row_pos[self._inverse]]  # numpy: no intra-op threads to wake on a busy host
             del window
         src._give_buffer(self._buf)
         self._buf = None
-        raw = host.to(device, non_blocking=True)
-        rows = dequant_fp8_rows(raw[:, :src.head_dim], raw[:, src.head_dim:])
-        return rows[torch.from_numpy(self._inverse).to(device)]
+        return RowBytes(host, "fp8", src.head_dim)
+
+    def wait(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """float32 `[n, head_dim]` on `device` (`RowBytes.decode`: pinned memory, a non-blocking copy, the
+        dequantisation there)."""
+        return self.wait_bytes().decode(device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -103,6 +104,36 @@ def dequant_fp8_rows(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     device: `e4m3 × 2^(scale − 127)` per 32 values (byte 0 -> 0). Every reader of FP8 rows uses this one."""
     out = e4m3_to_float(values)
     return out * e8m0_to_float(scales).repeat_interleave(ROW_SCALE_BLOCK, dim=-1)[..., : out.shape[-1]]
+
+
+def decode_row_bytes(raw: torch.Tensor, kind: str, head_dim: int) -> torch.Tensor:
+    """Stored rows as bytes `[..., row_bytes]` (uint8, on any device) -> float32 `[..., head_dim]` there. `kind`
+    "fp8": the values then their scales (`fp8_row_bytes`), decoded by `dequant_fp8_rows`; "bf16" / "f16" / "f32":
+    the values' little-endian bytes. Pure tensor ops with no host sync, so it runs inside a CUDA graph."""
+    if kind == "fp8":
+        return dequant_fp8_rows(raw[..., :head_dim], raw[..., head_dim:fp8_row_bytes(head_dim)])
+    dtypes = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+    if kind not in dtypes:
+        raise ValueError(f"Engram rows of kind {kind!r}: expected fp8, bf16, f16 or f32")
+    width = head_dim * dtypes[kind].itemsize
+    return raw[..., :width].contiguous().view(dtypes[kind]).float()
+
+
+@dataclass
+class RowBytes:
+    """Rows as stored: `data` uint8 `[..., row_bytes]` on the host, in the order they were asked for."""
+
+    data: np.ndarray
+    kind: str
+    head_dim: int
+
+    def decode(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """float32 `[..., head_dim]` on `device` (bytes sent from pinned memory to a GPU, decoded there)."""
+        device = torch.device(device)
+        host = torch.from_numpy(np.ascontiguousarray(self.data))
+        if device.type == "cuda":
+            host = host.pin_memory()
+        return decode_row_bytes(host.to(device, non_blocking=True), self.kind, self.head_dim)
 
 
 def quantize_rows_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from dsv41.weights.safetensors_io import Checkpoint, TensorInfo, read_header
 
 from .hashing import EngramConstants, head_shard
 from .reader import ReadPool, ShardRows
-from .shards import ROW_SCALE_BLOCK, check_shard_file, dequant_fp8_rows
+from .shards import ROW_SCALE_BLOCK, RowBytes, check_shard_file
 
 _SAFETENSORS_DTYPES = {  # name -> (numpy storage dtype, bytes per element, kind)
     "F8_E4M3": (np.uint8, 1, "fp8"),
@@ -41,22 +41,22 @@ class _RowSource:
 
     def submit(self, local_rows: np.ndarray) -> "_CopiedRows":
         """Copy the rows' stored bytes out of the mapping now (only their pages are touched)."""
-        values = torch.from_numpy(np.ascontiguousarray(self.values[local_rows]))
-        scales = None if self.scales is None else torch.from_numpy(np.ascontiguousarray(self.scales[local_rows]))
-        return _CopiedRows(values.view(torch.bfloat16) if self.kind == "bf16" else values, scales, self.kind)
+        values = np.ascontiguousarray(self.values[local_rows])
+        scales = None if self.scales is None else np.ascontiguousarray(self.scales[local_rows])
+        return _CopiedRows(values, scales, self.kind, self.values.shape[-1])
 
 
 class _CopiedRows:
-    """Rows already copied to the host; `wait` sends their stored bytes to the device and dequantises there."""
+    """Rows already copied to the host, as stored (values, and per row their scales for FP8)."""
 
-    def __init__(self, values: torch.Tensor, scales: torch.Tensor | None, kind: str):
-        self.values, self.scales, self.kind = values, scales, kind
+    def __init__(self, values: np.ndarray, scales: np.ndarray | None, kind: str, head_dim: int):
+        self.values, self.scales, self.kind, self.head_dim = values, scales, kind, head_dim
 
-    def wait(self, device: torch.device) -> torch.Tensor:
-        raw = self.values.to(device)
-        if self.kind != "fp8":
-            return raw.float()
-        return dequant_fp8_rows(raw, self.scales.to(device))
+    def wait_bytes(self) -> RowBytes:
+        raw = self.values.view(np.uint8)
+        if self.kind == "fp8":
+            raw = np.concatenate([raw, self.scales.view(np.uint8)], axis=-1)
+        return RowBytes(raw, self.kind, self.head_dim)
 
 
 class _ShardSource:
@@ -70,14 +70,18 @@ class _ShardSource:
 
 
 class PendingRows:
-    """One `EngramTable.submit`: `wait(device)` gives float32 `[*row_ids.shape, head_dim]`."""
+    """One `EngramTable.submit`: `wait(device)` gives float32 `[*row_ids.shape, head_dim]`; `wait_bytes()` the
+    rows as stored (`RowBytes` `[*row_ids.shape, row_bytes]`, for a step that decodes them inside its graph)."""
 
     def __init__(self, pending, shape: tuple[int, ...], head_dim: int, device: torch.device):
         self._pending, self._shape, self._head_dim, self.device = pending, shape, head_dim, device
 
+    def wait_bytes(self) -> RowBytes:
+        rows = self._pending.wait_bytes()
+        return RowBytes(rows.data.reshape(*self._shape, rows.data.shape[-1]), rows.kind, rows.head_dim)
+
     def wait(self, device: torch.device | str | None = None) -> torch.Tensor:
-        device = self.device if device is None else torch.device(device)
-        return self._pending.wait(device).reshape(*self._shape, self._head_dim)
+        return self.wait_bytes().decode(self.device if device is None else device)
 
 
 class EngramTable:

@@ -38,6 +38,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.engram.hashing import EngramHasher
+from dsv41.engram.shards import decode_row_bytes
 from dsv41.kernels.step import engram as step_engram
 from dsv41.kernels.step import mhc as step_mhc
 from dsv41.model import mhc
@@ -237,16 +238,19 @@ class FastModel:
         pos = torch.cat([torch.arange(s.pos, s.pos + s.T) for s in segs])
         pad = torch.zeros(B - n, dtype=torch.long)
         ids_b, pos_b = torch.cat((ids, pad + ids[0])), torch.cat((pos, pad + pos[0]))
-        rows = live = None
+        stored = rows = live = None
         if self.engram_hasher is not None:
             with section("engram"):
                 row_ids = torch.cat([self.engram_hasher.hash(i, s.state.engram) for s, (_, i) in zip(segs, chunks)])
                 row_ids = torch.cat((row_ids, row_ids[:1].expand(B - n, *row_ids.shape[1:])))
-                live = self.engram_hasher.live(ids_b).to(dev)
-                rows = {L: e.table.gather(row_ids[:, cfg.engram_layer_ids.index(L)], device=dev)
-                        for L, e in self.engram.items()}
+                reads = {L: e.table.submit(row_ids[:, cfg.engram_layer_ids.index(L)]) for L, e in self.engram.items()}
+                stored = {L: read.wait_bytes() for L, read in reads.items()}  # every layer's reads in flight at once
         if pool is not None and self.pool_runs(phase, trace):
-            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, rows, live)
+            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored)
+        if stored is not None:
+            with section("engram"):
+                rows = {L: r.decode(dev) for L, r in stored.items()}
+                live = self.engram_hasher.live(ids_b).to(dev)
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
         sites = MhcSites.of(cfg, dev, rows=n)
@@ -272,10 +276,11 @@ class FastModel:
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
 
-    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, rows, live):
-        """One bucket over the pool: the tables (one host-to-device copy), then the whole step as one graph
-        (`graphs.run("step", ...)`, keyed by phase, n and the tables' page bucket). The capture's warm-up runs on
-        tables that write nothing, so the step's writes to the pool happen once, in the replay."""
+    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored):
+        """One bucket over the pool: the tables (one host-to-device copy, which also carries the step's token ids,
+        positions and Engram rows as stored), then the whole step as one graph (`graphs.run("step", ...)`, keyed
+        by phase, n and the tables' page bucket). The capture's warm-up runs on tables that write nothing, so the
+        step's writes to the pool happen once, in the replay."""
         from .step_tables import StepTables, ring_chunk_rows
 
         dev = self.device
@@ -283,9 +288,10 @@ class FastModel:
             if s.T > ring_chunk_rows(pool, self.cfg.sliding_window):
                 raise ValueError(f"a {phase} chunk of {s.T} rows does not fit a ring of {pool.ring_rows} rows "
                                  f"over a window of {self.cfg.sliding_window}")
-        tables = StepTables.build(segs, B, pool, dev, inputs={"ids": ids_b, "pos": pos_b})  # one copy for all
+        inputs = {"ids": ids_b, "pos": pos_b, **{f"engram.{L}": r.data for L, r in (stored or {}).items()}}
+        tables = StepTables.build(segs, B, pool, dev, inputs=inputs)  # one copy for all
         step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=n), n, phase, pool, tables)
-        args = (tables.packed, rows, live)
+        args = (tables.packed, {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()})
         if self.graphs is None:
             self.graphs = PieceGraphs(self.device, self.comm)
         warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
@@ -296,11 +302,14 @@ class FastModel:
         with section("comm"):
             return self.comm.gather_cat(local, dim=-1)
 
-    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, packed, rows, live):
+    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, packed, formats: dict):
         """The whole decode / verify step of a bucket over the pool: a pure function of its tensors (the pool's
-        stores and the weights are constants), so it can be one CUDA graph. The bucket's token ids and positions
-        travel in the tables' buffer. Returns this rank's logits [n, V/tp]."""
+        stores and the weights are constants), so it can be one CUDA graph. The bucket's token ids, positions and
+        Engram rows as stored (`formats`: layer -> (kind, head_dim)) travel in the tables' buffer; the rows are
+        decoded here, inside the graph. Returns this rank's logits [n, V/tp]."""
         t = tables.on(packed)
+        rows = {L: decode_row_bytes(t.bytes_of(f"engram.{L}"), kind, dim) for L, (kind, dim) in formats.items()}
+        live = self.engram_hasher.live(t["ids"]) if self.engram_hasher is not None else None
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
         x, pre, P = self._streams(t["ids"], t["pos"])
         x, pre, pending = self._layers(

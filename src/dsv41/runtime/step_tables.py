@@ -57,6 +57,7 @@ class StepTables:
     layout: dict  # name -> (offset, shape)
     ratios: dict  # ratio -> per_page
     pages_bucket: int
+    byte_widths: dict = field(default_factory=dict)  # name -> bytes a row of a byte input (`bytes_of`)
     # per-step results shared across layers (index top-k of each scoring layer, the candidate pool)
     topk: dict = field(default_factory=dict)
     candidates: torch.Tensor | None = None
@@ -67,6 +68,10 @@ class StepTables:
         for s in shape:
             size *= s
         return self.packed[at:at + size].view(shape)
+
+    def bytes_of(self, name: str) -> torch.Tensor:
+        """A byte input of `build` (uint8 `[..., width]`), a view of its int64 words."""
+        return self[name].view(torch.uint8)[..., :self.byte_widths[name]]
 
     @property
     def slot(self) -> torch.Tensor:
@@ -92,12 +97,12 @@ class StepTables:
         """The same tables over another buffer of the same layout (a graph's static copy of `packed`)."""
         if packed.shape != self.packed.shape:
             raise ValueError(f"tables of {list(self.packed.shape)} cannot move to {list(packed.shape)}")
-        return StepTables(self.B, self.n, packed, self.layout, self.ratios, self.pages_bucket)
+        return StepTables(self.B, self.n, packed, self.layout, self.ratios, self.pages_bucket, self.byte_widths)
 
     def without_writes(self) -> "StepTables":
         """A copy whose rows write nothing (every destination -1): what a graph's warm-up runs on."""
         packed = self.packed.clone()
-        out = StepTables(self.B, self.n, packed, self.layout, self.ratios, self.pages_bucket)
+        out = StepTables(self.B, self.n, packed, self.layout, self.ratios, self.pages_bucket, self.byte_widths)
         for name in self.layout:
             if name == "ring_dest" or name.endswith(".entry_dest") or name.endswith(".open_dest"):
                 out[name].fill_(-1)
@@ -109,7 +114,8 @@ class StepTables:
         sequence's `slot` and `page_ids`, as `PoolSequence`), for `pool` (a `KVPool`). Built in numpy (a few µs an
         op where torch's CPU ops cost ~10: this runs on the host before every step's graph), one host array, one
         copy to the device. `inputs`: more integer vectors of the step (the bucket's token ids and positions) to
-        travel in the same copy, read back by name (`tables["ids"]`)."""
+        travel in the same copy, read back by name (`tables["ids"]`); a uint8 input (the step's Engram rows as
+        stored) travels as whole int64 words, its last dimension padded, read back by `bytes_of(name)`."""
         n = sum(s.T for s in segs)
         if not 0 < n <= B:
             raise ValueError(f"a bucket of {B} rows cannot hold {n}")
@@ -153,7 +159,14 @@ class StepTables:
                 d = np.arange(1, r, dtype=np.int64)[:, None]
                 parts[f"r{r}.back_row"] = np.where(j_t[None, :] >= d, rows - d, -1)
                 parts[f"r{r}.back_open"] = slot_t[None, :] * (r - 1) + np.minimum((pos_t[None, :] - d) % r, r - 2)
+        widths = {}
         for name, t in (inputs or {}).items():
+            t = np.asarray(t)
+            if t.dtype == np.uint8:
+                widths[name] = t.shape[-1]
+                words = np.zeros((*t.shape[:-1], -(-t.shape[-1] // 8) * 8), dtype=np.uint8)
+                words[..., :t.shape[-1]] = t
+                t = words.view(np.int64)
             parts[name] = np.asarray(t, dtype=np.int64)
         layout, at = {}, 0
         for name, t in parts.items():
@@ -164,4 +177,4 @@ class StepTables:
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
             packed = packed.to(device)
-        return cls(B, n, packed, layout, ratios, P)
+        return cls(B, n, packed, layout, ratios, P, widths)

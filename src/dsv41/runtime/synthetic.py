@@ -19,12 +19,13 @@ into a KV pool for the forward over the pool in place.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from dsv41.config import LayerRole, ModelConfig
 from dsv41.engram.hashing import EngramConstants, EngramHasher, head_shard
-from dsv41.engram.shards import dequant_fp8_rows, quantize_rows_fp8
+from dsv41.engram.shards import RowBytes, quantize_rows_fp8
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor
 from dsv41.model.attention import AttentionParams, CompressorParams, IndexerParams
 from dsv41.model.loader import _inter_block
@@ -85,22 +86,36 @@ def pack_k(part: str, L: int, cfg: ModelConfig) -> int:
 
 
 class RandomEngramTable:
-    """Stand-in for one Engram layer's table: `rows` random rows in the real row format on the device; hashed row id
-    r reads row r mod rows (this rank's hash columns only, as `EngramTable.gather`)."""
+    """Stand-in for one Engram layer's table: `rows` random rows in the real row format, held on the host as the
+    real tables are (a step reads them there and sends their bytes); hashed row id r reads row r mod rows (this
+    rank's hash columns only, as `EngramTable.submit`)."""
 
     def __init__(self, constants: EngramConstants, rank: int, world: int, rows: int, device, gen: torch.Generator):
         self.cols = head_shard(constants.n_cols, rank, world)
-        self.n_cols = constants.n_cols
-        values = torch.randn(rows, constants.head_dim, generator=gen, device=device)
-        self.values, self.scales = quantize_rows_fp8(values)
+        self.n_cols, self.head_dim = constants.n_cols, constants.head_dim
+        values, scales = quantize_rows_fp8(torch.randn(rows, constants.head_dim, generator=gen, device=device))
+        self.raw = torch.cat((values, scales), dim=-1).cpu().numpy()  # [rows, fp8_row_bytes]
 
-    def gather(self, row_ids: torch.Tensor, device=None) -> torch.Tensor:
+    def submit(self, row_ids: torch.Tensor) -> "_ReadRows":
         c0, c1 = self.cols
-        ids = torch.as_tensor(row_ids)
+        ids = torch.as_tensor(row_ids).cpu().numpy()
         if ids.shape[-1] == self.n_cols:
             ids = ids[..., c0:c1]
-        ids = ids.to(self.values.device) % self.values.shape[0]
-        return dequant_fp8_rows(self.values[ids], self.scales[ids])
+        return _ReadRows(RowBytes(self.raw[ids % self.raw.shape[0]], "fp8", self.head_dim))
+
+    def gather(self, row_ids: torch.Tensor, device=None) -> torch.Tensor:
+        return self.submit(row_ids).wait(device)
+
+
+@dataclass
+class _ReadRows:
+    rows: RowBytes
+
+    def wait_bytes(self) -> RowBytes:
+        return self.rows
+
+    def wait(self, device=None) -> torch.Tensor:
+        return self.rows.decode("cpu" if device is None else device)
 
 
 class _Random:
