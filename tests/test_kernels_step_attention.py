@@ -81,22 +81,57 @@ def _padded(keys, ok, extra: int):
     return pk, po
 
 
-def _interp_worker(out_path: str) -> None:
-    from dsv41.kernels.step.attention import attention_core
+def _folds(results, fold: bool) -> dict:
+    """`results()` with the combine folded into the split launch (the default) or as its own launch."""
+    from dsv41.kernels.step.attention import FOLD_ENV
 
+    before = os.environ.get(FOLD_ENV)
+    os.environ[FOLD_ENV] = "1" if fold else "0"
+    try:
+        return results()
+    finally:
+        if before is None:
+            os.environ.pop(FOLD_ENV)
+        else:
+            os.environ[FOLD_ENV] = before
+
+
+def _counters_clean() -> bool:
+    """The attention core's arrival counters exist (the fold ran) and are all zero (a next launch can use them)."""
+    from dsv41.kernels.step.mhc import _COUNTERS
+
+    have = [v for k, v in _COUNTERS._by_device.items() if k.startswith("attention@")]
+    return bool(have) and all(int(v.count_nonzero()) == 0 for v in have)
+
+
+def _fold_results(results) -> dict:
+    """The fold's checks of a case: the folded results, a second folded launch, the two-launch path's results,
+    and whether the counters were left zero."""
+    folded = _folds(results, True)
+    clean = _counters_clean()
+    return {"folded": folded, "again": _folds(results, True), "unfolded": _folds(results, False), "clean": clean}
+
+
+def _interp_worker(out_path: str) -> None:
+    from dsv41.kernels.step.attention import FOLD_ENV, attention_core
+
+    os.environ[FOLD_ENV] = "1"  # the default path, whatever the caller's environment holds
     out = {}
     for name in CASES:
         q, keys, ok, sink = _case(name)
         hd = q.shape[2]
         core = lambda q_, k_, o_: attention_core(q_, k_, o_, sink, hd ** -0.5)  # noqa: E731
         res = {"out": core(q, keys, ok), "garbage": core(q, _garbage(keys, ok), ok)}
+        res["fold"] = _fold_results(lambda: {"out": core(q, keys, ok)})
         res["padded"] = core(q, *_padded(keys, ok, 150))  # one more split, and more blocks in the last one
         res["alone"] = torch.cat([core(q[r:r + 1], keys[r:r + 1], ok[r:r + 1]) for r in range(q.shape[0])])
         rev = torch.arange(q.shape[0] - 1, -1, -1)
         res["reversed"] = core(q[rev], keys[rev], ok[rev]).flip(0)
         out[name] = res
     for name in POOL_CASES:
-        out[name] = _pool_results(_pool_case(name))
+        case = _pool_case(name)
+        out[name] = _pool_results(case)
+        out[name]["fold"] = _fold_results(lambda: _pool_results(case, alone=False))
     torch.save(out, out_path)
 
 
@@ -192,8 +227,9 @@ def _rows_of(args: dict, idx) -> dict:
     return {k: (v[idx] if k in ("slot", "pos", "pages", "ids") else v) for k, v in args.items()}
 
 
-def _pool_results(case: dict) -> dict:
-    """attention_pool together / each row alone / rows reversed, and attention_core on the gathered slots."""
+def _pool_results(case: dict, alone: bool = True) -> dict:
+    """attention_pool together / each row alone / rows reversed, and attention_core on the gathered slots
+    (`alone` False: the first two only)."""
     from dsv41.kernels.step.attention import (DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, attention_pool,
                                               codecs_hold_bf16)
 
@@ -201,10 +237,15 @@ def _pool_results(case: dict) -> dict:
     B = q.shape[0]
     rev = torch.arange(B - 1, -1, -1, device=q.device)
     exact = codecs_hold_bf16(args["window_codec"], args.get("entry_codec"))  # the gathered keys' values
-    return {
+    res = {
         "core": attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=exact,
                                split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS),  # attention_pool's tiling
         "pool": attention_pool(q, sink, scale, **args),
+    }
+    if not alone:
+        return res
+    return {
+        **res,
         "alone": torch.cat([attention_pool(q[b:b + 1], sink, scale, **_rows_of(args, slice(b, b + 1)))
                             for b in range(B)]),
         "reversed": attention_pool(q[rev], sink, scale, **_rows_of(args, rev)).flip(0),
@@ -270,6 +311,25 @@ def test_interpreted_pool_is_the_gathered_core_bitwise(interp, name):
         ok = case["ok"][:, case["args"]["window"]:]
         assert ok.any() and not ok.all(dim=1).any() and not ok.any(dim=1).all()
     assert not case["ok"][:, 0].all() and case["ok"][:, -1].any()
+
+
+def _check_fold(fold: dict) -> None:
+    assert fold["clean"], "arrival counters left non-zero"
+    for key, got in fold["folded"].items():
+        assert torch.equal(_bits(got), _bits(fold["unfolded"][key])), key  # the two-launch path's bits
+        assert torch.equal(_bits(got), _bits(fold["again"][key])), key  # a second launch on the same counters
+
+
+@pytest.mark.parametrize("name", CASES + POOL_CASES)
+def test_interpreted_fold_is_the_two_launch_path_bitwise(interp, name):
+    """The combine folded into the split launch's last arrivers (default) has the bits of the split launch then
+    the combine launch (DSV41_ATTN_FOLD=0): the gathered core over generic rows (one to three splits, partial head
+    blocks, rows without live slots) and, at the decode tiling, the in-place pool over decode and verify rows;
+    the arrival counters are zero after the launch, and a second launch gives the same bits."""
+    res = interp[name]
+    _check_fold(res["fold"])
+    assert torch.equal(_bits(res["fold"]["folded"]["out" if name in CASES else "pool"]),
+                       _bits(res["out" if name in CASES else "pool"]))
 
 
 def test_pool_rejects_bad_arguments():
@@ -407,6 +467,48 @@ def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
         assert torch.equal(_bits(swa_pool), _bits(swa_core))
     else:
         assert _errors(swa_pool, swa_core)[0] < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 32])
+def test_gpu_fold_is_the_two_launch_path_bitwise_and_replays(H):
+    """Compiled, the real shapes: the folded combine (any program of a unit may arrive last) has the two-launch
+    path's bits for the gathered core (prefill and decode tilings) and the in-place pool over decode and verify
+    rows, launch after launch; captured in a CUDA graph and replayed on new queries it gives the eager bits (the
+    counters are back at zero after every launch)."""
+    from dsv41.kernels.step.attention import DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, attention_pool
+
+    _need_cuda()
+    case = _gpu_pool_case(H, True)
+    q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
+
+    def results():
+        return {**_pool_results(case, alone=False),
+                "prefill": attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=True)}
+
+    fold = _fold_results(results)
+    torch.cuda.synchronize()
+    _check_fold(fold)
+    for _ in range(3):  # many units, many launches: a counter left behind would show as a missing combine
+        again = _folds(results, True)
+        for key, got in again.items():
+            assert torch.equal(_bits(got), _bits(fold["folded"][key])), key
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty_like(fold["folded"]["pool"])
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        attention_pool(q, sink, scale, **args, out=out)
+    fresh = (torch.randn(q.shape, generator=torch.Generator(device=q.device).manual_seed(5), device=q.device) * 2)
+    for _ in range(2):
+        q.copy_(fresh.bfloat16())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = attention_pool(q, sink, scale, **args)
+        assert torch.equal(_bits(out), _bits(eager))
+    core = _folds(lambda: attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=True,
+                                         split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS), False)
+    assert torch.equal(_bits(out), _bits(core))
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

@@ -7,11 +7,23 @@ that ok[t] marks live: s_j = (q[t, h] . k_j) * hd^-1/2, and
 the sink logit unscaled and in the denominator only; a row with no live slot gives zeros. fp32 throughout (the
 reference rounds exp and the log-sum-exp through fp64; here they are fp32: the difference is fp32 rounding).
 
-Launch 1: one program per (row, block of HEAD_BLOCK heads, key split of SPLIT_KEYS slots) runs an online softmax
+One launch: one program per (row, block of HEAD_BLOCK heads, key split of SPLIT_KEYS slots) runs an online softmax
 over its split in blocks of KEY_BLOCK slots, in slot order, starting from the sink's logit (m = sink_h, l = 0), and
 writes (m, l, acc). Dead slots are not read (zeros), score -inf, weight exactly 0; a block with no live slot leaves
-(m, l, acc) bit for bit as they were. Launch 2: one program per (row, head) combines the splits in split order with
-the sink term and divides (IEEE division).
+(m, l, acc) bit for bit as they were. The combine: per (row, head), the splits in split order with the sink term,
+then the division (IEEE).
+
+The combine is folded into the split launch (why: one launch fewer per layer, ~6 us each on the H200, 40 a decode
+step), as the mHC sites do (kernels/step/mhc.py): each program, its partials stored, takes a ticket on the arrival
+counter of its unit (row, head block) (acq_rel atomic add, no float atomics); the one that draws the last ticket
+resets the counter to 0 (the next launch or graph replay finds it so) and runs `_combine_heads`, the combine's
+operations in its order, elementwise over the block's heads, on the partials read after the ticket's acquire. Any
+program may be last (on the GPU; in the interpreter programs run in order, so it is the last split): the sum is in
+split order either way, so the bits are those of the two-launch path, which DSV41_ATTN_FOLD=0 keeps (A/B runs:
+`_core_combine_kernel`, one program per (row, head), as its own launch). The counters (int32, per device, zero
+between launches) are mhc's `_COUNTERS` under "attention": regrown by allocating, kept alive by the CUDA graphs that
+hold the old ones (runtime/graphs.py `_kernel_buffers`). Two launches on concurrent streams of one device would
+share them (as the sites' do): the step runs its kernels on one stream.
 
 A row's bits depend only on that row: no program reads another row, and the programs' shapes (blocks, splits) are
 fixed, so the grid's row count changes nothing. They do not depend on padding S either: extra slots past a row's own
@@ -27,7 +39,7 @@ lives in page pages[b, id // per_page], row id % per_page. S = window + width (o
 
 Why it is bitwise the gathered call: it is the same `_core_split_kernel` launch (same grid, blocks, splits, S) with
 the constexpr POOL choosing only where a block's keys and live flags come from; everything from the scores on is
-one code path, and the combine kernel is the same. The keys it loads are the same fp32 values: a live slot's stored
+one code path, and the combine is the same. The keys it loads are the same fp32 values: a live slot's stored
 row decoded by `codecs.load_values` is bit for bit `Codec.decode` read back as fp32 (every product is exact in the
 compute dtype), a dead slot is 0.0 in both, and a block's window and compressed slots are merged by a select (no
 arithmetic on the values, so signed zeros survive). A dead slot's row is never read, and a row's bits still depend
@@ -35,6 +47,8 @@ only on that row (its slot, position, ids and pages).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -44,6 +58,7 @@ from .pdl import launch as pdl_launch, wait_previous
 
 from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
+from .mhc import _COUNTERS
 
 MMA = tl.constexpr(not interpreting())  # the bf16 tensor-core products of `_split_dot` (compiled kernels)
 HEAD_BLOCK = 16
@@ -55,6 +70,7 @@ SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scrat
 # 126-145 us at 32-slot splits (docs/perf/decode_step.md).
 DECODE_SPLIT_KEYS = 32
 DECODE_WARPS = 4
+FOLD_ENV = "DSV41_ATTN_FOLD"  # 0 / off: the combine as its own launch (`fold_enabled`)
 
 
 @triton.jit
@@ -122,10 +138,11 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        H, S, HD, scale,
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                        e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
+                       out_ptr, count_ptr,
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
-                       PDL: tl.constexpr = False):
+                       FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_previous(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -164,6 +181,15 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     tl.store(m_ptr + at, m, mask=h_ok)
     tl.store(l_ptr + at, l, mask=h_ok)
     tl.store(acc_ptr + at[:, None] * HD + col[None, :], acc, mask=h_ok[:, None] & col_ok[None, :])
+    if FOLD:
+        # the unit (row, head block)'s last program to arrive combines its splits (`_combine_heads`)
+        tl.debug_barrier()  # every thread's partials stored before the release of the ticket
+        unit = t64 * tl.num_programs(1) + hb
+        ticket = tl.atomic_add(count_ptr + unit, 1, sem="acq_rel")
+        if ticket == n_splits - 1:
+            tl.atomic_xchg(count_ptr + unit, 0)  # ready for the next launch (graph replays included)
+            _combine_heads(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, t64, h, h_ok, col, col_ok, H, HD, n_splits,
+                           HB, HDP)
 
 
 @triton.jit
@@ -223,6 +249,48 @@ def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, n_spli
     tl.store(out_ptr + (t * H + h) * HD + col, out, mask=col_ok)
 
 
+@triton.jit
+def _combine_heads(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, t, h, h_ok, col, col_ok, H, HD, n_splits,
+                   HB: tl.constexpr, HDP: tl.constexpr):
+    """`_core_combine_kernel` for the HB heads h of row t at once, by the last arriver of the split launch: the
+    same operations in the same order on each head's values (elementwise over the heads), so the same bits. The
+    other programs' partials are read after the acquire of the ticket, past L1 (.cg)."""
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
+    big = sink
+    for j in range(n_splits):
+        big = tl.maximum(big, tl.load(m_ptr + (t * n_splits + j) * H + h, mask=h_ok, other=0.0, cache_modifier=".cg"))
+    den = tl.where(sink == big, 1.0, tl.exp(sink - big))
+    num = tl.zeros((HB, HDP), dtype=tl.float32)
+    ok = h_ok[:, None] & col_ok[None, :]
+    for j in range(n_splits):
+        at = (t * n_splits + j) * H + h
+        mj = tl.load(m_ptr + at, mask=h_ok, other=0.0, cache_modifier=".cg")
+        w = tl.where(mj == big, 1.0, tl.exp(mj - big))
+        den = den + tl.load(l_ptr + at, mask=h_ok, other=0.0, cache_modifier=".cg") * w
+        a = tl.load(acc_ptr + at[:, None] * HD + col[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+        num = num + a * w[:, None]
+    out = tl.math.div_rn(num, tl.zeros((HB, HDP), dtype=tl.float32) + den[:, None])
+    tl.store(out_ptr + (t * H + h[:, None]) * HD + col[None, :], out, mask=ok)
+
+
+def fold_enabled() -> bool:
+    """Whether the combine runs in the split launch's last arrivers (default) or as its own launch (`FOLD_ENV`=0:
+    A/B runs). Read at each launch, as `pdl.enabled`: the switch needs no restart (a captured graph keeps the
+    launches it was captured with)."""
+    return os.environ.get(FOLD_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, n_splits: int, hdp: int) -> None:
+    """The split launch over `grid` (rows, head blocks, splits) with its combine: folded into its last arrivers
+    (one launch), or the combine launch after it (`fold_enabled`)."""
+    fold = fold_enabled()
+    count = _COUNTERS.get(out.device, grid[0] * grid[1], "attention") if fold else out
+    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, **pdl_launch(out.device))
+    if not fold:
+        _core_combine_kernel[(grid[0], H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4,
+                                           **pdl_launch(out.device))
+
+
 def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor,
                    scale: float, *, keys_bf16: bool | None = None, split_keys: int = SPLIT_KEYS,
                    key_block: int = KEY_BLOCK, num_warps: int = 8) -> torch.Tensor:
@@ -254,14 +322,12 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     if keys_bf16 is None:
         keys_bf16 = keys.dtype == torch.bfloat16
     n_splits, m, l, acc, hdp = _split_scratch(T, S, H, hd, split_keys, key_block, q.device)
-    _core_split_kernel[(T, triton.cdiv(H, HEAD_BLOCK), n_splits)](
-        q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
-        H, S, hd, float(scale), *_no_pool(ok),
-        HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps,
-        **pdl_launch(q.device))
-    _core_combine_kernel[(T, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4,
-                                 **pdl_launch(q.device))
+    _launch((T, triton.cdiv(H, HEAD_BLOCK), n_splits),
+            (q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
+             H, S, hd, float(scale), *_no_pool(ok)),
+            dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
+                 QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps),
+            m, l, acc, sink, out, H, hd, n_splits, hdp)
     return out
 
 
@@ -301,8 +367,8 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     ids[b, c - (width - K)] (ids [B, K] int64, K <= width, ascending with the -1 first; None: K = 0) when
     c >= width - K, else dead; id >= 0 is live, page pages[b, id // per_page] (pages [B, P]), row id % per_page.
     Returns o [B, H, hd] fp32 (written into `out` when given: contiguous fp32 [B, H, hd], e.g. the real rows of a
-    bucket's o, which then needs no copy); no host sync, no data-dependent allocation, one split and one combine
-    launch."""
+    bucket's o, which then needs no copy); no host sync, no data-dependent allocation, one launch (the combine
+    folded into it; with DSV41_ATTN_FOLD=0 a combine launch after it)."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
@@ -368,12 +434,12 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     if B == 0:
         return out
     n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)
-    _core_split_kernel[(B, triton.cdiv(H, HEAD_BLOCK), n_splits)](
-        q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
-        window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
-        *ents, HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-        QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec, ECODEC=ecodec,
-        num_warps=num_warps, **pdl_launch(q.device))
-    _core_combine_kernel[(B, H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4,
-                                 **pdl_launch(q.device))
+    _launch((B, triton.cdiv(H, HEAD_BLOCK), n_splits),
+            (q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
+             window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
+             *ents),
+            dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
+                 QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
+                 ECODEC=ecodec, num_warps=num_warps),
+            m, l, acc, sink, out, H, hd, n_splits, hdp)
     return out

@@ -54,17 +54,21 @@ def default_splits(d: int) -> int:
 
 
 class _Counters:
-    """Per-row arrival counters of the site launches, zero between launches (the last arriver resets its row's),
-    kept per device so that a launch allocates nothing it must clear."""
+    """Arrival counters of the step kernels whose last arriving program finishes a unit: the site launches' per
+    row, the attention core's per (row, head block) (kernels/step/attention.py, `kernel="attention"`). Zero between
+    launches (the last arriver resets its unit's), kept per (kernel, device) so that a launch allocates nothing it
+    must clear. Regrown by allocating: runtime/graphs.py keeps every buffer here alive with the graphs that hold it
+    (`_kernel_buffers`)."""
 
     def __init__(self):
-        self._by_device: dict[str, torch.Tensor] = {}
+        self._by_device: dict[str, torch.Tensor] = {}  # "device" (the sites) or "kernel@device" -> int32 counters
 
-    def get(self, device: torch.device, rows: int) -> torch.Tensor:
-        have = self._by_device.get(str(device))
+    def get(self, device: torch.device, rows: int, kernel: str = "") -> torch.Tensor:
+        key = f"{kernel}@{device}" if kernel else str(device)
+        have = self._by_device.get(key)
         if have is None or have.numel() < rows:
             have = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
-            self._by_device[str(device)] = have
+            self._by_device[key] = have
         return have
 
 
