@@ -82,7 +82,7 @@ def _padded(keys, ok, extra: int):
 
 
 def _folds(results, fold: bool) -> dict:
-    """`results()` with the combine folded into the split launch (the default) or as its own launch."""
+    """`results()` with the combine folded into the split launch or as its own launch (the default)."""
     from dsv41.kernels.step.attention import FOLD_ENV
 
     before = os.environ.get(FOLD_ENV)
@@ -115,7 +115,7 @@ def _fold_results(results) -> dict:
 def _interp_worker(out_path: str) -> None:
     from dsv41.kernels.step.attention import FOLD_ENV, attention_core
 
-    os.environ[FOLD_ENV] = "1"  # the default path, whatever the caller's environment holds
+    os.environ.pop(FOLD_ENV, None)  # the default path, whatever the caller's environment holds
     out = {}
     for name in CASES:
         q, keys, ok, sink = _case(name)
@@ -322,8 +322,8 @@ def _check_fold(fold: dict) -> None:
 
 @pytest.mark.parametrize("name", CASES + POOL_CASES)
 def test_interpreted_fold_is_the_two_launch_path_bitwise(interp, name):
-    """The combine folded into the split launch's last arrivers (default) has the bits of the split launch then
-    the combine launch (DSV41_ATTN_FOLD=0): the gathered core over generic rows (one to three splits, partial head
+    """The combine folded into the split launch's last arrivers (DSV41_ATTN_FOLD=1) has the bits of the split
+    launch then the combine launch (the default): the gathered core over generic rows (one to three splits, partial head
     blocks, rows without live slots) and, at the decode tiling, the in-place pool over decode and verify rows;
     the arrival counters are zero after the launch, and a second launch gives the same bits."""
     res = interp[name]
@@ -471,14 +471,16 @@ def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("H", [64, 32])
-def test_gpu_fold_is_the_two_launch_path_bitwise_and_replays(H):
+def test_gpu_fold_is_the_two_launch_path_bitwise_and_replays(H, monkeypatch):
     """Compiled, the real shapes: the folded combine (any program of a unit may arrive last) has the two-launch
     path's bits for the gathered core (prefill and decode tilings) and the in-place pool over decode and verify
     rows, launch after launch; captured in a CUDA graph and replayed on new queries it gives the eager bits (the
     counters are back at zero after every launch)."""
-    from dsv41.kernels.step.attention import DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, attention_pool
+    from dsv41.kernels.step.attention import (DECODE_SPLIT_KEYS, DECODE_WARPS, FOLD_ENV, attention_core,
+                                              attention_pool)
 
     _need_cuda()
+    monkeypatch.setenv(FOLD_ENV, "1")  # the capture and the eager launches below fold (`_folds` restores it)
     case = _gpu_pool_case(H, True)
     q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
 

@@ -7,23 +7,30 @@ that ok[t] marks live: s_j = (q[t, h] . k_j) * hd^-1/2, and
 the sink logit unscaled and in the denominator only; a row with no live slot gives zeros. fp32 throughout (the
 reference rounds exp and the log-sum-exp through fp64; here they are fp32: the difference is fp32 rounding).
 
-One launch: one program per (row, block of HEAD_BLOCK heads, key split of SPLIT_KEYS slots) runs an online softmax
+The split launch: one program per (row, block of HEAD_BLOCK heads, key split of SPLIT_KEYS slots) runs an online softmax
 over its split in blocks of KEY_BLOCK slots, in slot order, starting from the sink's logit (m = sink_h, l = 0), and
 writes (m, l, acc). Dead slots are not read (zeros), score -inf, weight exactly 0; a block with no live slot leaves
-(m, l, acc) bit for bit as they were. The combine: per (row, head), the splits in split order with the sink term,
-then the division (IEEE).
+(m, l, acc) bit for bit as they were. The combine launch: one program per (row, head) combines the splits in split
+order with the sink term, then divides (IEEE division).
 
-The combine is folded into the split launch (why: one launch fewer per layer, ~6 us each on the H200, 40 a decode
-step), as the mHC sites do (kernels/step/mhc.py): each program, its partials stored, takes a ticket on the arrival
-counter of its unit (row, head block) (acq_rel atomic add, no float atomics); the one that draws the last ticket
-resets the counter to 0 (the next launch or graph replay finds it so) and runs `_combine_heads`, the combine's
-operations in its order, elementwise over the block's heads, on the partials read after the ticket's acquire. Any
-program may be last (on the GPU; in the interpreter programs run in order, so it is the last split): the sum is in
-split order either way, so the bits are those of the two-launch path, which DSV41_ATTN_FOLD=0 keeps (A/B runs:
-`_core_combine_kernel`, one program per (row, head), as its own launch). The counters (int32, per device, zero
-between launches) are mhc's `_COUNTERS` under "attention": regrown by allocating, kept alive by the CUDA graphs that
-hold the old ones (runtime/graphs.py `_kernel_buffers`). Two launches on concurrent streams of one device would
-share them (as the sites' do): the step runs its kernels on one stream.
+The combine can be folded into the split launch (`DSV41_ATTN_FOLD=1`; why: one launch fewer per layer, 40 a
+decode step), as the mHC sites do (kernels/step/mhc.py): each program, its partials stored, takes a ticket on the
+arrival counter of its unit (row, head block) (acq_rel atomic add, no float atomics); the one that draws the last
+ticket resets the counter to 0 (the next launch or graph replay finds it so) and runs `_combine_heads`, the
+combine's operations in its order, elementwise over the block's heads, on the partials read after the ticket's
+acquire. Any program may be last (on the GPU; in the interpreter programs run in order, so it is the last split):
+the sum is in split order either way, so the bits are those of the two-launch path. The counters (int32, per
+device, zero between launches) are mhc's `_COUNTERS` under "attention": regrown by allocating, kept alive by the
+CUDA graphs that hold the old ones (runtime/graphs.py `_kernel_buffers`). Two launches on concurrent streams of one
+device would share them (as the sites' do): the step runs its kernels on one stream.
+
+It is off by default because it is slower on the H200 (bench/attention_fold_ab.py, attention_pool at the decode
+tiling, window 128 + top-k 512, hd 512, PDL on, device time in a CUDA graph): 64 heads 38 -> 66 us at one row,
+230 -> 287 us at 16 rows; 32 heads 38 -> 57 us / 133 -> 167 us. The folded combine moves a unit's partials (16
+heads x 20 splits x 2 KB = 655 KB) through the one SM of its last arriver, latency-bound at ~25 us, where the
+combine launch spreads them over rows x heads programs and, launched early under PDL, costs only 0-6 us (one row)
+to 14-24 us (16 rows) over the split launch alone. Prefetching the next split's tile, one load of all the splits'
+m, unrolling, or 8 warps did not close the gap (2-4 us at best).
 
 A row's bits depend only on that row: no program reads another row, and the programs' shapes (blocks, splits) are
 fixed, so the grid's row count changes nothing. They do not depend on padding S either: extra slots past a row's own
@@ -70,7 +77,7 @@ SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scrat
 # 126-145 us at 32-slot splits (docs/perf/decode_step.md).
 DECODE_SPLIT_KEYS = 32
 DECODE_WARPS = 4
-FOLD_ENV = "DSV41_ATTN_FOLD"  # 0 / off: the combine as its own launch (`fold_enabled`)
+FOLD_ENV = "DSV41_ATTN_FOLD"  # 1 / on: the combine folded into the split launch (`fold_enabled`); default off
 
 
 @triton.jit
@@ -274,10 +281,10 @@ def _combine_heads(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, t, h, h_ok, col, co
 
 
 def fold_enabled() -> bool:
-    """Whether the combine runs in the split launch's last arrivers (default) or as its own launch (`FOLD_ENV`=0:
-    A/B runs). Read at each launch, as `pdl.enabled`: the switch needs no restart (a captured graph keeps the
-    launches it was captured with)."""
-    return os.environ.get(FOLD_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    """Whether the combine runs in the split launch's last arrivers (`FOLD_ENV`=1) or as its own launch (the
+    default: faster on the H200, module docstring). Read at each launch, as `pdl.enabled`: the A/B switch needs no
+    restart (a captured graph keeps the launches it was captured with)."""
+    return os.environ.get(FOLD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, n_splits: int, hdp: int) -> None:
@@ -367,8 +374,8 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     ids[b, c - (width - K)] (ids [B, K] int64, K <= width, ascending with the -1 first; None: K = 0) when
     c >= width - K, else dead; id >= 0 is live, page pages[b, id // per_page] (pages [B, P]), row id % per_page.
     Returns o [B, H, hd] fp32 (written into `out` when given: contiguous fp32 [B, H, hd], e.g. the real rows of a
-    bucket's o, which then needs no copy); no host sync, no data-dependent allocation, one launch (the combine
-    folded into it; with DSV41_ATTN_FOLD=0 a combine launch after it)."""
+    bucket's o, which then needs no copy); no host sync, no data-dependent allocation, one split and one combine
+    launch (with DSV41_ATTN_FOLD=1 one launch: the combine folded into the split's)."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
