@@ -241,3 +241,30 @@ def test_gpu_in_place_equals_load_and_store(lite_dir):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
     _interp_worker(sys.argv[2])
+
+
+@pytest.mark.gpu
+def test_gpu_tables_queued_without_waiting_arrive_whole():
+    """The pinned staging buffers are reused: tables of several steps built back to back, with no wait between
+    them (a bigger one regrowing a buffer among them), each reach the device intact."""
+    from types import SimpleNamespace
+
+    from dsv41.runtime.kv_pool import SourceLayout
+    from dsv41.runtime.layers.attention import Segment
+    from dsv41.runtime.step_tables import StepTables
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here: run on a GPU machine (`pytest -m gpu`)")
+    pool = SimpleNamespace(ring_rows=20, sources={1: SourceLayout(1, 2, 4, True)})
+    a = SimpleNamespace(row=SimpleNamespace(slot=1, page_ids=[3]))
+    rng = np.random.default_rng(1)
+    built, want = [], []
+    for step, width in enumerate((264, 264, 4096, 264, 264)):
+        stored = rng.integers(0, 256, (8, 2, width), dtype=np.uint8)
+        cpu = StepTables.build([Segment(a, 0, 1, 7 + step)], 8, pool, torch.device("cpu"), inputs={"e": stored})
+        built.append(StepTables.build([Segment(a, 0, 1, 7 + step)], 8, pool, torch.device("cuda"),
+                                      inputs={"e": stored}))
+        want.append(cpu.packed)
+    torch.cuda.synchronize()
+    for t, packed in zip(built, want):
+        assert torch.equal(t.packed.cpu(), packed)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from dsv41.config import ModelConfig
@@ -234,10 +235,11 @@ class FastModel:
             at += ids.numel()
         n = at
         B = BUCKET if is_fused(phase) else n
-        ids = torch.cat([c[1] for c in chunks])
-        pos = torch.cat([torch.arange(s.pos, s.pos + s.T) for s in segs])
-        pad = torch.zeros(B - n, dtype=torch.long)
-        ids_b, pos_b = torch.cat((ids, pad + ids[0])), torch.cat((pos, pad + pos[0]))
+        # numpy: a few µs an op where torch's CPU ops cost ~10 (host work before every step's graph)
+        ids = np.concatenate([c[1].numpy() for c in chunks])
+        pos = np.concatenate([np.arange(s.pos, s.pos + s.T, dtype=np.int64) for s in segs])
+        ids_b = torch.from_numpy(np.concatenate((ids, np.full(B - n, ids[0], dtype=np.int64))))
+        pos_b = torch.from_numpy(np.concatenate((pos, np.full(B - n, pos[0], dtype=np.int64))))
         stored = rows = live = None
         if self.engram_hasher is not None:
             with section("engram"):

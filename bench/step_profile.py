@@ -1,0 +1,119 @@
+"""Profiling helpers of bench/decode_step.py: where a step's device time goes by section and kernel (`classify`,
+from a torch profile), the host's share without a profiler (`step_split`), and the host's Python by function
+(`host_profile`, cProfile)."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from dsv41.runtime import sections
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def classify(prof) -> dict:
+    """Device µs and launches per runtime section. Each kernel goes to the innermost `dsv41::` range whose GPU-side
+    span (the profiler's GPU user annotation) contains its start: this also places the EXL3 kernels, which are
+    launched through the driver API and so have no CPU op linked to them. Busy = the union of kernel intervals
+    (PDL lets EXL3 kernels overlap). `linked_us`: the same per section through the CPU ops' own kernel links."""
+    events = prof.events()
+    device = [e for e in events if str(e.device_type).endswith("CUDA")]
+    spans = sorted(((e.time_range.start, e.time_range.end, e.name[len(sections.PREFIX):]) for e in device
+                    if e.name.startswith(sections.PREFIX)), key=lambda t: (t[0], -t[1]))
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in device
+                     if not e.name.startswith(sections.PREFIX))
+    by_name, name_count = defaultdict(float), Counter()  # inside a graph the sections are one span: the kernels
+    for e in device:
+        if not e.name.startswith(sections.PREFIX):
+            by_name[e.name[:90]] += e.time_range.end - e.time_range.start
+            name_count[e.name[:90]] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:40]
+    us, launches, stack, j = defaultdict(float), Counter(), [], 0
+    busy, reach = 0.0, -math.inf
+    for start, end in kernels:
+        while j < len(spans) and spans[j][0] <= start:
+            stack.append(spans[j])
+            j += 1
+        while stack and stack[-1][1] < start:
+            stack.pop()
+        inner = next((sp[2] for sp in reversed(stack) if sp[0] <= start <= sp[1]), "other")
+        us[inner] += end - start
+        launches[inner] += 1
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    # the step's timeline: host work before the first kernel, the device span (busy + the gaps between kernels,
+    # which inside one graph are the launch latency of its nodes), and what follows the last kernel (the read-back)
+    cpu = [e for e in events if not str(e.device_type).endswith("CUDA")]
+    timeline = {}
+    if kernels and cpu:
+        t0, t1 = min(e.time_range.start for e in cpu), max(e.time_range.end for e in cpu)
+        k0, k1 = kernels[0][0], max(end for _, end in kernels)
+        timeline = {"lead_us": k0 - t0, "span_us": k1 - k0, "gaps_us": (k1 - k0) - busy, "tail_us": max(0.0, t1 - k1),
+                    "kernels": len(kernels)}
+    linked = defaultdict(float)
+    for fe in events:
+        for k in getattr(fe, "kernels", None) or []:
+            p = fe
+            while p is not None and not p.name.startswith(sections.PREFIX):
+                p = p.cpu_parent
+            linked[p.name[len(sections.PREFIX):] if p is not None else "other"] += k.duration
+    return {"device_us": dict(us), "launches": dict(launches), "busy_us": busy, "linked_us": dict(linked),
+            "kernels_us": {k: [round(v, 1), name_count[k]] for k, v in top}, "timeline_us": timeline}
+
+
+def step_split(model, rows, mode, device, n: int, pool, reps: int = 5) -> dict:
+    """The step's wall time taken apart without a profiler: `enqueue_ms`, the host's work from the call to the
+    moment the forward returns with the device idle at its start (tables, Engram rows, copies, the replay's
+    launch), and `graph_ms`, the step's captured graph replayed alone (CUDA events: its kernels and the gaps
+    between its nodes, no host work). The step's wall time minus `graph_ms` is what the host adds."""
+    if device.type != "cuda" or model.graphs is None:
+        return {}
+    enq = []
+    for _ in range(reps):
+        batch = rows()
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model.forward(batch, mode, pool=pool)
+        enq.append((time.perf_counter() - t0) * 1e3)
+        logits.argmax(dim=-1).tolist()
+    pieces = [p for k, p in model.graphs._pieces.items() if k[:3] == ("step", mode, n)]
+    if not pieces:
+        return {"enqueue_ms": statistics.median(enq)}
+    graph = pieces[-1].graph  # the bucket just run (the pieces are kept in capture order)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"enqueue_ms": statistics.median(enq), "graph_ms": statistics.median(times)}
+
+
+def host_profile(run_step, rows, device, top: int = 45) -> dict:
+    """Where the host's time of one step goes: cProfile of one untimed step (device synchronised before and
+    after), the functions by their own time and by their cumulative time (ms; cProfile's overhead inflates both,
+    the ranking is what it is for)."""
+    import cProfile
+    import pstats
+
+    batch = rows()
+    sync(device)
+    prof = cProfile.Profile()
+    prof.runcall(lambda: (run_step(batch), sync(device)))
+    st = pstats.Stats(prof)
+    entries = [{"fn": f"{Path(file).name}:{line}:{name}", "calls": calls, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
+               for (file, line, name), (_, calls, own, cum, _) in st.stats.items()]
+    return {"total_ms": st.total_tt * 1e3, "by_own": sorted(entries, key=lambda e: -e["own_ms"])[:top],
+            "by_cumulative": sorted(entries, key=lambda e: -e["cum_ms"])[:top]}
