@@ -5,6 +5,8 @@
 # `python3 -m dsv41.kernels.cuda_build --arch sm_90 --out build/cubins --K 2 --K 3 --K 4 --K 5 --K 6 --K 8
 # --codebook mul1`), else built on the machine.
 #   bash bench/fast_path_gpu.sh OUTDIR     (writes OUTDIR/fast_path_gpu_tests.log, decode_step.{json,png,log})
+# The device machine's copy of the tree may carry a stale .git (seen: every JSON of a session named its first
+# commit): pass BENCH_COMMIT=<git rev-parse --short HEAD, read here> in the command.
 set -o pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench/results}"

@@ -149,6 +149,39 @@ def test_explicit_dead_mask(hasher, input_ids):
     assert torch.equal(hasher.hash(ids, dead=dead), expected)
 
 
+def test_many_sequences_in_one_pass(hasher, cfg, input_ids):
+    """`hash_many` over several sequences' chunks, step after step (a prompt each, then decode-like steps, an
+    empty chunk, a dead mask, an image token, a chunk with no history): each sequence's rows are the rule's
+    (`reference_hash` of its whole text) and each history carries on as one `hash` call per chunk leaves it."""
+    texts = [list(input_ids[:17]), list(input_ids[5:14]), list(input_ids[20:31])]
+    texts[2][4] = cfg.image_token_id
+    dead = [[False] * len(t) for t in texts]
+    dead[1][3] = True
+    for t, d in zip(texts, dead):
+        for i, v in enumerate(t):
+            d[i] = d[i] or v == cfg.image_token_id
+    cuts = [[0, 12, 13, 13, 15, 17], [0, 5, 6, 7, 8, 9], [0, 1, 2, 6, 10, 11]]  # a step's chunk: cuts[i][s:s + 2]
+    histories = [hasher.new_history() for _ in texts]
+    got = [[] for _ in texts]
+    for step in range(5):
+        chunks = []
+        for i, t in enumerate(texts):
+            a, b = cuts[i][step], cuts[i][step + 1]
+            chunks.append((t[a:b], histories[i], torch.tensor(dead[i][a:b], dtype=torch.bool)))
+        rows = hasher.hash_many(chunks)
+        at = 0
+        for i, (ids, _, _) in enumerate(chunks):
+            got[i].append(rows[at:at + len(ids)])
+            at += len(ids)
+        assert at == rows.shape[0]
+    for i, t in enumerate(texts):
+        compressed = [int(hasher.token_map[v]) for v in t]
+        assert torch.equal(torch.cat(got[i]), reference_hash(compressed, dead[i], hasher.constants, hasher.pad_id))
+    lone = hasher.hash_many([(texts[0][:3], None)])  # no history: the start of a sequence
+    assert torch.equal(lone, hasher.hash(texts[0][:3]))
+    assert hasher.hash_many([]).shape[0] == 0
+
+
 def test_hash_ids_stay_inside_their_buckets(hasher, input_ids):
     ids = hasher.hash(input_ids)
     c = hasher.constants

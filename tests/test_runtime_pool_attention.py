@@ -245,8 +245,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
 
 @pytest.mark.gpu
 def test_gpu_tables_queued_without_waiting_arrive_whole():
-    """The pinned staging buffers are reused: tables of several steps built back to back, with no wait between
-    them (a bigger one regrowing a buffer among them), each reach the device intact."""
+    """Tables of several steps built back to back with no wait between them (each leaves from its own pinned
+    buffer by a non-blocking copy), of varied sizes, each reach the device intact."""
     from types import SimpleNamespace
 
     from dsv41.runtime.kv_pool import SourceLayout

@@ -112,9 +112,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, step: int) -> int:
     """Pick the next token id from one row of logits [V] (disallowed ids already at -inf)."""
+    if params.greedy:  # argmax where the row is: the first maximum on every device, one id crosses, not the row
+        return int(torch.argmax(logits.detach()))
     logits = logits.detach().cpu()  # the keyed noise is computed on the CPU; one row is cheap to move
-    if params.greedy:
-        return int(torch.argmax(logits))
     scaled = filter_logits(logits, params)
     noise = keyed_gumbel(seed, step, torch.arange(scaled.shape[-1]))
     return int(torch.argmax(scaled + noise))

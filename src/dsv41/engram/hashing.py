@@ -208,35 +208,51 @@ class EngramHasher:
         `history=None` hashes the chunk as the start of a sequence. `dead` (bool `[T]`) marks extra DEAD
         positions; image tokens (`image_token_id`) are always DEAD.
         """
+        return self.hash_many([(token_ids, history, dead)])
+
+    def hash_many(self, chunks) -> torch.Tensor:
+        """`hash` of several sequences' chunks in one pass: `chunks` of `(token_ids, history)` or `(token_ids,
+        history, dead)`; row ids `[sum T, n_layers, n_cols]`, each chunk's rows in turn, the ids one `hash` call
+        per chunk gives (each history updated in place). A decode step of many sequences pays the numpy ops once,
+        not once a sequence (this runs on the host before every step's graph)."""
         c = self.constants
-        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).cpu().numpy()
         tmap, mult, primes, offsets = self._arrays()
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tmap.size):
+        back = c.max_ngram - 1
+        items = [tuple(item) + (None,) * (3 - len(item)) for item in chunks]
+        ids = [torch.as_tensor(t, dtype=torch.int64).reshape(-1).cpu().numpy() for t, _, _ in items]
+        every = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        if every.size and (int(every.min()) < 0 or int(every.max()) >= tmap.size):
             raise ValueError(f"token id outside the vocabulary of {tmap.size}")
-        # numpy: the same int64 operations as the torch formulation at a few µs each (this runs on the host for
-        # every sequence of every decode step, before the step's graph)
-        compressed = tmap[ids]
-        is_dead = (np.zeros(ids.shape, dtype=bool) if dead is None
-                   else torch.as_tensor(dead).to(device="cpu", dtype=torch.bool).reshape(-1).numpy())
-        if self.image_token_id is not None:
-            is_dead = is_dead | (ids == self.image_token_id)
+        compressed = tmap[every]
+        is_dead = every == self.image_token_id if self.image_token_id is not None else np.zeros(every.shape, bool)
+        at = 0
+        for (_, _, dead), chunk in zip(items, ids):
+            if dead is not None:
+                mark = torch.as_tensor(dead).to(device="cpu", dtype=torch.bool).reshape(-1).numpy()
+                is_dead[at:at + chunk.size] |= mark
+            at += chunk.size
         compressed = np.where(is_dead, DEAD, compressed)
 
-        if history is None:
-            history = self.new_history()
-        back = c.max_ngram - 1
-        seq = np.concatenate([history.ids.numpy(), compressed])  # [back + T]
-        history.ids = torch.from_numpy(seq[-back:].copy())
-        T = ids.size
+        # one array of every chunk behind its look-back: [history_0, chunk_0, history_1, chunk_1, ...]
+        pieces, rows, at, start = [], [], 0, 0
+        for (_, history, _), chunk in zip(items, ids):
+            past = (history.ids.numpy() if history is not None else np.full(back, DEAD, dtype=np.int64))
+            here = compressed[at:at + chunk.size]
+            pieces += [past, here]
+            rows.append(np.arange(start + back, start + back + chunk.size))
+            if history is not None:
+                history.ids = torch.from_numpy(np.concatenate([past, here])[-back:].copy())
+            at += chunk.size
+            start += back + chunk.size
+        seq = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
+        where = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
 
         # tokens[:, s] = compressed id s positions back, pad once blocked (cumulatively along s)
-        tokens, blocked = np.empty((T, c.max_ngram), dtype=np.int64), np.zeros(T, dtype=bool)
-        for s in range(c.max_ngram):
-            source = seq[back - s: back - s + T]
-            blocked = blocked | (source == DEAD)
-            tokens[:, s] = np.where(blocked, self.pad_id, source)
+        source = seq[where[:, None] - np.arange(c.max_ngram)[None, :]]  # [R, max_ngram]
+        blocked = np.logical_or.accumulate(source == DEAD, axis=1)
+        tokens = np.where(blocked, self.pad_id, source)
 
-        products = tokens[:, None, :] * mult[None, :, :]  # [T, n_layers, max_ngram]; cannot overflow
+        products = tokens[:, None, :] * mult[None, :, :]  # [R, n_layers, max_ngram]; cannot overflow
         rolling = products[..., 0]
         columns = []
         for k in range(1, c.max_ngram):

@@ -243,7 +243,7 @@ class FastModel:
         stored = rows = live = None
         if self.engram_hasher is not None:
             with section("engram"):
-                row_ids = torch.cat([self.engram_hasher.hash(i, s.state.engram) for s, (_, i) in zip(segs, chunks)])
+                row_ids = self.engram_hasher.hash_many([(i, s.state.engram) for s, (_, i) in zip(segs, chunks)])
                 row_ids = torch.cat((row_ids, row_ids[:1].expand(B - n, *row_ids.shape[1:])))
                 reads = {L: e.table.submit(row_ids[:, cfg.engram_layer_ids.index(L)]) for L, e in self.engram.items()}
                 stored = {L: read.wait_bytes() for L, read in reads.items()}  # every layer's reads in flight at once
