@@ -239,8 +239,6 @@ def test_gpu_in_place_equals_load_and_store(lite_dir):
     assert res["graphs"]["captures"] >= 1 and res["graphs"]["failed"] == 0, res["graphs"]
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
-    _interp_worker(sys.argv[2])
 
 
 @pytest.mark.gpu
@@ -268,3 +266,7 @@ def test_gpu_tables_queued_without_waiting_arrive_whole():
     torch.cuda.synchronize()
     for t, packed in zip(built, want):
         assert torch.equal(t.packed.cpu(), packed)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
+    _interp_worker(sys.argv[2])

@@ -89,6 +89,7 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
     reference `Model` (the pool forward) or a `FastModel` (runtime/build.py: the fast forward)."""
     from ..errors import ConfigError
     from ..runtime.fast_forward import FastForward, pool_layout
+    from ..runtime.graphs import ENV_BOOT, env_boot_budget
     from ..runtime.kv_pool import pool_for_model
     from ..runtime.model import FastModel
     from ..runtime.model_runner import ModelRunner, free_bytes
@@ -127,6 +128,11 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         f"stores {d['stores']}")
     if fast:
         forward = FastForward(model)
+        budget = env_boot_budget()
+        boot = forward.capture_graphs(pool, max_rows=args.parallel, max_len=max_model_len, budget_s=budget)
+        if boot["planned"]:
+            log(f"dsv41 engine: {boot['captured']} decode graphs captured before serving ({boot['run']} of "
+                f"{boot['planned']} planned) in {boot['seconds']:.1f} s ({ENV_BOOT}={budget:g})")
     else:
         forward = PoolForward(model, replay=args.prefill == "replay", expert_topp=args.expert_topp,
                               expert_min_k=args.expert_min_k)

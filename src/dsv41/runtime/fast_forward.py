@@ -22,14 +22,27 @@ a compressor keeps index keys, the fake quantisers, dtype and device; no DSpark 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import torch
 
 from ..engine.batch import DECODE, PREFILL, VERIFY, Row
-from .model import BUCKET
+from .graphs import PieceGraphs
+from .model import BUCKET, ROW_BUCKETS, row_bucket
 from .pool_forward import decoder_start, load_sequences, store_sequences
-from .step_tables import ring_chunk_rows
+from .step_tables import page_bucket, ring_chunk_rows
+
+
+def boot_plan(max_rows: int, max_pages: int) -> list[tuple[int, int]]:
+    """The decode graphs to capture before serving, in the order they are captured: (page bucket, row bucket) for
+    every page bucket from 1 up to the one of `max_pages` (short contexts first: what a fresh server meets
+    first), and within each every row bucket (`ROW_BUCKETS`) up to the one of `max_rows`."""
+    if max_rows < 1 or max_pages < 1:
+        raise ValueError(f"a boot plan needs rows and pages >= 1, got {max_rows} and {max_pages}")
+    pages = [1 << i for i in range(page_bucket(max_pages).bit_length())]
+    rows = [b for b in ROW_BUCKETS if b <= row_bucket(max_rows)]
+    return [(P, n) for P in pages for n in rows]
 
 
 def pool_layout(model) -> SimpleNamespace:
@@ -47,6 +60,34 @@ class FastForward:
         self.model, self.cfg = model, model.cfg
         self.in_place = in_place
         self.decoder_from = decoder_start(model.cfg)
+
+    def capture_graphs(self, pool, *, max_rows: int, max_len: int, budget_s: float,
+                       clock=time.perf_counter) -> dict:
+        """Capture the decode step's graphs before serving (ENGINE.md §5: at start, within a time budget, on real
+        metadata shapes), in `boot_plan` order, each on scratch sequences whose tables write nothing (the pool is
+        left as it was; each sequence at the last position its page bucket holds, at most `max_len` - 1, so every
+        read stays inside what a served sequence reads). Stops once `budget_s` is spent; at TP > 1 it runs the
+        whole plan (the ranks must capture alike, and their seconds differ). A graph not captured here is
+        captured on first use, as before. Returns what was done (counts, seconds)."""
+        m = self.model
+        if m.graphs is None:
+            m.graphs = PieceGraphs(m.device, m.comm)
+        if budget_s <= 0 or not (m.graphs.active and m.pool_runs(DECODE)):
+            return {"captured": 0, "planned": 0, "run": 0, "seconds": 0.0}
+        plan = boot_plan(min(max_rows, BUCKET), -(-max_len // pool.page_tokens))
+        t0, before, done = clock(), m.graphs.stats.captures, 0
+        for pages, rows in plan:
+            if getattr(m.comm, "world", 1) == 1 and clock() - t0 >= budget_s:
+                break
+            pos = min(pages * pool.page_tokens, max_len) - 1
+            scratch = [Row(-1 - i, i % pool.num_slots, [0], pos, [p % pool.num_pages for p in range(pages)])
+                       for i in range(rows)]
+            views = load_sequences(pool, scratch, self.cfg, self.decoder_from, m.engram_hasher)
+            m.forward([(v, r.token_ids) for v, r in zip(views, scratch)], DECODE, logits="all", pool=pool,
+                      writes=False)
+            done += 1
+        return {"captured": m.graphs.stats.captures - before, "planned": len(plan), "run": done,
+                "seconds": clock() - t0}
 
     @staticmethod
     def phase_of(row: Row) -> str:

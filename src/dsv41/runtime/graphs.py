@@ -71,6 +71,20 @@ def env_budget(environ=None) -> float:
     return float(value) if value.strip() else DEFAULT_BUDGET_S
 
 
+ENV_BOOT = "DSV41_GRAPHS_BOOT_S"
+DEFAULT_BOOT_S = 15.0  # the recipe's boot warm-up budget (RECIPE.md §2.5)
+
+
+def env_boot_budget(environ=None) -> float:
+    """`DSV41_GRAPHS_BOOT_S`: seconds the server may spend capturing decode graphs before it serves (default 15;
+    0 captures none at start: each is then captured on first use)."""
+    value = (os.environ if environ is None else environ).get(ENV_BOOT, "")
+    budget = float(value) if value.strip() else DEFAULT_BOOT_S
+    if not budget >= 0:
+        raise ValueError(f"{ENV_BOOT} must be a number of seconds >= 0, got {value!r}")
+    return budget
+
+
 def refusal(*, enabled: bool, device_type: str, tracing: bool, comm_safe: bool, spent_s: float,
             budget_s: float, captures: int = 0, max_captures: int = DEFAULT_MAX_CAPTURES) -> str | None:
     """Why a piece may not be captured now (None: capture it). Checked in this order."""

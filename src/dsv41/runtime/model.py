@@ -57,6 +57,16 @@ from .sections import section
 
 _NOT_HELD = ("cfg", "workspace", "ref", "rope", "constants", "launch")
 BUCKET = 16  # rows of a decode/verify bucket: the kernels' row block, and the bitwise guarantee's reach
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # the row counts a step's graph is captured for (ENGINE.md §5)
+
+
+def row_bucket(n: int) -> int:
+    """The rows an in-place step of n real rows runs: the smallest of ROW_BUCKETS holding them (the rows past n
+    mirror row 0 and write nothing, so a real row's bits are those of any other count)."""
+    for b in ROW_BUCKETS:
+        if n <= b:
+            return b
+    raise ValueError(f"a bucket holds at most {ROW_BUCKETS[-1]} rows, got {n}")
 
 
 @dataclass
@@ -193,14 +203,16 @@ class FastModel:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
-                logits: str = "last", trace: dict | None = None, pool=None) -> torch.Tensor:
+                logits: str = "last", trace: dict | None = None, pool=None, writes: bool = True) -> torch.Tensor:
         """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
         row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row).
 
         `pool` (a `KVPool`; decode / verify, untraced, where the step kernels run): the states are the pool's
         sequences (`PoolSequence`: `.row` names the ring slot and page table) and attention works on the pool in
         place (`FastAttention.attend_pool`), the whole bucket one CUDA graph (`_pool_step`); nothing of the
-        sequences is loaded into the states, and nothing is left to store back."""
+        sequences is loaded into the states, and nothing is left to store back. `writes=False` (over a pool): the
+        step's tables write nothing, so the pool is left as it was (what the graphs captured before serving run on:
+        `FastForward.capture_graphs`)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
@@ -213,11 +225,11 @@ class FastModel:
             if ids.numel() > BUCKET:
                 raise ValueError(f"a {phase} chunk has at most {BUCKET} rows, got {ids.numel()}")
             if rows + ids.numel() > BUCKET:
-                out.append(self._forward(group, phase, logits, trace, pool))
+                out.append(self._forward(group, phase, logits, trace, pool, writes))
                 group, rows = [], 0
             group.append((state, ids))
             rows += ids.numel()
-        out.append(self._forward(group, phase, logits, trace, pool))
+        out.append(self._forward(group, phase, logits, trace, pool, writes))
         return torch.cat(out)  # always a new tensor: the logits outlive the graph pieces' output buffers
 
     __call__ = forward
@@ -227,7 +239,8 @@ class FastModel:
         step kernels run: CUDA, or the interpreter)."""
         return is_fused(phase) and trace is None and step_kernels_run(self.device)
 
-    def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None) -> torch.Tensor:
+    def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None, writes: bool = True
+                 ) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
         segs, at = [], 0
         for state, ids in chunks:
@@ -248,7 +261,7 @@ class FastModel:
                 reads = {L: e.table.submit(row_ids[:, cfg.engram_layer_ids.index(L)]) for L, e in self.engram.items()}
                 stored = {L: read.wait_bytes() for L, read in reads.items()}  # every layer's reads in flight at once
         if pool is not None and self.pool_runs(phase, trace):
-            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored)
+            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored, writes)
         if stored is not None:
             with section("engram"):
                 rows = {L: r.decode(dev) for L, r in stored.items()}
@@ -278,11 +291,12 @@ class FastModel:
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
 
-    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored):
+    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored, writes=True):
         """One bucket over the pool: the tables (one host-to-device copy, which also carries the step's token ids,
         positions and Engram rows as stored), then the whole step as one graph (`graphs.run("step", ...)`, keyed
-        by phase, n and the tables' page bucket). The capture's warm-up runs on tables that write nothing, so the
-        step's writes to the pool happen once, in the replay."""
+        by phase, the row bucket of n and the tables' page bucket: the kernels run `row_bucket(n)` rows, those past
+        n mirroring row 0 and writing nothing, and the first n rows' logits are returned). The capture's warm-up
+        runs on tables that write nothing, so the step's writes to the pool happen once, in the replay."""
         from .step_tables import StepTables, ring_chunk_rows
 
         dev = self.device
@@ -292,12 +306,15 @@ class FastModel:
                                  f"over a window of {self.cfg.sliding_window}")
         inputs = {"ids": ids_b, "pos": pos_b, **{f"engram.{L}": r.data for L, r in (stored or {}).items()}}
         tables = StepTables.build(segs, B, pool, dev, inputs=inputs)  # one copy for all
-        step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=n), n, phase, pool, tables)
+        if not writes:
+            tables = tables.without_writes()
+        nb = row_bucket(n)
+        step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=nb), nb, phase, pool, tables)
         args = (tables.packed, {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()})
         if self.graphs is None:
             self.graphs = PieceGraphs(self.device, self.comm)
         warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
-        local = self.graphs.run("step", phase, n, step, *args, warmup=warm)
+        local = self.graphs.run("step", phase, nb, step, *args, warmup=warm)[:n]
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())

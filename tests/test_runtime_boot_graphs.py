@@ -1,0 +1,212 @@
+"""The decode graphs captured before serving (FastForward.capture_graphs, ENGINE.md §5; issue 16 item 6).
+
+The plan (`boot_plan`: page buckets from the smallest up, every row count within each), the time budget
+(`DSV41_GRAPHS_BOOT_S`; checked with a counting clock, not the machine's), the whole plan at TP > 1, nothing on a
+device without graphs, and what matters most: the scratch steps write nothing, so the pool a server then serves
+from is exactly as it was (CPU: the step's kernels in Triton's interpreter, in a child process).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dsv41.runtime.fast_forward import FastForward, boot_plan
+from dsv41.runtime.model import BUCKET, ROW_BUCKETS, row_bucket
+from dsv41.runtime.graphs import GraphStats, env_boot_budget
+from step_harness import interpreted
+
+PAGE_TOKENS = 8
+
+
+def test_boot_plan_takes_short_contexts_first():
+    assert boot_plan(3, 1) == [(1, 1), (1, 2), (1, 3)]
+    assert boot_plan(2, 5) == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)]
+    assert [p for p, _ in boot_plan(1, 1172)] == [1 << i for i in range(12)]  # 300K positions of 256-token pages
+    assert [n for _, n in boot_plan(10, 1)] == [1, 2, 3, 4, 5, 6, 7, 8, 12]  # row buckets, up to the one of 10
+    assert [n for _, n in boot_plan(16, 1)] == list(ROW_BUCKETS)
+    with pytest.raises(ValueError, match=">= 1"):
+        boot_plan(0, 4)
+
+
+def test_row_buckets():
+    assert [row_bucket(n) for n in range(1, 17)] == [1, 2, 3, 4, 5, 6, 7, 8, 12, 12, 12, 12, 16, 16, 16, 16]
+    assert ROW_BUCKETS[-1] == BUCKET
+    with pytest.raises(ValueError, match="at most 16"):
+        row_bucket(17)
+
+
+def test_boot_budget_knob():
+    assert env_boot_budget({}) == 15.0
+    assert env_boot_budget({"DSV41_GRAPHS_BOOT_S": "0"}) == 0.0
+    assert env_boot_budget({"DSV41_GRAPHS_BOOT_S": " 2.5 "}) == 2.5
+    with pytest.raises(ValueError, match="DSV41_GRAPHS_BOOT_S"):
+        env_boot_budget({"DSV41_GRAPHS_BOOT_S": "-1"})
+
+
+class _Recorder:
+    """Graphs that record each step they are asked to capture (phase, rows, page bucket) and run nothing."""
+
+    active = True
+
+    def __init__(self, vocab: int):
+        self.vocab, self.keys, self.tables, self.stats = vocab, [], [], GraphStats()
+
+    def run(self, name, phase, n, fn, *args, warmup=None):
+        tables = fn.args[4]  # partial(FastModel._pool_step, sites, n, phase, pool, tables)
+        self.keys.append((name, phase, n, tables.pages_bucket, tables.B))
+        self.tables.append(tables)
+        self.stats.captures += 1
+        return torch.zeros(n, self.vocab)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+@pytest.fixture(scope="module")
+def lite(tmp_path_factory):
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.fast_forward import pool_layout
+    from dsv41.runtime.kv_pool import pool_for_model
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    model = build_fast_model(make_tiny(tmp_path_factory.mktemp("lite") / "model", "exl3", seed=0, overrides=LITE),
+                             "cpu", torch.float32)
+    pool = pool_for_model(pool_layout(model), num_slots=3, num_pages=8, page_tokens=PAGE_TOKENS, device="cpu")
+    return model, pool
+
+
+def test_capture_follows_the_plan_within_the_budget(lite, monkeypatch):
+    model, pool = lite
+    monkeypatch.setattr(model, "pool_runs", lambda phase, trace=None: True)
+    recorder = _Recorder(model.vocab_end - model.vocab_start)
+    monkeypatch.setattr(model, "graphs", recorder)
+    ff = FastForward(model)
+    # 3 pages of 8 positions: page buckets 1, 2, 4; row buckets 1..5
+    done = ff.capture_graphs(pool, max_rows=5, max_len=3 * PAGE_TOKENS, budget_s=1e9, clock=_Clock())
+    plan = boot_plan(5, 3)
+    assert done["planned"] == len(plan) == 15 and done["run"] == 15 and done["captured"] == 15
+    assert recorder.keys == [("step", "decode", n, P, 16) for P, n in plan]
+    # the clock ticks once at the start and once before each step (1, 2, 3 ticks gone): a budget of 2.5 runs two
+    recorder.keys.clear()
+    done = ff.capture_graphs(pool, max_rows=5, max_len=3 * PAGE_TOKENS, budget_s=2.5, clock=_Clock())
+    assert done["run"] == 2 and recorder.keys == [("step", "decode", n, P, 16) for P, n in plan[:2]]
+    # at TP > 1 the ranks run the whole plan whatever their clocks say
+    recorder.keys.clear()
+    monkeypatch.setattr(model, "comm", SimpleNamespace(world=2, gather_cat=lambda x, dim: x))
+    done = ff.capture_graphs(pool, max_rows=1, max_len=2 * PAGE_TOKENS, budget_s=0.5, clock=_Clock())
+    assert done["run"] == 2 and [k[3] for k in recorder.keys] == [1, 2]
+
+
+def test_a_step_runs_its_row_bucket(lite, monkeypatch):
+    """Nine decode rows run as the 12-row bucket's step (its graph), the tables holding the nine real rows (the
+    rest mirror row 0 and write nothing), and the forward returns the nine rows' logits."""
+    from dsv41.engine.batch import DECODE, Row
+
+    model, pool = lite
+    monkeypatch.setattr(model, "pool_runs", lambda phase, trace=None: True)
+    recorder = _Recorder(model.vocab_end - model.vocab_start)
+    monkeypatch.setattr(model, "graphs", recorder)
+    rows = [Row(i, i % pool.num_slots, [5 + i], 3, [i % pool.num_pages], phase=DECODE, scores=[(0, 0, 0)])
+            for i in range(9)]
+    out = FastForward(model).execute(rows, pool)
+    assert [k[2] for k in recorder.keys] == [12] and recorder.tables[0].n == 9
+    assert recorder.tables[0].ring_dest.tolist()[9:] == [-1] * 7
+    assert len(out) == 9 and all(o.shape == (1, model.vocab_end - model.vocab_start) for o in out)
+
+
+def test_nothing_is_captured_without_graphs_or_budget(lite, monkeypatch):
+    model, pool = lite
+    monkeypatch.setattr(model, "graphs", None)
+    done = FastForward(model).capture_graphs(pool, max_rows=2, max_len=16, budget_s=10)
+    assert done == {"captured": 0, "planned": 0, "run": 0, "seconds": 0.0}  # the CPU: graphs are not active
+    assert model.graphs is not None and not model.graphs.active
+    monkeypatch.setattr(model, "graphs", _Recorder(1))
+    monkeypatch.setattr(model, "pool_runs", lambda phase, trace=None: True)
+    assert FastForward(model).capture_graphs(pool, max_rows=2, max_len=16, budget_s=0)["planned"] == 0
+
+
+def _interp_worker(out_path: str, model_dir: str) -> None:
+    """A prefilled pool, then the boot capture's scratch steps run for real (the step's function, eagerly, in the
+    interpreter): the pool's bytes before and after, and the logits' shapes."""
+    from dsv41.engine.batch import PREFILL, Row
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.fast_forward import pool_layout
+    from dsv41.runtime.kv_pool import pool_for_model
+
+    torch.set_num_threads(1)
+    model = build_fast_model(model_dir, "cpu", torch.float32, fake_quant=True)
+    pool = pool_for_model(pool_layout(model), num_slots=2, num_pages=4, page_tokens=PAGE_TOKENS, device="cpu")
+    prompt = [0] + [(i * 37) % 500 + 5 for i in range(12)]
+    FastForward(model, in_place=False).execute([Row(0, 1, prompt, 0, [2, 0], phase=PREFILL)], pool)
+    before = pool.buffer.clone()
+    ran, shapes = [], []
+
+    class Eager:
+        active = True
+        stats = GraphStats()
+
+        def run(self, name, phase, n, fn, *args, warmup=None):
+            out = fn(*args)
+            ran.append((phase, n, fn.args[4].pages_bucket))
+            shapes.append(tuple(out.shape))
+            return out
+
+    model.graphs = Eager()
+    FastForward(model).capture_graphs(pool, max_rows=1, max_len=2 * PAGE_TOKENS, budget_s=1e9)
+    torch.save({"before": before, "after": pool.buffer.clone(), "ran": ran, "shapes": shapes}, out_path)
+
+
+def test_interpreted_scratch_steps_leave_the_pool_as_it_was(lite, tmp_path_factory):
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    model_dir = make_tiny(tmp_path_factory.mktemp("lite_boot") / "model", "exl3", seed=0, overrides=LITE)
+    res = interpreted(tmp_path_factory, __file__, "boot_graphs", timeout=600, extra_args=[str(model_dir)])
+    assert res["ran"] == [("decode", 1, 1), ("decode", 1, 2)]
+    vocab = lite[0].vocab_end - lite[0].vocab_start
+    assert res["shapes"] == [(1, vocab)] * 2
+    assert torch.any(res["before"] != 0)  # the prefill wrote the pool: the check below can see a write
+    assert torch.equal(res["before"], res["after"])
+
+
+@pytest.mark.gpu
+def test_gpu_boot_capture_leaves_the_pool_and_replays(tmp_path_factory):
+    """On the GPU: the plan's graphs are captured (real PieceGraphs), the pool is untouched, and a served decode
+    step afterwards replays a boot graph (no new capture)."""
+    from step_harness import need_compiled_cuda
+
+    need_compiled_cuda()
+    from dsv41.engine.batch import DECODE, PREFILL, Row
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.fast_forward import pool_layout
+    from dsv41.runtime.kv_pool import pool_for_model
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    model = build_fast_model(make_tiny(tmp_path_factory.mktemp("lite_gpu") / "model", "exl3", seed=0,
+                                       overrides=LITE), "cuda", torch.float32)
+    pool = pool_for_model(pool_layout(model), num_slots=2, num_pages=4, page_tokens=PAGE_TOKENS, device="cuda")
+    prompt = [0] + [(i * 37) % 500 + 5 for i in range(12)]
+    FastForward(model, in_place=False).execute([Row(0, 1, prompt, 0, [2, 0], phase=PREFILL)], pool)
+    before = pool.buffer.clone()
+    done = FastForward(model).capture_graphs(pool, max_rows=2, max_len=2 * PAGE_TOKENS, budget_s=1e9)
+    assert done["run"] == done["planned"] == 4 and done["captured"] == 4, done
+    assert torch.equal(pool.buffer, before)
+    captures = model.graphs.stats.captures
+    FastForward(model).execute([Row(0, 1, [7], len(prompt), [2, 0], phase=DECODE, scores=[(0, 0, 0)])], pool)
+    assert model.graphs.stats.captures == captures and not torch.equal(pool.buffer, before)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
+    _interp_worker(sys.argv[2], sys.argv[3])
