@@ -9,16 +9,14 @@ decode shapes (bench/attention_sweep.py's pool: window 128, index top-k 512, FP8
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_sweep import build, timed  # noqa: E402
+from attention_sweep import build, timed, write_rows  # noqa: E402
 
 from dsv41.kernels.step.attention import FOLD_ENV, attention_pool  # noqa: E402
 
@@ -42,9 +40,7 @@ def main() -> int:
             print(f"H={H} B={B:2d}: folded {res['1'][0]:7.2f} us, two launches {res['0'][0]:7.2f} us, "
                   f"bitwise {same}", flush=True)
     os.environ.pop(FOLD_ENV, None)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    write_rows(args.out, rows)
     return 0
 
 

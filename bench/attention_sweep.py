@@ -1,7 +1,7 @@
 """Time the attention core over the pool (kernels/step/attention.py `attention_pool`) at the release's decode shapes
-for a sweep of split sizes, key blocks and warps, with the gathered `attention_core` beside it: which tiling the
-decode step should use (docs/perf/decode_step.md). One row and 16 rows, 32 local heads (TP=2) of 512, window 128,
-index top-k 512, FP8 window rows and FP4 entries, context 2,048.
+for a sweep of split sizes, key blocks and warps: which tiling the decode step should use (docs/perf/decode_step.md).
+One row and 16 rows, 32 local heads (TP=2) of 512, window 128, index top-k 512, FP8 window rows and FP4 entries,
+context 2,048.
 
     python3 bench/attention_sweep.py [--out bench/results/attention_sweep.json]
 """
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
 
 import torch
 
-from dsv41.kernels.step.attention import attention_core, attention_pool
+from dsv41.kernels.step.attention import attention_pool
 from dsv41.runtime.kv_pool import KVPool, SourceLayout
 
 
@@ -63,6 +64,14 @@ def timed(fn, iters=20) -> float:
     return statistics.median(times)
 
 
+def write_rows(out: Path, rows: list) -> None:
+    """The table as JSON with the commit (BENCH_COMMIT, else git's HEAD) and the GPU's name."""
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                              capture_output=True, text=True).stdout.strip()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_sweep.json")
@@ -82,9 +91,7 @@ def main() -> int:
                 us, err = float("nan"), repr(e)[:120]
             rows.append({"B": B, "split_keys": split, "key_block": block, "num_warps": warps, "us": us, "rel": err})
             print(f"B={B:2d} split={split:3d} block={block:2d} warps={warps}: {us:8.1f} us  rel {err}", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+    write_rows(args.out, rows)
     return 0
 
 

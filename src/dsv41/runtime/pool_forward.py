@@ -110,10 +110,11 @@ def load_sequences(pool: KVPool, rows: list[Row], cfg, decoder_from: int, hasher
     `lookback + token_ids` hashed from the sequence start, as `PoolForward` computes them."""
     views = [PoolSequence(pool, row, cfg, decoder_from) for row in rows]
     if hasher is not None:
-        for v, row in zip(views, rows):
+        for v in views:
             v.engram = hasher.new_history()
-            if row.lookback:
-                hasher.hash(row.lookback, v.engram)
+        primed = [(row.lookback, v.engram) for v, row in zip(views, rows) if row.lookback]
+        if primed:  # one pass for every row (a decode step's rows each carry their look-back)
+            hasher.hash_many(primed)
     return views
 
 
