@@ -246,8 +246,9 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
                 f"(device {row.get('device_ms', float('nan')):.1f} ms), "
                 f"{reads['exl3_bytes'] / 1e9:.2f} GB EXL3, {reads['distinct_experts_per_layer']:.1f} experts/layer")
             if split.get("graph_ms") is not None:
-                log(f"  graph replayed alone {split['graph_ms']:.2f} ms, the host's enqueue {split['enqueue_ms']:.2f} "
-                    f"ms: the host adds {step_ms - split['graph_ms']:.2f} ms")
+                log(f"  graph replayed alone {split['graph_ms']:.2f} ms (its launch call "
+                    f"{split['launch_ms']:.2f} ms of host), the host's enqueue {split['enqueue_ms']:.2f} ms: "
+                    f"the host adds {step_ms - split['graph_ms']:.2f} ms")
             if host is not None:
                 row["host_profile"] = host
                 log(f"  host (cProfile, {host['total_ms']:.1f} ms): " + ", ".join(
