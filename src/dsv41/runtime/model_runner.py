@@ -61,10 +61,28 @@ class ModelRunner:
         logits = self.forward.execute(batch.rows, self.pool)
         if not self.driver:
             return StepOutput(batch.step)
-        return StepOutput(batch.step, [self._row(row, lg) for row, lg in zip(batch.rows, logits)])
+        greedy = self._greedy_tokens(batch.rows, logits)
+        return StepOutput(batch.step, [self._row(row, lg, greedy.get(i))
+                                       for i, (row, lg) in enumerate(zip(batch.rows, logits))])
+
+    @staticmethod
+    @torch.inference_mode()
+    def _greedy_tokens(rows: list[Row], logits: list) -> dict[int, int]:
+        """The tokens of the rows drawn greedily with nothing to adjust or mask, in one launch and one read-back
+        (a decode step of many such rows would otherwise wait on the device once a row): each row's argmax, the
+        first maximum on every device, which is `sample_token`'s greedy choice."""
+        picks = []
+        for i, (row, lg) in enumerate(zip(rows, logits)):
+            s = row.sample
+            if s is not None and s.adjust is None and s.mask is None and s.params().greedy:
+                picks.append((i, lg[row.logit_offsets().index(len(row.token_ids) - 1)]))
+        if len(picks) < 2:
+            return {}
+        tokens = torch.stack([last for _, last in picks]).argmax(dim=-1).tolist()
+        return {i: token for (i, _), token in zip(picks, tokens)}
 
     @torch.inference_mode()
-    def _row(self, row: Row, logits: torch.Tensor | None) -> RowOutput:
+    def _row(self, row: Row, logits: torch.Tensor | None, greedy: int | None = None) -> RowOutput:
         out = RowOutput(row.seq_id)
         at = {offset: i for i, offset in enumerate(row.logit_offsets())}
         for offset, token, top in row.scores:
@@ -86,7 +104,7 @@ class ModelRunner:
             if not torch.isfinite(masked).any():
                 out.error = "the grammar allows no token at this point"
                 return out
-        out.token = sample_token(masked, params, s.seed, s.step)
+        out.token = sample_token(masked, params, s.seed, s.step) if greedy is None else greedy
         if s.logprobs is not None:
             out.logprob, out.top = token_logprobs(raw, out.token, s.logprobs)
         return out
