@@ -248,7 +248,9 @@ def measure(model, args, device, floors_rates, ceiling_gbps):
             if split.get("graph_ms") is not None:
                 log(f"  graph replayed alone {split['graph_ms']:.2f} ms (its launch call "
                     f"{split['launch_ms']:.2f} ms of host), the host's enqueue {split['enqueue_ms']:.2f} ms: "
-                    f"the host adds {step_ms - split['graph_ms']:.2f} ms")
+                    f"the host adds {step_ms - split['graph_ms']:.2f} ms; start to logits "
+                    f"{split['start_to_logits_ms']:.2f} ms on the device's clock, {split['after_forward_ms']:.2f} "
+                    f"ms after the forward returns")
             if host is not None:
                 row["host_profile"] = host
                 log(f"  host (cProfile, {host['total_ms']:.1f} ms): " + ", ".join(

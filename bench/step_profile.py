@@ -76,20 +76,30 @@ def step_split(model, rows, mode, device, n: int, pool, reps: int = 5) -> dict:
     launch), and `graph_ms`, the step's captured graph replayed alone (CUDA events: its kernels and the gaps
     between its nodes, no host work), and `launch_ms` the host's time in that replay's launch call alone (a 6-row
     verify graph's launch was seen taking 2 ms of host where the 1-row graph's took 0.1). The step's wall time
-    minus `graph_ms` is what the host adds."""
+    minus `graph_ms` is what the host adds; where it goes: `start_to_logits_ms` (device clock, from the call's
+    start to the logits being ready: the enqueue plus the graph as it runs inside a step) against `enqueue_ms` +
+    `graph_ms`, and `after_forward_ms` (the host from the forward's return to the sampled ids in hand)."""
     if device.type != "cuda" or model.graphs is None:
         return {}
-    enq = []
+    enq, dev, post = [], [], []
     for _ in range(reps):
         batch = rows()
         sync(device)
+        first, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()  # the device is idle: this marks the call's start on the device's clock
         t0 = time.perf_counter()
         logits = model.forward(batch, mode, pool=pool)
-        enq.append((time.perf_counter() - t0) * 1e3)
+        t1 = time.perf_counter()
+        done.record()
         logits.argmax(dim=-1).tolist()
+        enq.append((t1 - t0) * 1e3)
+        post.append((time.perf_counter() - t1) * 1e3)
+        dev.append(first.elapsed_time(done))
+    out = {"enqueue_ms": statistics.median(enq), "start_to_logits_ms": statistics.median(dev),
+           "after_forward_ms": statistics.median(post)}
     pieces = [p for k, p in model.graphs._pieces.items() if k[:3] == ("step", mode, n)]
     if not pieces:
-        return {"enqueue_ms": statistics.median(enq)}
+        return out
     graph = pieces[-1].graph  # the bucket just run (the pieces are kept in capture order)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times, launches = [], []
@@ -102,8 +112,7 @@ def step_split(model, rows, mode, device, n: int, pool, reps: int = 5) -> dict:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return {"enqueue_ms": statistics.median(enq), "graph_ms": statistics.median(times),
-            "launch_ms": statistics.median(launches)}
+    return {**out, "graph_ms": statistics.median(times), "launch_ms": statistics.median(launches)}
 
 
 def host_profile(run_step, rows, device, top: int = 45) -> dict:
