@@ -1,9 +1,12 @@
-"""The decode graphs captured before serving (FastForward.capture_graphs, ENGINE.md §5; issue 16 item 6).
+"""The decode graphs captured before serving (FastForward.capture_graphs, ENGINE.md §5; issue 16 item 6), and
+the row buckets.
 
 The plan (`boot_plan`: page buckets from the smallest up, every row count within each), the time budget
 (`DSV41_GRAPHS_BOOT_S`; checked with a counting clock, not the machine's), the whole plan at TP > 1, nothing on a
 device without graphs, and what matters most: the scratch steps write nothing, so the pool a server then serves
-from is exactly as it was (CPU: the step's kernels in Triton's interpreter, in a child process).
+from is exactly as it was (CPU: the step's kernels in Triton's interpreter, in a child process). Beside it, the row
+buckets a step runs: the rule, a step of nine rows run as its 12-row bucket, and rows padded to a bucket giving
+every logit and pool byte of the unpadded step (interpreter).
 """
 
 from __future__ import annotations
@@ -208,5 +211,49 @@ def test_gpu_boot_capture_leaves_the_pool_and_replays(tmp_path_factory):
     assert model.graphs.stats.captures == captures and not torch.equal(pool.buffer, before)
 
 
+def _bucket_worker(out_path: str, model_dir: str) -> None:
+    """Three decode rows in place, run padded to a bucket of five (`row_bucket` patched: the real buckets pad from
+    nine rows up, which the interpreter runs too slowly for the suite) and unpadded, each from the same pool: the
+    logits and the pool's bytes after each."""
+    from dsv41.engine.batch import DECODE, PREFILL, Row
+    from dsv41.runtime import model as model_mod
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.fast_forward import pool_layout
+    from dsv41.runtime.kv_pool import pool_for_model
+
+    torch.set_num_threads(1)
+    model = build_fast_model(model_dir, "cpu", torch.float32, fake_quant=True)
+    pool = pool_for_model(pool_layout(model), num_slots=3, num_pages=6, page_tokens=PAGE_TOKENS, device="cpu")
+    prompts = [[0] + [(i * (31 + 2 * s)) % 500 + 5 for i in range(6 + 3 * s)] for s in range(3)]
+    FastForward(model, in_place=False).execute([Row(s, s, p, 0, [2 * s, 2 * s + 1], phase=PREFILL)
+                                                for s, p in enumerate(prompts)], pool)
+    start = pool.buffer.clone()
+    rows = [Row(s, s, [7 + s], len(p), [2 * s, 2 * s + 1], phase=DECODE, scores=[(0, 0, 0)],
+                lookback=p[-3:]) for s, p in enumerate(prompts)]
+    out = {"start": start}
+    for name, bucket in (("padded", lambda n: 5), ("exact", lambda n: n)):
+        pool.buffer.copy_(start)
+        model_mod.row_bucket = bucket
+        logits = FastForward(model).execute(rows, pool)
+        out[name] = {"logits": [t.clone() for t in logits], "pool": pool.buffer.clone()}
+    torch.save(out, out_path)
+
+
+def test_interpreted_a_padded_bucket_gives_the_rows_their_own_bits(tmp_path_factory):
+    """Rows run in a bucket larger than their count (the rows past them mirroring row 0, writing nothing) give
+    every row's logits and every pool byte of the unpadded step bit for bit."""
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    model_dir = make_tiny(tmp_path_factory.mktemp("lite_bucket") / "model", "exl3", seed=0, overrides=LITE)
+    res = interpreted(tmp_path_factory, __file__, "bucket", timeout=900, extra_args=[str(model_dir), "bucket"])
+    a, b = res["padded"], res["exact"]
+    assert len(a["logits"]) == 3
+    for u, v in zip(a["logits"], b["logits"]):
+        assert torch.equal(u.view(torch.int32), v.view(torch.int32))
+    assert not torch.equal(a["pool"], res["start"])  # the step wrote the pool
+    assert torch.equal(a["pool"], b["pool"])
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
-    _interp_worker(sys.argv[2], sys.argv[3])
+    (_bucket_worker if sys.argv[4:5] == ["bucket"] else _interp_worker)(sys.argv[2], sys.argv[3])
