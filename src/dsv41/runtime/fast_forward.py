@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import torch
 
 from ..engine.batch import DECODE, PREFILL, VERIFY, Row
-from .graphs import PieceGraphs
 from .model import BUCKET, ROW_BUCKETS, row_bucket
 from .pool_forward import decoder_start, load_sequences, store_sequences
 from .step_tables import page_bucket, ring_chunk_rows
@@ -70,9 +69,7 @@ class FastForward:
         whole plan (the ranks must capture alike, and their seconds differ). A graph not captured here is
         captured on first use, as before. Returns what was done (counts, seconds)."""
         m = self.model
-        if m.graphs is None:
-            m.graphs = PieceGraphs(m.device, m.comm)
-        if budget_s <= 0 or not (m.graphs.active and m.pool_runs(DECODE)):
+        if budget_s <= 0 or not (m.piece_graphs().active and m.pool_runs(DECODE)):
             return {"captured": 0, "planned": 0, "run": 0, "seconds": 0.0}
         plan = boot_plan(min(max_rows, BUCKET), -(-max_len // pool.page_tokens))
         t0, before, done = clock(), m.graphs.stats.captures, 0

@@ -234,6 +234,12 @@ class FastModel:
 
     __call__ = forward
 
+    def piece_graphs(self) -> PieceGraphs:
+        """This model's CUDA graphs, made on first use."""
+        if self.graphs is None:
+            self.graphs = PieceGraphs(self.device, self.comm)
+        return self.graphs
+
     def pool_runs(self, phase: str, trace: dict | None = None) -> bool:
         """Whether a forward of `phase` given a pool works on it in place (decode / verify, untraced, where the
         step kernels run: CUDA, or the interpreter)."""
@@ -311,10 +317,8 @@ class FastModel:
         nb = row_bucket(n)
         step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=nb), nb, phase, pool, tables)
         args = (tables.packed, {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()})
-        if self.graphs is None:
-            self.graphs = PieceGraphs(self.device, self.comm)
         warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
-        local = self.graphs.run("step", phase, nb, step, *args, warmup=warm)[:n]
+        local = self.piece_graphs().run("step", phase, nb, step, *args, warmup=warm)[:n]
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
@@ -355,9 +359,7 @@ class FastModel:
         """`piece(name, fn, *args) -> fn(*args)`: through the graphs for decode and verify rows, else eager."""
         if not is_fused(phase):
             return lambda name, fn, *args: fn(*args)
-        if self.graphs is None:
-            self.graphs = PieceGraphs(self.device, self.comm)
-        graphs, tracing = self.graphs, trace is not None
+        graphs, tracing = self.piece_graphs(), trace is not None
         return lambda name, fn, *args: graphs.run(name, phase, n, fn, *args, tracing=tracing)
 
     def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace, piece=None,
