@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dsv41.runtime.fast_forward import FastForward, boot_plan
-from dsv41.runtime.model import BUCKET, ROW_BUCKETS, row_bucket
+from dsv41.runtime.model import ROW_BUCKETS, STEP_ROWS, row_bucket
 from dsv41.runtime.graphs import GraphStats, env_boot_budget
 from step_harness import interpreted
 
@@ -30,16 +30,18 @@ def test_boot_plan_takes_short_contexts_first():
     assert boot_plan(2, 5) == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (4, 2), (8, 1), (8, 2)]
     assert [p for p, _ in boot_plan(1, 1172)] == [1 << i for i in range(12)]  # 300K positions of 256-token pages
     assert [n for _, n in boot_plan(10, 1)] == [1, 2, 3, 4, 5, 6, 7, 8, 12]  # row buckets, up to the one of 10
-    assert [n for _, n in boot_plan(16, 1)] == list(ROW_BUCKETS)
+    assert [n for _, n in boot_plan(16, 1)] == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
+    assert [n for _, n in boot_plan(32, 1)] == list(ROW_BUCKETS)
     with pytest.raises(ValueError, match=">= 1"):
         boot_plan(0, 4)
 
 
 def test_row_buckets():
     assert [row_bucket(n) for n in range(1, 17)] == [1, 2, 3, 4, 5, 6, 7, 8, 12, 12, 12, 12, 16, 16, 16, 16]
-    assert ROW_BUCKETS[-1] == BUCKET
-    with pytest.raises(ValueError, match="at most 16"):
-        row_bucket(17)
+    assert [row_bucket(n) for n in (17, 24, 25, 32)] == [24, 24, 32, 32]
+    assert ROW_BUCKETS[-1] == STEP_ROWS == 32
+    with pytest.raises(ValueError, match="at most 32"):
+        row_bucket(33)
 
 
 def test_boot_budget_knob():
@@ -99,11 +101,11 @@ def test_capture_follows_the_plan_within_the_budget(lite, monkeypatch):
     done = ff.capture_graphs(pool, max_rows=5, max_len=3 * PAGE_TOKENS, budget_s=1e9, clock=_Clock())
     plan = boot_plan(5, 3)
     assert done["planned"] == len(plan) == 15 and done["run"] == 15 and done["captured"] == 15
-    assert recorder.keys == [("step", "decode", n, P, 16) for P, n in plan]
+    assert recorder.keys == [("step", "decode", n, P, n) for P, n in plan]
     # the clock ticks once at the start and once before each step (1, 2, 3 ticks gone): a budget of 2.5 runs two
     recorder.keys.clear()
     done = ff.capture_graphs(pool, max_rows=5, max_len=3 * PAGE_TOKENS, budget_s=2.5, clock=_Clock())
-    assert done["run"] == 2 and recorder.keys == [("step", "decode", n, P, 16) for P, n in plan[:2]]
+    assert done["run"] == 2 and recorder.keys == [("step", "decode", n, P, n) for P, n in plan[:2]]
     # at TP > 1 the ranks run the whole plan whatever their clocks say
     recorder.keys.clear()
     monkeypatch.setattr(model, "comm", SimpleNamespace(world=2, gather_cat=lambda x, dim: x))
@@ -124,8 +126,26 @@ def test_a_step_runs_its_row_bucket(lite, monkeypatch):
             for i in range(9)]
     out = FastForward(model).execute(rows, pool)
     assert [k[2] for k in recorder.keys] == [12] and recorder.tables[0].n == 9
-    assert recorder.tables[0].ring_dest.tolist()[9:] == [-1] * 7
+    assert recorder.tables[0].B == 12 and recorder.tables[0].ring_dest.tolist()[9:] == [-1] * 3
     assert len(out) == 9 and all(o.shape == (1, model.vocab_end - model.vocab_start) for o in out)
+
+
+@pytest.mark.parametrize("count,steps", [(20, [(24, 20)]), (40, [(32, 32), (8, 8)])])
+def test_rows_past_sixteen_run_as_one_step_over_the_pool(lite, monkeypatch, count, steps):
+    """Over the pool a step holds up to STEP_ROWS rows: 20 decode rows are one 24-row step, 40 are a 32-row step
+    and an 8-row one (the forward without a pool keeps its fixed 16-row bucket)."""
+    from dsv41.engine.batch import DECODE, Row
+
+    model, pool = lite
+    monkeypatch.setattr(model, "pool_runs", lambda phase, trace=None: True)
+    recorder = _Recorder(model.vocab_end - model.vocab_start)
+    monkeypatch.setattr(model, "graphs", recorder)
+    rows = [Row(i, i % pool.num_slots, [5 + i % 7], 3, [i % pool.num_pages], phase=DECODE, scores=[(0, 0, 0)])
+            for i in range(count)]
+    out = FastForward(model).execute(rows, pool)
+    assert [(k[2], t.n) for k, t in zip(recorder.keys, recorder.tables)] == steps
+    assert all(k[4] == k[2] for k in recorder.keys)  # the tables hold the bucket's rows
+    assert len(out) == count and all(o.shape == (1, model.vocab_end - model.vocab_start) for o in out)
 
 
 def test_nothing_is_captured_without_graphs_or_budget(lite, monkeypatch):
@@ -253,6 +273,43 @@ def test_interpreted_a_padded_bucket_gives_the_rows_their_own_bits(tmp_path_fact
         assert torch.equal(u.view(torch.int32), v.view(torch.int32))
     assert not torch.equal(a["pool"], res["start"])  # the step wrote the pool
     assert torch.equal(a["pool"], b["pool"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [20, 32])
+def test_gpu_rows_of_the_large_buckets_keep_their_bits_alone(tmp_path_factory, count):
+    """On the GPU, graphs on: `count` decode rows over the pool in one step (the 24- and 32-row buckets: the MoE
+    runs them as 16-row windows) give every row the logits of its step alone, and the pool the bytes of the rows'
+    steps one by one."""
+    from step_harness import need_compiled_cuda
+
+    need_compiled_cuda()
+    from dsv41.engine.batch import DECODE, PREFILL, Row
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.fast_forward import pool_layout
+    from dsv41.runtime.kv_pool import pool_for_model
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    model = build_fast_model(make_tiny(tmp_path_factory.mktemp(f"lite_rows{count}") / "model", "exl3", seed=0,
+                                       overrides=LITE), "cuda", torch.float32, fake_quant=True)
+    pool = pool_for_model(pool_layout(model), num_slots=count, num_pages=2 * count, page_tokens=PAGE_TOKENS,
+                          device="cuda")
+    prompts = [[0] + [(i * (31 + 2 * s)) % 500 + 5 for i in range(4 + s % 9)] for s in range(count)]
+    FastForward(model, in_place=False).execute([Row(s, s, p, 0, [2 * s, 2 * s + 1], phase=PREFILL)
+                                                for s, p in enumerate(prompts)], pool)
+    start = pool.buffer.clone()
+    rows = [Row(s, s, [7 + s], len(p), [2 * s, 2 * s + 1], phase=DECODE, scores=[(0, 0, 0)],
+                lookback=p[-3:]) for s, p in enumerate(prompts)]
+    alone = [FastForward(model).execute([r], pool)[0].clone() for r in rows]
+    after_alone = pool.buffer.clone()
+    pool.buffer.copy_(start)
+    together = FastForward(model).execute(rows, pool)
+    stats = model.graphs.stats
+    assert stats.captures >= 2 and stats.failed == 0 and stats.eager == 0, stats.as_dict()  # every step a graph
+    for s, (u, v) in enumerate(zip(together, alone)):
+        assert torch.equal(u.view(torch.int32), v.view(torch.int32)), f"row {s} of {count}"
+    assert not torch.equal(after_alone, start) and torch.equal(pool.buffer, after_alone)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 
 from ..engine.batch import DECODE, PREFILL, VERIFY, Row
-from .model import BUCKET, ROW_BUCKETS, row_bucket
+from .model import BUCKET, ROW_BUCKETS, STEP_ROWS, row_bucket
 from .pool_forward import decoder_start, load_sequences, store_sequences
 from .step_tables import page_bucket, ring_chunk_rows
 
@@ -71,7 +71,7 @@ class FastForward:
         m = self.model
         if budget_s <= 0 or not (m.piece_graphs().active and m.pool_runs(DECODE)):
             return {"captured": 0, "planned": 0, "run": 0, "seconds": 0.0}
-        plan = boot_plan(min(max_rows, BUCKET), -(-max_len // pool.page_tokens))
+        plan = boot_plan(min(max_rows, STEP_ROWS), -(-max_len // pool.page_tokens))
         t0, before, done = clock(), m.graphs.stats.captures, 0
         for pages, rows in plan:
             if getattr(m.comm, "world", 1) == 1 and clock() - t0 >= budget_s:

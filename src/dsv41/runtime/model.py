@@ -5,8 +5,9 @@ per sequence) and returns fp32 logits. The phase picks the matmul path (ENGINE.m
 - "decode" / "verify": every EXL3 matrix through the fused row-invariant kernels, routed experts through the
   kernels' MoE. The rows are laid out in a fixed bucket of `BUCKET` rows (real rows first, the rest mirroring
   row 0), so every torch op between the kernels runs on one shape whatever the number of real rows: a row's
-  logits are the same bits alone and among up to BUCKET - 1 others. Larger batches run in buckets one after
-  another; a sequence's rows stay in one bucket (at most BUCKET of them).
+  logits are the same bits alone and among up to BUCKET - 1 others. Over the KV pool (every op a row-invariant
+  kernel) a step runs its row bucket (`row_bucket`: 1-8, 12, 16, 24, 32 rows, up to STEP_ROWS). Larger batches
+  run in buckets one after another; a sequence's rows stay in one bucket (at most BUCKET of them).
 - "prefill": the reconstruct-into-the-workspace + GEMM path, all rows in one pass.
 The head takes the fused kernel in every phase: its rows are sampling rows (`logits="last"`: one per sequence).
 
@@ -56,8 +57,9 @@ from .layers.moe import FusedMoE
 from .sections import section
 
 _NOT_HELD = ("cfg", "workspace", "ref", "rope", "constants", "launch")
-BUCKET = 16  # rows of a decode/verify bucket: the kernels' row block, and the bitwise guarantee's reach
-ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)  # the row counts a step's graph is captured for (ENGINE.md §5)
+BUCKET = 16  # rows of one sequence's decode/verify chunk, and the fixed bucket of the forward without a pool
+ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)  # the row counts a step's graph is captured for (ENGINE.md §5)
+STEP_ROWS = ROW_BUCKETS[-1]  # rows of one decode/verify step over the pool (the MoE runs them as 16-row windows)
 
 
 def row_bucket(n: int) -> int:
@@ -220,11 +222,12 @@ class FastModel:
             raise ValueError("one chunk per sequence per forward")
         if not is_fused(phase):
             return self._forward(chunks, phase, logits, trace)
+        most = STEP_ROWS if pool is not None and self.pool_runs(phase, trace) else BUCKET
         out, group, rows = [], [], 0
         for state, ids in chunks:
             if ids.numel() > BUCKET:
                 raise ValueError(f"a {phase} chunk has at most {BUCKET} rows, got {ids.numel()}")
-            if rows + ids.numel() > BUCKET:
+            if rows + ids.numel() > most:
                 out.append(self._forward(group, phase, logits, trace, pool, writes))
                 group, rows = [], 0
             group.append((state, ids))
@@ -253,7 +256,8 @@ class FastModel:
             segs.append(Segment(state, at, ids.numel(), state.pos))
             at += ids.numel()
         n = at
-        B = BUCKET if is_fused(phase) else n
+        pooled = pool is not None and self.pool_runs(phase, trace)
+        B = row_bucket(n) if pooled else BUCKET if is_fused(phase) else n
         # numpy: a few µs an op where torch's CPU ops cost ~10 (host work before every step's graph)
         ids = np.concatenate([c[1].numpy() for c in chunks])
         pos = np.concatenate([np.arange(s.pos, s.pos + s.T, dtype=np.int64) for s in segs])
@@ -266,7 +270,7 @@ class FastModel:
                 row_ids = torch.cat((row_ids, row_ids[:1].expand(B - n, *row_ids.shape[1:])))
                 reads = {L: e.table.submit(row_ids[:, cfg.engram_layer_ids.index(L)]) for L, e in self.engram.items()}
                 stored = {L: read.wait_bytes() for L, read in reads.items()}  # every layer's reads in flight at once
-        if pool is not None and self.pool_runs(phase, trace):
+        if pooled:
             return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored, writes)
         if stored is not None:
             with section("engram"):
@@ -300,8 +304,8 @@ class FastModel:
     def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored, writes=True):
         """One bucket over the pool: the tables (one host-to-device copy, which also carries the step's token ids,
         positions and Engram rows as stored), then the whole step as one graph (`graphs.run("step", ...)`, keyed
-        by phase, the row bucket of n and the tables' page bucket: the kernels run `row_bucket(n)` rows, those past
-        n mirroring row 0 and writing nothing, and the first n rows' logits are returned). The capture's warm-up
+        by phase, the row bucket B of n and the tables' page bucket: the tables and kernels hold B rows, those
+        past n mirroring row 0 and writing nothing, and the first n rows' logits are returned). The capture's warm-up
         runs on tables that write nothing, so the step's writes to the pool happen once, in the replay."""
         from .step_tables import StepTables, ring_chunk_rows
 
@@ -314,11 +318,10 @@ class FastModel:
         tables = StepTables.build(segs, B, pool, dev, inputs=inputs)  # one copy for all
         if not writes:
             tables = tables.without_writes()
-        nb = row_bucket(n)
-        step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=nb), nb, phase, pool, tables)
+        step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=B), B, phase, pool, tables)
         args = (tables.packed, {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()})
         warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
-        local = self.piece_graphs().run("step", phase, nb, step, *args, warmup=warm)[:n]
+        local = self.piece_graphs().run("step", phase, B, step, *args, warmup=warm)[:n]
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
