@@ -136,7 +136,14 @@ def markdown(summary: dict, top: int = 14) -> str:
 
 
 def run(rows: list[int], context: int, layers: int | None) -> None:
+    import time
+
     import torch
+
+    t0 = time.perf_counter()
+
+    def note(what):
+        print(f"kernel_regimes: {what} at {time.perf_counter() - t0:.1f} s", flush=True)
 
     sys.path.insert(0, str(HERE))
     import decode_step as ds
@@ -149,18 +156,22 @@ def run(rows: list[int], context: int, layers: int | None) -> None:
     model = synthetic_rank(None, rank=0, world=2, device=device, dtype=torch.bfloat16, comm=ds.StubComm(),
                            layers=layers)
     model.graphs = PieceGraphs(device, model.comm, enabled=False)  # every kernel its own launch: ncu sees each
+    note("built")
     slots = max(rows)
     per = -(-(context + 64) // 256)
     ds.POOL = pool_for_model(pool_layout(model), num_slots=slots, num_pages=slots * per, page_tokens=256,
                              device=device)
     makers = {n: ds.decode_rows(model, n, context, 100 + n)() for n in rows}
+    note("sequences written")
     for n in rows:
         ds.run_step(model, makers[n](), "decode")  # warm-up: Triton's compiles, the workspaces
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        note(f"warm-up step of {n} rows")
     torch.cuda.cudart().cudaProfilerStart()
     for n in rows:
         ds.run_step(model, makers[n](), "decode")
         torch.cuda.synchronize()
+        note(f"profiled step of {n} rows")
     torch.cuda.cudart().cudaProfilerStop()
     print(f"kernel_regimes: profiled decode steps of rows {rows}")
 

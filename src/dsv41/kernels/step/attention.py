@@ -233,8 +233,10 @@ def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, p
 
 
 @triton.jit
-def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, n_splits, HDP: tl.constexpr,
+def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, NS: tl.constexpr, HDP: tl.constexpr,
                          PDL: tl.constexpr = False):
+    """(row t, head h): the NS splits combined in split order. Both loops unrolled (NS a constexpr), so their loads
+    are in flight together: a loop waited for each split's loads in turn (20 splits: 13 µs at one row)."""
     wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -242,12 +244,12 @@ def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, n_spli
     col_ok = col < HD
     sink = tl.load(sink_ptr + h)
     big = sink
-    for j in range(n_splits):
-        big = tl.maximum(big, tl.load(m_ptr + (t * n_splits + j) * H + h))
+    for j in tl.static_range(NS):
+        big = tl.maximum(big, tl.load(m_ptr + (t * NS + j) * H + h))
     den = tl.where(sink == big, 1.0, tl.exp(sink - big))
     num = tl.zeros((HDP,), dtype=tl.float32)
-    for j in range(n_splits):
-        at = (t * n_splits + j) * H + h
+    for j in tl.static_range(NS):
+        at = (t * NS + j) * H + h
         mj = tl.load(m_ptr + at)
         w = tl.where(mj == big, 1.0, tl.exp(mj - big))
         den = den + tl.load(l_ptr + at) * w
@@ -294,7 +296,7 @@ def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, 
     count = _COUNTERS.get(out.device, grid[0] * grid[1], "attention") if fold else out
     _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, **pdl_launch(out.device))
     if not fold:
-        _core_combine_kernel[(grid[0], H)](m, l, acc, sink, out, H, hd, n_splits, HDP=hdp, num_warps=4,
+        _core_combine_kernel[(grid[0], H)](m, l, acc, sink, out, H, hd, NS=n_splits, HDP=hdp, num_warps=4,
                                            **pdl_launch(out.device))
 
 

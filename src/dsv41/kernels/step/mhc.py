@@ -235,7 +235,9 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
     ticket = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
     if ticket == SPLITS - 1:
         total = tl.zeros((NP,), tl.float32)
-        for t in range(SPLITS):  # split order: the same sum whichever program finishes
+        # split order: the same sum whichever program finishes; unrolled, so the SPLITS loads are in flight
+        # together (a loop waited for each one: ~0.3 µs of L2 latency each, most of the site's 18 µs at one row)
+        for t in tl.static_range(SPLITS):
             total += tl.load(part_ptr + (row * SPLITS + t) * NP + n, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch (graph replays included)
         sq_all = tl.sum(tl.where(n == NMIX, total, 0.0), axis=0)  # one term and zeros: exact
