@@ -16,8 +16,11 @@ in a step that streams gigabytes between two calls of a kernel. `--clock-control
 clocks alone). Durations under ncu are a serialized kernel's, without PDL's overlap or a graph's launch gaps.
 
     ncu --profile-from-start off --clock-control none --metrics $(python3 bench/kernel_regimes.py metrics) \\
-        --csv --page raw --log-file OUT/ncu.csv python3 bench/kernel_regimes.py run --rows 1,16
-    python3 bench/kernel_regimes.py report OUT/ncu.csv --out bench/results/kernel_regimes.json [--markdown]
+        --csv --page raw --log-file OUT/ncu.csv python3 bench/kernel_regimes.py run --rows 1 --layers 3
+    python3 bench/kernel_regimes.py report OUT/ncu.csv --rows 1 --out bench/results/kernel_regimes.json [--markdown]
+
+One row count a run: the report cannot tell two steps' kernels apart. The full 43-layer step under ncu took longer
+than a 420 s call; `--layers 3` (an Engram layer, a compressed-KV source with its indexer) profiles in ~45 s.
 """
 
 from __future__ import annotations
@@ -79,14 +82,12 @@ def read_ncu_csv(path: Path) -> list[dict]:
     return out
 
 
-def summarise(kernels: list[dict], steps: list[int]) -> dict:
-    """Per step (kernels split by the step markers the workload leaves: each step's kernels follow in launch
-    order; `steps` the row counts in run order, kernels divided evenly when the counts agree) and kernel name."""
+def summarise(kernels: list[dict], label: str) -> dict:
+    """Every profiled kernel of the run (one row count a run: ncu's raw CSV does not say which step a kernel
+    belonged to), summed per kernel name, under `label`."""
     if not kernels:
         raise ValueError("no kernels in the ncu output")
-    per_step = len(kernels) // len(steps) if len(kernels) % len(steps) == 0 else None
-    groups = ({n: kernels[i * per_step:(i + 1) * per_step] for i, n in enumerate(steps)} if per_step
-              else {"all": kernels})
+    groups = {label: kernels}
     result = {}
     for key, ks in groups.items():
         by = defaultdict(lambda: defaultdict(float))
@@ -135,7 +136,7 @@ def markdown(summary: dict, top: int = 14) -> str:
     return "\n".join(out)
 
 
-def run(rows: list[int], context: int, layers: int | None) -> None:
+def run(n: int, context: int, layers: int | None) -> None:
     import time
 
     import torch
@@ -157,23 +158,19 @@ def run(rows: list[int], context: int, layers: int | None) -> None:
                            layers=layers)
     model.graphs = PieceGraphs(device, model.comm, enabled=False)  # every kernel its own launch: ncu sees each
     note("built")
-    slots = max(rows)
     per = -(-(context + 64) // 256)
-    ds.POOL = pool_for_model(pool_layout(model), num_slots=slots, num_pages=slots * per, page_tokens=256,
+    ds.POOL = pool_for_model(pool_layout(model), num_slots=n, num_pages=n * per, page_tokens=256,
                              device=device)
-    makers = {n: ds.decode_rows(model, n, context, 100 + n)() for n in rows}
+    rows = ds.decode_rows(model, n, context, 100 + n)()
     note("sequences written")
-    for n in rows:
-        ds.run_step(model, makers[n](), "decode")  # warm-up: Triton's compiles, the workspaces
-        torch.cuda.synchronize()
-        note(f"warm-up step of {n} rows")
+    ds.run_step(model, rows(), "decode")  # warm-up: Triton's compiles, the workspaces
+    torch.cuda.synchronize()
+    note(f"warm-up step of {n} rows")
     torch.cuda.cudart().cudaProfilerStart()
-    for n in rows:
-        ds.run_step(model, makers[n](), "decode")
-        torch.cuda.synchronize()
-        note(f"profiled step of {n} rows")
+    ds.run_step(model, rows(), "decode")
+    torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"kernel_regimes: profiled decode steps of rows {rows}")
+    note(f"profiled step of {n} rows")
 
 
 def main(argv=None) -> int:
@@ -181,12 +178,12 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("metrics", help="print the --metrics list for ncu")
     r = sub.add_parser("run", help="the workload (under ncu)")
-    r.add_argument("--rows", default="1,16")
+    r.add_argument("--rows", type=int, default=1)
     r.add_argument("--context", type=int, default=2048)
     r.add_argument("--layers", type=int, default=None)
     rep = sub.add_parser("report", help="sum ncu's raw CSV per kernel")
     rep.add_argument("csv", type=Path)
-    rep.add_argument("--rows", default="1,16", help="the row counts the workload ran, in order")
+    rep.add_argument("--rows", type=int, default=1, help="the row count the workload ran")
     rep.add_argument("--out", type=Path, default=None)
     rep.add_argument("--commit", default="unknown")
     rep.add_argument("--markdown", action="store_true")
@@ -194,11 +191,10 @@ def main(argv=None) -> int:
     if args.cmd == "metrics":
         print(",".join(METRICS))
         return 0
-    rows = [int(x) for x in args.rows.split(",") if x]
     if args.cmd == "run":
-        run(rows, args.context, args.layers)
+        run(args.rows, args.context, args.layers)
         return 0
-    summary = summarise(read_ncu_csv(args.csv), rows)
+    summary = summarise(read_ncu_csv(args.csv), str(args.rows))
     if args.out:
         args.out.write_text(json.dumps({"commit": args.commit, "source": "ncu --page raw", "steps": summary},
                                        indent=1) + "\n")
