@@ -381,9 +381,9 @@ def test_kernels_compile_for_every_target_without_hopper_only_instructions(arch)
         pytest.skip("kernels decorated for the interpreter in this process")
 
     site = dict(zip(_SITE_ARGS, (t.replace("S", "bf16") for t in _SITE_TYPES.split())))
-    kernels = [
-        (k._site_kernel, site, dict(HC=4, HCP=4, NP=32, SPLITS=16, EXPAND=True, BLOCK=32, BLOCK_N=1024)),
-        (k._site_kernel, site, dict(HC=4, HCP=4, NP=32, SPLITS=16, EXPAND=False, BLOCK=32, BLOCK_N=1024)),
+    shape = dict(HC=4, HCP=4, NP=32, SPLITS=32, BLOCK=32, BLOCK_N=1024)  # NORM_ALL: the release d = 5120 as one block
+    kernels = [(k._site_kernel, site, dict(shape, EXPAND=e, PIPELINE=p, NORM_ALL=8192 * p)) for e in (True, False)
+               for p in (True, False)] + [
         (k._expand_kernel, dict(y_ptr="*bf16", x_ptr="*bf16", post_ptr="*fp32", comb_ptr="*fp32", xo_ptr="*bf16",
                                 d="i32", live_rows="i32"), dict(HC=4, HCP=4, BLOCK=256)),
         (k._collapse_norm_kernel, dict(x_ptr="*bf16", pre_ptr="*fp32", w_ptr="*bf16", h_ptr="*bf16", d="i32",

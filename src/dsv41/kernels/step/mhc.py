@@ -30,6 +30,8 @@ before the norm, and X' before its coefficients, as the reference does.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -46,6 +48,16 @@ MAX_SPLITS = 32  # programs per row of a site launch (each streams 1/splits of f
 # d = 5120: 32 splits of 160 columns, the fastest over 1 and 16 rows with cold weights on the H200
 # (bench/results/step_kernel_sweep.json: the expand + site 14.1 + 13.6 us at one row against 20.5 + 18.5 at 16)
 SPLIT_COLUMNS = 160
+NORM_ALL_MAX = 8192  # the widest row whose collapse and norm weight the last arriver loads as one block
+
+
+def pipelined() -> bool:
+    """Whether a site prefetches (read at each launch; `DSV41_MHC_PIPELINE=0` for A/B runs). On: a split's next
+    column block is loaded while the current one is summed (its first block before the PDL wait: the mixing matrix is
+    a weight no kernel writes), and the last arriver loads the row's whole collapse and norm weight at once, before
+    Sinkhorn, instead of one block after another behind it. Off: one block's loads at a time. The same arithmetic in
+    the same order either way, so the same bits."""
+    return os.environ.get("DSV41_MHC_PIPELINE", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def default_splits(d: int) -> int:
@@ -151,22 +163,81 @@ def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
                  rms_eps, iters, live_rows, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
                  SPLITS: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, PIPELINE: tl.constexpr = False, NORM_ALL: tl.constexpr = 0):
     """Program (row, split): over the split's `chunk` columns of d, [X' = expand(y, X, post_in, comb_in), written to
     xo;] the partial mixing product and sum of squares of X (or X'), and u = collapse(X (or X'), pre_in) rounded to
     the stream dtype, into h. Partials go to part [B, SPLITS, NP] (lanes: the (2 + hc) hc products, then Σx², then
     Σu²); the row's last program to arrive sums them in split order and finishes: coefficients, h = rms_norm(u) * w.
     Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC*d, NMIX] strided. Rows from `live_rows`
-    on (a bucket's padding) write +0.0 to every output (`_zero_row`) and read nothing."""
-    wait_previous(PDL)
+    on (a bucket's padding) write +0.0 to every output (`_zero_row`) and read nothing. PIPELINE / NORM_ALL:
+    `pipelined()` (NORM_ALL: the row's columns as one block, a power of two >= d; 0: the norm pass in blocks)."""
     row = tl.program_id(0)
     split = tl.program_id(1)
+    f0 = _fn_block(fn_ptr, stride_fk, stride_fn, split * chunk, d, d, (row < live_rows) & PIPELINE, HC, HCP, NP,
+                   BLOCK)  # a weight: loaded before the wait (all masked off, no load, without PIPELINE)
+    wait_previous(PDL)
     if row >= live_rows:
         _zero_row(xo_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, row, split, d, chunk, HC, HCP, EXPAND, BLOCK)
     else:
         _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
                   pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps,
-                  hc_eps, rms_eps, iters, row, split, HC, HCP, NP, SPLITS, EXPAND, BLOCK, BLOCK_N)
+                  hc_eps, rms_eps, iters, row, split, f0, HC, HCP, NP, SPLITS, EXPAND, BLOCK, BLOCK_N, PIPELINE,
+                  NORM_ALL)
+
+
+@triton.jit
+def _fn_block(fn_ptr, stride_fk, stride_fn, d0, d, lim, on, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
+              BLOCK: tl.constexpr):
+    """The mixing matrix's [HCP, BLOCK, NP] tile of columns d0.. (those < lim; none unless `on`), fp32."""
+    c = tl.arange(0, HCP)
+    n = tl.arange(0, NP)
+    cols = d0 + tl.arange(0, BLOCK)
+    live = (c < HC)[:, None] & (cols < lim)[None, :] & on
+    return tl.load(fn_ptr + (c[:, None, None] * d + cols[None, :, None]) * stride_fk + n[None, None, :] * stride_fn,
+                   mask=live[:, :, None] & (n < (2 + HC) * HC)[None, None, :], other=0.0)
+
+
+@triton.jit
+def _x_block(x_ptr, row, d0, d, lim, HC: tl.constexpr, HCP: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's streams' [HCP, BLOCK] tile of columns d0.. (those < lim), as stored."""
+    c = tl.arange(0, HCP)
+    cols = d0 + tl.arange(0, BLOCK)
+    live = (c < HC)[:, None] & (cols < lim)[None, :]
+    return tl.load(x_ptr + row * HC * d + c[:, None] * d + cols[None, :], mask=live, other=0.0)
+
+
+@triton.jit
+def _y_block(y_ptr, row, d0, d, lim, EXPAND: tl.constexpr, BLOCK: tl.constexpr):
+    """The sublayer output's columns d0.. (those < lim) as stored; zeros without EXPAND (y unused)."""
+    cols = d0 + tl.arange(0, BLOCK)
+    if EXPAND:
+        return tl.load(y_ptr + row * d + cols, mask=cols < lim, other=0.0)
+    else:
+        return tl.zeros((BLOCK,), tl.float32)
+
+
+@triton.jit
+def _site_block(x_raw, y_raw, f, acc, sq, usq, pre_in, post_in, comb_in, xo_ptr, h_ptr, row, d0, d,
+                HC: tl.constexpr, HCP: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr):
+    """One column block of a split: [X' stored,] the mixing product, Σx², the collapse u stored in h, Σu²."""
+    c = tl.arange(0, HCP)
+    cols = d0 + tl.arange(0, BLOCK)
+    live = (c < HC)[:, None] & (cols < d)[None, :]
+    xs = x_raw.to(tl.float32)  # [HCP, BLOCK]
+    if EXPAND:
+        # an fp32 y (a reduced partial) is rounded to the stream dtype first, as its `.to(dtype)` would
+        y = _cast(y_raw.to(tl.float32), xo_ptr.dtype.element_ty).to(tl.float32)
+        mixed = tl.sum(comb_in[:, :, None] * xs[:, None, :], axis=0)  # Σ_j comb[j, k] X[j]: [k, BLOCK]
+        xn = _cast(post_in[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty)
+        tl.store(xo_ptr + row * HC * d + c[:, None] * d + cols[None, :], xn, mask=live)
+        xs = tl.where(live, xn.to(tl.float32), 0.0)
+    acc += xs[:, :, None] * f
+    sq += xs * xs
+    u = _cast(tl.sum(pre_in[:, None] * xs, axis=0), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
+    tl.store(h_ptr + row * d + cols, u, mask=cols < d)
+    u32 = u.to(tl.float32)
+    usq += u32 * u32
+    return acc, sq, usq
 
 
 @triton.jit
@@ -192,13 +263,16 @@ def _zero_row(xo_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, row, split, d, chunk, 
 @triton.jit
 def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
               pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
-              rms_eps, iters, row, split, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
-              EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr):
+              rms_eps, iters, row, split, f0, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
+              SPLITS: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+              PIPELINE: tl.constexpr, NORM_ALL: tl.constexpr):
     NMIX: tl.constexpr = (2 + HC) * HC
     c = tl.arange(0, HCP)
     c_live = c < HC
     n = tl.arange(0, NP)
     pre_in = tl.load(pre_in_ptr + row * HC + c, mask=c_live, other=0.0)
+    post_in = pre_in
+    comb_in = tl.zeros((HCP, HCP), tl.float32)
     if EXPAND:
         post_in = tl.load(post_in_ptr + row * HC + c, mask=c_live, other=0.0)
         comb_in = tl.load(comb_in_ptr + row * HC * HC + c[:, None] * HC + c[None, :],
@@ -206,27 +280,27 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
     acc = tl.zeros((HCP, BLOCK, NP), tl.float32)
     sq = tl.zeros((HCP, BLOCK), tl.float32)
     usq = tl.zeros((BLOCK,), tl.float32)
-    for d0 in range(split * chunk, split * chunk + chunk, BLOCK):
-        cols = d0 + tl.arange(0, BLOCK)
-        live = c_live[:, None] & (cols < d)[None, :]
-        at = row * HC * d + c[:, None] * d + cols[None, :]
-        xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)  # [HCP, BLOCK]
-        if EXPAND:
-            # an fp32 y (a reduced partial) is rounded to the stream dtype first, as its `.to(dtype)` would
-            y = _cast(tl.load(y_ptr + row * d + cols, mask=cols < d, other=0.0).to(tl.float32),
-                      xo_ptr.dtype.element_ty).to(tl.float32)
-            mixed = tl.sum(comb_in[:, :, None] * xs[:, None, :], axis=0)  # Σ_j comb[j, k] X[j]: [k, BLOCK]
-            xn = _cast(post_in[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty)
-            tl.store(xo_ptr + at, xn, mask=live)
-            xs = tl.where(live, xn.to(tl.float32), 0.0)
-        f = tl.load(fn_ptr + (c[:, None, None] * d + cols[None, :, None]) * stride_fk + n[None, None, :] * stride_fn,
-                    mask=live[:, :, None] & (n < NMIX)[None, None, :], other=0.0)
-        acc += xs[:, :, None] * f
-        sq += xs * xs
-        u = _cast(tl.sum(pre_in[:, None] * xs, axis=0), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
-        tl.store(h_ptr + row * d + cols, u, mask=cols < d)
-        u32 = u.to(tl.float32)
-        usq += u32 * u32
+    first = split * chunk
+    end = first + chunk
+    if PIPELINE:  # block k + 1's loads issued before block k's sums (the loop's stores keep them from moving up)
+        lim = tl.minimum(end, d)
+        f = f0
+        x_raw = _x_block(x_ptr, row, first, d, d, HC, HCP, BLOCK)
+        y_raw = _y_block(y_ptr, row, first, d, d, EXPAND, BLOCK)
+        for d0 in range(first, end, BLOCK):
+            f_cur, x_cur, y_cur = f, x_raw, y_raw
+            f = _fn_block(fn_ptr, stride_fk, stride_fn, d0 + BLOCK, d, lim, True, HC, HCP, NP, BLOCK)
+            x_raw = _x_block(x_ptr, row, d0 + BLOCK, d, lim, HC, HCP, BLOCK)
+            y_raw = _y_block(y_ptr, row, d0 + BLOCK, d, lim, EXPAND, BLOCK)
+            acc, sq, usq = _site_block(x_cur, y_cur, f_cur, acc, sq, usq, pre_in, post_in, comb_in, xo_ptr, h_ptr,
+                                       row, d0, d, HC, HCP, EXPAND, BLOCK)
+    else:
+        for d0 in range(first, end, BLOCK):
+            acc, sq, usq = _site_block(_x_block(x_ptr, row, d0, d, d, HC, HCP, BLOCK),
+                                       _y_block(y_ptr, row, d0, d, d, EXPAND, BLOCK),
+                                       _fn_block(fn_ptr, stride_fk, stride_fn, d0, d, d, True, HC, HCP, NP, BLOCK),
+                                       acc, sq, usq, pre_in, post_in, comb_in, xo_ptr, h_ptr, row, d0, d, HC, HCP,
+                                       EXPAND, BLOCK)
     part = tl.sum(tl.sum(acc, axis=1), axis=0)
     part = tl.where(n == NMIX, tl.sum(tl.sum(sq, axis=1), axis=0), part)
     part = tl.where(n == NMIX + 1, tl.sum(usq, axis=0), part)
@@ -239,12 +313,21 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
         # together (a loop waited for each one: ~0.3 µs of L2 latency each, most of the site's 18 µs at one row)
         for t in tl.static_range(SPLITS):
             total += tl.load(part_ptr + (row * SPLITS + t) * NP + n, cache_modifier=".cg")
+        if NORM_ALL:  # the row's collapse and norm weight in flight with the partials, used after Sinkhorn
+            cols = tl.arange(0, NORM_ALL)
+            u_all = tl.load(h_ptr + row * d + cols, mask=cols < d, other=0.0, cache_modifier=".cg")
+            w_all = tl.load(w_ptr + cols, mask=cols < d, other=0.0)
         tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch (graph replays included)
         sq_all = tl.sum(tl.where(n == NMIX, total, 0.0), axis=0)  # one term and zeros: exact
         usq_all = tl.sum(tl.where(n == NMIX + 1, total, 0.0), axis=0)
         _coefficients(total, sq_all, row, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
                       iters, HC, HCP, NP)
-        _norm_pass(h_ptr, w_ptr, row, d, usq_all, rms_eps, BLOCK_N)
+        if NORM_ALL:
+            r = _rsqrt64(tl.div_rn(usq_all, (d + 0.0).to(tl.float32)) + rms_eps)
+            tl.store(h_ptr + row * d + cols, _cast((u_all.to(tl.float32) * r) * w_all.to(tl.float32),
+                                                   h_ptr.dtype.element_ty), mask=cols < d)
+        else:
+            _norm_pass(h_ptr, w_ptr, row, d, usq_all, rms_eps, BLOCK_N)
 
 
 @triton.jit
@@ -353,6 +436,7 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
     block = min(BLOCK_D, triton.next_power_of_2(d))
     chunk = triton.cdiv(triton.cdiv(d, splits), block) * block
     np_ = triton.next_power_of_2(nmix + 2)  # the products, then the two sums of squares
+    pipe = pipelined()
     if B:  # the padding rows' programs write the zeros: no memset launches beside the kernel
         part = torch.empty(max(rows, 1), splits, np_, dtype=torch.float32, device=x.device)
         _site_kernel[(B, splits)](
@@ -362,6 +446,7 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
             HC=hc,
             HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits, EXPAND=expand, BLOCK=block,
             BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=num_warps or NUM_WARPS,
+            PIPELINE=pipe, NORM_ALL=triton.next_power_of_2(d) if pipe and d <= NORM_ALL_MAX else 0,
             **pdl_launch(x.device))
     return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
