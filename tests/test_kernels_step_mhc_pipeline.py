@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+from step_harness import interpreted, need_compiled_cuda  # noqa: E402
 # (hc, d, B, iters, dtype, splits); splits None = default_splits(d)
 CPU_CASES = [(4, 160, 4, 20, "bfloat16", 3), (3, 128, 2, 20, "bfloat16", 1), (4, 256, 3, 20, "float32", None)]
 GPU_CASES = [(4, 5120, B, 20, "bfloat16", None) for B in (1, 16)] + [(4, 4096, 6, 20, "bfloat16", None)]
@@ -53,13 +53,7 @@ def test_the_knob_reads_off_and_on(monkeypatch):
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mhc_pipeline") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    return interpreted(tmp_path_factory, __file__, "mhc_pipeline", timeout=600)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=str)
@@ -71,15 +65,11 @@ def test_interpreted_pipelined_site_gives_the_same_bits(interp, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_gpu_pipelined_site_gives_the_same_bits(case):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device: GPU kernel tests run on the H200 (pytest -m gpu)")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+    need_compiled_cuda()
     res = same_bits_both_ways(case, "cuda", seed=200 + case[2])
     assert res and all(res.values()), res
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":
     os.environ["TRITON_INTERPRET"] = "1"
-    Path(sys.argv[2]).write_text(json.dumps({json.dumps(c): same_bits_both_ways(c, "cpu", seed=i)
-                                             for i, c in enumerate(CPU_CASES)}))
+    torch.save({json.dumps(c): same_bits_both_ways(c, "cpu", seed=i) for i, c in enumerate(CPU_CASES)}, sys.argv[2])
