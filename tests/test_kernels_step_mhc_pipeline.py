@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -27,17 +28,10 @@ def same_bits_both_ways(case, device: str, seed: int = 0) -> dict:
 
     hc, d, B, iters, dtype, splits = case
     t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
-    before = os.environ.get("DSV41_MHC_PIPELINE")
     outs = {}
-    try:
-        for knob in ("0", "1"):
-            os.environ["DSV41_MHC_PIPELINE"] = knob
+    for knob in ("0", "1"):
+        with mock.patch.dict(os.environ, DSV41_MHC_PIPELINE=knob):
             outs[knob] = _run(t, iters, splits)
-    finally:
-        if before is None:
-            os.environ.pop("DSV41_MHC_PIPELINE", None)
-        else:
-            os.environ["DSV41_MHC_PIPELINE"] = before
     return {n: torch.equal(outs["0"][n].view(torch.uint8), outs["1"][n].view(torch.uint8)) for n in outs["0"]}
 
 

@@ -30,12 +30,11 @@ before the norm, and X' before its coefficients, as the reference does.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .knobs import switched_on
 from .pdl import launch as pdl_launch, wait_previous
 
 from .live import live_rows as _live_rows
@@ -57,7 +56,7 @@ def pipelined() -> bool:
     a weight no kernel writes), and the last arriver loads the row's whole collapse and norm weight at once, before
     Sinkhorn, instead of one block after another behind it. Off: one block's loads at a time. The same arithmetic in
     the same order either way, so the same bits."""
-    return os.environ.get("DSV41_MHC_PIPELINE", "1").strip().lower() not in ("0", "off", "false", "no")
+    return switched_on("DSV41_MHC_PIPELINE")
 
 
 def default_splits(d: int) -> int:
@@ -149,13 +148,25 @@ def _coefficients(mix, sq, row, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_
 def _norm_pass(h_ptr, w_ptr, row, d, usq, rms_eps, BLOCK: tl.constexpr):
     """h holds the row's collapse (rounded to the stream dtype; usq: the sum of its squares), stored by other threads
     or programs before a barrier / the arrival ticket: h <- rms_norm(h) * w. L1 bypassed (.cg) for those stores."""
-    r = _rsqrt64(tl.div_rn(usq, (d + 0.0).to(tl.float32)) + rms_eps)
+    r = _rms_inv(usq, d, rms_eps)
     for d0 in range(0, d, BLOCK):
         cols = d0 + tl.arange(0, BLOCK)
         live = cols < d
-        u = tl.load(h_ptr + row * d + cols, mask=live, other=0.0, cache_modifier=".cg").to(tl.float32)
-        w = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * d + cols, _cast((u * r) * w, h_ptr.dtype.element_ty), mask=live)
+        u = tl.load(h_ptr + row * d + cols, mask=live, other=0.0, cache_modifier=".cg")
+        w = tl.load(w_ptr + cols, mask=live, other=0.0)
+        tl.store(h_ptr + row * d + cols, _normed(u, w, r, h_ptr.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _rms_inv(usq, d, rms_eps):
+    """1 / rms of a row of d values whose squares sum to usq (the mean by IEEE division, as torch's)."""
+    return _rsqrt64(tl.div_rn(usq, (d + 0.0).to(tl.float32)) + rms_eps)
+
+
+@triton.jit
+def _normed(u, w, r, out_ty: tl.constexpr):
+    """rms_norm(u) * w from r = `_rms_inv`, in the reference's order, rounded to out_ty."""
+    return _cast((u.to(tl.float32) * r) * w.to(tl.float32), out_ty)
 
 
 @triton.jit
@@ -323,9 +334,8 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
         _coefficients(total, sq_all, row, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps, hc_eps,
                       iters, HC, HCP, NP)
         if NORM_ALL:
-            r = _rsqrt64(tl.div_rn(usq_all, (d + 0.0).to(tl.float32)) + rms_eps)
-            tl.store(h_ptr + row * d + cols, _cast((u_all.to(tl.float32) * r) * w_all.to(tl.float32),
-                                                   h_ptr.dtype.element_ty), mask=cols < d)
+            tl.store(h_ptr + row * d + cols, _normed(u_all, w_all, _rms_inv(usq_all, d, rms_eps),
+                                                     h_ptr.dtype.element_ty), mask=cols < d)
         else:
             _norm_pass(h_ptr, w_ptr, row, d, usq_all, rms_eps, BLOCK_N)
 

@@ -23,12 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .knobs import switched_on
+
 ENV = "DSV41_PDL"
 
 
 def enabled(device: torch.device) -> bool:
     """Whether launches on `device` use PDL (read at each launch: the A/B switch needs no restart)."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if not switched_on(ENV):
         return False
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
