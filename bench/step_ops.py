@@ -324,7 +324,7 @@ def aggregate(inner: list[dict], outer: list[dict], ceiling_gbps: float, best_wp
     for key, r in last.items():
         if r.get("container"):
             continue
-        classes[key] = {"class": key, "group": r["group"], "calls": int(r["calls"]),
+        classes[key] = {"class": key, "group": r["group"], "calls": int(r["calls"]), "container": False,
                         "ms": statistics.median(s.get(key, {}).get("ms", 0.0) for s in inner),
                         **{b: r.get(b, 0) for b in ("exl3_bytes", "dense_bytes", "other_bytes", "cache_bytes",
                                                     "exl3_weights", "distinct_experts")}}
@@ -333,7 +333,8 @@ def aggregate(inner: list[dict], outer: list[dict], ceiling_gbps: float, best_wp
         r = outer[-1][key]
         own = [o.get(key, {}).get("ms", 0.0) - sum(v.get("ms_in::" + key, 0.0) for v in i.values())
                for o, i in zip(outer, inner)]
-        classes[key] = {"class": key, "group": r["group"], "calls": int(r["calls"]), "ms": statistics.median(own),
+        classes[key] = {"class": key, "group": r["group"], "calls": int(r["calls"]), "container": True,
+                        "ms": statistics.median(own),
                         "ms_with_leaves": statistics.median(o.get(key, {}).get("ms", 0.0) for o in outer),
                         **{b: r.get(b, 0) for b in ("exl3_bytes", "dense_bytes", "other_bytes", "cache_bytes",
                                                     "exl3_weights", "distinct_experts")}}

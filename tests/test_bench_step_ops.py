@@ -44,8 +44,9 @@ def test_step_ops_tiny(step_ops_json):
             "sampling"} <= groups
     for c in row["classes"]:
         assert c["calls"] > 0 and c["bytes"] >= 0
-        if not c["class"].endswith("(own)") and "glue" not in c["class"]:
-            assert c["ms"] > 0, c  # containers' own time is a difference of two passes: may be near zero
+        # a container's own time is a difference of two timed passes (may be near zero or below on a busy
+        # host); its time with its leaves is measured directly
+        assert (c["ms_with_leaves"] if c["container"] else c["ms"]) > 0, c
     kinds = {c["class"].split()[1] for c in row["classes"] if c["group"] == "exl3"}
     assert {"attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.compressor.wkv",
             "attn.indexer.wq_b", "attn.indexer.wk", "ffn.shared_experts.w1", "engram.wkv"} <= kinds
