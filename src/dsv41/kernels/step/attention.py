@@ -182,8 +182,8 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
             live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
             k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
                         mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        if KP == 1 and MMA:
-            k = k.to(tl.bfloat16)  # bf16 values (KP 1): the only part `_split_dot` takes of them, held at half the registers
+        if KP == 1 and MMA:  # bf16 values: their one part (`_split_dot`), held in half the registers
+            k = k.to(tl.bfloat16)
         s = _split_dot(q, tl.trans(k), tl.zeros((HB, BS), dtype=tl.float32), QP, KP) * scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
