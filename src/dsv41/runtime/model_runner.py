@@ -70,15 +70,24 @@ class ModelRunner:
     def _greedy_tokens(rows: list[Row], logits: list) -> dict[int, int]:
         """The tokens of the rows drawn greedily with nothing to adjust or mask, in one launch and one read-back
         (a decode step of many such rows would otherwise wait on the device once a row): each row's argmax, the
-        first maximum on every device, which is `sample_token`'s greedy choice."""
+        first maximum on every device, which is `sample_token`'s greedy choice. On a GPU the step kernels'
+        `greedy_rows` (a program per chunk of a row, then one per row: torch's argmax of one row of the head is a
+        single program) from one row on, the same index."""
         picks = []
         for i, (row, lg) in enumerate(zip(rows, logits)):
             s = row.sample
             if s is not None and s.adjust is None and s.mask is None and s.params().greedy:
                 picks.append((i, lg[row.logit_offsets().index(len(row.token_ids) - 1)]))
-        if len(picks) < 2:
+        on_gpu = bool(picks) and picks[0][1].is_cuda
+        if len(picks) < (1 if on_gpu else 2):
             return {}
-        tokens = torch.stack([last for _, last in picks]).argmax(dim=-1).tolist()
+        stacked = torch.stack([last for _, last in picks])
+        if on_gpu:
+            from ..kernels.step.argmax import greedy_rows
+
+            tokens = greedy_rows(stacked)[1].tolist()
+        else:
+            tokens = stacked.argmax(dim=-1).tolist()
         return {i: token for (i, _), token in zip(picks, tokens)}
 
     @torch.inference_mode()
