@@ -374,8 +374,10 @@ class FastModel:
         runs the static parts (`_piece_runner`; default eager)."""
         piece = piece or (lambda name, fn, *args: fn(*args))
         L = block.index
-        x, a_pre, a_post, a_comb, proj = piece(f"attn_in.{L}", partial(self._attn_in, block, sites, n, phase),
-                                               x, pre_in, pending, P)
+        # over the pool, the window KV goes into its ring row from the launch that makes it (`project(window=)`)
+        window = None if pool is None else (pool[1].stores[("window", L)], pool[0].ring_dest, pool[1].window_codec)
+        x, a_pre, a_post, a_comb, proj = piece(f"attn_in.{L}", partial(self._attn_in, block, sites, n, phase,
+                                                                       window=window), x, pre_in, pending, P)
         if pool is None:
             o = block.attn.attend(proj, n, P, segs, phase, trace)
         else:  # (tables, pool): attention over the pool in place
@@ -397,9 +399,9 @@ class FastModel:
         pre[:, 0] = 1.0
         return x, pre, P
 
-    def _attn_in(self, block: FastBlock, sites: MhcSites, n, phase, x, pre_in, pending, P):
+    def _attn_in(self, block: FastBlock, sites: MhcSites, n, phase, x, pre_in, pending, P, window=None):
         """The attention mHC site (the previous FFN's expand fused in) and the attention's static projections:
-        `(x, pre, post, comb, proj)`."""
+        `(x, pre, post, comb, proj)`; `window` (over the pool): `project`'s."""
         with section("mhc"):
             if pending is None:
                 h, a_pre, a_post, a_comb = sites.site(x, block.hc_attn, pre_in, block.attn_norm)
@@ -407,7 +409,7 @@ class FastModel:
                 y, post, comb = pending
                 x, h, a_pre, a_post, a_comb = sites.expand_site(y, x, post, comb, block.hc_attn, pre_in,
                                                                 block.attn_norm)
-        return x, a_pre, a_post, a_comb, block.attn.project(h, n, P, phase)
+        return x, a_pre, a_post, a_comb, block.attn.project(h, n, P, phase, window=window)
 
     def _ffn(self, block: FastBlock, sites: MhcSites, n, phase, trace, o, P, x, a_post, a_comb, a_pre):
         """The attention's output projections and reduction, the FFN mHC site, the MoE and its reduction:

@@ -26,7 +26,7 @@ from .pdl import launch as pdl_launch, wait_previous
 
 CHUNK = 4096  # logits a program of the first launch reads: 32 programs a rank's 64,640 (the release at TP=2)
 NUM_WARPS = 4
-_NO_INDEX = 2 ** 31 - 1
+_NO_INDEX = tl.constexpr(2 ** 31 - 1)
 
 
 @triton.jit

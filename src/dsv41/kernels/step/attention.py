@@ -329,10 +329,14 @@ def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, 
     (one launch), or the combine launch after it (`fold_enabled`)."""
     fold = fold_enabled()
     count = _COUNTERS.get(out.device, grid[0] * grid[1], "attention") if fold else out
-    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, **pdl_launch(out.device))
+    # no contraction (enable_fp_fusion=False): left to the compiler, which mul + add pairs become an FMA depends
+    # on the code around them (ptxas fuses a plain mul.f32 where it schedules one), so two variants of the split
+    # (pool / gathered, folded or not, one-store blocks) gave other bits on the H200; with every operation
+    # rounded on its own they are the same program of correctly rounded operations
+    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, enable_fp_fusion=False, **pdl_launch(out.device))
     if not fold:
         _core_combine_kernel[(grid[0], H)](m, l, acc, sink, out, H, hd, NS=n_splits, HDP=hdp, num_warps=4,
-                                           **pdl_launch(out.device))
+                                           enable_fp_fusion=False, **pdl_launch(out.device))
 
 
 def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor,

@@ -14,7 +14,8 @@ its bits for ue8m0, e4m3(amax / 6) for the FP4 e4m3 scale, IEEE division by the 
 approximate on GPUs), nearest with ties to even (e2m1 keeps no negative zero, e4m3 keeps the sign of zero), and
 the clamps. The rounding device functions are `rowops`' (the same ones the in-kernel fake quantisers use); the codes
 are then read off the rounded value's fp32 bits (no fp8 dtype: the interpreter and the GPU run the same integer
-ops). The forward hands the pool already fake-quantised rows; re-encoding them is exact for FP8 / ue8m0 and FP4 /
+ops). The encoder (`rowops.encode_pairs`) is shared with the row ops, which store the window KV they produce
+straight into the ring (`norm_rope_rows(store=)`): the same bytes, one launch fewer. The forward hands the pool already fake-quantised rows; re-encoding them is exact for FP8 / ue8m0 and FP4 /
 ue8m0, and for FP4 / e4m3 except a block amax in about [0.0176, 0.0195) (a property of the quantiser, which the
 kernel shares with `encode`; tests/test_kernels_step_cache.py).
 
@@ -32,29 +33,8 @@ import triton.language as tl
 from .pdl import launch as pdl_launch, wait_previous
 
 from .codecs import codec_id
-from .rowops import FP4_E4M3_FLOOR, FP4_UE8M0_FLOOR, _cast, _round_e2m1, _round_e4m3, _ue8m0
+from .rowops import CODEC_BLOCK as _BLOCKS, _cast, encode_pairs
 
-_BLOCKS = {0: 32, 1: 16, 2: 32}  # values per scale of the quantised codec ids (codecs.FP8_UE8M0, ...)
-
-
-@triton.jit
-def _e4m3_code(r):
-    """The e4m3fn byte of r, an fp32 value already on the e4m3 grid (|r| <= 448), sign of zero kept."""
-    bits = r.to(tl.int32, bitcast=True)
-    a = tl.abs(r)
-    sub = (a * 512.0).to(tl.int32)  # below 2^-6: a multiple of 2^-9, exponent field 0
-    norm = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)  # rebias 127 -> 7, top 3 mantissa bits
-    return tl.where(a < 0.015625, sub, norm) | (((bits >> 31) & 1) << 7)
-
-
-@triton.jit
-def _e2m1_code(v):
-    """`nearest_e2m1_code(v.clamp(-6, 6))`: 0..15, sign in bit 3 only for a non-zero magnitude."""
-    r = _round_e2m1(v)
-    a = tl.abs(r)
-    bits = a.to(tl.int32, bitcast=True)
-    norm = ((((bits >> 23) & 0xFF) - 126) << 1) | ((bits >> 22) & 1)  # 1.0 -> 2, 1.5 -> 3, ..., 6.0 -> 7
-    return tl.where(a < 1.0, (a * 2.0).to(tl.int32), norm) | tl.where(r < 0, 8, 0)
 
 
 @triton.jit
@@ -97,26 +77,7 @@ def _store_rows_kernel(store_ptr, x_ptr, stride_xr, stride_xc, dest_ptr, stride_
         ok = (col < DIM) & keep
         ev = _load_x(xrow + col * stride_xc, ok, XBITS)
         od = _load_x(xrow + (col + 1) * stride_xc, ok, XBITS)
-        amax = tl.maximum(tl.max(tl.abs(ev), axis=1), tl.max(tl.abs(od), axis=1))
-        if CODEC == 0:
-            scale = _ue8m0(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.zeros_like(amax) + 448.0))
-            sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        elif CODEC == 1:
-            scale = _round_e4m3(tl.math.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), tl.zeros_like(amax) + 6.0))
-            sbyte = _e4m3_code(scale)
-        else:
-            scale = _ue8m0(tl.math.div_rn(tl.maximum(amax, FP4_UE8M0_FLOOR), tl.zeros_like(amax) + 6.0))
-            sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        s = tl.broadcast_to(scale[:, None], ev.shape)
-        if CODEC == 0:
-            tl.store(row + col, _e4m3_code(_round_e4m3(tl.math.div_rn(ev, s))).to(tl.uint8), mask=ok)
-            tl.store(row + col + 1, _e4m3_code(_round_e4m3(tl.math.div_rn(od, s))).to(tl.uint8), mask=ok)
-            scale_row = row + DIM
-        else:
-            pair = _e2m1_code(tl.math.div_rn(ev, s)) | (_e2m1_code(tl.math.div_rn(od, s)) << 4)
-            tl.store(row + col // 2, pair.to(tl.uint8), mask=ok)
-            scale_row = row + DIM // 2
-        tl.store(scale_row + blk, sbyte.to(tl.uint8), mask=(blk < DIM // (2 * HB)) & keep)
+        encode_pairs(row, ev, od, col, ok, blk, (blk < DIM // (2 * HB)) & keep, DIM, CODEC)
 
 
 def store_rows(store: torch.Tensor, x: torch.Tensor, dest: torch.Tensor, codec) -> None:

@@ -46,6 +46,7 @@ from .live import live_rows as _live_rows
 QUANT_MODES = {None: 0, "fp8_ue8m0": 1, "fp4_ue8m0": 2, "fp4_e4m3": 3}
 DEFAULT_BLOCK = {"fp8_ue8m0": 32, "fp4_ue8m0": 32, "fp4_e4m3": 16}
 TILE = 32  # values per tile row when no quantiser sets the block
+CODEC_BLOCK = {0: 32, 1: 16, 2: 32}  # values per scale of the quantised pool codecs (codecs.FP8_UE8M0, FP4_E4M3, ...)
 FP4_UE8M0_FLOOR = tl.constexpr(6.0 * 2.0 ** -126)  # amax floors of the reference (`model.quant`)
 FP4_E4M3_FLOOR = tl.constexpr(6.0 * 2.0 ** -9)
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -133,6 +134,54 @@ def _fake_quant(ev, od, QUANT: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_code(r):
+    """The e4m3fn byte of r, an fp32 value already on the e4m3 grid (|r| <= 448), sign of zero kept."""
+    bits = r.to(tl.int32, bitcast=True)
+    a = tl.abs(r)
+    sub = (a * 512.0).to(tl.int32)  # below 2^-6: a multiple of 2^-9, exponent field 0
+    norm = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)  # rebias 127 -> 7, top 3 mantissa bits
+    return tl.where(a < 0.015625, sub, norm) | (((bits >> 31) & 1) << 7)
+
+
+@triton.jit
+def _e2m1_code(v):
+    """`nearest_e2m1_code(v.clamp(-6, 6))`: 0..15, sign in bit 3 only for a non-zero magnitude."""
+    r = _round_e2m1(v)
+    a = tl.abs(r)
+    bits = a.to(tl.int32, bitcast=True)
+    norm = ((((bits >> 23) & 0xFF) - 126) << 1) | ((bits >> 22) & 1)  # 1.0 -> 2, 1.5 -> 3, ..., 6.0 -> 7
+    return tl.where(a < 1.0, (a * 2.0).to(tl.int32), norm) | tl.where(r < 0, 8, 0)
+
+
+@triton.jit
+def encode_pairs(row, ev, od, col, ok, blk, blk_ok, DIM, CODEC: tl.constexpr):
+    """A row's bytes in the pool codec CODEC (codecs.FP8_UE8M0, FP4_E4M3, FP4_UE8M0), `Codec.encode`'s op for op,
+    written at `row` (uint8 pointer): the values held as [NB, HB] tiles of the even (`ev`, columns `col`) and odd
+    members of each block of 2 * HB values (the codec's block); `ok` the values to write, `blk` the block ids,
+    `blk_ok` the scale bytes to write. (kernels/step/cache.py says why these bits.)"""
+    amax = tl.maximum(tl.max(tl.abs(ev), axis=1), tl.max(tl.abs(od), axis=1))
+    if CODEC == 0:
+        scale = _ue8m0(tl.math.div_rn(tl.maximum(amax, 1e-4), tl.zeros_like(amax) + 448.0))
+        sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    elif CODEC == 1:
+        scale = _round_e4m3(tl.math.div_rn(tl.maximum(amax, FP4_E4M3_FLOOR), tl.zeros_like(amax) + 6.0))
+        sbyte = _e4m3_code(scale)
+    else:
+        scale = _ue8m0(tl.math.div_rn(tl.maximum(amax, FP4_UE8M0_FLOOR), tl.zeros_like(amax) + 6.0))
+        sbyte = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    s = tl.broadcast_to(scale[:, None], ev.shape)
+    if CODEC == 0:
+        tl.store(row + col, _e4m3_code(_round_e4m3(tl.math.div_rn(ev, s))).to(tl.uint8), mask=ok)
+        tl.store(row + col + 1, _e4m3_code(_round_e4m3(tl.math.div_rn(od, s))).to(tl.uint8), mask=ok)
+        scale_row = row + DIM
+    else:
+        pair = _e2m1_code(tl.math.div_rn(ev, s)) | (_e2m1_code(tl.math.div_rn(od, s)) << 4)
+        tl.store(row + col // 2, pair.to(tl.uint8), mask=ok)
+        scale_row = row + DIM // 2
+    tl.store(scale_row + blk, sbyte.to(tl.uint8), mask=blk_ok)
+
+
+@triton.jit
 def norm_pairs(ev, od, w_ptr, col, live_e, live_o, D, eps, OUT: tl.constexpr):
     """RMSNorm of a vector held as its even and odd members ([NB, HB] tiles at columns col and col + 1): the sum
     of squares in this fixed tree, rsqrt in fp64 rounded once, times the weight, each rounded to OUT. Shared with
@@ -147,12 +196,14 @@ def norm_pairs(ev, od, w_ptr, col, live_e, live_o, D, eps, OUT: tl.constexpr):
 
 @triton.jit
 def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D, live_rows,
+                   store_ptr, dest_ptr, row_bytes,
                    NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr,
                    QUANT: tl.constexpr, NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr,
-                   PDL: tl.constexpr = False):
+                   STORE: tl.constexpr = -1, PDL: tl.constexpr = False):
     """Program (row, head): the head vector x[row, head, :D] as two [NB, HB] tiles (block b's values 2k and 2k + 1),
-    through [norm] -> [rope] -> [quantiser], each stage rounded to OUT; written to out [rows, heads, D]. Rows from
-    `live_rows` on (a bucket's padding) read nothing and write +0.0."""
+    through [norm] -> [rope] -> [quantiser], each stage rounded to OUT; written to out [rows, heads, D], and (STORE,
+    a codec id; one head) encoded into row dest[row] of the store (none for dest < 0). Rows from `live_rows` on (a
+    bucket's padding) read nothing, write +0.0 and store nothing."""
     wait_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -167,8 +218,14 @@ def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_pt
         tl.store(dst, zero, mask=live)
         tl.store(dst + 1, zero, mask=live)
     else:
-        _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps, D, row, head, col, live,
-                    NORM, ROPE, R, INVERSE, QUANT, OUT)
+        ev, od = _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps, D, row, head, col,
+                             live, NORM, ROPE, R, INVERSE, QUANT, OUT)
+        if STORE >= 0:
+            d = tl.load(dest_ptr + row).to(tl.int64)
+            keep = d >= 0
+            blk = tl.arange(0, NB)
+            encode_pairs(store_ptr + tl.maximum(d, 0) * row_bytes, ev, od, col, live & keep, blk,
+                         (blk < D // (2 * HB)) & keep, D, STORE)
 
 
 @triton.jit
@@ -202,10 +259,43 @@ def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps,
         od = _cast(od, OUT)
     tl.store(dst, ev.to(dst.dtype.element_ty), mask=live)
     tl.store(dst + 1, od.to(dst.dtype.element_ty), mask=live)
+    return ev, od
+
+
+def encodes(codec) -> bool:
+    """Whether the row ops can store into a pool of this codec (`store=`): the quantised ones."""
+    from .codecs import CODEC_IDS
+
+    return CODEC_IDS.get(codec.name) in CODEC_BLOCK
+
+
+def _store_args(store, x: torch.Tensor, blk: int, fixed_tile: bool, live: int) -> tuple:
+    """(store bytes, dest, row_bytes, codec id, tile block) of a launcher's `store=(store, dest, codec)`: the
+    window KV's ring (FP8 / ue8m0 per 32), or a compressed source's entries / index keys (FP4)."""
+    from .codecs import codec_id
+
+    st, dest, codec = store
+    cid = codec_id(codec)
+    if cid not in CODEC_BLOCK:
+        raise ValueError(f"store: the row ops encode the quantised codecs only, not {codec.name!r}")
+    if x.dim() == 3 and x.shape[1] != 1:
+        raise ValueError(f"store: one vector a row (a head), got {x.shape[1]} heads")
+    if codec.dim != x.shape[-1]:
+        raise ValueError(f"store: codec {codec.name!r} holds {codec.dim} values, the rows have {x.shape[-1]}")
+    if fixed_tile and blk != CODEC_BLOCK[cid]:
+        raise ValueError(f"store: the codec's blocks of {CODEC_BLOCK[cid]} are not the row ops' {blk}")
+    if not st.is_contiguous() or (st.numel() * st.element_size()) % codec.row_bytes:
+        raise ValueError(f"store must be contiguous whole rows of {codec.row_bytes} bytes")
+    if dest.dim() != 1 or dest.dtype not in (torch.int32, torch.int64) or dest.shape[0] < live:
+        raise ValueError(f"store: dest must be int32/int64 [>= {live}], got {dest.dtype} {list(dest.shape)}")
+    if st.device != x.device or dest.device != x.device:
+        raise ValueError(f"store, dest and x must share a device, got {st.device}, {dest.device}, {x.device}")
+    return st.view(torch.uint8).view(-1), dest.contiguous(), codec.row_bytes, cid, CODEC_BLOCK[cid]
 
 
 def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, inv_freq=None, rope_dim: int = 0,
-            inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None, rows=None):
+            inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None, rows=None,
+            store=None):
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [rows, dim] or [rows, heads, dim], got {list(x.shape)}")
     if quant not in QUANT_MODES:
@@ -244,6 +334,10 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
         if D % blk:
             mode = 0  # the reference skips a quantiser whose block does not divide the vector (MODEL.md §15b.6)
     live = _live_rows(rows, B)
+    sargs, scid = (x, x, 0), -1
+    if store is not None:
+        # the tile block fixes the norm's reduction tree and the quantiser's blocks; without either it is free
+        *sargs, scid, blk = _store_args(store, x, blk, weight is not None or mode != 0, live)
     out = torch.empty(x.shape, dtype=out_dtype, device=dev)
     if B == 0 or H == 0:
         return out
@@ -252,9 +346,10 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
     dummy = x
     _rowops_kernel[(B, H)](  # the padding rows' programs write zeros: no memset launch beside the kernel
         x, x.stride(0), stride_h, out, weight if weight is not None else dummy,
-        positions if rope else dummy, inv_freq if rope else dummy, float(eps), D, live,
+        positions if rope else dummy, inv_freq if rope else dummy, float(eps), D, live, *sargs,
         NORM=weight is not None, ROPE=rope, R=rope_dim if rope else 0, INVERSE=bool(inverse), QUANT=mode,
-        NB=nb, HB=hb, OUT=_DTYPES[out_dtype], num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False,
+        NB=nb, HB=hb, OUT=_DTYPES[out_dtype], STORE=scid, num_warps=1 if nb * hb <= 256 else 4,
+        enable_fp_fusion=False,
         **pdl_launch(dev))
     return out
 
@@ -270,23 +365,26 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
 
 def rope_rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, *,
               inverse: bool = False, quant: str | None = None, block: int | None = None,
-              out_dtype: torch.dtype | None = None, rows: int | None = None):
+              out_dtype: torch.dtype | None = None, rows: int | None = None, store=None):
     """`quant(RopeTable(inv_freq).apply(x.to(out_dtype), positions, rope_dim, inverse))` for x [rows, heads, dim]
     (or [rows, dim]), positions [rows] (any integer dtype), inv_freq the table's fp32 [rope_dim / 2]; quant None,
     "fp8_ue8m0", "fp4_ue8m0" or "fp4_e4m3" (`block` defaults to 32 / 32 / 16). Replaces the q RoPE, the output's
     inverse RoPE (x the fp32 o, out_dtype the activations'), the index queries' RoPE + FP4 and the compressed
-    entries' RoPE + FP4 (e4m3 scales / 16)."""
+    entries' RoPE + FP4 (e4m3 scales / 16). `store=(store, dest, codec)` (one vector a row, a quantised pool codec
+    over its whole dim): also row dest[r] of the store := `codec.encode(out[r])` (`cache.store_rows`' bytes; dest
+    < 0 writes nothing), in the same launch."""
     return _launch(x, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim, inverse=inverse, quant=quant,
-                   block=block, out_dtype=out_dtype, rows=rows)
+                   block=block, out_dtype=out_dtype, rows=rows, store=store)
 
 
 def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
                    inv_freq: torch.Tensor, rope_dim: int, *, quant: str | None = None, block: int | None = None,
-                   out_dtype: torch.dtype | None = None, rows: int | None = None):
+                   out_dtype: torch.dtype | None = None, rows: int | None = None, store=None):
     """`quant(rope(rms_norm(x, weight, eps)))` over each row's (and head's) last dim, in one launch. Replaces the
-    window KV (kv_norm -> RoPE -> FP8 ue8m0 / 32) and the index keys (k_norm -> RoPE -> FP4 ue8m0 / 32)."""
+    window KV (kv_norm -> RoPE -> FP8 ue8m0 / 32) and the index keys (k_norm -> RoPE -> FP4 ue8m0 / 32).
+    `store`: as `rope_rows` (the window KV written into its ring row by the launch that makes it)."""
     return _launch(x, weight=weight, eps=eps, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim,
-                   quant=quant, block=block, out_dtype=out_dtype, rows=rows)
+                   quant=quant, block=block, out_dtype=out_dtype, rows=rows, store=store)
 
 
 def fake_quant_rows(x: torch.Tensor, quant: str, block: int | None = None, out_dtype: torch.dtype | None = None, *,
@@ -298,4 +396,5 @@ def fake_quant_rows(x: torch.Tensor, quant: str, block: int | None = None, out_d
     return _launch(x, quant=quant, block=block, out_dtype=out_dtype, rows=rows)
 
 
-__all__ = ["rms_norm_rows", "rope_rows", "norm_rope_rows", "fake_quant_rows", "QUANT_MODES", "DEFAULT_BLOCK"]
+__all__ = ["rms_norm_rows", "rope_rows", "norm_rope_rows", "fake_quant_rows", "encodes", "QUANT_MODES",
+           "DEFAULT_BLOCK"]

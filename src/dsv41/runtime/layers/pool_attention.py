@@ -37,7 +37,8 @@ class InPlaceAttention:
         cfg, role, L = self.cfg, self.role, self.role.index
         q = a["q"]
         with section("attention"):
-            store_rows(pool.stores[("window", L)], a["kv"][:n], t.ring_dest[:n], pool.window_codec)
+            if not a.get("kv_stored"):  # else the row ops wrote them (`project(window=)`)
+                store_rows(pool.stores[("window", L)], a["kv"][:n], t.ring_dest[:n], pool.window_codec)
             if role.compresses:
                 self._close_groups(a["proj"], n, t, pool, a["dtype"], phase)
         window = dict(window_store=pool.stores[("window", L)], window_codec=pool.window_codec, slot=t.slot[:n],
