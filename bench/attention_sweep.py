@@ -1,7 +1,7 @@
 """Time the attention core over the pool (kernels/step/attention.py `attention_pool`) at the release's decode shapes
-for a sweep of split sizes, key blocks, warps and the one-store block read (`ALIGN_BLOCKS`, A/B): which tiling the
-decode step should use (docs/perf/decode_step.md); whether each has the decode tiling's bits. 1, 6 and 16 rows, 32
-local heads (TP=2) of 512, window 128, index top-k 512, FP8 window rows and FP4 entries, context 2,048.
+for a sweep of split sizes, key blocks and warps: which tiling the decode step should use (docs/perf/decode_step.md).
+One row and 16 rows, 32 local heads (TP=2) of 512, window 128, index top-k 512, FP8 window rows and FP4 entries,
+context 2,048.
 
     python3 bench/attention_sweep.py [--out bench/results/attention_sweep.json]
 """
@@ -72,38 +72,25 @@ def write_rows(out: Path, rows: list) -> None:
     out.write_text(json.dumps({"commit": commit, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
-# (split_keys, key_block, num_warps, aligned): the decode tiling first (the reference of the bits column)
-CONFIGS = [(32, 16, 4, True), (32, 16, 4, False), (32, 16, 8, True), (32, 16, 8, False), (16, 16, 4, True),
-           (16, 16, 8, True), (32, 32, 8, True), (64, 16, 8, True), (64, 32, 8, True), (128, 16, 8, True)]
-
-
 def main() -> int:
-    from dsv41.kernels.step import attention
-
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_sweep.json")
     args = p.parse_args()
     rows = []
-    for B in (1, 6, 16):
+    for B in (1, 16):
         q, sink, kw, _ = build(B)
-        base = None
-        for split, block, warps, aligned in CONFIGS:
-            attention.ALIGN_BLOCKS = aligned  # one store read a block (the default) or both, selected
-            call = lambda: attention_pool(q, sink, 512 ** -0.5, split_keys=split, key_block=block,  # noqa: E731
-                                          num_warps=warps, **kw)
+        base = attention_pool(q, sink, 512 ** -0.5, **kw)
+        for split, block, warps in [(128, 16, 4), (128, 16, 8), (64, 16, 4), (32, 16, 4), (32, 16, 2), (16, 16, 2),
+                                    (64, 32, 4), (128, 32, 4), (32, 32, 4), (128, 64, 4), (64, 64, 4), (128, 64, 8)]:
             try:
-                us = timed(call)
-                got = call()
-                base = got if base is None else base
+                us = timed(lambda: attention_pool(q, sink, 512 ** -0.5, split_keys=split, key_block=block,
+                                                  num_warps=warps, **kw))
+                got = attention_pool(q, sink, 512 ** -0.5, split_keys=split, key_block=block, num_warps=warps, **kw)
                 err = float((got - base).abs().max() / base.abs().max())
-                same = bool(torch.equal(got, base))
             except Exception as e:  # noqa: BLE001 - a tiling that does not compile is a row of the table
-                us, err, same = float("nan"), repr(e)[:120], False
-            rows.append({"B": B, "split_keys": split, "key_block": block, "num_warps": warps, "aligned": aligned,
-                         "us": us, "rel": err, "same_bits_as_first": same})
-            print(f"B={B:2d} split={split:3d} block={block:2d} warps={warps} aligned={aligned:d}: {us:8.1f} us  "
-                  f"rel {err} same {same}", flush=True)
-        attention.ALIGN_BLOCKS = True
+                us, err = float("nan"), repr(e)[:120]
+            rows.append({"B": B, "split_keys": split, "key_block": block, "num_warps": warps, "us": us, "rel": err})
+            print(f"B={B:2d} split={split:3d} block={block:2d} warps={warps}: {us:8.1f} us  rel {err}", flush=True)
     write_rows(args.out, rows)
     return 0
 

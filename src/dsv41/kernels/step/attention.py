@@ -77,9 +77,6 @@ SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scrat
 # 126-145 us at 32-slot splits (docs/perf/decode_step.md).
 DECODE_SPLIT_KEYS = 32
 DECODE_WARPS = 4
-# a block of KEY_BLOCK slots reads one store when the window is a whole number of blocks (`_pool_block`); False
-# only for the A/B in bench/attention_sweep.py
-ALIGN_BLOCKS = True
 FOLD_ENV = "DSV41_ATTN_FOLD"  # 1 / on: the combine folded into the split launch (`fold_enabled`); default off
 
 
@@ -152,7 +149,7 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
-                       ALIGNED: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_previous(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -165,25 +162,20 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     t64 = t.to(tl.int64)
     q = tl.load(q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + col[None, :],
                 mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-    if QP == 1 and MMA:
-        q = q.to(tl.bfloat16)
     m = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
     l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, HDP), dtype=tl.float32)
     for c in range(BLOCKS):
-        lo = (sp * BLOCKS + c) * BS
-        j = lo + tl.arange(0, BS)
+        j = (sp * BLOCKS + c) * BS + tl.arange(0, BS)
         # the only place the two variants differ: where a block's keys and live flags come from
         if POOL:
-            live, k = _pool_block(t64, j, lo, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr,
-                                  window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids,
-                                  width, BS, WCODEC, ECODEC, ALIGNED)
+            live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                                  e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
+                                  WCODEC, ECODEC)
         else:
             live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
             k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
                         mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        if KP == 1 and MMA:  # bf16 values: their one part (`_split_dot`), held in half the registers
-            k = k.to(tl.bfloat16)
         s = _split_dot(q, tl.trans(k), tl.zeros((HB, BS), dtype=tl.float32), QP, KP) * scale
         s = tl.where(live[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -208,63 +200,36 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
 
 
 @triton.jit
-def _pool_block(t64, j, lo, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                 e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                BS: tl.constexpr, WCODEC: tl.constexpr, ECODEC: tl.constexpr, ALIGNED: tl.constexpr):
-    """(live [BS], keys [BS, HDP] fp32) of slots j = lo .. lo + BS - 1 of row t read from the pool in place: what
-    the gathered variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's
-    decode). ALIGNED (window % BS == 0): every block is all window slots or all compressed ones, so a block reads
-    and decodes one store (a block that straddles the window's end reads both, then selects: the same values, but
-    both decodes held at once cost the kernel its registers)."""
-    if ECODEC < 0:
-        live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                               WCODEC)
-    elif ALIGNED:
-        if lo < window:
-            live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                                   WCODEC)
-        else:
-            live, k = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
-                                  per_page, ids_ptr, sib, n_ids, width, ECODEC)
-    else:
-        w_live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                                 WCODEC)
-        e_live, ke = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
-                                 per_page, ids_ptr, sib, n_ids, width, ECODEC)
-        k = tl.where(w_live[:, None], k, ke)
-        live = w_live | e_live
-    return live, k
-
-
-@triton.jit
-def _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                 WCODEC: tl.constexpr):
-    """Window slots j < window: position kp = pos - window + 1 + j, ring row kp % ring_rows of the row's ring
-    slot, live iff kp >= 0 (slots j >= window: dead, 0.0)."""
+                WCODEC: tl.constexpr, ECODEC: tl.constexpr):
+    """(live [BS], keys [BS, HDP] fp32) of slots j of row t read from the pool in place: what the gathered
+    variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's decode)."""
+    # window slots: position kp = pos - window + 1 + j, ring row kp % ring_rows of the row's ring slot
     pos = tl.load(pos_ptr + t64).to(tl.int64)
     ring = tl.load(slot_ptr + t64).to(tl.int64)
     kp = pos - window + 1 + j
     w_live = (j < window) & (kp >= 0)
     w_row = w_ptr + ring * sws + (tl.where(w_live, kp, 0) % ring_rows) * swr
-    return w_live, load_values(w_row[:, None], col[None, :], w_live[:, None] & col_ok[None, :], HD, WCODEC)
-
-
-@triton.jit
-def _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib,
-                n_ids, width, ECODEC: tl.constexpr):
-    """Compressed slots: slot c = j - window reads ids[t, c - (width - n_ids)] (left padding dead), id >= 0 lives
-    in page pages[t, id // per_page] at row id % per_page (slots j < window: dead, 0.0)."""
-    cc = j - window
-    at = cc - (width - n_ids)
-    has = (cc >= 0) & (cc < width) & (at >= 0)
-    eid = tl.load(ids_ptr + t64 * sib + tl.where(has, at, 0), mask=has, other=-1).to(tl.int64)
-    e_live = has & (eid >= 0)
-    eid = tl.where(e_live, eid, 0)
-    pi = eid // per_page
-    e_live = e_live & (pi < n_pages)  # memory safety only: a valid id addresses one of the row's pages
-    page = tl.load(pages_ptr + t64 * spb + pi, mask=e_live, other=0).to(tl.int64)
-    e_row = e_ptr + page * sep + (eid % per_page) * ser
-    return e_live, load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
+    k = load_values(w_row[:, None], col[None, :], w_live[:, None] & col_ok[None, :], HD, WCODEC)
+    live = w_live
+    if ECODEC >= 0:
+        # compressed slots: slot c = j - window reads ids[t, c - (width - n_ids)] (left padding dead), id >= 0
+        # lives in page pages[t, id // per_page] at row id % per_page
+        cc = j - window
+        at = cc - (width - n_ids)
+        has = (cc >= 0) & (cc < width) & (at >= 0)
+        eid = tl.load(ids_ptr + t64 * sib + tl.where(has, at, 0), mask=has, other=-1).to(tl.int64)
+        e_live = has & (eid >= 0)
+        eid = tl.where(e_live, eid, 0)
+        pi = eid // per_page
+        e_live = e_live & (pi < n_pages)  # memory safety only: a valid id addresses one of the row's pages
+        page = tl.load(pages_ptr + t64 * spb + pi, mask=e_live, other=0).to(tl.int64)
+        e_row = e_ptr + page * sep + (eid % per_page) * ser
+        ke = load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
+        k = tl.where(w_live[:, None], k, ke)
+        live = w_live | e_live
+    return live, k
 
 
 @triton.jit
@@ -329,14 +294,10 @@ def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, 
     (one launch), or the combine launch after it (`fold_enabled`)."""
     fold = fold_enabled()
     count = _COUNTERS.get(out.device, grid[0] * grid[1], "attention") if fold else out
-    # no contraction (enable_fp_fusion=False): left to the compiler, which mul + add pairs become an FMA depends
-    # on the code around them (ptxas fuses a plain mul.f32 where it schedules one), so two variants of the split
-    # (pool / gathered, folded or not, one-store blocks) gave other bits on the H200; with every operation
-    # rounded on its own they are the same program of correctly rounded operations
-    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, enable_fp_fusion=False, **pdl_launch(out.device))
+    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, **pdl_launch(out.device))
     if not fold:
         _core_combine_kernel[(grid[0], H)](m, l, acc, sink, out, H, hd, NS=n_splits, HDP=hdp, num_warps=4,
-                                           enable_fp_fusion=False, **pdl_launch(out.device))
+                                           **pdl_launch(out.device))
 
 
 def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor,
@@ -488,6 +449,6 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
              *ents),
             dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
-                 ECODEC=ecodec, ALIGNED=ALIGN_BLOCKS and window % key_block == 0, num_warps=num_warps),
+                 ECODEC=ecodec, num_warps=num_warps),
             m, l, acc, sink, out, H, hd, n_splits, hdp)
     return out
