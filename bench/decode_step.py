@@ -170,13 +170,10 @@ POOL = None  # the KV pool the decode and verify rows run over in place (`--atte
 
 def run_step(model, rows, mode, trace=None):
     logits = model.forward(rows, mode, trace=trace, pool=POOL)
-    with sections.section("sampling"):  # the runner's greedy pick (model_runner._greedy_tokens)
-        if logits.is_cuda:
-            from dsv41.kernels.step.argmax import greedy_rows
+    from dsv41.kernels.step.argmax import greedy_ids
 
-            tokens = greedy_rows(logits)[1]
-        else:
-            tokens = logits.argmax(dim=-1)
+    with sections.section("sampling"):  # the runner's greedy pick (model_runner._greedy_tokens)
+        tokens = greedy_ids(logits)
     return tokens.tolist()
 
 

@@ -81,13 +81,9 @@ class ModelRunner:
         on_gpu = bool(picks) and picks[0][1].is_cuda
         if len(picks) < (1 if on_gpu else 2):
             return {}
-        stacked = torch.stack([last for _, last in picks])
-        if on_gpu:
-            from ..kernels.step.argmax import greedy_rows
+        from ..kernels.step.argmax import greedy_ids
 
-            tokens = greedy_rows(stacked)[1].tolist()
-        else:
-            tokens = stacked.argmax(dim=-1).tolist()
+        tokens = greedy_ids(torch.stack([last for _, last in picks])).tolist()
         return {i: token for (i, _), token in zip(picks, tokens)}
 
     @torch.inference_mode()

@@ -104,3 +104,9 @@ def first_across_shards(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor
         raise ValueError(f"values {list(values.shape)} and ids {list(ids.shape)} must both be [tp, rows]")
     winner = torch.argmax(values, dim=0)
     return ids.gather(0, winner[None, :])[0]
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of logits [n, V] (int64 [n], on their device): `greedy_rows` on a GPU, torch elsewhere;
+    the same index either way."""
+    return greedy_rows(logits)[1] if logits.is_cuda else logits.argmax(dim=-1)

@@ -15,9 +15,10 @@ approximate on GPUs), nearest with ties to even (e2m1 keeps no negative zero, e4
 the clamps. The rounding device functions are `rowops`' (the same ones the in-kernel fake quantisers use); the codes
 are then read off the rounded value's fp32 bits (no fp8 dtype: the interpreter and the GPU run the same integer
 ops). The encoder (`rowops.encode_pairs`) is shared with the row ops, which store the window KV they produce
-straight into the ring (`norm_rope_rows(store=)`): the same bytes, one launch fewer. The forward hands the pool already fake-quantised rows; re-encoding them is exact for FP8 / ue8m0 and FP4 /
-ue8m0, and for FP4 / e4m3 except a block amax in about [0.0176, 0.0195) (a property of the quantiser, which the
-kernel shares with `encode`; tests/test_kernels_step_cache.py).
+straight into the ring (`norm_rope_rows(store=)`): the same bytes, one launch fewer. The forward hands the pool
+already fake-quantised rows; re-encoding them is exact for FP8 / ue8m0 and FP4 / ue8m0, and for FP4 / e4m3
+except a block amax in about [0.0176, 0.0195) (a property of the quantiser, which the kernel shares with `encode`;
+tests/test_kernels_step_cache.py).
 
 dest[b] == -1 (any negative) writes nothing: a fixed-size batch (a CUDA graph) pads with such rows. Other dests are
 the caller's guarantee: distinct and inside the store (no check here, which would sync with the host). One program

@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .pdl import launch as pdl_launch, wait_previous
 
+from .codecs import CODEC_IDS, codec_id
 from .live import live_rows as _live_rows
 
 QUANT_MODES = {None: 0, "fp8_ue8m0": 1, "fp4_ue8m0": 2, "fp4_e4m3": 3}
@@ -264,16 +265,12 @@ def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps,
 
 def encodes(codec) -> bool:
     """Whether the row ops can store into a pool of this codec (`store=`): the quantised ones."""
-    from .codecs import CODEC_IDS
-
     return CODEC_IDS.get(codec.name) in CODEC_BLOCK
 
 
 def _store_args(store, x: torch.Tensor, blk: int, fixed_tile: bool, live: int) -> tuple:
     """(store bytes, dest, row_bytes, codec id, tile block) of a launcher's `store=(store, dest, codec)`: the
     window KV's ring (FP8 / ue8m0 per 32), or a compressed source's entries / index keys (FP4)."""
-    from .codecs import codec_id
-
     st, dest, codec = store
     cid = codec_id(codec)
     if cid not in CODEC_BLOCK:
