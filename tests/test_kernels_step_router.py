@@ -92,6 +92,14 @@ def _interp_worker(out_path: str) -> None:
                         for g in (g16, g16.float())]
     out["int32_ids"] = [route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp, ids_dtype=dt)
                         for dt in (torch.int32, torch.int64)]
+    # the select folded into the logits launch (the default) against its own launch, default and other knobs;
+    # twice folded: the arrival counters are back at zero after a launch
+    out["fold"] = {}
+    for name in CASES:
+        x, gate, bias, k, scale, renorm, temp = _case(name)
+        for tag, knobs in (("", {}), ("knobs_", KNOBS)):
+            out["fold"][tag + name] = [route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp,
+                                                  fold=f, **knobs) for f in (False, True, True)]
     torch.save(out, out_path)
 
 
@@ -198,6 +206,15 @@ def test_interpreted_router_int32_ids_are_the_int64_ones(interp):
         assert torch.equal(a, b)
 
 
+def test_interpreted_router_folded_select_is_the_two_launches_bitwise(interp):
+    """The select in the logits launch's last arriver == the select launch, every output, every case, default and
+    other launch knobs, launch after launch."""
+    for key, (two, folded, again) in interp["fold"].items():
+        for a, b, c in zip(two, folded, again):
+            assert torch.equal(a, b) and torch.equal(b, c), key
+    assert torch.equal(interp["fold"]["ties"][1][0], interp["ties"]["ids"])  # the default is the folded launch
+
+
 def test_router_refuses_other_id_dtypes():
     from dsv41.kernels.step.router import route_rows
 
@@ -272,6 +289,20 @@ def test_gpu_router_real_shapes_vs_reference_and_row_invariance(d, E):
     perm = torch.randperm(16, generator=gen, device=dev)
     for a, b in zip(full, route_rows(x[perm], gate.t(), bias, 6, scale=1.5, renorm=True)):
         assert torch.equal(a[perm], b)
+    # the select folded into the logits launch (the default) == its own launch, eager and replayed in a graph
+    for a, b in zip(full, route_rows(x, gate.t(), bias, 6, scale=1.5, renorm=True, fold=False)):
+        assert torch.equal(a, b)
+    graph = torch.cuda.CUDAGraph()
+    xs = x.clone()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = route_rows(xs, gate.t(), bias, 6, scale=1.5, renorm=True, fold=True)
+    for rows in (x.flip(0), x):
+        xs.copy_(rows)
+        graph.replay()
+        torch.cuda.synchronize()
+        for a, b in zip(captured, route_rows(rows, gate.t(), bias, 6, scale=1.5, renorm=True, fold=False)):
+            assert torch.equal(a, b)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

@@ -149,7 +149,8 @@ def _kernel_buffers() -> list:
     """Buffers that kernels keep in module caches and may later *replace* (not just add to), which a captured graph
     still points at: kept alive with the graph so their memory is never handed to another tensor. Today: the mHC
     site kernels' per-row arrival counters, regrown for a larger row count (a long prefill chunk) by allocating a
-    new tensor (`kernels.step.mhc._Counters`, the attention core's too). The EXL3 and MoE workspaces only grow."""
+    new tensor (`kernels.step.mhc._Counters`, the attention core's and the router's too). The EXL3 and MoE
+    workspaces only grow."""
     from dsv41.kernels.step import mhc as step_mhc
 
     counters = getattr(step_mhc, "_COUNTERS", None)

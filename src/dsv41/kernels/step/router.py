@@ -10,7 +10,9 @@ d range in BLOCK_D chunks into a [BLOCK_E, BLOCK_D] fp32 tile (each lane a seque
 once at the end: a fixed order set by the compile-time shape, which no row count changes.
 Launch 2 (select): one program per row sums the d splits in split order, then softplus / sqrt / bias / top-k /
 weights. Top-k is k rounds of "largest select, lowest id among equals", then that id is removed: the ids come out
-best first, exactly the stable descending sort's first k.
+best first, exactly the stable descending sort's first k. Folded (the default, `FOLD_ENV`): the select runs in
+launch 1's last arriving program of each row (an arrival counter per row, as the mHC sites'), on the same partials
+in the same order: one launch a layer fewer, the same bits.
 
 Outputs stay on the device (no host sync): ids [B, k] int64 and weights [B, k] fp32 in the layout the MoE kernels
 read (`kernels.exl3.moe`: row-major top-k tables), plus logits and select [B, E] fp32 (what the parity traces read).
@@ -26,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .knobs import switched_on
+from .mhc import _COUNTERS
 from .pdl import launch as pdl_launch, wait_previous
 
 # the fastest summed over 1 and 16 rows at the release's shape (d 5120, E 384), cold gate, H200
@@ -33,11 +37,15 @@ from .pdl import launch as pdl_launch, wait_previous
 BLOCK_E = 32
 BLOCK_D = 128
 D_SPLITS = 16  # programs along d per (row, expert block): parallelism for one row; the split order is fixed
+FOLD_ENV = "DSV41_ROUTER_FOLD"  # off: the select as its own launch (A/B; the same bits either way)
 
 
 @triton.jit
 def _router_logits_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, part_ptr, d, E,
+                          count_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, temp, scale,
                           CHUNKS_PER_SPLIT: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+                          SPLITS: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, FOLD: tl.constexpr = False,
                           PDL: tl.constexpr = False):
     wait_previous(PDL)
     row = tl.program_id(0)
@@ -54,8 +62,14 @@ def _router_logits_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, part_
                     mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w * xk[None, :]
     part = tl.sum(acc, axis=1)
-    n_splits = tl.num_programs(2)
-    tl.store(part_ptr + (row.to(tl.int64) * n_splits + sp) * E + e, part, mask=e_ok)
+    tl.store(part_ptr + (row.to(tl.int64) * SPLITS + sp) * E + e, part, mask=e_ok)
+    if FOLD:  # the row's last arriving program runs the select launch's body on the partials the others stored
+        tl.debug_barrier()  # every thread's partial stored before the ticket is released
+        ticket = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")
+        if ticket == tl.num_programs(1) * SPLITS - 1:
+            tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch (graph replays included)
+            _select_row(row, part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
+                        SPLITS, EP, TOPK, KP, HAS_BIAS, RENORM, True)
 
 
 @triton.jit
@@ -70,13 +84,27 @@ def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, w
                           SPLITS: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
     wait_previous(PDL)
-    row = tl.program_id(0)
+    _select_row(tl.program_id(0), part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
+                SPLITS, EP, TOPK, KP, HAS_BIAS, RENORM, False)
+
+
+@triton.jit
+def _select_row(row, part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
+                SPLITS: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
+                HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, FOLDED: tl.constexpr):
+    """One row's logits, select, top-k ids and weights from its d-split partials (summed in split order).
+    FOLDED: the partials were stored by other programs of this launch, read past L1 (`.cg`)."""
     e = tl.arange(0, EP)
     e_ok = e < E
     base = row.to(tl.int64) * SPLITS * E
-    z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0)
-    for sp in tl.static_range(1, SPLITS):
-        z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0)
+    if FOLDED:
+        z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0, cache_modifier=".cg")
+        for sp in tl.static_range(1, SPLITS):
+            z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0, cache_modifier=".cg")
+    else:
+        z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0)
+        for sp in tl.static_range(1, SPLITS):
+            z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0)
     z = tl.math.div_rn(z, temp)
     tl.store(logits_ptr + row.to(tl.int64) * E + e, z, mask=e_ok)
     # sqrt(softplus(z)) in fp64, rounded once (torch's softplus: z itself above the threshold 20)
@@ -114,7 +142,8 @@ def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, w
 
 def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
                renorm: bool, temp: float = 1.0, block_e: int = BLOCK_E, block_d: int = BLOCK_D,
-               d_splits: int = D_SPLITS, num_warps: int = 4, ids_dtype: torch.dtype = torch.int64):
+               d_splits: int = D_SPLITS, num_warps: int = 4, ids_dtype: torch.dtype = torch.int64,
+               fold: bool | None = None):
     """`model.moe.route` for rows x [B, d] and gate_t [d, E] (fp32, or the release's bf16: both read as fp32, the
     bf16 one at half the bytes; compiled, the two reduce their lanes in other orders, so their bits differ; any
     strides: the transposed view of the stored [E, d] gate reads coalesced). Returns (ids [B, k] int64
@@ -122,7 +151,8 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
     block_e / block_d (powers of two): the logits launch's tile; d_splits: its programs along d; num_warps: its
     warps (the select launch keeps 4). Other knobs give other logits bits (another reduction order), the same
     within fp32 rounding; the defaults are the module constants. `ids_dtype` int32 writes the ids as the MoE
-    kernels read them (no conversion launch after this one)."""
+    kernels read them (no conversion launch after this one). `fold`: the select in the logits launch's last
+    arriving program of each row (one launch; the same bits as the two), default the `FOLD_ENV` switch (on)."""
     B, d = x.shape
     if gate_t.shape[0] != d or gate_t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"gate_t must be fp32 / bf16 / fp16 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
@@ -152,11 +182,16 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
     weights = torch.empty(B, k, dtype=torch.float32, device=dev)
     if B == 0:
         return ids, weights, logits, select
+    tail = (bias if bias is not None else part, logits, select, ids, weights)
+    select_kw = dict(SPLITS=d_splits, EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
+                     HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1))
+    fold = switched_on(FOLD_ENV) if fold is None else fold
     _router_logits_kernel[(B, triton.cdiv(E, block_e), d_splits)](
         x, x.stride(0), gate_t, gate_t.stride(0), gate_t.stride(1), part, d, E,
-        CHUNKS_PER_SPLIT=per_split, BE=block_e, BD=block_d, num_warps=num_warps, **pdl_launch(dev))
-    _router_select_kernel[(B,)](
-        part, bias if bias is not None else part, logits, select, ids, weights, E, float(temp), float(scale),
-        SPLITS=d_splits, EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
-        HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1), num_warps=4, **pdl_launch(dev))
+        _COUNTERS.get(dev, B, "router") if fold else part, *tail, float(temp), float(scale),
+        CHUNKS_PER_SPLIT=per_split, BE=block_e, BD=block_d, FOLD=fold, **select_kw, num_warps=num_warps,
+        **pdl_launch(dev))
+    if not fold:
+        _router_select_kernel[(B,)](part, *tail, E, float(temp), float(scale), **select_kw, num_warps=4,
+                                    **pdl_launch(dev))
     return ids, weights, logits, select
