@@ -65,6 +65,7 @@ from .pdl import launch as pdl_launch, wait_previous
 
 from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
+from .rowops import _DTYPES, _cast, rope_pairs
 from .mhc import _COUNTERS
 
 MMA = tl.constexpr(not interpreting())  # the bf16 tensor-core products of `_split_dot` (compiled kernels)
@@ -233,29 +234,48 @@ def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, p
 
 
 @triton.jit
-def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, HD, NS: tl.constexpr, HDP: tl.constexpr,
+def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, pos_ptr, freq_ptr, H, HD, live_rows,
+                         NS: tl.constexpr, HDP: tl.constexpr, R: tl.constexpr = 0, OUT: tl.constexpr = tl.float32,
                          PDL: tl.constexpr = False):
     """(row t, head h): the NS splits combined in split order. Both loops unrolled (NS a constexpr), so their loads
-    are in flight together: a loop waited for each split's loads in turn (20 splits: 13 µs at one row)."""
+    are in flight together: a loop waited for each split's loads in turn (20 splits: 13 µs at one row). R > 0:
+    o's inverse RoPE over its last R dims at pos[t] in the same program, o rounded to OUT (`rowops.rope_pairs`:
+    the bits of `rope_rows(o, inverse=True, out_dtype=OUT)`); rows t >= live_rows (a bucket's padding) read
+    nothing and store zeros, as `rope_rows(rows=)` does."""
     wait_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    col = tl.arange(0, HDP)
+    live = t < live_rows
+    if R > 0:  # the even columns; the odd ones at col + 1: each pair in the program that rotates it
+        col = 2 * tl.arange(0, HDP // 2)
+    else:
+        col = tl.arange(0, HDP)
     col_ok = col < HD
     sink = tl.load(sink_ptr + h)
     big = sink
     for j in tl.static_range(NS):
-        big = tl.maximum(big, tl.load(m_ptr + (t * NS + j) * H + h))
+        big = tl.maximum(big, tl.load(m_ptr + (t * NS + j) * H + h, mask=live, other=0.0))
     den = tl.where(sink == big, 1.0, tl.exp(sink - big))
-    num = tl.zeros((HDP,), dtype=tl.float32)
+    num = tl.zeros(col.shape, dtype=tl.float32)
+    odd = tl.zeros(col.shape, dtype=tl.float32)
     for j in tl.static_range(NS):
         at = (t * NS + j) * H + h
-        mj = tl.load(m_ptr + at)
+        mj = tl.load(m_ptr + at, mask=live, other=0.0)
         w = tl.where(mj == big, 1.0, tl.exp(mj - big))
-        den = den + tl.load(l_ptr + at) * w
-        num = num + tl.load(acc_ptr + at * HD + col, mask=col_ok, other=0.0) * w
-    out = tl.math.div_rn(num, tl.zeros((HDP,), dtype=tl.float32) + den)
-    tl.store(out_ptr + (t * H + h) * HD + col, out, mask=col_ok)
+        den = den + tl.load(l_ptr + at, mask=live, other=0.0) * w
+        num = num + tl.load(acc_ptr + at * HD + col, mask=col_ok & live, other=0.0) * w
+        if R > 0:
+            odd = odd + tl.load(acc_ptr + at * HD + col + 1, mask=col_ok & live, other=0.0) * w
+    out = tl.math.div_rn(num, tl.zeros(col.shape, dtype=tl.float32) + den)
+    dst = out_ptr + (t * H + h) * HD + col
+    if R > 0:
+        ev, od = rope_pairs(_cast(out, OUT), _cast(tl.math.div_rn(odd, tl.zeros(col.shape, dtype=tl.float32) + den),
+                                                   OUT), tl.load(pos_ptr + t, mask=live, other=0), freq_ptr, col,
+                            col_ok & live, HD, R, True, OUT)
+        tl.store(dst, tl.where(live, ev, 0.0).to(OUT), mask=col_ok)
+        tl.store(dst + 1, tl.where(live, od, 0.0).to(OUT), mask=col_ok)
+    else:
+        tl.store(dst, out, mask=col_ok)
 
 
 @triton.jit
@@ -289,15 +309,22 @@ def fold_enabled() -> bool:
     return os.environ.get(FOLD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
-def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, n_splits: int, hdp: int) -> None:
+def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, n_splits: int, hdp: int,
+            rope: tuple | None = None) -> None:
     """The split launch over `grid` (rows, head blocks, splits) with its combine: folded into its last arrivers
-    (one launch), or the combine launch after it (`fold_enabled`)."""
-    fold = fold_enabled()
+    (one launch), or the combine launch after it (`fold_enabled`; always with `rope`: (pos, inv_freq, R), the
+    combine's inverse RoPE into out's dtype, out's rows past grid[0] the bucket's padding, stored as zeros)."""
+    fold = fold_enabled() and rope is None
     count = _COUNTERS.get(out.device, grid[0] * grid[1], "attention") if fold else out
-    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, **pdl_launch(out.device))
+    # no contraction (enable_fp_fusion=False): which mul + add pairs ptxas fuses into an FMA depends on the code
+    # around them, so the folded combine, the combine launch and the row ops' RoPE (rowops.py: fusion off)
+    # would round differently; every operation rounded on its own, each pair gives the same bits
+    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, enable_fp_fusion=False, **pdl_launch(out.device))
     if not fold:
-        _core_combine_kernel[(grid[0], H)](m, l, acc, sink, out, H, hd, NS=n_splits, HDP=hdp, num_warps=4,
-                                           **pdl_launch(out.device))
+        pos, freq, R = rope if rope is not None else (out, out, 0)
+        _core_combine_kernel[(out.shape[0] if rope is not None else grid[0], H)](
+            m, l, acc, sink, out, pos, freq, H, hd, grid[0], NS=n_splits, HDP=hdp, R=R, OUT=_DTYPES[out.dtype],
+            num_warps=4, enable_fp_fusion=False, **pdl_launch(out.device))
 
 
 def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor,
@@ -365,7 +392,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
                    ids: torch.Tensor | None = None, width: int = 0, split_keys: int = DECODE_SPLIT_KEYS,
                    key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
     same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
 
@@ -377,7 +404,12 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     c >= width - K, else dead; id >= 0 is live, page pages[b, id // per_page] (pages [B, P]), row id % per_page.
     Returns o [B, H, hd] fp32 (written into `out` when given: contiguous fp32 [B, H, hd], e.g. the real rows of a
     bucket's o, which then needs no copy); no host sync, no data-dependent allocation, one split and one combine
-    launch (with DSV41_ATTN_FOLD=1 one launch: the combine folded into the split's)."""
+    launch (with DSV41_ATTN_FOLD=1 one launch: the combine folded into the split's).
+
+    `rope=(positions, inv_freq, rope_dim, dtype)`: o's inverse RoPE in the combine launch, o returned in `dtype`:
+    the bits of `rowops.rope_rows(o, positions, inv_freq, rope_dim, inverse=True, out_dtype=dtype)` (one launch
+    fewer; never folded). `out` may then have more rows than q (a bucket's, q its first B real rows): the others
+    are stored as zeros, as `rope_rows(rows=B)` leaves them; positions has at least B rows."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
@@ -435,12 +467,19 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
         ents = (entry_store, entry_store.stride(0), entry_store.stride(1), pages_arg, pages.stride(0),
                 pages.shape[1], per_page, ids_arg, ids.stride(0), K, width)
     keys_bf16 = codecs_hold_bf16(window_codec, entry_codec)
+    rope_args, dtype, rows = None, torch.float32, B
+    if rope is not None:
+        rope_args, dtype = _rope_args(rope, B, hd, q.device)
+        rows = B if out is None else max(B, out.shape[0])
     if out is None:
-        out = torch.empty(B, H, hd, dtype=torch.float32, device=q.device)
-    elif out.shape != (B, H, hd) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != q.device:
-        raise ValueError(f"out must be contiguous fp32 [{B}, {H}, {hd}] on {q.device}, got {out.dtype} "
-                         f"{list(out.shape)} on {out.device}")
+        out = torch.empty(B, H, hd, dtype=dtype, device=q.device)
+    elif (out.shape[1:] != (H, hd) or out.shape[0] != rows or out.dtype != dtype or not out.is_contiguous()
+          or out.device != q.device):
+        raise ValueError(f"out must be contiguous {dtype} [{B}{'+' if rope else ''}, {H}, {hd}] on {q.device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
     if B == 0:
+        if rope is not None:
+            out.zero_()
         return out
     n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)
     _launch((B, triton.cdiv(H, HEAD_BLOCK), n_splits),
@@ -450,5 +489,23 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
             dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
                  ECODEC=ecodec, num_warps=num_warps),
-            m, l, acc, sink, out, H, hd, n_splits, hdp)
+            m, l, acc, sink, out, H, hd, n_splits, hdp, rope_args)
     return out
+
+
+def _rope_args(rope: tuple, B: int, hd: int, device) -> tuple:
+    """((positions, inv_freq, rope_dim), dtype) of `attention_pool`'s `rope=`, checked."""
+    positions, inv_freq, rope_dim, dtype = rope
+    rope_dim = int(rope_dim)
+    if dtype not in _DTYPES:
+        raise ValueError(f"rope dtype must be one of {list(_DTYPES)}, got {dtype}")
+    if not 0 < rope_dim <= hd or rope_dim % 2:
+        raise ValueError(f"rope_dim must be even in (0, {hd}], got {rope_dim}")
+    if inv_freq.shape != (rope_dim // 2,) or inv_freq.dtype != torch.float32 or inv_freq.device != device:
+        raise ValueError(f"inv_freq must be fp32 [{rope_dim // 2}] on {device}, got {inv_freq.dtype} "
+                         f"{list(inv_freq.shape)} on {inv_freq.device}")
+    if (positions.dim() != 1 or positions.shape[0] < B or positions.dtype not in (torch.int32, torch.int64)
+            or positions.device != device):
+        raise ValueError(f"rope positions must be int32/int64 [>= {B}] on {device}, got {positions.dtype} "
+                         f"{list(positions.shape)} on {positions.device}")
+    return (positions.contiguous(), inv_freq.contiguous(), rope_dim), dtype

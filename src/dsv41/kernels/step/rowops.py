@@ -230,6 +230,25 @@ def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_pt
 
 
 @triton.jit
+def rope_pairs(ev, od, pos, freq_ptr, col, live, D, R: tl.constexpr, INVERSE: tl.constexpr, OUT: tl.constexpr):
+    """The pairs (ev, od) at even columns `col` of a D-dim vector (fp32 holding OUT values) at position `pos`
+    rotated where they lie in the last R dims, each result rounded to OUT; the others passed through. Shared with
+    the attention combine (its inverse RoPE of o), so both give these bits; their launches pass
+    enable_fp_fusion=False (module docstring)."""
+    j = col // 2 - (D - R) // 2  # frequency index of the pair; < 0 outside the rotated tail
+    rot = live & (j >= 0)
+    f = tl.load(freq_ptr + j, mask=rot, other=0.0)
+    ang = (pos.to(tl.float32) * f).to(tl.float64)
+    c = tl.cos(ang).to(tl.float32)
+    s = tl.sin(ang).to(tl.float32)
+    if INVERSE:
+        s = _neg(s)
+    ra = _cast(ev * c - od * s, OUT)
+    rb = _cast(ev * s + od * c, OUT)
+    return tl.where(rot, ra, ev), tl.where(rot, rb, od)
+
+
+@triton.jit
 def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps, D, row, head, col, live,
                 NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr,
                 OUT: tl.constexpr):
@@ -242,18 +261,7 @@ def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps,
         ev = _cast(ev, OUT)
         od = _cast(od, OUT)
     if ROPE:
-        j = col // 2 - (D - R) // 2  # frequency index of the pair; < 0 outside the rotated tail
-        rot = live & (j >= 0)
-        f = tl.load(freq_ptr + j, mask=rot, other=0.0)
-        ang = (tl.load(pos_ptr + row).to(tl.float32) * f).to(tl.float64)
-        c = tl.cos(ang).to(tl.float32)
-        s = tl.sin(ang).to(tl.float32)
-        if INVERSE:
-            s = _neg(s)
-        ra = _cast(ev * c - od * s, OUT)
-        rb = _cast(ev * s + od * c, OUT)
-        ev = tl.where(rot, ra, ev)
-        od = tl.where(rot, rb, od)
+        ev, od = rope_pairs(ev, od, tl.load(pos_ptr + row), freq_ptr, col, live, D, R, INVERSE, OUT)
     if QUANT != 0:
         ev, od = _fake_quant(ev, od, QUANT)
         ev = _cast(ev, OUT)

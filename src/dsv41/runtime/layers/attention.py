@@ -225,12 +225,16 @@ class FastAttention(InPlaceAttention):
                 self._core_batched(q, gathered, o)
         return o
 
-    def output(self, o: torch.Tensor, n: int, P: torch.Tensor, phase: str, dtype: torch.dtype) -> torch.Tensor:
+    def output(self, o: torch.Tensor, n: int, P: torch.Tensor, phase: str, dtype: torch.dtype,
+               roped: bool = False) -> torch.Tensor:
         """The tail over the bucket: inverse RoPE of o (rounded to `dtype`), wo_a per group, wo_b: this rank's
-        partial [B, d]."""
+        partial [B, d]. `roped`: o has had its inverse RoPE (`attend_pool`'s combine launch: the same bits)."""
         w = self.w
         with section("norms"):
-            if step_kernels_run(o.device):
+            if roped:
+                if o.dtype != dtype:
+                    raise ValueError(f"an inverse-RoPE'd o must be {dtype}, got {o.dtype}")
+            elif step_kernels_run(o.device):
                 from dsv41.kernels.step.rowops import rope_rows
 
                 o = rope_rows(o, P, self._inv_freq(o.device), self.cfg.qk_rope_head_dim, inverse=True, out_dtype=dtype,

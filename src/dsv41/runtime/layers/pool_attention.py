@@ -24,9 +24,8 @@ class InPlaceAttention:
     def attend_pool(self, a: dict, n: int, P: torch.Tensor, t, pool, phase: str) -> torch.Tensor:
         """`attend` for decode / verify rows over the KV pool in place (`t`: the bucket's `StepTables`): fixed
         shapes, the pool read and written through the tables, no host sync, so a whole step can be one CUDA graph.
-        The kernels run the n real rows (the padding rows' o is left unwritten: nothing reads it). In order: the
-        window rows stored into the ring (the rows of a verify window see the ones before them), the groups the
-        rows close pooled and their
+        The kernels run the n real rows (o's padding rows are zeros). In order: the window rows stored into the
+        ring (the rows of a verify window see the ones before them), the groups the rows close pooled and their
         entries and index keys stored by the closer, the index scores over the source's pages (candidate pool,
         top-k), the core over the ring and the selected entries (`attention_pool`: the keys are read and
         dequantised in the kernel's load). The bits are those of `attend` over the same state loaded from the pool
@@ -54,10 +53,11 @@ class InPlaceAttention:
             entries = dict(entry_store=pool.stores[("kv", role.kv_source)], entry_codec=pool.kv_codec,
                            pages=t.pages[:n], per_page=src.per_page, ids=ids, width=cfg.index_topk)
         with section("attention"):
-            # the padding rows of o stay unwritten: `output` runs the n real rows only (its first op, the inverse
-            # RoPE, reads rows [0, n) and writes zeros below)
-            o = torch.empty(q.shape[0], self.heads, cfg.head_dim, dtype=torch.float32, device=q.device)
-            attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries, out=o[:n])
+            # o's inverse RoPE in the combine launch (`rope_rows`' bits, in the activations' dtype): `output` takes
+            # it as it comes; the padding rows are stored as zeros, as `rope_rows(rows=n)` leaves them
+            o = torch.empty(q.shape[0], self.heads, cfg.head_dim, dtype=a["dtype"], device=q.device)
+            attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries, out=o,
+                           rope=(P, self._inv_freq(q.device), cfg.qk_rope_head_dim, a["dtype"]))
         return o
 
     def _close_groups(self, proj: dict, n: int, t, pool, dtype: torch.dtype, phase: str) -> None:
