@@ -65,6 +65,7 @@ from .pdl import launch as pdl_launch, wait_previous
 
 from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
+from .attention_args import check_store, entry_args, int_vector, rope_args
 from .rowops import _DTYPES, _cast, rope_pairs
 from .mhc import _COUNTERS
 
@@ -146,10 +147,11 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        H, S, HD, scale,
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                        e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                       out_ptr, count_ptr,
+                       out_ptr, count_ptr, qfreq_ptr,
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
+                       QROPE: tl.constexpr = 0, QDT: tl.constexpr = tl.bfloat16,
                        FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_previous(PDL)
     t = tl.program_id(0)
@@ -161,8 +163,11 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     col = tl.arange(0, HDP)
     col_ok = col < HD
     t64 = t.to(tl.int64)
-    q = tl.load(q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + col[None, :],
-                mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    if QROPE > 0:  # q's RoPE (over the pool: at the row's position) in the load, `rope_rows`' bits
+        q = _roped_q(q_ptr, sqt, sqh, t64, h, h_ok, HD, pos_ptr, qfreq_ptr, HB, HDP, QROPE, QDT)
+    else:
+        q = tl.load(q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + col[None, :],
+                    mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     m = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
     l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, HDP), dtype=tl.float32)
@@ -198,6 +203,20 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
             tl.atomic_xchg(count_ptr + unit, 0)  # ready for the next launch (graph replays included)
             _combine_heads(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, t64, h, h_ok, col, col_ok, H, HD, n_splits,
                            HB, HDP)
+
+
+@triton.jit
+def _roped_q(q_ptr, sqt, sqh, t64, h, h_ok, HD, pos_ptr, freq_ptr, HB: tl.constexpr, HDP: tl.constexpr,
+             R: tl.constexpr, QDT: tl.constexpr):
+    """The HB heads of row t's q [HB, HDP] fp32 with RoPE over their last R dims (`rowops.rope_pairs` on the
+    (even, odd) columns, then interleaved back): the values `rope_rows(q, pos, inv_freq, R)` stores."""
+    even = 2 * tl.arange(0, HDP // 2)
+    ok = h_ok[:, None] & (even < HD)[None, :]
+    src = q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + even[None, :]
+    ev = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    od = tl.load(src + 1, mask=ok, other=0.0).to(tl.float32)
+    ev, od = rope_pairs(ev, od, tl.load(pos_ptr + t64), freq_ptr, even[None, :], ok, HD, R, False, QDT)
+    return tl.reshape(tl.join(ev, od), (HB, HDP))
 
 
 @triton.jit
@@ -319,7 +338,9 @@ def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, 
     # no contraction (enable_fp_fusion=False): which mul + add pairs ptxas fuses into an FMA depends on the code
     # around them, so the folded combine, the combine launch and the row ops' RoPE (rowops.py: fusion off)
     # would round differently; every operation rounded on its own, each pair gives the same bits
-    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, enable_fp_fusion=False, **pdl_launch(out.device))
+    qfreq = kw.pop("qfreq", out)
+    _core_split_kernel[grid](*args, out, count, qfreq, FOLD=fold, **kw, enable_fp_fusion=False,
+                             **pdl_launch(out.device))
     if not fold:
         pos, freq, R = rope if rope is not None else (out, out, 0)
         _core_combine_kernel[(out.shape[0] if rope is not None else grid[0], H)](
@@ -372,27 +393,13 @@ def _no_pool(t: torch.Tensor) -> tuple:
     return (t, 0, 0, 1, t, t, 0, t, 0, 0, t, 0, 0, 1, t, 0, 0, 0)
 
 
-def _int_vector(name: str, x: torch.Tensor, B: int) -> None:
-    if x.shape != (B,) or x.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"{name} must be int32/int64 [B={B}], got {x.dtype} {list(x.shape)}")
-
-
-def _store(name: str, store: torch.Tensor, codec, hd: int) -> None:
-    if store.dtype != torch.uint8 or store.dim() != 3:
-        raise ValueError(f"{name} must be uint8 [n, rows, row_bytes], got {store.dtype} {list(store.shape)}")
-    if codec.dim != hd or store.shape[2] != codec.row_bytes:
-        raise ValueError(f"{name} rows of {store.shape[2]} bytes do not hold the codec {codec.name!r} "
-                         f"({codec.row_bytes} bytes of {codec.dim} values) at head_dim {hd}")
-    if store.stride(2) != 1:
-        raise ValueError(f"{name} must be contiguous within a row (stride(2) == 1), got {store.stride()}")
-
-
 def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_store: torch.Tensor, window_codec,
                    slot: torch.Tensor, pos: torch.Tensor, window: int, entry_store: torch.Tensor | None = None,
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
                    ids: torch.Tensor | None = None, width: int = 0, split_keys: int = DECODE_SPLIT_KEYS,
                    key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS,
-                   out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, rope: tuple | None = None,
+                   q_rope: tuple | None = None) -> torch.Tensor:
     """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
     same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
 
@@ -409,7 +416,9 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     `rope=(positions, inv_freq, rope_dim, dtype)`: o's inverse RoPE in the combine launch, o returned in `dtype`:
     the bits of `rowops.rope_rows(o, positions, inv_freq, rope_dim, inverse=True, out_dtype=dtype)` (one launch
     fewer; never folded). `out` may then have more rows than q (a bucket's, q its first B real rows): the others
-    are stored as zeros, as `rope_rows(rows=B)` leaves them; positions has at least B rows."""
+    are stored as zeros, as `rope_rows(rows=B)` leaves them; positions has at least B rows. `q_rope=(inv_freq,
+    rope_dim)`: q comes before its RoPE, applied in the split launch's load at `pos`: the bits of passing
+    `rope_rows(q, pos, inv_freq, rope_dim)` (one launch fewer)."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
@@ -418,11 +427,11 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     window = int(window)
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    _store("window_store", window_store, window_codec, hd)
+    check_store("window_store", window_store, window_codec, hd)
     if window > window_store.shape[1]:
         raise ValueError(f"window {window} is longer than the ring ({window_store.shape[1]} rows)")
-    _int_vector("slot", slot, B)
-    _int_vector("pos", pos, B)
+    int_vector("slot", slot, B)
+    int_vector("pos", pos, B)
     for name, x in (("window_store", window_store), ("slot", slot), ("pos", pos)):
         if x.device != q.device:
             raise ValueError(f"{name} is on {x.device}, q on {q.device}")
@@ -431,45 +440,11 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     if q.stride(2) != 1:
         q = q.contiguous()
     slot, pos = slot.contiguous(), pos.contiguous()
-    if entry_store is None:
-        if any(x is not None for x in (entry_codec, pages, ids)) or width:
-            raise ValueError("entry_codec / pages / ids / width given without entry_store")
-        S = window
-        ents = (q, 0, 0, q, 0, 0, 1, q, 0, 0, 0)
-        ecodec = -1
-    else:
-        if entry_codec is None or pages is None:
-            raise ValueError("entry_store needs entry_codec and pages")
-        _store("entry_store", entry_store, entry_codec, hd)
-        ecodec = codec_id(entry_codec)
-        per_page, width = int(per_page), int(width)
-        if per_page != entry_store.shape[1]:
-            raise ValueError(f"per_page {per_page} is not the entry store's {entry_store.shape[1]} rows per page")
-        if pages.dim() != 2 or pages.shape[0] != B or pages.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"pages must be int32/int64 [B={B}, P], got {pages.dtype} {list(pages.shape)}")
-        if ids is None:
-            ids = torch.empty(B, 0, dtype=torch.int64, device=q.device)
-        if ids.dim() != 2 or ids.shape[0] != B or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"ids must be int64 [B={B}, K], got {ids.dtype} {list(ids.shape)}")
-        K = ids.shape[1]
-        if width < K:
-            raise ValueError(f"width {width} < K = {K} selected ids")
-        for name, x in (("entry_store", entry_store), ("pages", pages), ("ids", ids)):
-            if x.device != q.device:
-                raise ValueError(f"{name} is on {x.device}, q on {q.device}")
-        if pages.stride(1) != 1:
-            pages = pages.contiguous()
-        if ids.stride(1) != 1:
-            ids = ids.contiguous()
-        S = window + width
-        # an empty ids / pages is never read (no slot addresses it): any valid pointer stands in
-        ids_arg, pages_arg = (ids if K else pos), (pages if pages.shape[1] else pos)
-        ents = (entry_store, entry_store.stride(0), entry_store.stride(1), pages_arg, pages.stride(0),
-                pages.shape[1], per_page, ids_arg, ids.stride(0), K, width)
+    S, ents, ecodec = entry_args(q, window, pos, entry_store, entry_codec, pages, per_page, ids, width)
     keys_bf16 = codecs_hold_bf16(window_codec, entry_codec)
-    rope_args, dtype, rows = None, torch.float32, B
+    combine_rope, dtype, rows = None, torch.float32, B
     if rope is not None:
-        rope_args, dtype = _rope_args(rope, B, hd, q.device)
+        combine_rope, dtype = rope_args(rope, B, hd, q.device)
         rows = B if out is None else max(B, out.shape[0])
     if out is None:
         out = torch.empty(B, H, hd, dtype=dtype, device=q.device)
@@ -482,30 +457,16 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
             out.zero_()
         return out
     n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)
+    q_kw = {}
+    if q_rope is not None:
+        (_, q_freq, q_dim), _ = rope_args((pos, *q_rope, q.dtype), B, hd, q.device)
+        q_kw = dict(qfreq=q_freq, QROPE=q_dim, QDT=_DTYPES[q.dtype])
     _launch((B, triton.cdiv(H, HEAD_BLOCK), n_splits),
             (q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
              window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
              *ents),
             dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
-                 ECODEC=ecodec, num_warps=num_warps),
-            m, l, acc, sink, out, H, hd, n_splits, hdp, rope_args)
+                 ECODEC=ecodec, num_warps=num_warps, **q_kw),
+            m, l, acc, sink, out, H, hd, n_splits, hdp, combine_rope)
     return out
-
-
-def _rope_args(rope: tuple, B: int, hd: int, device) -> tuple:
-    """((positions, inv_freq, rope_dim), dtype) of `attention_pool`'s `rope=`, checked."""
-    positions, inv_freq, rope_dim, dtype = rope
-    rope_dim = int(rope_dim)
-    if dtype not in _DTYPES:
-        raise ValueError(f"rope dtype must be one of {list(_DTYPES)}, got {dtype}")
-    if not 0 < rope_dim <= hd or rope_dim % 2:
-        raise ValueError(f"rope_dim must be even in (0, {hd}], got {rope_dim}")
-    if inv_freq.shape != (rope_dim // 2,) or inv_freq.dtype != torch.float32 or inv_freq.device != device:
-        raise ValueError(f"inv_freq must be fp32 [{rope_dim // 2}] on {device}, got {inv_freq.dtype} "
-                         f"{list(inv_freq.shape)} on {inv_freq.device}")
-    if (positions.dim() != 1 or positions.shape[0] < B or positions.dtype not in (torch.int32, torch.int64)
-            or positions.device != device):
-        raise ValueError(f"rope positions must be int32/int64 [>= {B}] on {device}, got {positions.dtype} "
-                         f"{list(positions.shape)} on {positions.device}")
-    return (positions.contiguous(), inv_freq.contiguous(), rope_dim), dtype
