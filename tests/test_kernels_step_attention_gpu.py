@@ -95,7 +95,6 @@ def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
         assert torch.equal(_bits(res[key]), _bits(res["pool"])), key
     assert torch.equal(_bits(res["roped"]), _bits(res["roped_ref"]))  # o's inverse RoPE in the combine
     assert not res["roped"][-2:].any()
-    assert torch.equal(_bits(res["q_roped"]), _bits(res["q_roped_ref"]))  # q's RoPE in the split's load
     q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
     for start, stop in ((0, 5), (3, 16), (7, 8)):
         part = attention_pool(q[start:stop], sink, scale, **_rows_of(args, slice(start, stop)))

@@ -409,8 +409,7 @@ class FastModel:
                 y, post, comb = pending
                 x, h, a_pre, a_post, a_comb = sites.expand_site(y, x, post, comb, block.hc_attn, pre_in,
                                                                 block.attn_norm)
-        return x, a_pre, a_post, a_comb, block.attn.project(h, n, P, phase, window=window,
-                                                            in_place=window is not None)
+        return x, a_pre, a_post, a_comb, block.attn.project(h, n, P, phase, window=window)
 
     def _ffn(self, block: FastBlock, sites: MhcSites, n, phase, trace, roped, o, P, x, a_post, a_comb, a_pre):
         """The attention's output projections and reduction, the FFN mHC site, the MoE and its reduction:

@@ -147,11 +147,10 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        H, S, HD, scale,
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                        e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                       out_ptr, count_ptr, qfreq_ptr,
+                       out_ptr, count_ptr,
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
-                       QROPE: tl.constexpr = 0, QDT: tl.constexpr = tl.bfloat16,
                        FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_previous(PDL)
     t = tl.program_id(0)
@@ -163,11 +162,8 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     col = tl.arange(0, HDP)
     col_ok = col < HD
     t64 = t.to(tl.int64)
-    if QROPE > 0:  # q's RoPE (over the pool: at the row's position) in the load, `rope_rows`' bits
-        q = _roped_q(q_ptr, sqt, sqh, t64, h, h_ok, HD, pos_ptr, qfreq_ptr, HB, HDP, QROPE, QDT)
-    else:
-        q = tl.load(q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + col[None, :],
-                    mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + col[None, :],
+                mask=h_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
     m = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
     l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, HDP), dtype=tl.float32)
@@ -203,20 +199,6 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
             tl.atomic_xchg(count_ptr + unit, 0)  # ready for the next launch (graph replays included)
             _combine_heads(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, t64, h, h_ok, col, col_ok, H, HD, n_splits,
                            HB, HDP)
-
-
-@triton.jit
-def _roped_q(q_ptr, sqt, sqh, t64, h, h_ok, HD, pos_ptr, freq_ptr, HB: tl.constexpr, HDP: tl.constexpr,
-             R: tl.constexpr, QDT: tl.constexpr):
-    """The HB heads of row t's q [HB, HDP] fp32 with RoPE over their last R dims (`rowops.rope_pairs` on the
-    (even, odd) columns, then interleaved back): the values `rope_rows(q, pos, inv_freq, R)` stores."""
-    even = 2 * tl.arange(0, HDP // 2)
-    ok = h_ok[:, None] & (even < HD)[None, :]
-    src = q_ptr + t64 * sqt + h[:, None].to(tl.int64) * sqh + even[None, :]
-    ev = tl.load(src, mask=ok, other=0.0).to(tl.float32)
-    od = tl.load(src + 1, mask=ok, other=0.0).to(tl.float32)
-    ev, od = rope_pairs(ev, od, tl.load(pos_ptr + t64), freq_ptr, even[None, :], ok, HD, R, False, QDT)
-    return tl.reshape(tl.join(ev, od), (HB, HDP))
 
 
 @triton.jit
@@ -338,9 +320,7 @@ def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, 
     # no contraction (enable_fp_fusion=False): which mul + add pairs ptxas fuses into an FMA depends on the code
     # around them, so the folded combine, the combine launch and the row ops' RoPE (rowops.py: fusion off)
     # would round differently; every operation rounded on its own, each pair gives the same bits
-    qfreq = kw.pop("qfreq", out)
-    _core_split_kernel[grid](*args, out, count, qfreq, FOLD=fold, **kw, enable_fp_fusion=False,
-                             **pdl_launch(out.device))
+    _core_split_kernel[grid](*args, out, count, FOLD=fold, **kw, enable_fp_fusion=False, **pdl_launch(out.device))
     if not fold:
         pos, freq, R = rope if rope is not None else (out, out, 0)
         _core_combine_kernel[(out.shape[0] if rope is not None else grid[0], H)](
@@ -398,8 +378,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
                    ids: torch.Tensor | None = None, width: int = 0, split_keys: int = DECODE_SPLIT_KEYS,
                    key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS,
-                   out: torch.Tensor | None = None, rope: tuple | None = None,
-                   q_rope: tuple | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
     same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
 
@@ -416,9 +395,7 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
     `rope=(positions, inv_freq, rope_dim, dtype)`: o's inverse RoPE in the combine launch, o returned in `dtype`:
     the bits of `rowops.rope_rows(o, positions, inv_freq, rope_dim, inverse=True, out_dtype=dtype)` (one launch
     fewer; never folded). `out` may then have more rows than q (a bucket's, q its first B real rows): the others
-    are stored as zeros, as `rope_rows(rows=B)` leaves them; positions has at least B rows. `q_rope=(inv_freq,
-    rope_dim)`: q comes before its RoPE, applied in the split launch's load at `pos`: the bits of passing
-    `rope_rows(q, pos, inv_freq, rope_dim)` (one launch fewer)."""
+    are stored as zeros, as `rope_rows(rows=B)` leaves them; positions has at least B rows."""
     if q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q must be bf16/fp16/fp32 [B, H, hd], got {q.dtype} {list(q.shape)}")
     B, H, hd = q.shape
@@ -457,16 +434,12 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
             out.zero_()
         return out
     n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)
-    q_kw = {}
-    if q_rope is not None:
-        (_, q_freq, q_dim), _ = rope_args((pos, *q_rope, q.dtype), B, hd, q.device)
-        q_kw = dict(qfreq=q_freq, QROPE=q_dim, QDT=_DTYPES[q.dtype])
     _launch((B, triton.cdiv(H, HEAD_BLOCK), n_splits),
             (q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
              window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
              *ents),
             dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
-                 ECODEC=ecodec, num_warps=num_warps, **q_kw),
+                 ECODEC=ecodec, num_warps=num_warps),
             m, l, acc, sink, out, H, hd, n_splits, hdp, combine_rope)
     return out

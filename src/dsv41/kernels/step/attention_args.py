@@ -67,7 +67,7 @@ def entry_args(q: torch.Tensor, window: int, pos: torch.Tensor, entry_store, ent
 
 
 def rope_args(rope: tuple, B: int, hd: int, device) -> tuple:
-    """((positions, inv_freq, rope_dim), dtype) of `attention_pool`'s `rope=` (and `q_rope=`), checked."""
+    """((positions, inv_freq, rope_dim), dtype) of `attention_pool`'s `rope=`, checked."""
     positions, inv_freq, rope_dim, dtype = rope
     rope_dim = int(rope_dim)
     if dtype not in _DTYPES:

@@ -111,19 +111,18 @@ class FastAttention(InPlaceAttention):
         per-sequence work between them."""
         return self.output(self.attend(self.project(x, n, P, phase), n, P, segs, phase, trace), n, P, phase, x.dtype)
 
-    def project(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, window=None,
-                in_place: bool = False) -> dict:
+    def project(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, window=None) -> dict:
         """The projections over the bucket: q (RoPE), the window KV (RoPE, FP8), the compressor's inputs, the
         indexer's queries (RoPE; their FP4 quantiser runs in `attend`: `formats.nearest_e2m1_code` builds its table
         with a host copy per call, which a graph capture refuses) and weights. `window` (store, dest, codec): the
         ring of the in-place step, into which the row ops store the window KV they make (`proj["kv_stored"]`;
-        only where the step kernels run). `in_place`: for `attend_pool`, which applies q's RoPE in its load."""
+        only where the step kernels run)."""
         cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
         B = x.shape[0]
         if step_kernels_run(x.device):
-            return self._project_rowops(x, n, P, phase, window, in_place)
-        if window is not None or in_place:
-            raise ValueError("the step over the pool runs the row-op kernels: none run on this device")
+            return self._project_rowops(x, n, P, phase, window)
+        if window is not None:
+            raise ValueError("the window KV is stored by the row-op kernels: none run on this device")
         rope = self.ref._rope
         qa, kva, proj = self._project_x(x, n, phase)
         with section("norms"):
@@ -148,11 +147,10 @@ class FastAttention(InPlaceAttention):
             self._inv_freq_dev = self.ref.rope.inv_freq.to(device=device, dtype=torch.float32).contiguous()
         return self._inv_freq_dev
 
-    def _project_rowops(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, window=None,
-                        in_place: bool = False) -> dict:
+    def _project_rowops(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, window=None) -> dict:
         """`project` with the norms, RoPE and quantisers as the row-op kernels (kernels/step/rowops.py: one launch
         each, RoPE and the quantisers the reference's bits on the same input); the index queries' FP4 is fused with
-        their RoPE here. `in_place` (the step over the pool): q is left before its RoPE (`"q_roped"` False)."""
+        their RoPE here."""
         from dsv41.kernels.step.rowops import encodes, norm_rope_rows, rms_norm_rows, rope_rows
 
         cfg, role, w, eps = self.cfg, self.role, self.w, self.cfg.rms_norm_eps
@@ -164,9 +162,7 @@ class FastAttention(InPlaceAttention):
             qr = rms_norm_rows(qa, w.q_norm, eps, rows=n)
         qb, ib = self._project_qr(qr, n, phase)
         with section("norms"):
-            # over the pool q's RoPE runs in the attention's load (`attend_pool`: `rope_rows`' bits)
-            q = qb.view(B, self.heads, cfg.head_dim) if in_place else rope_rows(qb.view(B, self.heads, cfg.head_dim),
-                                                                                 P, freqs, R, rows=n)
+            q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R, rows=n)
             kv = norm_rope_rows(kva, w.kv_norm, eps, P, freqs, R, quant="fp8_ue8m0" if self.fq else None, block=32,
                                 rows=n, store=window)
         iq = iw = None
@@ -178,7 +174,7 @@ class FastAttention(InPlaceAttention):
                 iq = rope_rows(ib.view(B, cfg.index_n_heads, cfg.index_head_dim), P, freqs, R,
                                quant="fp4_ue8m0" if self.fq else None, block=32, rows=n)
         return {"dtype": x.dtype, "q": q, "kv": kv, "proj": proj, "iq": iq, "iw": iw, "iw_scales": self._iw_scales(),
-                "iq_quantised": True, "kv_stored": window is not None, "q_roped": not in_place}
+                "iq_quantised": True, "kv_stored": window is not None}
 
     def _iw_scales(self) -> tuple[float, float]:
         return (self.cfg.index_head_dim ** -0.5, self.cfg.index_n_heads ** -0.5)

@@ -56,9 +56,8 @@ class InPlaceAttention:
             # o's inverse RoPE in the combine launch (`rope_rows`' bits, in the activations' dtype): `output` takes
             # it as it comes; the padding rows are stored as zeros, as `rope_rows(rows=n)` leaves them
             o = torch.empty(q.shape[0], self.heads, cfg.head_dim, dtype=a["dtype"], device=q.device)
-            freqs, R = self._inv_freq(q.device), cfg.qk_rope_head_dim
             attention_pool(q[:n], self.sink, cfg.head_dim ** -0.5, **window, **entries, out=o,
-                           rope=(P, freqs, R, a["dtype"]), q_rope=None if a.get("q_roped", True) else (freqs, R))
+                           rope=(P, self._inv_freq(q.device), cfg.qk_rope_head_dim, a["dtype"]))
         return o
 
     def _close_groups(self, proj: dict, n: int, t, pool, dtype: torch.dtype, phase: str) -> None:
