@@ -69,7 +69,7 @@ def _router_logits_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, part_
         if ticket == tl.num_programs(1) * SPLITS - 1:
             tl.atomic_xchg(count_ptr + row, 0)  # ready for the next launch (graph replays included)
             _select_row(row, part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
-                        SPLITS, EP, TOPK, KP, HAS_BIAS, RENORM, True)
+                        SPLITS, EP, TOPK, KP, HAS_BIAS, RENORM, ".cg")
 
 
 @triton.jit
@@ -85,26 +85,21 @@ def _router_select_kernel(part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, w
                           HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr = False):
     wait_previous(PDL)
     _select_row(tl.program_id(0), part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
-                SPLITS, EP, TOPK, KP, HAS_BIAS, RENORM, False)
+                SPLITS, EP, TOPK, KP, HAS_BIAS, RENORM, "")
 
 
 @triton.jit
 def _select_row(row, part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weights_ptr, E, temp, scale,
                 SPLITS: tl.constexpr, EP: tl.constexpr, TOPK: tl.constexpr, KP: tl.constexpr,
-                HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, FOLDED: tl.constexpr):
+                HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, CACHE: tl.constexpr):
     """One row's logits, select, top-k ids and weights from its d-split partials (summed in split order).
-    FOLDED: the partials were stored by other programs of this launch, read past L1 (`.cg`)."""
+    CACHE ".cg" (folded): the partials were stored by other programs of this launch, read past L1."""
     e = tl.arange(0, EP)
     e_ok = e < E
     base = row.to(tl.int64) * SPLITS * E
-    if FOLDED:
-        z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0, cache_modifier=".cg")
-        for sp in tl.static_range(1, SPLITS):
-            z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0, cache_modifier=".cg")
-    else:
-        z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0)
-        for sp in tl.static_range(1, SPLITS):
-            z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0)
+    z = tl.load(part_ptr + base + e, mask=e_ok, other=0.0, cache_modifier=CACHE)
+    for sp in tl.static_range(1, SPLITS):
+        z = z + tl.load(part_ptr + base + sp * E + e, mask=e_ok, other=0.0, cache_modifier=CACHE)
     z = tl.math.div_rn(z, temp)
     tl.store(logits_ptr + row.to(tl.int64) * E + e, z, mask=e_ok)
     # sqrt(softplus(z)) in fp64, rounded once (torch's softplus: z itself above the threshold 20)
