@@ -81,19 +81,31 @@ def _padded(keys, ok, extra: int):
     return pk, po
 
 
-def _folds(results, fold: bool) -> dict:
-    """`results()` with the combine folded into the split launch or as its own launch (the default)."""
-    from dsv41.kernels.step.attention import FOLD_ENV
-
-    before = os.environ.get(FOLD_ENV)
-    os.environ[FOLD_ENV] = "1" if fold else "0"
+def _switched(name: str, on: bool, results) -> dict:
+    """`results()` with the launch switch `name` (an environment variable read at each launch) on or off."""
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
     try:
         return results()
     finally:
         if before is None:
-            os.environ.pop(FOLD_ENV)
+            os.environ.pop(name)
         else:
-            os.environ[FOLD_ENV] = before
+            os.environ[name] = before
+
+
+def _folds(results, fold: bool) -> dict:
+    """`results()` with the combine folded into the split launch or as its own launch (the default)."""
+    from dsv41.kernels.step.attention import FOLD_ENV
+
+    return _switched(FOLD_ENV, fold, results)
+
+
+def _aligned(results) -> dict:
+    """`results()` with the one-store pool blocks (DSV41_ATTN_ALIGNED=1; off by default)."""
+    from dsv41.kernels.step.attention import ALIGN_ENV
+
+    return _switched(ALIGN_ENV, True, results)
 
 
 def _counters_clean() -> bool:
@@ -113,9 +125,10 @@ def _fold_results(results) -> dict:
 
 
 def _interp_worker(out_path: str) -> None:
-    from dsv41.kernels.step.attention import FOLD_ENV, attention_core
+    from dsv41.kernels.step.attention import ALIGN_ENV, FOLD_ENV, attention_core
 
-    os.environ.pop(FOLD_ENV, None)  # the default path, whatever the caller's environment holds
+    for name in (FOLD_ENV, ALIGN_ENV):  # the default path, whatever the caller's environment holds
+        os.environ.pop(name, None)
     out = {}
     for name in CASES:
         q, keys, ok, sink = _case(name)
@@ -132,6 +145,7 @@ def _interp_worker(out_path: str) -> None:
         case = _pool_case(name)
         out[name] = _pool_results(case)
         out[name]["fold"] = _fold_results(lambda: _pool_results(case, alone=False))
+        out[name]["aligned"] = _aligned(lambda: _pool_results(case, alone=False))
     torch.save(out, out_path)
 
 
@@ -145,6 +159,7 @@ _SEQS = {
     "pool-fp8": {"A": (2, 5, [7], 1), "B": (0, 30, [9, 3], 7), "C": (3, 42, [5, 1, 10], 10), "D": (1, 12, [], 0)},
     "pool-raw": {"A": (1, 3, [], 0), "B": (0, 51, [4, 8, 2], 12), "C": (2, 20, [11, 6], 5)},
     "swa-fp8": {"A": (0, 2, [], 0), "B": (3, 62, [], 0), "C": (1, 17, [], 0)},
+    "pool-fp8-w16": {"A": (1, 9, [2], 2), "B": (0, 47, [0, 4, 3], 11), "C": (2, 70, [1, 5, 6, 7], 16)},
 }
 POOL_SPECS = {
     # window 8 (not a key block), ring 11 rows; K = 6 < width 12; verify rows C at 40..42 (the ring holds up to 42);
@@ -155,6 +170,10 @@ POOL_SPECS = {
     "pool-raw": (2, 128, 16, 16, 16, 4, False, [("B", 50, 12), ("A", 3, 0), ("C", 20, 5), ("B", 51, 9)]),
     # no entry store: window slots only (positions 2 < window, wrapped rings, a verify run 60..62)
     "swa-fp8": (3, 64, 16, 0, 0, 4, True, [("B", 60, 0), ("A", 2, 0), ("B", 61, 0), ("C", 17, 0), ("B", 62, 0)]),
+    # FP8 / FP4 with the window a whole key block (16, the one-store blocks' case), K = 10 < width 20 (a block
+    # that is partly past the compressed slots), verify rows B at 45..47, A early (window slots dead)
+    "pool-fp8-w16": (2, 64, 16, 20, 10, 4, True,
+                     [("B", 45, 9), ("A", 9, 2), ("C", 70, 10), ("B", 46, 10), ("C", 69, 3), ("B", 47, 0)]),
 }
 POOL_CASES = tuple(POOL_SPECS)
 
@@ -337,6 +356,21 @@ def test_interpreted_pool_is_the_gathered_core_bitwise(interp, name):
         ok = case["ok"][:, case["args"]["window"]:]
         assert ok.any() and not ok.all(dim=1).any() and not ok.any(dim=1).all()
     assert not case["ok"][:, 0].all() and case["ok"][:, -1].any()
+
+
+@pytest.mark.parametrize("name", POOL_CASES)
+def test_interpreted_one_store_blocks_are_the_gathered_core_bitwise(interp, name):
+    """With DSV41_ATTN_ALIGNED=1 a pool block whose window is a whole number of key blocks reads one store (the
+    window's ring rows or the entries, never both): the bits of the gathered core, as the default path's (cases
+    whose window is not a key block, or without entries, take the same path either way)."""
+    from dsv41.kernels.step.attention import KEY_BLOCK
+
+    res = interp[name]
+    assert torch.equal(_bits(res["aligned"]["pool"]), _bits(res["core"]))
+    assert torch.equal(_bits(res["aligned"]["core"]), _bits(res["core"]))
+    H, hd, window, width = POOL_SPECS[name][:4]
+    if name == "pool-fp8-w16":  # the case that exercises the one-store path at the release's quantisers
+        assert window % KEY_BLOCK == 0 and width and POOL_SPECS[name][6]
 
 
 def _check_fold(fold: dict) -> None:

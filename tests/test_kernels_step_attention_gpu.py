@@ -157,3 +157,25 @@ def test_gpu_fold_is_the_two_launch_path_bitwise_and_replays(H, monkeypatch):
     core = _folds(lambda: attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=True,
                                          split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS), False)
     assert torch.equal(_bits(out), _bits(core))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [64, 32])
+def test_gpu_one_store_blocks_are_the_gathered_core_bitwise(H):
+    """Compiled, the real shapes (window 128: whole key blocks), DSV41_ATTN_ALIGNED=1: each pool block reads one
+    store, and the result has the gathered core's bits and the default path's, alone and together."""
+    from dsv41.kernels.step.attention import attention_pool
+
+    from test_kernels_step_attention import _aligned
+
+    _need_cuda()
+    case = _gpu_pool_case(H, True)
+    plain = _pool_results(case, alone=False)
+    aligned = _aligned(lambda: _pool_results(case) | {"part": attention_pool(
+        case["q"][3:9], case["sink"], case["scale"], **_rows_of(case["args"], slice(3, 9)))})
+    torch.cuda.synchronize()
+    assert torch.equal(_bits(aligned["pool"]), _bits(aligned["core"]))
+    assert torch.equal(_bits(aligned["pool"]), _bits(plain["pool"]))
+    for key in ("alone", "reversed"):
+        assert torch.equal(_bits(aligned[key]), _bits(aligned["pool"])), key
+    assert torch.equal(_bits(aligned["part"]), _bits(aligned["pool"][3:9]))

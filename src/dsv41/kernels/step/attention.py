@@ -80,6 +80,9 @@ SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scrat
 DECODE_SPLIT_KEYS = 32
 DECODE_WARPS = 4
 FOLD_ENV = "DSV41_ATTN_FOLD"  # 1 / on: the combine folded into the split launch (`fold_enabled`); default off
+# 1 / on: a pool block reads and decodes one store when the window is a whole number of key blocks (`_pool_block`,
+# `aligned_enabled`); default off until the H200 shows it bitwise the gathered core (docs/perf/decode_step.md)
+ALIGN_ENV = "DSV41_ATTN_ALIGNED"
 
 
 @triton.jit
@@ -151,7 +154,7 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
-                       FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       ALIGNED: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_previous(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -168,12 +171,13 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, HDP), dtype=tl.float32)
     for c in range(BLOCKS):
-        j = (sp * BLOCKS + c) * BS + tl.arange(0, BS)
+        lo = (sp * BLOCKS + c) * BS
+        j = lo + tl.arange(0, BS)
         # the only place the two variants differ: where a block's keys and live flags come from
         if POOL:
-            live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                                  e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                                  WCODEC, ECODEC)
+            live, k = _pool_block(t64, j, lo, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr,
+                                  window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids,
+                                  width, WCODEC, ECODEC, ALIGNED)
         else:
             live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
             k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
@@ -202,36 +206,63 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
 
 
 @triton.jit
-def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+def _pool_block(t64, j, lo, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                 e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                WCODEC: tl.constexpr, ECODEC: tl.constexpr):
-    """(live [BS], keys [BS, HDP] fp32) of slots j of row t read from the pool in place: what the gathered
-    variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's decode)."""
-    # window slots: position kp = pos - window + 1 + j, ring row kp % ring_rows of the row's ring slot
+                WCODEC: tl.constexpr, ECODEC: tl.constexpr, ALIGNED: tl.constexpr):
+    """(live [BS], keys [BS, HDP] fp32) of slots j = lo .. lo + BS - 1 of row t read from the pool in place: what
+    the gathered variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's
+    decode). ALIGNED (window % BS == 0): a block is all window slots or all compressed ones, so it reads and decodes
+    one store; otherwise a block reads both and selects (the same values, but both decodes held at once cost the
+    kernel registers: spills at 4 warps)."""
+    if ECODEC < 0:
+        live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                               WCODEC)
+    elif ALIGNED:
+        if lo < window:
+            live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                                   WCODEC)
+        else:
+            live, k = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
+                                  per_page, ids_ptr, sib, n_ids, width, ECODEC)
+    else:
+        w_live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                                 WCODEC)
+        e_live, ke = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
+                                 per_page, ids_ptr, sib, n_ids, width, ECODEC)
+        k = tl.where(w_live[:, None], k, ke)
+        live = w_live | e_live
+    return live, k
+
+
+@triton.jit
+def _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                 WCODEC: tl.constexpr):
+    """Window slots j < window: position kp = pos - window + 1 + j, ring row kp % ring_rows of the row's ring
+    slot, live iff kp >= 0 (slots j >= window: dead, 0.0)."""
     pos = tl.load(pos_ptr + t64).to(tl.int64)
     ring = tl.load(slot_ptr + t64).to(tl.int64)
     kp = pos - window + 1 + j
     w_live = (j < window) & (kp >= 0)
     w_row = w_ptr + ring * sws + (tl.where(w_live, kp, 0) % ring_rows) * swr
-    k = load_values(w_row[:, None], col[None, :], w_live[:, None] & col_ok[None, :], HD, WCODEC)
-    live = w_live
-    if ECODEC >= 0:
-        # compressed slots: slot c = j - window reads ids[t, c - (width - n_ids)] (left padding dead), id >= 0
-        # lives in page pages[t, id // per_page] at row id % per_page
-        cc = j - window
-        at = cc - (width - n_ids)
-        has = (cc >= 0) & (cc < width) & (at >= 0)
-        eid = tl.load(ids_ptr + t64 * sib + tl.where(has, at, 0), mask=has, other=-1).to(tl.int64)
-        e_live = has & (eid >= 0)
-        eid = tl.where(e_live, eid, 0)
-        pi = eid // per_page
-        e_live = e_live & (pi < n_pages)  # memory safety only: a valid id addresses one of the row's pages
-        page = tl.load(pages_ptr + t64 * spb + pi, mask=e_live, other=0).to(tl.int64)
-        e_row = e_ptr + page * sep + (eid % per_page) * ser
-        ke = load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
-        k = tl.where(w_live[:, None], k, ke)
-        live = w_live | e_live
-    return live, k
+    return w_live, load_values(w_row[:, None], col[None, :], w_live[:, None] & col_ok[None, :], HD, WCODEC)
+
+
+@triton.jit
+def _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib,
+                n_ids, width, ECODEC: tl.constexpr):
+    """Compressed slots: slot c = j - window reads ids[t, c - (width - n_ids)] (left padding dead), id >= 0 lives
+    in page pages[t, id // per_page] at row id % per_page (slots j < window: dead, 0.0)."""
+    cc = j - window
+    at = cc - (width - n_ids)
+    has = (cc >= 0) & (cc < width) & (at >= 0)
+    eid = tl.load(ids_ptr + t64 * sib + tl.where(has, at, 0), mask=has, other=-1).to(tl.int64)
+    e_live = has & (eid >= 0)
+    eid = tl.where(e_live, eid, 0)
+    pi = eid // per_page
+    e_live = e_live & (pi < n_pages)  # memory safety only: a valid id addresses one of the row's pages
+    page = tl.load(pages_ptr + t64 * spb + pi, mask=e_live, other=0).to(tl.int64)
+    e_row = e_ptr + page * sep + (eid % per_page) * ser
+    return e_live, load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
 
 
 @triton.jit
@@ -308,6 +339,12 @@ def fold_enabled() -> bool:
     default: faster on the H200, module docstring). Read at each launch, as `pdl.enabled`: the A/B switch needs no
     restart (a captured graph keeps the launches it was captured with)."""
     return os.environ.get(FOLD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+
+
+def aligned_enabled() -> bool:
+    """Whether a pool block reads one store when the window allows it (`ALIGN_ENV`=1; default off), read at each
+    launch as `fold_enabled`."""
+    return os.environ.get(ALIGN_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, n_splits: int, hdp: int,
@@ -440,6 +477,6 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
              *ents),
             dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
-                 ECODEC=ecodec, num_warps=num_warps),
+                 ECODEC=ecodec, ALIGNED=aligned_enabled() and window % key_block == 0, num_warps=num_warps),
             m, l, acc, sink, out, H, hd, n_splits, hdp, combine_rope)
     return out
