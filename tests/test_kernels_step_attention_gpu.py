@@ -76,9 +76,9 @@ def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
     each row's bits alone, together, reversed and in any contiguous part of the batch.
 
     Raw bf16 rows (no fake quantiser) are the exception, found on the H200 with the bf16 tensor-core products
-    (5c5bfbb): pool and gathered differ in the last bits of some outputs (the same values go into the same code
-    on both sides; the cause is not found yet, see docs/perf/decode_step.md). There the two are held within fp32
-    rounding; the release runs with the quantisers on, where they are bitwise equal."""
+    (5c5bfbb): pool and gathered differ in the last bits of some outputs. Their products compile to another
+    operand layout (kWidth 2 against the core's 4: tests/test_kernels_step_attention_layout.py). There the two
+    are held within fp32 rounding; the release runs with the quantisers on, where they are bitwise equal."""
     from dsv41.kernels.step.attention import attention_pool
 
     _need_cuda()

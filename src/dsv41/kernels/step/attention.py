@@ -80,8 +80,9 @@ SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scrat
 DECODE_SPLIT_KEYS = 32
 DECODE_WARPS = 4
 FOLD_ENV = "DSV41_ATTN_FOLD"  # 1 / on: the combine folded into the split launch (`fold_enabled`); default off
-# 1 / on: a pool block reads and decodes one store when the window is a whole number of key blocks (`_pool_block`,
-# `aligned_enabled`); default off until the H200 shows it bitwise the gathered core (docs/perf/decode_step.md)
+# 1 / on: when the window is a whole number of key blocks a pool block reads and decodes one store (the split's
+# window-block loop, then its entry-block loop; `aligned_enabled`); default off until the H200 shows it bitwise
+# the gathered core (the compiled layout and the interpreter do: docs/perf/decode_step.md)
 ALIGN_ENV = "DSV41_ATTN_ALIGNED"
 
 
@@ -170,26 +171,36 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
     m = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
     l = tl.zeros((HB,), dtype=tl.float32)
     acc = tl.zeros((HB, HDP), dtype=tl.float32)
-    for c in range(BLOCKS):
-        lo = (sp * BLOCKS + c) * BS
-        j = lo + tl.arange(0, BS)
-        # the only place the two variants differ: where a block's keys and live flags come from
-        if POOL:
-            live, k = _pool_block(t64, j, lo, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr,
-                                  window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids,
-                                  width, WCODEC, ECODEC, ALIGNED)
-        else:
-            live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
-            k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
-                        mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        s = _split_dot(q, tl.trans(k), tl.zeros((HB, BS), dtype=tl.float32), QP, KP) * scale
-        s = tl.where(live[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
-        p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), 3, KP)
-        m = m_new
+    if POOL and ALIGNED and ECODEC >= 0:
+        # the window is a whole number of blocks: this split's window blocks, then its entry blocks, each loop
+        # reading one store. Two loops, not a branch in one: the products' operand layout (the tensor cores' K
+        # order, Triton's kWidth) follows the loads that make the keys, which a branch's result hides from the
+        # compiler (kWidth 2 against 4: other bits than the gathered core's on the H200)
+        first = sp * BLOCKS
+        n_win = tl.minimum(tl.maximum(window // BS - first, 0), BLOCKS)
+        for c in range(0, n_win):
+            j = (first + c) * BS + tl.arange(0, BS)
+            live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+                                   WCODEC)
+            m, l, acc = _online_block(q, k, live, m, l, acc, scale, HB, HDP, QP, KP)
+        for c in range(n_win, BLOCKS):
+            j = (first + c) * BS + tl.arange(0, BS)
+            live, k = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
+                                  per_page, ids_ptr, sib, n_ids, width, ECODEC)
+            m, l, acc = _online_block(q, k, live, m, l, acc, scale, HB, HDP, QP, KP)
+    else:
+        for c in range(BLOCKS):
+            j = (sp * BLOCKS + c) * BS + tl.arange(0, BS)
+            # the only place the two variants differ: where a block's keys and live flags come from
+            if POOL:
+                live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr,
+                                      window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib,
+                                      n_ids, width, WCODEC, ECODEC)
+            else:
+                live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
+                k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
+                            mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+            m, l, acc = _online_block(q, k, live, m, l, acc, scale, HB, HDP, QP, KP)
     at = (t64 * n_splits + sp) * H + h
     tl.store(m_ptr + at, m, mask=h_ok)
     tl.store(l_ptr + at, l, mask=h_ok)
@@ -206,31 +217,34 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
 
 
 @triton.jit
-def _pool_block(t64, j, lo, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
+def _online_block(q, k, live, m, l, acc, scale, HB: tl.constexpr, HDP: tl.constexpr, QP: tl.constexpr,
+                  KP: tl.constexpr):
+    """One key block of the online softmax: the running max m, sum l and accumulator acc after keys k [BS, HDP]
+    (live [BS]; dead slots 0.0) of the block."""
+    s = _split_dot(q, tl.trans(k), tl.zeros((HB, k.shape[0]), dtype=tl.float32), QP, KP) * scale
+    s = tl.where(live[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
+    p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), 3, KP)
+    return m_new, l, acc
+
+
+@triton.jit
+def _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
                 e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib, n_ids, width,
-                WCODEC: tl.constexpr, ECODEC: tl.constexpr, ALIGNED: tl.constexpr):
-    """(live [BS], keys [BS, HDP] fp32) of slots j = lo .. lo + BS - 1 of row t read from the pool in place: what
-    the gathered variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's
-    decode). ALIGNED (window % BS == 0): a block is all window slots or all compressed ones, so it reads and decodes
-    one store; otherwise a block reads both and selects (the same values, but both decodes held at once cost the
-    kernel registers: spills at 4 warps)."""
-    if ECODEC < 0:
-        live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                               WCODEC)
-    elif ALIGNED:
-        if lo < window:
-            live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                                   WCODEC)
-        else:
-            live, k = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
-                                  per_page, ids_ptr, sib, n_ids, width, ECODEC)
-    else:
-        w_live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,
-                                 WCODEC)
+                WCODEC: tl.constexpr, ECODEC: tl.constexpr):
+    """(live [BS], keys [BS, HDP] fp32) of slots j of row t read from the pool in place: what the gathered
+    variant loads from keys / ok for the same slots (dead slots 0.0, live ones the stored row's decode). A block
+    reads both stores and selects (the same values as one store, but both decodes held at once cost the kernel
+    registers: the split's ALIGNED loops read one)."""
+    live, k = _window_keys(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window, WCODEC)
+    if ECODEC >= 0:
         e_live, ke = _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb, n_pages,
                                  per_page, ids_ptr, sib, n_ids, width, ECODEC)
-        k = tl.where(w_live[:, None], k, ke)
-        live = w_live | e_live
+        k = tl.where(live[:, None], k, ke)
+        live = live | e_live
     return live, k
 
 
