@@ -20,6 +20,8 @@ _PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "ok_ptr": "*u8", "sink_ptr": "*fp32
          "pages_ptr": "*i32", "ids_ptr": "*i64", "out_ptr": "*fp32", "count_ptr": "*i32"}
 # the decode tiling (DECODE_SPLIT_KEYS / KEY_BLOCK blocks a split), bf16 queries, keys holding bf16 values
 _SHAPE = dict(HB=16, BS=16, BLOCKS=2, HDP=512, QP=1, KP=1, FOLD=False)
+# every constexpr of the kernel is given (one left out would compile as a runtime argument: both sides of its `if`)
+_DEFAULTS = dict(POOL=False, WCODEC=0, ECODEC=-1, ALIGNED=False)
 
 
 def _dot_layouts(arch: int, **variant) -> set[str]:
@@ -30,7 +32,9 @@ def _dot_layouts(arch: int, **variant) -> set[str]:
     from dsv41.kernels.step import attention as A
 
     fn = A._core_split_kernel
-    const = {**_SHAPE, **variant, "PDL": arch >= 90}
+    const = {**_SHAPE, **_DEFAULTS, **variant, "PDL": arch >= 90}
+    missing = {a for a, p in zip(fn.arg_names, fn.params) if p.is_constexpr} - set(const)
+    assert not missing, f"constexprs not given: {missing}"
     sig = {a: "constexpr" if a in const else _PTRS.get(a, "fp32" if a == "scale" else "i32") for a in fn.arg_names}
     try:
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
