@@ -1,4 +1,4 @@
-"""A/B of the one-store pool blocks (DSV41_ATTN_ALIGNED, kernels/step/attention.py `_pool_block`) on a GPU, in one
+"""A/B of the one-store pool blocks (DSV41_ATTN_ALIGNED, kernels/step/attention.py's split loops) on a GPU, in one
 call: at the release's decode shapes (32 and 64 local heads of 512, window 128, top-k 512, FP8 window rows and FP4
 entries) whether attention_pool with them has the gathered core's bits and the default path's, and the device µs
 of both at 1, 6 and 16 rows (`attention_sweep.timed`: calls replayed in a CUDA graph).
@@ -12,20 +12,16 @@ import argparse
 import json
 import os
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from attention_sweep import build, timed
 from dsv41.kernels.step.attention import ALIGN_ENV, attention_pool
+from test_kernels_step_attention import _switched
 
-
-def _with_aligned(on: bool, fn):
-    os.environ[ALIGN_ENV] = "1" if on else "0"
-    try:
-        return fn()
-    finally:
-        os.environ.pop(ALIGN_ENV, None)
+_with_aligned = partial(_switched, ALIGN_ENV)  # (on, fn): fn() with the switch on / off, the environment restored
 
 
 def bits_checks() -> dict:

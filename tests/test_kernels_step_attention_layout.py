@@ -52,10 +52,10 @@ def test_pool_paths_compile_to_the_gathered_cores_product_layout(arch):
     from triton.runtime.jit import JITFunction
 
     from dsv41.kernels.step import attention as A
+    from dsv41.kernels.step.codecs import FP4_E4M3 as fp4, FP8_UE8M0 as fp8  # window rows, compressed entries
 
     if not isinstance(A._core_split_kernel, JITFunction):
         pytest.skip("kernels decorated for the interpreter in this process")
-    fp8, fp4 = 0, 1  # codecs.FP8_UE8M0 (window rows), codecs.FP4_E4M3 (compressed entries)
     core = _dot_layouts(arch, POOL=False)
     for name, variant in {"pool": dict(POOL=True, WCODEC=fp8, ECODEC=fp4),
                           "pool, one-store loops": dict(POOL=True, WCODEC=fp8, ECODEC=fp4, ALIGNED=True),

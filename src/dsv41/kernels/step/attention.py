@@ -352,13 +352,18 @@ def fold_enabled() -> bool:
     """Whether the combine runs in the split launch's last arrivers (`FOLD_ENV`=1) or as its own launch (the
     default: faster on the H200, module docstring). Read at each launch, as `pdl.enabled`: the A/B switch needs no
     restart (a captured graph keeps the launches it was captured with)."""
-    return os.environ.get(FOLD_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return _opted_in(FOLD_ENV)
 
 
 def aligned_enabled() -> bool:
     """Whether a pool block reads one store when the window allows it (`ALIGN_ENV`=1; default off), read at each
     launch as `fold_enabled`."""
-    return os.environ.get(ALIGN_ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return _opted_in(ALIGN_ENV)
+
+
+def _opted_in(env: str) -> bool:
+    """A default-off switch: on only when set to one of the spellings of on."""
+    return os.environ.get(env, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, n_splits: int, hdp: int,
