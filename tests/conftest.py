@@ -37,7 +37,7 @@ def tiny_model_dir() -> Path:
 # pytest-xdist (--dist loadfile hands out whole files in collection order) they are collected first, so that no
 # worker starts one of them while the other is finishing the rest of the suite; a serial run keeps file order.
 LONGEST_FILES = (
-    "test_exl3_cuda.py",  # nvcc builds every variant, 2 jobs
+    "test_exl3_cuda.py",  # nvcc builds every variant (~10 s of one core each), one test per K
     "test_runtime_fast_tp.py",  # interpreted TP-2 parity, 2 ranks
     "test_runtime_pool_attention.py",  # interpreted, child process
     "test_kernels_step_mhc.py",

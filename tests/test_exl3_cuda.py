@@ -29,16 +29,43 @@ from test_exl3_kernels import (
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "dsv41" / "kernels" / "cuda" / "exl3_fused.cu"
 
 
-def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path, monkeypatch):
-    """Every variant for sm_90 through the ahead-of-time builder the Nix closure uses, the pack's K=3 for GB10
-    (sm_121) without a single warning, and the runtime finds the prebuilt cubins without compiling anything."""
-    from dsv41.kernels import cuda_build, cuda_module
+def _nvcc_or_skip():
+    from dsv41.kernels import cuda_build
 
     nvcc = cuda_build.find_nvcc()
     if nvcc is None:
         pytest.skip("no CUDA toolkit (nvcc) on this machine: the source is compiled on the GPU machine instead")
-    built = cuda_build.build_all(["sm_90"], tmp_path / "prebuilt", jobs=2)
-    assert len(built) == 24 and all(p.stat().st_size > 0 for p in built)
+    return nvcc
+
+
+# One test per K (each variant takes ~10 s of one core): all 24 in one test ran past pytest's 600 s on a loaded
+# 2-core CI machine, and a per-K test keeps each well inside it while still compiling every variant.
+@pytest.mark.parametrize("K", range(1, 9))
+def test_cuda_source_compiles_for_hopper_every_codebook(tmp_path, K):
+    """Every codebook's variant of this K for sm_90 through the ahead-of-time builder the Nix closure uses."""
+    from dsv41.kernels import cuda_build
+
+    _nvcc_or_skip()
+    variants = cuda_build.exl3_variants(Ks=[K])
+    built = cuda_build.build_all(["sm_90"], tmp_path, jobs=1, variants=variants)
+    assert len(built) == len(cuda_build.CODEBOOK_IDS) == 3 and all(p.stat().st_size > 0 for p in built)
+    assert len({p.name for p in built}) == len(built)
+
+
+def test_builder_variants_are_every_k_and_codebook_under_distinct_names():
+    from dsv41.kernels import cuda_build
+
+    variants = cuda_build.exl3_variants()
+    assert sorted((v["EXL3_K"], v["EXL3_CB"]) for v in variants) == [(k, c) for k in range(1, 9) for c in range(3)]
+    names = {cuda_build.image_name(cuda_build.EXL3_SOURCE, v, "sm_90", "cubin") for v in variants}
+    assert len(names) == len(variants)
+
+
+def test_cuda_source_compiles_for_gb10_without_warnings(tmp_path):
+    """The pack's K=3 for GB10 (sm_121), every codebook, without a single warning."""
+    from dsv41.kernels import cuda_build
+
+    nvcc = _nvcc_or_skip()
     for cb in range(3):
         proc = subprocess.run(
             [nvcc, "-cubin", "-arch=sm_121", "-O3", "-std=c++17", "-DEXL3_K=3", f"-DEXL3_CB={cb}",
@@ -46,13 +73,22 @@ def test_cuda_source_compiles_for_hopper_and_gb10(tmp_path, monkeypatch):
             capture_output=True, text=True,
         )
         assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
-    # a prebuilt cubin is used as is: no compiler may run
+
+
+def test_prebuilt_cubin_is_used_without_compiling(tmp_path, monkeypatch):
+    """The runtime finds a prebuilt cubin without compiling anything, and every kernel the host launches is an entry
+    point of the image."""
+    from dsv41.kernels import cuda_build, cuda_module
+
+    _nvcc_or_skip()
+    defines = cuda_build.exl3_defines(3, "mul1", cuda_build.DEFAULT_TUNING)
+    cuda_build.build_all(["sm_90"], tmp_path / "prebuilt", jobs=1, variants=[defines])
     monkeypatch.setenv("DSV41_CUBIN_DIR", str(tmp_path / "prebuilt"))
     monkeypatch.setenv("DSV41_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(cuda_module, "find_nvcc", lambda: pytest.fail("compiled although a prebuilt cubin exists"))
-    defines = cuda_build.exl3_defines(3, "mul1", cuda_build.DEFAULT_TUNING)
     image = cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90")
-    assert image == (tmp_path / "prebuilt" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")).read_bytes()
+    prebuilt = tmp_path / "prebuilt" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")
+    assert image == prebuilt.read_bytes()
     # every kernel the host launches is an entry point of the image (a symbol of the cubin's string table)
     from dsv41.kernels.exl3.cuda import KERNELS
 
