@@ -31,7 +31,7 @@ from dsv41.weights import Checkpoint
 from dsv41.weights.linear import split_range
 
 from .layers.attention import FastAttention
-from .layers.linear import PrefillWorkspace, fast_linear
+from .layers.linear import PrefillWorkspace, fast_linear, prefill_tiles_enabled
 from .layers.moe import FusedMoE, StackedExperts
 from .model import HC, FastBlock, FastEngram, FastModel
 
@@ -141,7 +141,8 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
     extra = reader.unexpected()
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} not used by the model)")
-    mover.workspace.allocate()
+    if not prefill_tiles_enabled():  # the tile kernels need no dense copy of any matrix
+        mover.workspace.allocate()
     report(cfg.num_hidden_layers + 1, cfg.num_hidden_layers + 1, "layers")
     return FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,
                      comm, tokenizer, fake_quant)
