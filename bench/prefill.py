@@ -142,12 +142,17 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--ab", action="store_true", help="the 2K chunk on the reconstruct path too (DSV41_PREFILL_TILES=0)")
     p.add_argument("--budget-s", type=float, default=None, help="skip the longer prompts past this many seconds")
+    p.add_argument("--kernels-only", action="store_true", help="stop after the kernels alone (A/B of kernel options)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     dev = torch.device("cuda")
     commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                               capture_output=True, text=True).stdout.strip()
-    res = {"commit": commit or "unknown", "gpu": torch.cuda.get_device_name(), "chunk": args.chunk}
+    from dsv41.kernels.exl3.backend import use_cuda_backend
+
+    res = {"commit": commit or "unknown", "gpu": torch.cuda.get_device_name(), "chunk": args.chunk,
+           "backend": "cuda" if use_cuda_backend(dev) else "triton",
+           "exl3_tuning": os.environ.get("DSV41_EXL3_TUNING", "default")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save():
@@ -168,6 +173,8 @@ def main(argv=None) -> int:
     save()
     res["kernels"] = kernels_alone(model, args.chunk, tflops)
     save()
+    if args.kernels_only:
+        return 0
     # warm-up: every kernel compiled (a chunk of each kind of position)
     model.forward([(model.new_state(), torch.randint(0, model.cfg.vocab_size, (256,)))], "prefill")
     sync(dev)

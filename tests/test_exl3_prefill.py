@@ -57,6 +57,46 @@ def test_tile_table_covers_every_pair_once_in_expert_order(experts, rows, topk, 
         assert torch.equal(order[pair_e == e], (flat == e).nonzero().flatten())
 
 
+def test_b_operand_order_is_the_cuda_kernels_b_word_pos():
+    """The rotate kernels' PERMUTE order is `b_word_pos` of cuda/exl3_fused.cu (read from the source text), one
+    fp16 pair at a time, and a permutation of the 128 columns."""
+    import re
+
+    from dsv41.kernels.cuda_build import EXL3_SOURCE
+
+    src = EXL3_SOURCE.read_text()
+    body = re.search(r"int b_word_pos\(int w\) \{(.*?)\n\}", src, re.S).group(1)
+    decl, ret = re.search(r"const int (.*?);\s*return (.*?);", body, re.S).groups()
+    env = {}
+    for part in decl.split(","):
+        name, expr = part.split("=")
+        env[name.strip()] = expr.strip()
+
+    def b_word_pos(w):
+        vals = {"w": w}
+        for name, expr in env.items():
+            vals[name] = eval(expr, {}, vals)  # noqa: S307 - C integer expressions of w, from our own source
+        return eval(ret, {}, vals)  # noqa: S307
+
+    code = f"""
+import torch, triton, triton.language as tl
+from dsv41.kernels.exl3.prefill import _b_operand_columns
+@triton.jit
+def k(out_ptr):
+    c = tl.arange(0, 128)
+    tl.store(out_ptr + c, _b_operand_columns(c))
+o = torch.empty(128, dtype=torch.int32)
+k[(1,)](o)
+print(o.tolist())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(got) == list(range(128))
+    assert got == [2 * b_word_pos(c // 2) + c % 2 for c in range(128)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # interpreted worker (runs in the child process)
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,13 +189,20 @@ def _need_cuda():
         pytest.skip("needs a CUDA GPU (the prefill kernels compiled for it)")
 
 
+@pytest.fixture(params=["cuda", "triton"])
+def backend(request, monkeypatch):
+    """Both prefill backends on the GPU: the CUDA tile kernel (default there) and the Triton tiles."""
+    monkeypatch.setenv("DSV41_EXL3_BACKEND", request.param)
+    return request.param
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,K", [(5120, 1152, 5), (1152, 5120, 4), (1280, 16384, 5), (5120, 512, 6)])
-def test_gpu_prefill_linear_rows_are_chunk_invariant(k, n, K):
+def test_gpu_prefill_linear_rows_are_chunk_invariant(k, n, K, backend):
     _need_cuda()
     from dsv41.kernels.exl3.layout import Exl3Tensor
     from dsv41.kernels.exl3.prefill import prefill_linear
@@ -177,7 +224,7 @@ def test_gpu_prefill_linear_rows_are_chunk_invariant(k, n, K):
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_moe_real_shapes_chunk_invariant():
+def test_gpu_prefill_moe_real_shapes_chunk_invariant(backend):
     _need_cuda()
     from dsv41.kernels.exl3.moe import MoeConfig, moe_forward
     from dsv41.kernels.exl3.prefill import prefill_moe

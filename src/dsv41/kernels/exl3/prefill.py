@@ -7,18 +7,25 @@ copy of every weight. Here a program owns a tile of `BM` rows and one 128-column
 tensor cores with every row of its tile, and applies the output rotation and svh in its epilogue. So a weight is
 decoded once per row tile: for the routed experts, whose rows are grouped by expert, about once per chunk.
 
+Two backends, the EXL3 kernels' choice (`backend.use_cuda_backend`): on NVIDIA GPUs the CUDA tile kernel
+(`prefill_cuda`, `exl3_prefill_r64`: each lane decodes its weights straight into its mma operand registers, as the
+decode kernels do, and each fragment feeds the tile's 64 rows), elsewhere (the interpreter, other GPUs) the Triton
+tiles here (`_gate_up_kernel`, `_tile_matmul_kernel`: the same function, decoded through Triton's layouts). The two
+give other bits; each is row-invariant.
+
 Routed experts (`prefill_moe`), per layer:
   1. the chunk's (row, slot) pairs sorted by expert on the device (one stable argsort of the flattened ids: an
      expert's pairs stay in (row, slot) order) and cut into tiles of at most BM pairs of one expert (`tile_table`,
      torch ops, no host read: the grid is the static bound `pairs // BM + min(E, pairs)`, spare programs exit);
-  2. `_rotate_pairs_kernel`: each pair's input row rotated with its expert's suh, once for gate and once for up;
-  3. `_gate_up_kernel`: gate and up over the tile, clamped SwiGLU times the routing weight (the decode kernel's
-     epilogue, h rounded to fp16), and h rotated at once for the down product (the same 128-column block is the
-     down's 128-row input block: `rot(fp16(h) ⊙ suh2)`), so h is never stored unrotated;
-  4. `_tile_matmul_kernel` (down): each pair's output row stored at its (row, slot) place;
+  2. `_rotate_kernel`: each pair's input row rotated with its expert's suh, once for gate and once for up (in the
+     CUDA kernel's B-operand order on that backend);
+  3. gate and up over each tile, clamped SwiGLU times the routing weight (the decode kernel's epilogue, h rounded
+     to fp16), and h rotated at once for the down product (the same 128-column block is the down's 128-row input
+     block: `rot(fp16(h) ⊙ suh2)`), so h is never stored unrotated: Triton in one launch (`_gate_up_kernel`); CUDA
+     as two tile launches (gate, up: fp32) and `_swiglu_rotate_kernel`;
+  4. the down product, each pair's output row stored at its (row, slot) place;
   5. `_slot_sum_kernel`: each row's slots summed in slot order (0 .. k-1), plus the addend (the shared expert).
-Dense projections (`prefill_linear`): the input rotated once (`rotate_input_kernel`), then `_tile_matmul_kernel`
-over tiles of BM consecutive rows.
+Dense projections (`prefill_linear`): the input rotated once, then one tiled launch over tiles of consecutive rows.
 
 Row invariance (chunked == one-shot, batched == alone): the tile shape, BK and warps are fixed per kernel, never
 chosen from the row count; every product is a tensor-core dot whose output row depends on its own input row only;
@@ -34,15 +41,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3.backend import interpreting, use_inline_asm
+from dsv41.kernels.exl3.backend import interpreting, use_cuda_backend, use_inline_asm
 from dsv41.kernels.exl3.decode import (
     INV_SQRT128,
     accumulate_kslice_prerotated,
     hadamard_signs,
-    rotate_input_kernel,
     rotate_rows_fp32,
 )
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
+from dsv41.kernels.exl3.prefill_cuda import PF_ROWS, prefill_tiles_cuda
 
 
 @dataclass(frozen=True)
@@ -76,22 +83,44 @@ def _tile(table_ptr, t, BM: tl.constexpr):
 
 
 @triton.jit
-def _rotate_pairs_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, had_ptr, xa_ptr, xb_ptr,
-                         n_pairs, k, TWO: tl.constexpr):
-    """xa[i] = fp16(fp16(fp16(x[src[i]]) ⊙ suh_a[e_i]) · H/√128) for 16 pairs and one 128-wide input block (and xb
-    with suh_b when TWO): `rotate_input_kernel`'s math, each pair with its expert's signs."""
+def _b_operand_columns(cols):
+    """Where the CUDA tile kernel reads natural column c of a 128-block (its B-operand order, `b_word_pos` in
+    cuda/exl3_fused.cu): fp16 pair w = c // 2 of tile row r = w // 8, half h = (w // 4) % 2, lane t = w % 4 goes to
+    pair 16(r // 2) + 4t + 2(r % 2) + h."""
+    w = cols // 2
+    r = w // 8
+    pos = 16 * (r // 2) + 4 * (w % 4) + 2 * (r % 2) + (w // 4) % 2
+    return 2 * pos + cols % 2
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, had_ptr, xa_ptr, xb_ptr, n_rows, k,
+                   GATHER: tl.constexpr, PER_EXPERT: tl.constexpr, TWO: tl.constexpr, PERMUTE: tl.constexpr):
+    """xa[i] = fp16(fp16(fp16(x[row_i]) ⊙ suh_a[e_i]) · H/√128) for 16 rows and one 128-wide input block
+    (`rotate_input_kernel`'s math), and xb with suh_b when TWO. GATHER: row_i = src[i] (else i); PER_EXPERT: the
+    signs of expert e_i = pair_e[i] (else the one matrix's); PERMUTE: each 128-block stored in the CUDA tile
+    kernel's B-operand order."""
     pb = tl.program_id(0)
     kb = tl.program_id(1)
-    pairs = pb * 16 + tl.arange(0, 16)
-    ok = pairs < n_pairs
+    rows = pb * 16 + tl.arange(0, 16)
+    ok = rows < n_rows
     cols = tl.arange(0, 128)
     xk = kb * 128 + cols
-    src = tl.load(src_ptr + pairs, mask=ok, other=0).to(tl.int64)
-    e = tl.load(pair_e_ptr + pairs, mask=ok, other=0).to(tl.int64)
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    if PER_EXPERT:
+        e = tl.load(pair_e_ptr + rows, mask=ok, other=0).to(tl.int64)
+    else:
+        e = rows.to(tl.int64) * 0
     x = tl.load(x_ptr + src[:, None] * stride_x + xk[None, :], mask=ok[:, None], other=0.0)
     x16 = x.to(tl.float16).to(tl.float32)
     h = tl.load(had_ptr + cols[:, None] * 128 + cols[None, :])
-    out = pairs[:, None].to(tl.int64) * k + xk[None, :]
+    if PERMUTE:
+        out = rows[:, None].to(tl.int64) * k + (kb * 128 + _b_operand_columns(cols))[None, :]
+    else:
+        out = rows[:, None].to(tl.int64) * k + xk[None, :]
     su = tl.load(suh_a_ptr + e[:, None] * k + xk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
     xs = (x16 * su).to(tl.float16)
     tl.store(xa_ptr + out, (tl.dot(xs, h) * INV_SQRT128).to(tl.float16), mask=ok[:, None])
@@ -99,6 +128,36 @@ def _rotate_pairs_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_
         su = tl.load(suh_b_ptr + e[:, None] * k + xk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
         xs = (x16 * su).to(tl.float16)
         tl.store(xb_ptr + out, (tl.dot(xs, h) * INV_SQRT128).to(tl.float16), mask=ok[:, None])
+
+
+@triton.jit
+def _swiglu_rotate_kernel(gate_ptr, up_ptr, route_ptr, pair_e_ptr, suh2_ptr, had_ptr, hh_ptr, n_pairs, n1, LIMIT,
+                          PERMUTE: tl.constexpr):
+    """The CUDA path's gate/up epilogue for 16 pairs and one 128-column block: clamped SwiGLU of the rotated gate
+    and up (fp32) times the routing weight, rounded to fp16, rotated with the down matrix's suh (`_gate_up_kernel`'s
+    epilogue, the same math)."""
+    pb = tl.program_id(0)
+    nb = tl.program_id(1)
+    pairs = pb * 16 + tl.arange(0, 16)
+    ok = pairs < n_pairs
+    idx = tl.arange(0, 128)
+    cols = nb * 128 + idx
+    at = pairs[:, None].to(tl.int64) * n1 + cols[None, :]
+    gate = tl.minimum(tl.load(gate_ptr + at, mask=ok[:, None], other=0.0), LIMIT)
+    up = tl.load(up_ptr + at, mask=ok[:, None], other=0.0)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
+    h16 = (gate * tl.sigmoid(gate) * up * route[:, None]).to(tl.float16)
+    e = tl.load(pair_e_ptr + pairs, mask=ok, other=0).to(tl.int64)
+    su = tl.load(suh2_ptr + e[:, None] * n1 + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    hs = (h16.to(tl.float32) * su).to(tl.float16)
+    had = tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
+    hh = (tl.dot(hs, had) * INV_SQRT128).to(tl.float16)
+    if PERMUTE:
+        dest = pairs[:, None].to(tl.int64) * n1 + (nb * 128 + _b_operand_columns(idx))[None, :]
+    else:
+        dest = at
+    tl.store(hh_ptr + dest, hh, mask=ok[:, None])
 
 
 @triton.jit
@@ -226,6 +285,25 @@ def tile_table(flat_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torc
     return order, flat[order].to(torch.int32).contiguous(), table
 
 
+def _cuda(device: torch.device) -> bool:
+    """The CUDA tile kernel (`prefill_cuda`) where the EXL3 CUDA kernels run, else the Triton tiles here."""
+    return use_cuda_backend(device)
+
+
+def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False):
+    """The rotated input(s) of `rows` rows (fp16 [rows (+ PF_ROWS padding when permuted), k])."""
+    rows = x.shape[0] if rows is None else rows
+    pad = PF_ROWS if permute else 0
+    xa = torch.empty(rows + pad, k, dtype=torch.float16, device=x.device)
+    xb = torch.empty_like(xa) if suh_b is not None else xa
+    if rows:
+        _rotate_kernel[(triton.cdiv(rows, 16), k // 128)](
+            x, x.stride(0), src if src is not None else xa, pair_e if pair_e is not None else xa, suh_a,
+            suh_b if suh_b is not None else suh_a, hadamard_signs(x.device, torch.float16), xa, xb, rows, k,
+            GATHER=src is not None, PER_EXPERT=pair_e is not None, TWO=suh_b is not None, PERMUTE=permute)
+    return xa, xb
+
+
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: Exl3ExpertStack,
                 w3: Exl3ExpertStack, w2: Exl3ExpertStack, swiglu_limit: float = 10.0,
                 out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
@@ -233,39 +311,53 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i,
     plus `addend` [T, hidden] when given: `moe.moe_forward`'s function for a prefill chunk of any length."""
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
-    cfg = _config(config or EXPERTS)
     T, hidden = x.shape
     out = moe_out(out, T, hidden, out_dtype, x.device)
     if T == 0:
         return out
+    if addend is not None and (addend.shape != (T, hidden) or addend.stride(-1) != 1):
+        raise ValueError(f"addend must be [{T}, {hidden}] with unit column stride, got {list(addend.shape)}")
+    dev = x.device
+    cuda = _cuda(dev)
+    cfg = _config(config or EXPERTS)
+    block_m = PF_ROWS if cuda else cfg.block_m
     topk = topk_ids.shape[1]
     pairs = T * topk
     inter = w1.n
-    dev = x.device
     x = x if x.stride(-1) == 1 else x.contiguous()
-    order, pair_e, table = tile_table(topk_ids, w1.experts, cfg.block_m)
+    order, pair_e, table = tile_table(topk_ids, w1.experts, block_m)
     src = torch.div(order, topk, rounding_mode="floor").to(torch.int32)
     route = topk_weights.reshape(-1).float()[order].contiguous()
     had = hadamard_signs(dev, torch.float16)
-    xg = torch.empty(pairs, hidden, dtype=torch.float16, device=dev)
-    xu = torch.empty_like(xg)
-    _rotate_pairs_kernel[(triton.cdiv(pairs, 16), hidden // 128)](
-        x, x.stride(0), src, pair_e, w1.suh, w3.suh, had, xg, xu, pairs, hidden, TWO=True)
-    hh = torch.empty(pairs, inter, dtype=torch.float16, device=dev)
     tiles = table.shape[0]
-    _gate_up_kernel[(tiles, inter // 128)](
-        table, xg, xu, route, w1.words, w1.svh, w3.words, w3.svh, w2.suh, had, hh, hidden, inter,
-        float(swiglu_limit), K=w1.K, CODEBOOK=w1.codebook_id, BM=cfg.block_m, BK=cfg.block_k,
-        USE_ASM=use_inline_asm(dev, w1.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    del xg, xu
+    xg, xu = _rotate(x, w1.suh, hidden, src=src, pair_e=pair_e, suh_b=w3.suh, rows=pairs, permute=cuda)
+    hh = torch.empty(pairs + (PF_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
+    if cuda:
+        gate = torch.empty(pairs, inter, dtype=torch.float32, device=dev)
+        up = torch.empty_like(gate)
+        prefill_tiles_cuda(xg, w1.words, w1.svh, w1.K, w1.codebook, hidden, inter, gate, pairs, tiles, table=table)
+        prefill_tiles_cuda(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table)
+        del xg, xu
+        _swiglu_rotate_kernel[(triton.cdiv(pairs, 16), inter // 128)](
+            gate, up, route, pair_e, w2.suh, had, hh, pairs, inter, float(swiglu_limit), PERMUTE=True)
+        del gate, up
+    else:
+        _gate_up_kernel[(tiles, inter // 128)](
+            table, xg, xu, route, w1.words, w1.svh, w3.words, w3.svh, w2.suh, had, hh, hidden, inter,
+            float(swiglu_limit), K=w1.K, CODEBOOK=w1.codebook_id, BM=cfg.block_m, BK=cfg.block_k,
+            USE_ASM=use_inline_asm(dev, w1.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        del xg, xu
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=dev)
-    _tile_matmul_kernel[(tiles, hidden // 128)](
-        table, hh, order.to(torch.int32), w2.words, w2.svh, had, y, y.stride(0), pairs, inter, hidden,
-        K=w2.K, CODEBOOK=w2.codebook_id, BM=cfg.block_m, BK=cfg.block_k, GROUPED=True,
-        USE_ASM=use_inline_asm(dev, w2.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    out_rows = order.to(torch.int32)
+    if cuda:
+        prefill_tiles_cuda(hh, w2.words, w2.svh, w2.K, w2.codebook, inter, hidden, y, pairs, tiles, table=table,
+                           out_rows=out_rows)
+    else:
+        _tile_matmul_kernel[(tiles, hidden // 128)](
+            table, hh, out_rows, w2.words, w2.svh, had, y, y.stride(0), pairs, inter, hidden,
+            K=w2.K, CODEBOOK=w2.codebook_id, BM=cfg.block_m, BK=cfg.block_k, GROUPED=True,
+            USE_ASM=use_inline_asm(dev, w2.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     add = addend if addend is not None else y
-    if addend is not None and (addend.shape != (T, hidden) or addend.stride(-1) != 1):
-        raise ValueError(f"addend must be [{T}, {hidden}] with unit column stride, got {list(addend.shape)}")
     _slot_sum_kernel[(triton.cdiv(T, 16), hidden // 128)](
         y, add, out, out.stride(0), add.stride(0), T, hidden, TOPK=topk, ADD=addend is not None)
     return out
@@ -274,7 +366,6 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype | None = None,
                    out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
     """`x @ W_eff` for a prefill chunk [T, k]: the input rotated once, then one tiled launch (module docstring)."""
-    cfg = _config(config or DENSE)
     T, k = x.shape
     if k != weight.k:
         raise ValueError(f"x has {k} columns, the matrix {weight.k} rows")
@@ -286,11 +377,14 @@ def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype |
     if T == 0:
         return out
     dev = x.device
-    had = hadamard_signs(dev, torch.float16)
-    xh = torch.empty(T, k, dtype=torch.float16, device=dev)
-    rotate_input_kernel[(triton.cdiv(T, 16), k // 128)](x, weight.suh, had, xh, T, x.stride(0), xh.stride(0))
+    if _cuda(dev):
+        xh, _ = _rotate(x, weight.suh, k, permute=True)
+        return prefill_tiles_cuda(xh, weight.words, weight.svh, weight.K, weight.codebook, k, weight.n, out, T,
+                                  triton.cdiv(T, PF_ROWS))
+    cfg = _config(config or DENSE)
+    xh, _ = _rotate(x, weight.suh, k)
     _tile_matmul_kernel[(triton.cdiv(T, cfg.block_m), weight.n // 128)](
-        xh, xh, xh, weight.words, weight.svh, had, out, out.stride(0), T, k, weight.n,
+        xh, xh, xh, weight.words, weight.svh, hadamard_signs(dev, torch.float16), out, out.stride(0), T, k, weight.n,
         K=weight.K, CODEBOOK=weight.codebook_id, BM=cfg.block_m, BK=cfg.block_k, GROUPED=False,
         USE_ASM=use_inline_asm(dev, weight.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
