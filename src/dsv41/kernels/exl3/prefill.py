@@ -49,6 +49,7 @@ from dsv41.kernels.exl3.decode import (
     rotate_rows_fp32,
 )
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
+from dsv41.kernels.exl3 import prefill_cuda
 from dsv41.kernels.exl3.prefill_cuda import PF_ROWS, prefill_tiles_cuda
 
 
@@ -285,9 +286,10 @@ def tile_table(flat_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torc
     return order, flat[order].to(torch.int32).contiguous(), table
 
 
-def _cuda(device: torch.device) -> bool:
-    """The CUDA tile kernel (`prefill_cuda`) where the EXL3 CUDA kernels run, else the Triton tiles here."""
-    return use_cuda_backend(device)
+def _cuda(device: torch.device, *Ks: int) -> bool:
+    """The CUDA tile kernel (`prefill_cuda`) where the EXL3 CUDA kernels run and its shared memory fits for these
+    K, else the Triton tiles here."""
+    return use_cuda_backend(device) and all(prefill_cuda.fits(K, device) for K in Ks)
 
 
 def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False):
@@ -318,7 +320,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if addend is not None and (addend.shape != (T, hidden) or addend.stride(-1) != 1):
         raise ValueError(f"addend must be [{T}, {hidden}] with unit column stride, got {list(addend.shape)}")
     dev = x.device
-    cuda = _cuda(dev)
+    cuda = _cuda(dev, w1.K, w2.K)
     cfg = _config(config or EXPERTS)
     block_m = PF_ROWS if cuda else cfg.block_m
     topk = topk_ids.shape[1]
@@ -377,7 +379,7 @@ def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype |
     if T == 0:
         return out
     dev = x.device
-    if _cuda(dev):
+    if _cuda(dev, weight.K):
         xh, _ = _rotate(x, weight.suh, k, permute=True)
         return prefill_tiles_cuda(xh, weight.words, weight.svh, weight.K, weight.codebook, k, weight.n, out, T,
                                   triton.cdiv(T, PF_ROWS))

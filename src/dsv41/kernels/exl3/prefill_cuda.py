@@ -12,11 +12,25 @@ import ctypes
 
 import torch
 
-from dsv41.kernels.exl3.cuda import DTYPE_CODES, THREADS, _shared_bytes, kernels_for
+from dsv41.kernels.exl3.cuda import DTYPE_CODES, THREADS, TUNING, YS_STRIDE, _shared_limit, kernels_for
 
 PF_ROWS = 64  # must match PF_ROWS in exl3_fused.cu
+PF_XS_STRIDE = 160  # fp16 row stride of a B stage (PF_XS_STRIDE)
 KERNEL = "exl3_prefill_r64"
 NULL = ctypes.c_void_p(0)
+
+
+def shared_bytes(K: int) -> int:
+    """The block's shared memory: every warp's weight ring, then the B ring (the epilogue's fp32 tile reuses it)."""
+    stages = TUNING["EXL3_STAGES"]
+    weights = stages * 8 * 8 * 8 * K * 4
+    return weights + max(stages * PF_ROWS * PF_XS_STRIDE * 2, PF_ROWS * YS_STRIDE * 4)
+
+
+def fits(K: int, device: torch.device) -> bool:
+    """Whether the kernel's shared memory fits a block on `device` (GB10: 99 KB, so K = 7 and 8 do not; those
+    matrices take the Triton tiles there: a choice by device and K, never by the rows)."""
+    return shared_bytes(K) <= _shared_limit(device)
 
 
 def prefill_tiles_cuda(xh: torch.Tensor, words: torch.Tensor, svh: torch.Tensor, K: int, codebook: str, k: int,
@@ -33,7 +47,7 @@ def prefill_tiles_cuda(xh: torch.Tensor, words: torch.Tensor, svh: torch.Tensor,
     if tiles == 0:
         return out
     kernel = kernels_for(xh.device, K, codebook)[KERNEL]
-    shared = _shared_bytes(K, PF_ROWS, 0, 0)
+    shared = shared_bytes(K)
     kernel.launch((tiles, n // 128, 1), THREADS, shared,
                   [words, svh, xh, table if table is not None else NULL,
                    out_rows if out_rows is not None else NULL, out, out.stride(0), DTYPE_CODES[out.dtype],
