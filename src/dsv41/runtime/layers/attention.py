@@ -202,7 +202,9 @@ class FastAttention(InPlaceAttention):
         indexed = kernels and role.scores
         if indexed:
             with section("indexer"):
-                self._index_kernels(segs, iq, iw, trace, w_scales=a["iw_scales"])
+                # prefill rows of fake-quantised index queries and keys (bf16 values) score on the tensor cores
+                self._index_kernels(segs, iq, iw, trace, w_scales=a["iw_scales"],
+                                    tiles=not is_fused(phase) and self.fq)
         for s, win in zip(segs, wins):
             ids = src = None
             if not role.swa_only:
@@ -417,14 +419,18 @@ class FastAttention(InPlaceAttention):
         return ids
 
     def _index_kernels(self, segs: Sequence[Segment], iq: torch.Tensor, iw: torch.Tensor, trace: dict | None,
-                       rows_per_launch: int | None = None, w_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                       rows_per_launch: int | None = None, w_scales: tuple[float, float] = (1.0, 1.0),
+                       tiles: bool = False) -> None:
         """`_topk` of every segment with the step kernels (`kernels.step.indexer`), rows of all sequences together:
         each row reads its own sequence's keys (the sources' index keys concatenated, a row's offset into them) up
         to its visible count, columns padded with -inf to the longest source, and takes the last min(index_topk, C)
         columns of the padded top-k (the others are -1, `kernels.step.indexer`): a row's bits are those it gets
         alone. Candidate pools are per row too (the candidate source writes `[T, C]` masks; re-indexing layers pass
         them as the kernel's `allow`). `rows_per_launch` (default INDEX_ROWS) bounds the [rows, C] scores; any
-        value gives the same bits. Sets each segment's `shared.topk[index]` and the traces `_topk` writes."""
+        value gives the same bits. `tiles`: the scores of each segment's rows on the tensor cores
+        (`kernels.step.index_tiles`: bf16 values only, the prefill path with fake quantisation), a row's bits again
+        those it gets alone. Sets each segment's `shared.topk[index]` and the traces `_topk` writes."""
+        from dsv41.kernels.step.index_tiles import index_scores_tiles
         from dsv41.kernels.step.indexer import candidate_mask, index_scores, topk_select
 
         cfg, role = self.cfg, self.role
@@ -435,8 +441,9 @@ class FastAttention(InPlaceAttention):
         if work:
             ncols = max(src.entries for _, src in work)
             k = min(cfg.index_topk, ncols)
-            meta, key_list, at = [], [], 0
+            meta, key_list, at, firsts = [], [], 0, []
             for s, src in work:  # per row: (q row, key offset, visible entries), all known on the host
+                firsts.append(firsts[-1] + work[len(firsts) - 1][0].T if firsts else 0)  # the segment's first row
                 C, j = src.entries, torch.arange(s.T, dtype=torch.int64)
                 vis = torch.div(s.pos + j + 1, role.compress_ratio, rounding_mode="floor").clamp(max=C)
                 meta.append(torch.stack((s.start + j, torch.full_like(j, at), vis)))
@@ -452,8 +459,18 @@ class FastAttention(InPlaceAttention):
             scores = [] if trace is not None else None
             for a in range(0, R, step):
                 b = min(a + step, R)
-                sc = index_scores(iq, iw, keys, meta[0, a:b], meta[1, a:b], meta[2, a:b], ncols,
-                                  None if allow is None else allow[a:b], w_scales=w_scales)
+                if tiles:
+                    sc = torch.empty(b - a, ncols, dtype=torch.float32, device=dev)
+                    for (s, src), r0 in zip(work, firsts):  # each segment's rows in [a, b): one sequence's keys
+                        lo, hi = max(a, r0), min(b, r0 + s.T)
+                        if lo < hi:
+                            q0 = s.start + lo - r0
+                            index_scores_tiles(iq[q0:q0 + hi - lo], iw[q0:q0 + hi - lo], src.index_k,
+                                               meta[2, lo:hi], ncols, None if allow is None else allow[lo:hi],
+                                               w_scales=w_scales, out=sc[lo - a:hi - a])
+                else:
+                    sc = index_scores(iq, iw, keys, meta[0, a:b], meta[1, a:b], meta[2, a:b], ncols,
+                                      None if allow is None else allow[a:b], w_scales=w_scales)
                 if cand is not None:
                     cand[a:b] = candidate_mask(sc, meta[2, a:b], cfg.candidate_block_size, cfg.candidate_topk_blocks)
                 ids[a:b] = topk_select(sc, k)
