@@ -167,7 +167,7 @@ def _check_tiles() -> dict:
     reconstruct loop on the routed part: the same function within the loop's roundings (it rounds W_eff to fp16
     and each expert's gate, up, h and output to bf16, ~4e-3 here; the tiles keep fp32 to h's one fp16 rounding
     and are within 6e-4 of fp64: tests/test_exl3_prefill.py)."""
-    from dsv41.kernels.step.router import route_rows
+    from dsv41.kernels.step.router_tiles import route_rows_tiles
 
     results = {}
     for name, T, n, ids in _cases():
@@ -178,7 +178,8 @@ def _check_tiles() -> dict:
         new = moe.partial(x, n, "prefill")
         old = _loop_partial(moe, x, n)  # the experts through the workspace (StackedExperts.expert), not the tiles
         ref_ids = moe.route(x)[0][:n]
-        got_ids = route_rows(x[:n], moe.gate_t, moe.gate_bias, moe.topk, scale=moe.route_scale, renorm=moe.renorm)[0]
+        got_ids = route_rows_tiles(x[:n], moe.gate_t, moe.gate_bias, moe.topk, scale=moe.route_scale,
+                                   renorm=moe.renorm)[0]
         shared = moe._shared(x, n, "prefill").double()[:n]  # the same on both paths: judge the routed part
         routed_new, routed_old = new[:n].double() - shared, old[:n].double() - shared
         rel = float((routed_new - routed_old).norm() / routed_old.norm())

@@ -9,7 +9,7 @@ row bucket in one fixed-shape matmul instead of row by row. Routed experts: deco
 once at build; prefill rows of stacked EXL3 experts take the tile kernels (`kernels.exl3.prefill.prefill_moe`:
 the chunk's (row, slot) pairs sorted by expert on the device, one grouped launch for gate/up with the SwiGLU and
 the routing weight fused, one for down, the slots summed in order with the shared output; no host read, the router
-on its row kernels), or with DSV41_PREFILL_TILES=0 the loop over the experts they picked, in ascending id as the
+logits as one tiled product, `kernels.step.router_tiles`), or with DSV41_PREFILL_TILES=0 the loop over the experts they picked, in ascending id as the
 reference does, each expert's matrices reconstructed into the rank's one prefill workspace, the rows grouped by
 expert on the device with one host read of the counts per layer (`FusedMoE._grouped`). Experts stored in another
 format (the release's MXFP4) take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs
@@ -130,10 +130,17 @@ class FusedMoE:
         """This rank's fp32 share of the MoE output for the bucket x [B, d] whose first n rows are real."""
         stacked = isinstance(self.experts, StackedExperts)
         # prefill rows of stacked EXL3 experts take the tile kernels (`kernels/exl3/prefill.py`), and with them the
-        # router's row kernels: every op of the chunk row-invariant, so chunks are bitwise one-shot
+        # router's tiled logits (`kernels/step/router_tiles.py`): every op of the chunk row-invariant, so chunks are
+        # bitwise one-shot
         tiles = phase == "prefill" and stacked and prefill_tiles_enabled() and step_kernels_run(x.device)
         with section("router"):
-            if (is_fused(phase) or tiles) and step_kernels_run(x.device):
+            if tiles:
+                from dsv41.kernels.step.router_tiles import route_rows_tiles
+
+                ids, weights, logits, select = route_rows_tiles(
+                    x[:n], self.gate_t, self.gate_bias, self.topk, scale=self.route_scale, renorm=self.renorm,
+                    temp=self.gate_temp, ids_dtype=torch.int32)
+            elif is_fused(phase) and step_kernels_run(x.device):
                 from dsv41.kernels.step.router import route_rows
 
                 ids, weights, logits, select = route_rows(
