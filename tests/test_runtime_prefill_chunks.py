@@ -75,7 +75,7 @@ def test_gpu_full_shape_16k_prompt_in_2k_chunks_is_4k_chunks_bitwise():
     st4, lg4 = run(4096)
     assert st2.pos == st4.pos == PROMPT
     a, b = dict(_tensors(st2)), dict(_tensors(st4))
-    assert a.keys() == b.keys() and len(a) > 2 * LAYERS
+    assert a.keys() == b.keys() and len(a) > LAYERS  # each layer's window, the sources' entries and keys
     for path in a:
         assert a[path].shape == b[path].shape and a[path].dtype == b[path].dtype, path
         assert torch.equal(_bits(a[path]), _bits(b[path])), path

@@ -42,6 +42,10 @@ from .pool_attention import InPlaceAttention
 # (5 splits x local heads x hd fp32 per row: 80 MiB at 32 heads, 160 MiB at 64). Any value gives the same bits (one
 # program per row, `_core_blocked`).
 PREFILL_CORE_ROWS = 256
+# The core's tiling for prefill rows (bench/results/attention_prefill_sweep.json, H100, 256 rows x 32 heads x 640
+# slots: 814 -> 401 us against the decode-era 16 heads x 16 keys): all 32 local heads per program (the keys read
+# once per row), 64-key blocks, 128-slot splits. Fixed for the phase, so a row's bits never follow the chunk.
+PREFILL_TILING = dict(head_block=32, key_block=64, split_keys=128, num_warps=8)
 # Rows per indexer launch (`_index_kernels`): bounds the [rows, C] fp32 scores (1,024 rows x 65,536 entries:
 # 256 MiB). Any value gives the same bits (one program per row and entry block, one per row for the top-k).
 INDEX_ROWS = 1024
@@ -283,19 +287,36 @@ class FastAttention(InPlaceAttention):
     def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
                       ids: torch.Tensor | None, src, block: int | None = None) -> None:
         """The core of a prefill segment's rows with the step kernel, `block` (default PREFILL_CORE_ROWS) rows per
-        launch, each block's slots gathered right before it; o's rows written in place. The kernel runs one
-        program per row and reads nothing of another row (`kernels.step.attention`), so a row's bits do not depend
-        on the block it is in nor on the chunk: chunked == one-shot holds for the core bitwise
-        (tests/test_runtime_prefill_core.py)."""
+        launch, each block's slots gathered right before it in ONE gather from the window and the source's entries
+        stacked once per segment (the reference's slot layout, the same values: `_slots`); o's rows written in
+        place. The kernel runs one program per (row, head block, split) and reads nothing of another row
+        (`kernels.step.attention`), so a row's bits do not depend on the block it is in nor on the chunk: chunked ==
+        one-shot holds for the core bitwise (tests/test_runtime_prefill_core.py)."""
         from dsv41.kernels.step.attention import attention_core
 
         block = block or PREFILL_CORE_ROWS
+        cfg = self.cfg
+        stacked = win if src is None or src.kv is None else torch.cat((win, src.kv.to(win.dtype)))
+        first = s.pos + s.T - win.shape[0]
         for start in range(0, s.T, block):
             rows = slice(start, min(start + block, s.T))
-            keys, ok = self._slots(s, win, ids, src, rows)
+            key_pos = (torch.arange(s.pos + rows.start, s.pos + rows.stop, device=win.device)[:, None]
+                       + torch.arange(1 - cfg.sliding_window, 1, device=win.device)[None, :])
+            idx, ok = (key_pos - first).clamp(min=0), key_pos >= 0
+            if src is not None:
+                sel = None if ids is None else ids[rows]
+                n = rows.stop - rows.start
+                sel = torch.empty(n, 0, dtype=torch.long, device=win.device) if sel is None else sel
+                sel = torch.cat((torch.full((n, cfg.index_topk - sel.shape[1]), -1, dtype=sel.dtype,
+                                            device=sel.device), sel), dim=1)
+                # no entries yet: every compressed slot dead (it reads the window's row 0, never used)
+                idx = torch.cat((idx, win.shape[0] + sel.clamp(min=0) if src.kv is not None
+                                 else torch.zeros_like(sel)), dim=1)
+                ok = torch.cat((ok, sel >= 0), dim=1)
+            keys = stacked[idx]
             at = slice(s.start + rows.start, s.start + rows.stop)
             o[at] = attention_core(q[at], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
-                                   keys_bf16=self._keys_bf16(keys))
+                                   keys_bf16=self._keys_bf16(keys), **PREFILL_TILING)
 
     def _core_batched(self, q: torch.Tensor, gathered, o: torch.Tensor) -> None:
         """The core of every segment's rows in one launch: their key slots [T, S, hd] stacked in row order (dead
