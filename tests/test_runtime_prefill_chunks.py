@@ -18,7 +18,9 @@ import torch
 
 from dsv41.parallel.comm import Comm
 
-LAYERS = 21
+import os
+
+LAYERS = int(os.environ.get("DSV41_TEST_PREFILL_LAYERS", "21"))  # fewer for a quick look; 21 holds every role
 PROMPT = 16384
 
 
@@ -76,9 +78,13 @@ def test_gpu_full_shape_16k_prompt_in_2k_chunks_is_4k_chunks_bitwise():
     assert st2.pos == st4.pos == PROMPT
     a, b = dict(_tensors(st2)), dict(_tensors(st4))
     assert a.keys() == b.keys() and len(a) > LAYERS  # each layer's window, the sources' entries and keys
+    differ = []
     for path in a:
         assert a[path].shape == b[path].shape and a[path].dtype == b[path].dtype, path
-        assert torch.equal(_bits(a[path]), _bits(b[path])), path
+        rows = (_bits(a[path]) != _bits(b[path])).reshape(a[path].shape[0], -1).any(dim=1).nonzero().flatten()
+        if rows.numel():
+            differ.append(f"{path}: {rows.numel()} of {a[path].shape[0]} rows, first {int(rows[0])}")
+    assert not differ, differ
     common = sorted(lg2.keys() & lg4.keys())
     assert len(common) >= 4
     for r in common:
