@@ -40,15 +40,21 @@ def _prepare(raw: bytes) -> tuple[ResponsesRequest, dict, ChatCompletionRequest]
         raise _renamed(exc) from None
 
 
-_CHAT_NAMES = re.compile(r"\bmessages(\[\d+\])?|" + "|".join(re.escape(chat) for chat, _ in PARAMS[:-1]))
+_CHAT_NAMES = re.compile(r"\bmessages(\[\d+\])?|(tools\[\d+\])\.function\b|"
+                         + "|".join(re.escape(chat) for chat, _ in PARAMS[:-1]))
+
+
+def _our_name(match: re.Match) -> str:
+    text = match.group(0)
+    if text.startswith("messages"):
+        return "input"
+    return match.group(2) if match.group(2) else dict(PARAMS)[text]
 
 
 def _renamed(exc: APIError) -> APIError:
     """A chat-side error named as the Responses request names its fields."""
     exc.param = responses_param(exc.param)
-    ours = dict(PARAMS[:-1])
-    exc.message = _CHAT_NAMES.sub(lambda m: "input" if m.group(0).startswith("messages") else ours[m.group(0)],
-                                  exc.message)
+    exc.message = _CHAT_NAMES.sub(_our_name, exc.message)
     return exc
 
 

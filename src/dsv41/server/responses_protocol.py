@@ -99,6 +99,18 @@ class ResponsesRequest(_Request):
     max_tool_calls: Annotated[StrictInt, Field(ge=1)] | None = None  # counts built-in tool calls: there are none
     stream_options: dict[str, StrictBool] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _shapes(cls, data):
+        """The errors pydantic would word with our class names or its union members, in our words."""
+        if isinstance(data, dict):
+            if "input" in data and not isinstance(data["input"], (str, list)):
+                raise bad_request("input must be a string or a list of input items", param="input")
+            for name in ("reasoning", "text"):
+                if data.get(name) is not None and not isinstance(data[name], dict):
+                    raise bad_request(f"{name} must be an object", param=name)
+        return data
+
     @model_validator(mode="after")
     def _served(self):
         extra = sorted(set(self.model_extra or {}) - set(UNSERVED))
