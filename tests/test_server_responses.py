@@ -102,11 +102,17 @@ def test_same_prompt_as_chat(client, server):  # noqa: F811
     """The Responses request renders exactly the chat request it maps to (the same encoder)."""
     resp = client.responses.create(model=ALIAS, instructions="Be brief.", max_output_tokens=1, reasoning={"effort": "low"},
                                    input=[{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
-                                          {"role": "assistant", "content": "Hello!"},
+                                          {"type": "reasoning", "id": "rs_1", "summary": [
+                                              {"type": "summary_text", "text": "A greeting."}]},
+                                          {"type": "message", "id": "msg_1", "role": "assistant", "status":
+                                           "completed", "content": [{"type": "output_text", "text": "Hello!",
+                                                                     "annotations": []}]},
+                                          {"role": "developer", "content": "Stay brief."},
                                           {"role": "user", "content": "And now?"}])
     assert resp.model == ALIAS
     chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                         {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "And now?"}],
+                         {"role": "assistant", "content": "Hello!", "reasoning_content": "A greeting."},
+                         {"role": "system", "content": "Stay brief."}, {"role": "user", "content": "And now?"}],
             "reasoning_effort": "low"}
     with server.http() as http:
         count = http.post("/tokenize", json=chat).json()["count"]
@@ -156,10 +162,10 @@ def test_function_call_streamed_and_whole_then_tool_output(client, server):  # n
     assert "response.function_call_arguments.delta" in {e.type for e in events}
     assert final.output[0].parsed_arguments == {"city": "paris"}
     assert _without_ids(streamed) == _without_ids(whole.model_dump(mode="json"))
-    # the tool loop: the call and its output go back as input items, rendered as the chat request would be
-    follow = ask + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
-                     "arguments": call.arguments},
-                    {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    # the tool loop as agent SDKs run it: the reply's output items and the call's output go back as input,
+    # rendered as the equivalent chat request would be
+    follow = ask + [item.model_dump(mode="json") for item in whole.output] + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
     second = client.responses.create(model=SERVED_NAME, input=follow, tools=TOOLS, max_output_tokens=2,
                                      temperature=0, reasoning=NO_THINKING)
     assert second.output and second.usage.output_tokens <= 2
