@@ -194,6 +194,21 @@ def test_structured_output(client):  # noqa: F811
     assert final.output_parsed == parsed.output_parsed and final.output_text == parsed.output_text
 
 
+def test_logprobs_of_the_answer_text(client):  # noqa: F811
+    kwargs = dict(model=SERVED_NAME, input="Count with me.", max_output_tokens=5, temperature=0,
+                  reasoning=NO_THINKING, include=["message.output_text.logprobs"], top_logprobs=2)
+    whole, events = _same_streamed_and_whole(client, **kwargs)
+    part = whole.output[0].content[0]
+    assert 0 < len(part.logprobs) <= whole.usage.output_tokens == 5
+    for entry in part.logprobs:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+    streamed = [entry for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert [entry.model_dump() for entry in streamed] == [entry.model_dump() for entry in part.logprobs]
+    plain = client.responses.create(**dict(kwargs, include=None, top_logprobs=None))
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == whole.output_text
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"background": True}, "background"),
@@ -212,7 +227,8 @@ def test_structured_output(client):  # noqa: F811
     ({"text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object", "not": {}}}}},
      "text.format"),
     ({"truncation": "auto"}, "truncation"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
+    ({"include": ["everything"]}, "include[0]"),
+    ({"top_logprobs": 21}, "top_logprobs"),
 ])
 def test_refused_with_the_field_named(client, kwargs, param):  # noqa: F811
     body = dict(model=SERVED_NAME, input="Hi", max_output_tokens=4, reasoning=NO_THINKING)

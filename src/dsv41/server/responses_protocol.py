@@ -12,7 +12,8 @@ encoder already renders (one encoder, one set of rules, one grammar path):
   `max_output_tokens` -> `max_completion_tokens`.
 What cannot be served is refused with a 400 naming the field: `previous_response_id` and `conversation` (no
 session store yet), `background: true`, `item_reference`, built-in tools (web_search, file_search, ...) and
-their items, images and files, `truncation: auto`, logprobs, and any field OpenAI's API does not define.
+their items, images and files, `truncation: auto`, and any field OpenAI's API does not define.
+`include: ["message.output_text.logprobs"]` (and `top_logprobs`) -> chat's `logprobs` / `top_logprobs`.
 """
 
 from __future__ import annotations
@@ -129,9 +130,6 @@ class ResponsesRequest(_Request):
         for i, name in enumerate(self.include or []):
             if name not in INCLUDABLE:
                 raise bad_request(f"include[{i}]: {name[:80]!r} is not an includable field", param=f"include[{i}]")
-        if "message.output_text.logprobs" in (self.include or []) or self.top_logprobs:
-            raise bad_request("logprobs are not supported on /v1/responses yet (use /v1/chat/completions)",
-                              param="top_logprobs" if self.top_logprobs else "include")
         if self.effort is not None:
             try:
                 effort_to_mode(self.effort, "reasoning.effort")
@@ -144,6 +142,11 @@ class ResponsesRequest(_Request):
         if isinstance(self.input, list) and not self.input:
             raise bad_request("input must not be an empty list", param="input")
         return self
+
+    @property
+    def logprobs(self) -> bool:
+        """Whether the output text carries its tokens' logprobs (`top_logprobs` alternatives each)."""
+        return "message.output_text.logprobs" in (self.include or []) or bool(self.top_logprobs)
 
     @property
     def effort(self) -> str | int | None:
@@ -375,7 +378,8 @@ def chat_body(req: ResponsesRequest) -> dict:
     optional = {"model": req.model, "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "tools": tools or None, "tool_choice": choice if tools else None,
                 "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": req.effort,
-                "response_format": response_format(req.text)}
+                "response_format": response_format(req.text), "logprobs": req.logprobs or None,
+                "top_logprobs": req.top_logprobs if req.logprobs else None}
     if choice not in (None, "none", "auto") and not tools:
         raise bad_request(f"tool_choice {choice if isinstance(choice, str) else 'function'!r} needs tools",
                           param="tool_choice")

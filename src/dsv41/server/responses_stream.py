@@ -5,7 +5,9 @@ Events, each with its `sequence_number` (from 0): `response.created`, `response.
 - reasoning: `response.reasoning_summary_part.added`, `response.reasoning_summary_text.delta` / `.done`,
   `response.reasoning_summary_part.done` (the model's whole reasoning is the summary text; the item also
   carries it as `content: [{type: reasoning_text}]`);
-- message: `response.content_part.added`, `response.output_text.delta` / `.done`, `response.content_part.done`;
+- message: `response.content_part.added`, `response.output_text.delta` / `.done`, `response.content_part.done`
+  (with `include: ["message.output_text.logprobs"]` each delta carries the logprobs of the tokens that wrote it;
+  tokens that wrote no answer text, the end of sequence or tool-call markup, have none);
 - function_call: `response.function_call_arguments.delta` / `.done`;
 then `response.completed`, or `response.incomplete` (`incomplete_details.reason: max_output_tokens`, the last
 item `status: incomplete`), carrying the final response object, which is also the non-streaming reply. A failure
@@ -61,6 +63,7 @@ class ResponseEvents:
         self.created_at = int(time.time())
         self.echo = _request_echo(req)
         self.in_reasoning = thinking
+        self.logprobs: list[dict] = []  # the answer's token logprobs not yet shown with text (include ... logprobs)
         self.reasoning_tokens = 0
         self.output: list[dict] = []
         self.open: dict | None = None  # the item being written
@@ -119,7 +122,7 @@ class ResponseEvents:
         elif item["type"] == "message":
             part = item["content"][0]
             events += [self._event("response.output_text.done", **where, content_index=0, text=part["text"],
-                                   logprobs=[]),
+                                   logprobs=part["logprobs"]),
                        self._event("response.content_part.done", **where, content_index=0, part=dict(part))]
         else:
             events.append(self._event("response.function_call_arguments.done", **where, name=item["name"],
@@ -145,11 +148,14 @@ class ResponseEvents:
              "status": "in_progress", "content": [{"type": "output_text", "text": "", "annotations": [],
                                                    "logprobs": []}]})
         self.open["content"][0]["text"] += text
+        logprobs, self.logprobs = self.logprobs, []
+        self.open["content"][0]["logprobs"] += logprobs
         return events + [self._event("response.output_text.delta", **self._where(), content_index=0, delta=text,
-                                     logprobs=[])]
+                                     logprobs=logprobs)]
 
     def _call(self, call: dict) -> list[dict]:
         function = call["function"]
+        self.logprobs = []  # tokens of a call are no answer text (nor the markup held back before it)
         if "id" in call:  # a new call: its name is complete
             return self._start({"id": "fc_" + call["id"].removeprefix("call_"), "type": "function_call",
                                 "status": "in_progress", "call_id": call["id"], "name": function["name"],
@@ -171,23 +177,24 @@ class ResponseEvents:
                 events += self._call(call)
         return events
 
-    def _count(self, deltas: list[dict]) -> None:
-        """reasoning_tokens: the tokens generated before the answer (text or a call) began, `</think>` included."""
-        if not self.in_reasoning:
-            return
-        if any(d.get("content") or d.get("tool_calls") for d in deltas):
+    def _count(self, deltas: list[dict], logprobs: list[dict]) -> None:
+        """reasoning_tokens: the tokens generated before the answer (text or a call) began, `</think>` included;
+        the answer's logprobs wait for the text they belong to (a token may complete a character later)."""
+        if self.in_reasoning and any(d.get("content") or d.get("tool_calls") for d in deltas):
             self.in_reasoning = False
-        else:
+        if self.in_reasoning:
             self.reasoning_tokens += 1
+        else:
+            self.logprobs += logprobs
 
     # -- the whole stream ------------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[dict]:
         yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.in_progress", response=self._response("in_progress"))
         finish = "stop"
-        async for deltas, _, reason in self.reply.steps():
+        async for deltas, logprobs, reason in self.reply.steps():
             if reason is None:
-                self._count(deltas)
+                self._count(deltas, logprobs)
             for event in self._deltas(deltas):
                 yield event
             if reason is not None:
