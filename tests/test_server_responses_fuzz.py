@@ -62,8 +62,8 @@ FIELDS = [
     ("metadata", "x"),
     ("store", "yes"), ("stream", 1), ("stream", "true"), ("background", True), ("background", "no"),
     ("previous_response_id", "resp_1"), ("conversation", "conv_1"), ("prompt", {"id": "p"}),
-    ("include", ["everything"]), ("include", "x"), ("include", ["message.output_text.logprobs"]),
-    ("top_logprobs", 5), ("top_logprobs", 99), ("truncation", "auto"), ("truncation", "some"),
+    ("include", ["everything"]), ("include", "x"), ("include", ["message.output_text.logprobs", 5]),
+    ("top_logprobs", -1), ("top_logprobs", 99), ("top_logprobs", "2"), ("truncation", "auto"), ("truncation", "some"),
     ("stream_options", {"include_obfuscation": False}), ("service_tier", "gold"), ("user", 5),
     ("model", 5), ("model", "no-such-model"), ("frobnicate", 1), ("x" * 300, 1),
 ]
