@@ -8,6 +8,7 @@ max_output_tokens, and tool calls and JSON are the grammar's doing (tool_choice 
 from __future__ import annotations
 
 import json
+import signal
 from typing import Literal
 
 import httpx
@@ -15,7 +16,7 @@ import openai
 import pydantic
 import pytest
 
-from server_harness import SERVED_NAME, ALIAS, client, server  # noqa: F401 (pytest fixtures)
+from server_harness import SERVED_NAME, ALIAS, ServerProcess, client, server  # noqa: F401 (pytest fixtures)
 
 NO_THINKING = {"effort": "none"}
 # one parameter with one allowed value: the grammar writes nearly all of the call (each of its tokens still costs a
@@ -260,3 +261,22 @@ def test_stream_left_early_frees_the_engine(server):  # noqa: F811
         r = http.post("/v1/responses", json={"input": "Hi", "store": True, "max_output_tokens": 1})
         assert r.status_code == 200 and r.json()["store"] is False
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_failure_past_the_headers_is_an_error_event(tmp_path):
+    """A stream ended by the drain (SIGTERM, grace over) ends with an `error` event the official client raises."""
+    own = ServerProcess(tmp_path, "--drain-timeout", "0.5")
+    try:
+        stream = own.client().responses.create(model=SERVED_NAME, input="Go on.", max_output_tokens=4000,
+                                                stream=True, reasoning=NO_THINKING)
+        seen = []
+        with pytest.raises(openai.APIError) as info:
+            for event in stream:
+                seen.append(event.type)
+                if event.type == "response.output_text.delta" and len(seen) == 5:
+                    own.proc.send_signal(signal.SIGTERM)
+        assert seen[:2] == ["response.created", "response.in_progress"] and "response.completed" not in seen
+        assert "shutting down" in info.value.message and info.value.body["type"] == "server_error"
+        assert own.proc.wait(60) == 0
+    finally:
+        own.kill()
