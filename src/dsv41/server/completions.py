@@ -13,7 +13,6 @@ from .generation import (
     StreamedReply,
     Generation,
     reply_of,
-    TokenText,
     best_of,
     check_request,
     choice_seed,
@@ -25,6 +24,7 @@ from .generation import (
     submit_generations,
     usage,
 )
+from .reply_text import reply_text
 from .protocol import CompletionRequest
 from .stop import StopMatcher
 
@@ -90,11 +90,9 @@ class _Reply(StreamedReply):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
-        stops = gen.request.stop_token_ids
-        if req.include_stop_str_in_output:  # a stop_token_ids token is shown; EOS never is
-            stops = stops & {ctx.tokenizer.eos_id}
-        self.text = TokenText(ctx, skip_special_tokens=req.skip_special_tokens,
-                              hidden_ids=frozenset() if req.ignore_eos else stops)
+        self.text = reply_text(ctx.tokenizer, parsed=False, skip_special_tokens=req.skip_special_tokens,
+                               stop_token_ids=gen.request.stop_token_ids,
+                               include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos)
         self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.offset = 0
         self.hidden_prefix = 0  # leading prompt tokens the server added (not echoed, not scored)
