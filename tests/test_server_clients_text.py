@@ -11,12 +11,10 @@ temperature 0, so a leak shows at once).
 
 from __future__ import annotations
 
-import json
-
 import anthropic
 import pytest
 
-from dsv41.chat.tokens import DSML, THINK_END, THINK_START
+from dsv41.chat.tokens import THINK_END, THINK_START
 from server_harness import API_KEY, SERVED_NAME, client, server, tokenizer  # noqa: F401  (shared fixtures)
 
 HI = [{"role": "user", "content": "Hi"}]

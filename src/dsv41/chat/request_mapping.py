@@ -29,7 +29,7 @@ from .tools_text import qualify
 EFFORT_WORDS = {"low": 50, "medium": 75, "high": 75, "xhigh": 100, "max": 100}
 EFFORT_OFF_WORDS = ("none", "minimal")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
 @dataclass
@@ -302,9 +302,9 @@ def _response_format(request: dict) -> dict | None:
     response_format = request.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in RESPONSE_FORMAT_TYPES:
-            raise RequestError('response_format.type must be "text", "json_object" or "json_schema"',
+            raise RequestError('response_format.type must be "text", "json_object", "json_schema" or "structural_tag"',
                                param="response_format")
-        if response_format["type"] == "text":
+        if response_format["type"] in ("text", "structural_tag"):  # a structural tag is enforced, not described
             return None
         if response_format["type"] == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
             raise RequestError("response_format.json_schema must be an object", param="response_format.json_schema")

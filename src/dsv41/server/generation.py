@@ -142,6 +142,8 @@ def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, b
     """What every generation endpoint checks past the schema: the model name (404 unless the served name or an
     alias), min_tokens within the budget, and the fields accepted but not implemented (logged once per name)."""
     check_model(ctx, fields.model)
+    if fields.prompt_logprobs is not None and fields.stream:
+        raise bad_request("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
     if fields.priority != 0:
         raise bad_request("priority scheduling is not enabled on this server (requests are served first come, "
                           "first served): priority must be 0", param="priority")
@@ -221,16 +223,24 @@ def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking
                 schema = envelope.get("schema", {})
                 schema = grammars.check_schema(schema, "response_format.json_schema.schema")
                 return grammars.json(schema, thinking=thinking)
+            if kind == "structural_tag":
+                return grammars.structural_tag(rf, thinking=thinking)
             if kind in (None, "text"):
                 if kind is None:
                     raise bad_request("response_format.type is required", param="response_format.type")
                 return None
-            raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema)",
-                              param="response_format.type")
+            raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema, "
+                              "structural_tag)", param="response_format.type")
         so = fields.structured_outputs or {}
-        chosen = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
+        # vLLM's other options (whitespace_pattern, disable_any_whitespace, ...): refused, never dropped; there is
+        # no fallback backend, so disable_fallback holds as asked
+        unknown = sorted(set(so) - set(STRUCTURED_OUTPUTS) - {"json_object", "disable_fallback"})
+        if unknown:
+            raise bad_request(f"structured_outputs.{unknown[0]} is not supported",
+                              param=f"structured_outputs.{unknown[0]}")
+        chosen = [k for k in STRUCTURED_OUTPUTS if so.get(k) is not None]
         if len(chosen) > 1:
-            raise bad_request("structured_outputs takes only one of json, regex, choice, grammar",
+            raise bad_request(f"structured_outputs takes only one of {', '.join(STRUCTURED_OUTPUTS)}",
                               param="structured_outputs")
         if so.get("json_object"):
             if chosen:
@@ -257,10 +267,18 @@ def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking
                 raise bad_request("regex must be a string", param="structured_outputs.regex")
             return grammars.regex(regex, thinking=thinking)
         if "grammar" in chosen:
-            raise bad_request("structured_outputs.grammar is not supported", param="structured_outputs.grammar")
+            if not isinstance(so["grammar"], str):
+                raise bad_request("structured_outputs.grammar must be a string (EBNF)",
+                                  param="structured_outputs.grammar")
+            return grammars.ebnf(so["grammar"], thinking=thinking)
+        if "structural_tag" in chosen:
+            return grammars.structural_tag(so["structural_tag"], thinking=thinking)
         return None
     except GrammarError as exc:
         raise bad_request(str(exc), param=_grammar_param(fields)) from None
+
+
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "structural_tag")  # vLLM's, one per request
 
 
 def _grammar_param(fields) -> str:

@@ -238,7 +238,8 @@ def _output_config(config: dict | None, body: dict) -> None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     unknown = sorted(set(config) - {"effort", "format"})
     if unknown:
-        raise bad_request(f"output_config.{unknown[0]}: Extra inputs are not permitted", param=f"output_config.{unknown[0]}")
+        raise bad_request(f"output_config.{unknown[0]}: Extra inputs are not permitted",
+                          param=f"output_config.{unknown[0]}")
 
 
 def thinking_budget(req: MessagesRequest) -> int | None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -86,14 +87,21 @@ class SamplingFields(_Request):
         for key in self.logit_bias or {}:
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
-        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 \
-                and self.truncate_prompt_tokens != -1:
-            raise ValueError("truncate_prompt_tokens must be -1 (the context length) or a positive integer")
-        if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs is not supported with stream=true")
-        if self.request_id is not None and not self.request_id.isprintable():
-            raise ValueError("request_id must be printable text")
         return self
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, value):
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("must be -1 (the context length) or a positive integer")
+        return value
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, value):
+        if value is not None and not value.isprintable():
+            raise ValueError("must be printable text")
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
