@@ -101,7 +101,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     # compiling a grammar can take a while for a big schema: keep it off the event loop
     grammar = await ctx.run_cpu(
         lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
-    grammar = with_reasoning_budget(ctx, grammar, req.thinking_token_budget, thinking)
+    grammar = with_reasoning_budget(ctx, grammar, _reasoning_budget(req), thinking)
     top = req.top_logprobs or 0
     sampling = await ctx.run_cpu(sampling_params, ctx, req)
     stops = stop_ids(ctx, req)
@@ -121,6 +121,17 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
             gen.close()
         raise
     return reply_of(replies, req, len(ids))
+
+
+def _reasoning_budget(req: ChatCompletionRequest) -> int | None:
+    """vLLM's thinking_token_budget, else the `thinking` object's budget_tokens (Anthropic's spelling, which
+    clients also send in DeepSeek's format): how many reasoning tokens before `</think>` is forced."""
+    if req.thinking_token_budget is not None:
+        return req.thinking_token_budget
+    budget = (req.thinking or {}).get("budget_tokens")
+    if budget is not None and (type(budget) is not int or budget < 0):
+        raise bad_request("thinking.budget_tokens must be a non-negative integer", param="thinking.budget_tokens")
+    return budget
 
 
 class _ChatReply(StreamedReply):
