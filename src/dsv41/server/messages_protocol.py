@@ -5,9 +5,12 @@ encoder, one set of rules): `system` -> a system message; content blocks -> text
 blocks -> `reasoning_content`; `tool_use` -> `tool_calls` (input dumped as JSON); user `tool_result` blocks ->
 `tool` messages (before the user's own text, in order); `tools` (name, description, input_schema) -> functions;
 `tool_choice` auto / any / tool / none -> auto / required / named / none (`disable_parallel_tool_use` ->
-`parallel_tool_calls: false`); `thinking: {type: enabled}` turns reasoning on (off otherwise, as Anthropic's
-default), its `budget_tokens` checked as Anthropic does (`thinking_budget`) and enforced by the engine
-(`ReasoningBudget`). Images, documents and server tools are refused (400).
+`parallel_tool_calls: false`); the `thinking` object (absent: disabled, Anthropic's default) and
+`output_config.effort` go to the chat path's one precedence rule (`chat.request_mapping.resolve_thinking`),
+`budget_tokens` checked as Anthropic does (`thinking_budget`) and enforced by the engine (`ReasoningBudget`);
+`output_config.format` (json_schema) becomes the chat body's `response_format`. Images, documents and server tools
+are refused (400), and so is what Anthropic refuses (empty content or stop sequences, a tool_result without its
+tool_use, a non-boolean is_error, a non-string description).
 """
 
 from __future__ import annotations
@@ -56,7 +59,6 @@ class MessagesRequest(_Request):
     output_config: dict[str, Any] | None = None  # effort (low/medium/high/max) and format (json_schema)
     metadata: dict[str, Any] | None = None
     skip_special_tokens: StrictBool = True  # vLLM's, as on the OpenAI routes (server/reply_text.py)
-
 
     @model_validator(mode="after")
     def _stop_sequences(self):

@@ -35,6 +35,7 @@ from dsv41.structured.schema_check import SchemaRefused, enforceable, string_pat
 MAX_WHITESPACE = 4
 # the emptiness probe: at most this many tokens tried, this deep, for this long
 PROBE_NODES, PROBE_DEPTH, PROBE_S = 256, 48, 0.25
+PATTERN_PROBES = 16  # `pattern` keywords of one schema probed alone
 
 
 class GrammarError(DSV41Error):
@@ -166,7 +167,12 @@ class Grammars:
         except Exception as exc:
             raise GrammarError(f"{what} cannot be enforced: {_reason(exc)}") from None
         # a pattern that matches nothing, found alone: deep inside a schema the bounded probe below misses it
+        # (distinct patterns, at most PATTERN_PROBES of them: each probe is bounded by PROBE_S)
+        probed: dict[str, str] = {}
         for place, pattern in string_patterns(schema, what):
+            if pattern not in probed and len(probed) < PATTERN_PROBES:
+                probed[pattern] = place
+        for pattern, place in probed.items():
             compiled_pattern = self._compile(self._xgr.structural_tag.StructuralTag(
                 format=self._xgr.structural_tag.RegexFormat(pattern=pattern)), what=place)
             self._refuse_empty(compiled_pattern, place, f"{place} {pattern!r} matches no string")

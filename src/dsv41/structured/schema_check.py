@@ -104,7 +104,7 @@ def string_patterns(schema: Any, where: str) -> list[tuple[str, str]]:
         if isinstance(schema.get("pattern"), str):
             found.append((f"{where}.pattern", schema["pattern"]))
         for key, value in schema.items():
-            if key not in _DATA and key != "pattern":
+            if key not in _DATA:
                 found += string_patterns(value, f"{where}.{key}")
     elif isinstance(schema, list):
         for i, value in enumerate(schema):
