@@ -112,7 +112,7 @@ def test_structural_tag_and_grammar(client):  # noqa: F811
             "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"], "additionalProperties": False}}}}
     for stream in (False, True):
         for extra in ({"response_format": tag}, {"structured_outputs": {"structural_tag": json.dumps(tag)}}):
-            kwargs = dict(model=SERVED_NAME, messages=HI, max_tokens=60, seed=6, extra_body={**OFF, **extra})
+            kwargs = dict(model=SERVED_NAME, messages=HI, max_tokens=100, seed=6, extra_body={**OFF, **extra})
             if stream:
                 text = "".join(c.choices[0].delta.content or ""
                                for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)

@@ -86,8 +86,7 @@ def test_thinking_token_budget_is_enforced(client, tokenizer):  # noqa: F811
                                               logprobs=True, extra_body=extra)
         tokens = [tokenizer.token_to_id(t.token) if tokenizer.token_to_id(t.token) is not None else -1
                   for t in resp.choices[0].logprobs.content]
-        assert end in tokens[:budget + 1], (budget, tokens)
-        assert len(tokenizer.encode_literal(resp.choices[0].message.reasoning_content or "")) <= budget + 2
+        assert end in tokens[:budget + 1], (budget, tokens)  # at most `budget` reasoning tokens, then </think>
 
 
 def test_anthropic_effort_and_adaptive_map_onto_the_rule():
