@@ -213,3 +213,53 @@ def test_errors_in_our_words(client, extra):  # noqa: F811
         client.chat.completions.create(model=SERVED_NAME, messages=HI, max_tokens=4, extra_body=extra)
     message = info.value.body["message"]
     assert not any(word in message for word in INTERNALS), message
+
+
+# ---- no 5xx from the new fields ---------------------------------------------------------------------------------
+FUZZ_VALUES = [None, True, False, 0, -1, 1, 3, 1 << 40, 1.5, "", "x", "enabled", "disabled", [], [""], ["x"], {},
+               {"type": "enabled"}, {"type": "disabled"}, {"type": "adaptive"}, {"type": 5},
+               {"type": "enabled", "budget_tokens": "a"}, {"type": "enabled", "budget_tokens": -3},
+               {"effort": "low"}, {"effort": 3}, {"format": {"type": "json_schema", "schema": {"type": "integer"}}},
+               {"format": {"type": "json_schema", "schema": 5}}, {"format": 1}, {"x": 1},
+               {"type": "structural_tag", "format": {"type": "any_text"}},
+               {"type": "structural_tag", "format": {"type": "tag", "begin": "a", "end": "b",
+                                                     "content": {"type": "regex", "pattern": "("}}},
+               {"type": "structural_tag", "structures": [{"begin": "<", "schema": {"type": "integer"}, "end": ">"}],
+                "triggers": ["<"]},
+               {"structural_tag": "{"}, {"structural_tag": 5}, {"grammar": 5}, {"grammar": "root ::= "},
+               {"grammar": "root ::= [a-z]+"}, {"structural_tag": {"format": {"type": "dispatch", "rules": 5}}}]
+CHAT_FIELDS = ["thinking", "include_reasoning", "thinking_token_budget", "return_token_ids", "prompt_logprobs",
+               "truncate_prompt_tokens", "priority", "request_id", "echo", "response_format", "structured_outputs",
+               "stream", "continue_final_message", "skip_special_tokens"]
+MESSAGES_FIELDS = ["thinking", "output_config", "skip_special_tokens", "stop_sequences", "stream"]  # (tools: a
+# ~700-token prompt each on the tiny tokenizer, seconds of CPU; test_messages_refused_as_anthropic_does has them)
+VALID = {"thinking": [{"type": "enabled"}, {"type": "disabled"}, {"type": "adaptive"}], "include_reasoning": [False],
+         "thinking_token_budget": [0, 2], "return_token_ids": [True], "prompt_logprobs": [0, 2],
+         "truncate_prompt_tokens": [-1, 3], "priority": [0], "request_id": ["trace-1"], "echo": [True],
+         "response_format": [{"type": "json_object"}], "structured_outputs": [{"choice": ["a", "b"]}],
+         "stream": [True, False], "continue_final_message": [False], "skip_special_tokens": [True, False],
+         "output_config": [{"effort": "low"}, {"format": {"type": "json_schema", "schema": {"type": "object"}}}],
+         "stop_sequences": [["x"]]}
+
+
+def test_fuzz_new_fields_never_5xx(server):  # noqa: F811
+    import random
+
+    rng = random.Random(33)
+    statuses: dict[int, int] = {}
+    with server.http(timeout=60) as http:
+        for i in range(60):
+            chat = i % 2 == 0
+            body = {"model": SERVED_NAME, "messages": HI, "max_tokens": 3}
+            for name in rng.sample(CHAT_FIELDS if chat else MESSAGES_FIELDS, 1 if i % 3 else 2):
+                body[name] = rng.choice(VALID[name] if rng.random() < 0.5 else FUZZ_VALUES)
+            r = http.post("/v1/chat/completions" if chat else "/v1/messages", json=body,
+                          headers={"x-api-key": API_KEY})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert r.status_code < 500, (body, r.text)
+            assert not any(word in r.text for word in (*INTERNALS, "internal", "Traceback")), (body, r.text)
+            if r.status_code >= 400:
+                error = r.json()
+                assert (error["error"]["type"] if chat else error["type"]) in ("invalid_request_error", "error")
+    assert statuses.get(200, 0) > 12 and statuses.get(400, 0) > 12, statuses
+    assert server.health().status_code == 200
