@@ -28,11 +28,33 @@ def _placement(args):
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
+# (option, knob) pairs `--env-file` fills when the option is not given: the values serve will start with
+ENV_DEFAULTS = (("model", "DSV41_MODEL"), ("out", "DSV41_PREPARED"), ("tp", "DSV41_TP"), ("device", "DSV41_DEVICE"),
+                ("dtype", "DSV41_DTYPE"), ("engram_dir", "DSV41_ENGRAM_DIR"))
+
+
+def _apply_env_file(args) -> None:
+    if args.env_file:
+        from dsv41.ops.knobs import parse_env_file
+
+        env = parse_env_file(Path(args.env_file))
+        for option, knob in ENV_DEFAULTS:
+            value = env.get(knob, "").strip()
+            if getattr(args, option) is None and value:
+                setattr(args, option, int(value) if option == "tp" else value)
+    args.tp = args.tp or 1
+    args.device = args.device or "auto"
+    args.dtype = args.dtype or "auto"
+    if not args.out:
+        raise DSV41Error("--out (or DSV41_PREPARED in --env-file) names where the prepared folders go")
+
+
 def cmd_prepare(args) -> int:
     from dsv41.cli import _model_dir
 
     from .writer import check_folder, prepare
 
+    _apply_env_file(args)
     world = args.tp
     ranks = [args.rank] if args.rank is not None else list(range(world))
     if any(not 0 <= r < world for r in ranks) or world < 1:
@@ -63,11 +85,15 @@ def register(sub) -> None:
                        description="Build this rank's fast-path model from the checkpoint and store it as "
                                    "OUT/rank{R}-of-{TP}/{manifest.json,data.bin}; resumable; --check re-verifies.")
     p.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the built-in tiny model)")
-    p.add_argument("--out", metavar="DIR", required=True, help="root of the prepared folders")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel world size (default 1)")
+    p.add_argument("--out", metavar="DIR", help="root of the prepared folders (required, or from --env-file)")
+    p.add_argument("--env-file", metavar="FILE",
+                   help="take the options not given from the appliance's env file (/etc/dsv41/dsv41.env: "
+                        "DSV41_MODEL, DSV41_PREPARED, DSV41_TP, DSV41_DEVICE, DSV41_DTYPE, DSV41_ENGRAM_DIR), as the "
+                        "ranks will start")
+    p.add_argument("--tp", type=int, default=None, metavar="N", help="tensor-parallel world size (default 1)")
     p.add_argument("--rank", type=int, metavar="R", help="the rank to prepare (default: every rank of --tp)")
-    p.add_argument("--device", default="auto", help="device the ranks will serve on: auto, cpu, cuda (default auto)")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--device", default=None, help="device the ranks will serve on: auto, cpu, cuda (default auto)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="compute dtype, as serve's (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--no-fake-quant", action="store_true", help="as serve's --no-fake-quant")
     p.add_argument("--engram-dir", metavar="DIR", help="the packed Engram shards serve will read (as serve's)")

@@ -222,3 +222,37 @@ def mismatch(manifest: dict, *, source: dict, world: int, rank: int, build: dict
     if changed:
         return f"the code that built it changed since ({changed[0]}{' and others' if len(changed) > 1 else ''})"
     return None
+
+
+def folder_problems(root: str | Path, rank: int, world: int, model_dir: str | Path | None) -> tuple[list[str], dict]:
+    """What `preflight` checks of one rank's folder without torch: manifest, layout, completeness, rank, data size,
+    source checkpoint, code. (Build settings and the GPU are checked by the start itself.) -> (problems, summary)"""
+    folder = rank_folder(root, rank, world)
+    try:
+        manifest = read_manifest(folder)
+    except PreparedMismatch as exc:
+        return [str(exc)], {}
+    problems = []
+    if manifest.get("layout_version") != LAYOUT_VERSION:
+        problems.append(f"{folder}: layout version {manifest.get('layout_version')}, this code reads {LAYOUT_VERSION}")
+    if not manifest.get("complete"):
+        problems.append(f"{folder}: incomplete (prepare was interrupted)")
+    tp = manifest.get("tp", {})
+    if (tp.get("world"), tp.get("rank")) != (world, rank):
+        problems.append(f"{folder}: prepared for rank {tp.get('rank')} of TP {tp.get('world')}, this node runs rank "
+                        f"{rank} of TP {world}")
+    data = folder / DATA
+    size = data.stat().st_size if data.is_file() else None
+    if size != manifest.get("data", {}).get("bytes"):
+        problems.append(f"{data}: {size} bytes, the manifest says {manifest.get('data', {}).get('bytes')}")
+    if model_dir:
+        reason = _source_reason(manifest.get("source", {}), source_identity(model_dir))
+        if reason:
+            problems.append(f"{folder}: {reason}")
+    modules = manifest.get("code", {}).get("modules", {})
+    changed = [m for m, digest in module_digests(modules).items() if modules.get(m) != digest]
+    if changed:
+        problems.append(f"{folder}: the code that built it changed since ({', '.join(changed)})")
+    summary = {"folder": str(folder), "bytes": manifest.get("data", {}).get("bytes"),
+               "revision": manifest.get("source", {}).get("revision"), "build": manifest.get("build", {})}
+    return problems, summary

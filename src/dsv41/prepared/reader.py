@@ -237,7 +237,7 @@ def load_prepared(root: str | Path, model_dir: str | Path | None, *, device="cpu
 
     device = torch.device(device)
     phases = phases or StartPhases()
-    verify = verify or os.environ.get("DSV41_PREPARED_VERIFY", "sample")
+    verify = verify or os.environ.get("DSV41_PREPARED_VERIFY", "").strip() or "sample"
     folder = mf.rank_folder(root, rank, world)
     manifest = mf.read_manifest(folder)
     if source is None:
