@@ -177,6 +177,20 @@ def test_generate_from_prepared_prints_the_checkpoints_text(fp8_lite, tmp_path):
     assert len(ids) == 2 and ids[0] == ids[1] and prepared.stdout == built.stdout
 
 
+def test_start_bench_times_both_starts(fp8_lite, tmp_path):
+    """bench/start.py on the CPU (the lead runs it on the GPU with the synthetic rank): every phase timed."""
+    out = tmp_path / "start.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench" / "start.py"), "--model", str(fp8_lite), "--device",
+                          "cpu", "--no-first-token", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["prepare_s"] > 0 and result["folder_gib"] > 0
+    assert list(result["starts"]["prepared"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
+    assert list(result["starts"]["checkpoint"]["phases"]) == ["imports", "build"]
+    assert not (tmp_path / ".start-prepared").exists()  # the folder it prepared is removed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_gpu_exl3_greedy_from_folder_is_greedy_from_checkpoint(tiny_model_dir, tmp_path, world):

@@ -151,6 +151,8 @@ _ALLOWED = {
     "numpy": {"ndarray", "dtype"},
     "numpy.core.multiarray": {"_reconstruct", "scalar"},
     "numpy._core.multiarray": {"_reconstruct", "scalar"},
+    "numpy.core.numeric": {"_frombuffer"},  # protocol 5's form of an array
+    "numpy._core.numeric": {"_frombuffer"},
     "torch": {"Size"},
 }
 _MODULES = {"collections": collections, "functools": functools, "pathlib": pathlib}
