@@ -131,7 +131,7 @@ def test_truncated_and_unfinished_folders_are_refused(copy, tiny_model_dir):
 
 
 def test_fallback_builds_from_the_checkpoint_only_when_asked(prepared, tiny_model_dir):
-    from dsv41.prepared.cli import load_fast_model
+    from dsv41.prepared.start import load_fast_model
 
     args = argparse.Namespace(prepared=str(prepared / "rank1-of-2"), prepared_fallback=False, prepared_verify=None,
                               no_fake_quant=False)

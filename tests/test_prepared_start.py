@@ -83,11 +83,12 @@ def _child(args: dict) -> None:
     from dsv41.runtime.build import build_fast_model
 
     torch.set_num_threads(1)
-    rank, world, comm = args["rank"], args["world"], None
+    rank, world, comm, group = args["rank"], args["world"], None, None
     if world > 1:
         from dsv41.parallel.rendezvous import init_tp
 
-        comm = init_tp(rank, world, args["master"], deadline_s=120, backend="gloo").comm
+        group = init_tp(rank, world, args["master"], deadline_s=120, backend="gloo")
+        comm = group.comm
     kw = dict(device=args.get("device", "cpu"), dtype=torch.float32, rank=rank, world=world, comm=comm)
     prepare(args["model"], args["root"], **kw)
     from_folder = load_prepared(args["root"], args["model"], **kw)
@@ -96,6 +97,9 @@ def _child(args: dict) -> None:
     ids_c, logits_c = greedy(from_ckpt)
     same = all(torch.equal(x, y) for x, y in zip(logits_f, logits_c))
     Path(args["out"]).write_text(json.dumps({"ids_folder": ids_f, "ids_ckpt": ids_c, "logits_equal": same}))
+    if group is not None:
+        group.comm.sum_partials(torch.zeros(1))  # both ranks done before either tears gloo down
+        group.close()
 
 
 def run_ranks(model: Path, root: Path, world: int, tmp: Path, device: str = "cpu") -> list[dict]:

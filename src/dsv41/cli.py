@@ -88,9 +88,9 @@ def cmd_generate(args) -> int:
     import torch
 
     from .engine.sampling import SamplingParams, derive_seed, sample_token
-    from .prepared.cli import generate_fast, wants_fast
+    from .prepared.start import generate_fast, wants_fast
     if wants_fast(args):  # the serving forward: from a prepared folder (--prepared) or built (--forward fast)
-        return generate_fast(args)
+        return generate_fast(args, _model_dir(args.model), resolve_device(args.device), LoadBar().update)
     model = _load(args)
     tok = model.tokenizer
     if tok is None:
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward", choices=("reference", "fast"), default="reference",
                    help="reference (model/, default) or fast (runtime/ FastModel, as serve on CUDA; implied by "
                         "--prepared)")
-    from .prepared.cli import add_start_args
+    from .prepared.start import add_start_args
     add_start_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -7,5 +7,6 @@ validating and laying out the checkpoint again.
   reference (tensors -> entries of data.bin; device, comm, workspace, tokenizer, Engram tables -> the loader's).
 - `writer.py`: `prepare(...)` (resumable, a block at a time) and `check_folder(...)` (`dsv41 prepare --check`).
 - `reader.py`: `load_prepared(...)`: large sequential reads (pinned buffers and async copies on CUDA).
-- `cli.py`: `dsv41 prepare` and the `--prepared` options of `generate` and `serve`.
+- `cli.py`: `dsv41 prepare`; `start.py`: the `--prepared` options of `generate` and `serve`, the load with its
+  checkpoint fallback.
 """

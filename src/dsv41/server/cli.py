@@ -70,7 +70,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     from dsv41.engine.build import register_engine_args  # argparse only: no torch import here
     from dsv41.parallel.args import register_tp_args
 
-    from dsv41.prepared.cli import add_start_args
+    from dsv41.prepared.start import add_start_args
 
     register_engine_args(p)
     register_tp_args(p)
@@ -245,7 +245,7 @@ def load_serving_model(args, startup: Startup, progress, **tp):
     _set_threads(args)
     device, dtype = model_placement(args)
     fast = getattr(args, "engine", "batched") == "batched" and serving_forward(args, device) == "fast"
-    from ..prepared.cli import load_fast_model, prepared_root
+    from ..prepared.start import load_fast_model, prepared_root
 
     if prepared_root(args) is not None:  # a prepared folder holds the fast path's model (docs/WEIGHTS.md)
         if not fast:
