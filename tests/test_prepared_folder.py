@@ -212,3 +212,24 @@ def test_cli_check_and_serve_refusal(prepared, copy, tiny_model_dir):
     assert served.returncode == 2
     assert served.stderr.strip().splitlines()[-1] == (f"dsv41: error: {prepared / 'rank1-of-2'}: prepared for rank 1 "
                                                       f"of TP 2, this process is rank 0 of TP 1")
+
+
+def test_the_pipelined_read_gives_the_plain_reads_bytes(prepared, copy, monkeypatch):
+    """The CUDA read path (ring of chunk buffers, reader threads, one hashing thread) walked on the CPU, with chunks
+    small and unaligned enough that entries span several of them and chunks hold several entries."""
+    from dsv41.prepared import reader
+
+    folder = prepared / "rank0-of-2"
+    manifest = mf.read_manifest(folder)
+    monkeypatch.setattr(reader, "CHUNK", 70001)
+    cpu = torch.device("cpu")
+    plain = reader.read_entries(folder, manifest, cpu, verify="full")
+    piped = reader.read_entries(folder, manifest, cpu, verify="full", pipelined=True)
+    assert len(plain) == len(piped) == len(manifest["entries"])
+    as_bytes = lambda storage: torch.empty(0, dtype=torch.uint8).set_(storage)  # noqa: E731
+    assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(plain, piped))
+    big = max(_tensor_entries(copy), key=lambda e: e["nbytes"])
+    assert big["nbytes"] > 3 * 70001
+    _flip(copy, big, at=big["nbytes"] - 1)
+    with pytest.raises(PreparedMismatch, match=f"entry {big['name']} of data.bin is damaged"):
+        reader.read_entries(copy, mf.read_manifest(copy), cpu, verify="full", pipelined=True)

@@ -98,51 +98,81 @@ def _pread_full(fd: int, view: memoryview, offset: int) -> int:
     return got
 
 
+def _pieces(entries: list[dict], at: int, c0: int, n: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """The (entry position, start, stop) byte ranges of chunk [c0, c0 + n) in file order, and the first entry that
+    may still reach a later chunk."""
+    while at < len(entries) and entries[at]["offset"] + entries[at]["nbytes"] <= c0:
+        at += 1
+    out, j = [], at
+    while j < len(entries) and entries[j]["offset"] < c0 + n:
+        e = entries[j]
+        a, b = max(e["offset"], c0), min(e["offset"] + e["nbytes"], c0 + n)
+        if b > a:
+            out.append((j, a, b))
+        j += 1
+    return at, out
+
+
 def _read_pipelined(path: Path, entries: list[dict], dests: list[torch.Tensor], check: set[int], folder: Path,
-                    progress) -> None:
-    """Pinned ring + reader threads + async host-to-device copies, in file order."""
+                    progress, device: torch.device) -> None:
+    """READ_THREADS threads fill a ring of RING chunk buffers (pinned on CUDA) ahead of the main thread, which issues
+    each chunk's copies into the entries' storages (asynchronous on CUDA) while the next chunks are read; a buffer
+    is refilled once its copies (a CUDA event) and its sampled hashing (one hashing thread, in file order) are done.
+    """
+    cuda = device.type == "cuda"
     end = max((e["offset"] + e["nbytes"] for e in entries), default=0)
     starts = list(range(0, end, CHUNK))
-    ring = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(min(RING, len(starts)) or 1)]
-    events: list[torch.cuda.Event | None] = [None] * len(ring)
+    ring = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=cuda) for _ in range(max(min(RING, len(starts)), 2))]
+    views = [memoryview(b.numpy()) for b in ring]
+    busy: list[tuple] = [(None, None)] * len(ring)  # per buffer: (copies' CUDA event, hashing future)
     hashers = {e["index"]: hashlib.sha256() for e in entries if e["index"] in check}
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="prepared-read") as pool:
-            def submit(i: int):
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="prepared-read") as pool, \
+                ThreadPoolExecutor(1, thread_name_prefix="prepared-hash") as hashing:
+            def read(i: int):
                 slot = i % len(ring)
-                if events[slot] is not None:
-                    events[slot].synchronize()  # the copies out of this buffer have finished
+                event, hashed = busy[slot]
+                if event is not None:
+                    event.synchronize()
+                if hashed is not None:
+                    hashed.result()
                 n = min(CHUNK, end - starts[i])
-                return pool.submit(_pread_full, fd, memoryview(ring[slot].numpy())[:n], starts[i])
+                return pool.submit(_pread_full, fd, views[slot][:n], starts[i])
 
-            futures = {i: submit(i) for i in range(min(len(ring), len(starts)))}
-            at = 0  # first entry that may still overlap the current chunk
+            def hash_pieces(view, pieces):
+                for j, a, b in pieces:
+                    hashers[entries[j]["index"]].update(view[a:b])
+
+            ahead = len(ring) - 1  # reads in flight; the last buffer is the one being copied out
+            futures = {i: read(i) for i in range(min(ahead, len(starts)))}
+            at = 0
             for i, c0 in enumerate(starts):
                 n = min(CHUNK, end - c0)
                 if futures.pop(i).result() != n:
                     raise mf.PreparedMismatch(f"{folder}: {mf.DATA} is shorter than its manifest says")
                 slot = i % len(ring)
-                buf = ring[slot]
-                while at < len(entries) and entries[at]["offset"] + entries[at]["nbytes"] <= c0:
-                    at += 1
-                j = at
-                while j < len(entries) and entries[j]["offset"] < c0 + n:
-                    e, dst = entries[j], dests[j]
-                    a, b = max(e["offset"], c0), min(e["offset"] + e["nbytes"], c0 + n)
-                    if b > a:
-                        dst[a - e["offset"]:b - e["offset"]].copy_(buf[a - c0:b - c0], non_blocking=True)
-                        if e["index"] in hashers:
-                            hashers[e["index"]].update(memoryview(buf.numpy())[a - c0:b - c0])
-                    j += 1
-                events[slot] = torch.cuda.Event()
-                events[slot].record()
+                buf, view = ring[slot], views[slot]
+                at, pieces = _pieces(entries, at, c0, n)
+                for j, a, b in pieces:
+                    e = entries[j]
+                    dests[j][a - e["offset"]:b - e["offset"]].copy_(buf[a - c0:b - c0], non_blocking=cuda)
+                sampled = [(j, a - c0, b - c0) for j, a, b in pieces if entries[j]["index"] in hashers]
+                event = None
+                if cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+                busy[slot] = (event, hashing.submit(hash_pieces, view, sampled) if sampled else None)
                 if progress:
                     progress(c0 + n, end)
-                if i + len(ring) < len(starts):
-                    futures[i + len(ring)] = submit(i + len(ring))
-        torch.cuda.current_stream().synchronize()
+                if i + ahead < len(starts):
+                    futures[i + ahead] = read(i + ahead)  # into the buffer of chunk i - 1
+            for _, hashed in busy:
+                if hashed is not None:
+                    hashed.result()
+        if cuda:
+            torch.cuda.current_stream(device).synchronize()
     finally:
         os.close(fd)
     for e in entries:
@@ -151,9 +181,11 @@ def _read_pipelined(path: Path, entries: list[dict], dests: list[torch.Tensor], 
 
 
 def read_entries(folder: Path, manifest: dict, device: torch.device, verify: str = "sample",
-                 progress: Callable[[int, int], None] | None = None) -> list[torch.UntypedStorage]:
+                 progress: Callable[[int, int], None] | None = None, pipelined: bool = False
+                 ) -> list[torch.UntypedStorage]:
     """Every entry of data.bin in a new storage (tensor entries on `device` or the CPU, as they were stored;
-    skeleton entries on the CPU)."""
+    skeleton entries on the CPU). CUDA always reads through the pipeline; `pipelined` takes it on the CPU too
+    (tests: the same chunk walk without a GPU)."""
     entries = manifest["entries"]
     path = folder / mf.DATA
     size = path.stat().st_size if path.is_file() else None
@@ -164,8 +196,8 @@ def read_entries(folder: Path, manifest: dict, device: torch.device, verify: str
     dests = [torch.empty(e["nbytes"], dtype=torch.uint8, device=device if e["device"] == device.type else cpu)
              for e in entries]
     check = _to_verify(entries, verify)
-    if device.type == "cuda":
-        _read_pipelined(path, entries, dests, check, folder, progress)
+    if device.type == "cuda" or pipelined:
+        _read_pipelined(path, entries, dests, check, folder, progress, device)
     else:
         _read_plain(path, entries, dests, check, folder, progress)
     return [d.untyped_storage() for d in dests]
