@@ -9,8 +9,9 @@ A folder is `manifest.json` + `data.bin`. The manifest records:
   SHA-256 of config.json / tokenizer.json / the safetensors index, every shard's name, size, modification time and
   the SHA-256 of its first and last MiB) and, for the
   record, each shard's SHA-256 (from the download's verified record, else hashed at prepare);
-- `code`: SHA-256 of the source of every module whose classes the skeleton holds (a changed class refuses the
-  folder, naming the file), plus torch's version;
+- `code`: SHA-256 of the source of every module whose classes the skeleton holds and of the modules that decide
+  what is stored (writer.BUILD_MODULES: builder, loader, slicing); a changed one refuses the folder, naming it;
+  plus torch's version;
 - `entries`: each stored byte range of data.bin (a tensor storage or a skeleton part): name, part, offset, nbytes,
   device type, dtype and shape of the tensor it was first seen as, SHA-256;
 - `parts`: the skeleton's parts in order ("block.L" per layer, then "model"), each with its entry range;

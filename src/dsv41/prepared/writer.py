@@ -23,6 +23,10 @@ import torch
 from . import manifest as mf
 from .skeleton import BlockRef, Storages, dump_part
 
+# the modules that decide what the builder stores (names, slices, stacking), besides the skeleton's classes: a change
+# in any of them refuses folders written before it
+BUILD_MODULES = ("dsv41.runtime.build", "dsv41.runtime.synthetic", "dsv41.model.loader", "dsv41.weights.linear",
+                 "dsv41.weights.exl3", "dsv41.weights.safetensors_io")
 COPY_CHUNK = 256 << 20  # device -> host copies of a large storage, a piece at a time
 HASH_CHUNK = 64 << 20
 
@@ -68,7 +72,7 @@ class FolderWriter:
         self.entries: list[dict] = []
         self.parts: list[dict] = []
         self.kept: set[str] = set()
-        self.modules: dict[str, str] = {}
+        self.modules: dict[str, str] = mf.module_digests(BUILD_MODULES)
         self.storages = Storages()
         self.workspace_numel = 0
 
