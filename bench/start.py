@@ -3,7 +3,8 @@
     python bench/start.py --synthetic [--layers N]            # GPU: the full-shape synthetic rank 0 of TP 2
     python bench/start.py --model DIR [--tp 2 --rank 0]       # a checkpoint (the tiny model on the CPU)
 
-Steps, each start in a fresh child process (what a restart is): prepare the rank's folder once (timed; skipped
+One rank runs (at TP > 1 its peer is decode_step.py's StubComm: the same shapes, no second GPU). Steps, each start
+in a fresh child process (what a restart is): prepare the rank's folder once (timed; skipped
 when current), then start from the folder and start from the source, each timed from the child's spawn:
 `imports` (python, torch, dsv41), then `manifest` / `read` / `skeleton` (prepared) or `build` (checkpoint:
 `build_fast_model`; synthetic: generating the rank on the device, the only "checkpoint" it has), `runner` (KV pool
@@ -39,10 +40,20 @@ def _source(args) -> dict:
     return {"kind": "synthetic", "layers": args.layers, "seed": 0, "tp": args.tp, "rank": args.rank}
 
 
-def _synthetic(args, device, dtype):
+def _comm(args):
+    """At TP > 1 one rank runs alone: decode_step.py's StubComm stands in for the peer (the same shapes)."""
+    if args.tp == 1:
+        return None
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from decode_step import StubComm
+
+    return StubComm()
+
+
+def _synthetic(args, device, dtype, comm):
     from dsv41.runtime.synthetic import synthetic_rank
 
-    return synthetic_rank(rank=args.rank, world=args.tp, device=device, dtype=dtype, layers=args.layers)
+    return synthetic_rank(rank=args.rank, world=args.tp, device=device, dtype=dtype, layers=args.layers, comm=comm)
 
 
 def _placement(args):
@@ -66,17 +77,19 @@ def child(args) -> None:
     phases = StartPhases()
     phases.seconds["imports"] = time.time() - spawned
     phases._t = time.perf_counter()
-    kw = dict(device=device, dtype=dtype, rank=args.rank, world=args.tp)
+    comm = _comm(args)
+    kw = dict(device=device, dtype=dtype, rank=args.rank, world=args.tp, comm=comm)
     if args.child == "prepare":
         from dsv41.prepared.writer import prepare, prepare_model
 
         if args.synthetic:
-            prepare_model(_synthetic(args, device, dtype), args.root, _source(args), rank=args.rank, world=args.tp)
+            prepare_model(_synthetic(args, device, dtype, comm), args.root, _source(args), rank=args.rank,
+                          world=args.tp)
         else:
             prepare(args.model, args.root, **kw)
         phases.done("prepare")
     elif args.child == "checkpoint":
-        model = _synthetic(args, device, dtype) if args.synthetic else build_fast_model(args.model, **kw)
+        model = _synthetic(args, device, dtype, comm) if args.synthetic else build_fast_model(args.model, **kw)
         if device.type == "cuda":
             torch.cuda.synchronize()
         phases.done("build")

@@ -233,3 +233,11 @@ def test_the_pipelined_read_gives_the_plain_reads_bytes(prepared, copy, monkeypa
     _flip(copy, big, at=big["nbytes"] - 1)
     with pytest.raises(PreparedMismatch, match=f"entry {big['name']} of data.bin is damaged"):
         reader.read_entries(copy, mf.read_manifest(copy), cpu, verify="full", pipelined=True)
+
+
+def test_a_folder_that_no_longer_fits_is_prepared_afresh(copy, tiny_model_dir):
+    _edit_manifest(copy, lambda m: m["code"]["modules"].update({"dsv41.runtime.model": "0" * 64}))
+    lines = []
+    prepare(tiny_model_dir, copy.parent, rank=0, world=2, log=lines.append, **KW)
+    assert lines[0] == f"prepare: {copy} holds another preparation: starting afresh"
+    assert check_folder(copy) == [] and load_prepared(copy.parent, tiny_model_dir, rank=0, world=2, **KW)

@@ -85,10 +85,12 @@ class FolderWriter:
             old = mf.read_manifest(self.folder)
         except mf.PreparedMismatch:
             old = None
-        same = old is not None and all(old.get(k) == v for k, v in self.header.items())
-        if same and old.get("code", {}).get("modules"):
-            now = mf.module_digests(old["code"]["modules"])
-            same = now == old["code"]["modules"]
+        # resume only an unfinished run of the same preparation (a finished folder got here because it does not fit)
+        same = old is not None and not old.get("complete") and all(old.get(k) == v for k, v in self.header.items())
+        code = old.get("code", {}) if old else {}
+        if same:
+            same = code.get("torch") == torch.__version__ and mf.module_digests(code.get("modules", {})) == \
+                code.get("modules", {})
         if old is not None and not same:
             self.log(f"prepare: {self.folder} holds another preparation: starting afresh")
         if same and data.is_file():
