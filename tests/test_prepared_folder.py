@@ -241,3 +241,13 @@ def test_a_folder_that_no_longer_fits_is_prepared_afresh(copy, tiny_model_dir):
     prepare(tiny_model_dir, copy.parent, rank=0, world=2, log=lines.append, **KW)
     assert lines[0] == f"prepare: {copy} holds another preparation: starting afresh"
     assert check_folder(copy) == [] and load_prepared(copy.parent, tiny_model_dir, rank=0, world=2, **KW)
+
+
+def test_too_little_room_is_refused_before_building(tmp_path):
+    from dsv41.errors import DSV41Error
+    from dsv41.prepared.writer import check_room
+
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(DSV41Error, match=r"/new/rank0-of-1: about .* GiB to write, only .* GiB free there"):
+        check_room(tmp_path / "new" / "rank0-of-1", free * 2)
+    check_room(tmp_path / "new" / "rank0-of-1", 1 << 20)

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from dsv41.errors import DSV41Error
+
 from . import manifest as mf
 from .skeleton import BlockRef, Storages, dump_part
 
@@ -204,6 +206,18 @@ class FolderWriter:
             model.blocks = blocks
 
 
+def check_room(folder: Path, need: int) -> None:
+    """Refuse before building when the folder's filesystem cannot take `need` more bytes (+2%)."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    data = folder / mf.DATA
+    free = shutil.disk_usage(probe).free + (data.stat().st_size if data.exists() else 0)  # it is rewritten
+    if need * 1.02 > free:
+        raise DSV41Error(f"{folder}: about {need / 2**30:.1f} GiB to write, only {free / 2**30:.1f} GiB free there "
+                         f"(choose --out on a larger disk)")
+
+
 def _bar(total: int, what: str):
     from tqdm import tqdm
 
@@ -245,6 +259,8 @@ def prepare(model_dir: str | Path, out: str | Path, *, rank: int = 0, world: int
         return folder
     if force and folder.exists():
         shutil.rmtree(folder)
+    shards = sum(size for size, *_ in header["source"]["shards"].values())
+    check_room(folder, shards // world)  # a rank holds about its share of the checkpoint
     start = time.perf_counter()
     layers = ModelConfig.from_file(model_dir).num_hidden_layers
     bar = _bar(layers + 1, f"prepare rank {rank}/{world}")
@@ -270,6 +286,7 @@ def prepare_model(model, out: str | Path, source: dict, *, rank: int, world: int
     header = _header(source, world, rank, build_settings(model.device, model.dtype, model.fake_quant))
     if _already(folder, header, log):
         return folder
+    check_room(folder, model.stored_bytes())
     bar = _bar(len(model.blocks) + 1, f"prepare rank {rank}/{world}")
     writer = FolderWriter(folder, header, log, bar)
     writer.open()
