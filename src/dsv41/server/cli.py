@@ -247,17 +247,12 @@ def load_serving_model(args, startup: Startup, progress, **tp):
     fast = getattr(args, "engine", "batched") == "batched" and serving_forward(args, device) == "fast"
     from ..prepared.start import load_fast_model, prepared_root
 
-    if prepared_root(args) is not None:  # a prepared folder holds the fast path's model (docs/WEIGHTS.md)
-        if not fast:
-            raise DSV41Error("--prepared starts the fast forward: use --engine batched with --forward fast (the "
-                             "default on CUDA)")
+    if prepared_root(args) is not None and not fast:
+        raise DSV41Error("--prepared starts the fast forward: use --engine batched with --forward fast (the default "
+                         "on CUDA)")
+    if fast:  # packed weights driving the kernels (docs/perf/fast_path.md): from the prepared folder or built
         return load_fast_model(args, startup.folder, device=device, dtype=dtype, progress=progress,
                                engram_dir=startup.engram_dir, notify=_status_line, **tp)
-    if fast:
-        from ..runtime.build import build_fast_model  # packed weights driving the kernels (docs/perf/fast_path.md)
-
-        return build_fast_model(startup.folder, device=device, dtype=dtype, fake_quant=not args.no_fake_quant,
-                                progress=progress, engram_dir=startup.engram_dir, **tp)
     return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant, dspark=False,
                       progress=progress, engram_dir=startup.engram_dir, **tp)
 
