@@ -172,7 +172,9 @@ def _dsv41(*argv, check=True) -> subprocess.CompletedProcess:
 
 
 def test_generate_from_prepared_prints_the_checkpoints_text(fp8_lite, tmp_path):
-    _dsv41("prepare", "--model", str(fp8_lite), "--out", str(tmp_path), "--device", "cpu")
+    from dsv41.prepared.writer import prepare
+
+    prepare(fp8_lite, tmp_path, device="cpu", dtype=torch.float32, log=lambda line: None)  # `dsv41 prepare`'s call
     args = ["generate", "--model", str(fp8_lite), "--prompt", "hello there", "--max-tokens", "5", "--ignore-eos"]
     prepared = _dsv41(*args, "--prepared", str(tmp_path))
     built = _dsv41(*args, "--forward", "fast")
