@@ -99,6 +99,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
 
 ENV_KNOBS: tuple[EnvKnob, ...] = (
     EnvKnob("DSV41_PREPARED_VERIFY", "what a start re-hashes of its prepared folder: sample (default), full, off"),
+    EnvKnob("DSV41_PREPARED_PAGE_CACHE", "a start's read of its prepared folder: drop each piece from the page cache "
+            "(default on unified memory, GB10) or keep it"),
     EnvKnob("DSV41_TP_SECRET", "shared secret of the tensor-parallel ranks (same on every host; required when "
             "--master is not loopback)"),
 )

@@ -3,7 +3,9 @@
 No per-tensor parsing or validation beyond the manifest: each entry is one byte range going to one new storage.
 On CUDA the file is read in CHUNK-sized pieces by READ_THREADS threads into a ring of pinned buffers while the
 main thread issues the (asynchronous) copies of the previous pieces to the device; elsewhere each entry is read
-straight into its storage. Reads go through the page cache (the warm unit may have filled it; ops/warm.py).
+straight into its storage. Reads go through the page cache (the warm unit may have filled it; ops/warm.py); on a
+GPU that shares the host's memory (GB10) each piece is dropped from the page cache once read, so the file does not
+take a second copy of the weights' memory (`drop_page_cache`, DSV41_PREPARED_PAGE_CACHE).
 
 `verify` ("sample" by default, DSV41_PREPARED_VERIFY): the skeleton parts always, plus every 16th tensor entry and
 the last are re-hashed as they stream by; "full" re-hashes all (as `dsv41 prepare --check` does), "off" none.
@@ -88,14 +90,27 @@ def _read_plain(path: Path, entries: list[dict], dests: list[torch.Tensor], chec
                 progress(done, total)
 
 
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+def _pread_full(fd: int, view: memoryview, offset: int, drop: bool = False) -> int:
     got = 0
     while got < len(view):
         n = os.preadv(fd, [view[got:]], offset + got)
         if n <= 0:
             break
         got += n
+    if drop:  # unified memory: the page cache would hold a second copy of what goes to the device
+        os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
     return got
+
+
+def drop_page_cache(device: torch.device) -> bool:
+    """Whether the read drops each piece from the page cache once copied: DSV41_PREPARED_PAGE_CACHE=drop|keep, by
+    default drop on a GPU that shares the host's memory (GB10: the page cache is the memory the weights go to)."""
+    choice = os.environ.get("DSV41_PREPARED_PAGE_CACHE", "").strip() or "auto"
+    if choice not in ("auto", "drop", "keep"):
+        raise ValueError(f"DSV41_PREPARED_PAGE_CACHE={choice!r}: expected auto, drop or keep")
+    if choice != "auto":
+        return choice == "drop"
+    return device.type == "cuda" and bool(getattr(torch.cuda.get_device_properties(device), "is_integrated", False))
 
 
 def _pieces(entries: list[dict], at: int, c0: int, n: int) -> tuple[int, list[tuple[int, int, int]]]:
@@ -119,7 +134,7 @@ def _read_pipelined(path: Path, entries: list[dict], dests: list[torch.Tensor], 
     each chunk's copies into the entries' storages (asynchronous on CUDA) while the next chunks are read; a buffer
     is refilled once its copies (a CUDA event) and its sampled hashing (one hashing thread, in file order) are done.
     """
-    cuda = device.type == "cuda"
+    cuda, drop = device.type == "cuda", drop_page_cache(device)
     end = max((e["offset"] + e["nbytes"] for e in entries), default=0)
     starts = list(range(0, end, CHUNK))
     ring = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=cuda) for _ in range(max(min(RING, len(starts)), 2))]
@@ -139,7 +154,7 @@ def _read_pipelined(path: Path, entries: list[dict], dests: list[torch.Tensor], 
                 if hashed is not None:
                     hashed.result()
                 n = min(CHUNK, end - starts[i])
-                return pool.submit(_pread_full, fd, views[slot][:n], starts[i])
+                return pool.submit(_pread_full, fd, views[slot][:n], starts[i], drop)
 
             def hash_pieces(view, pieces):
                 for j, a, b in pieces:
