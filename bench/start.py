@@ -75,8 +75,7 @@ def child(args) -> None:
     if device.type == "cuda":
         torch.cuda.init()
     phases = StartPhases()
-    phases.seconds["imports"] = time.time() - spawned
-    phases._t = time.perf_counter()
+    phases.add("imports", time.time() - spawned)
     comm = _comm(args)
     kw = dict(device=device, dtype=dtype, rank=args.rank, world=args.tp, comm=comm)
     if args.child == "prepare":

@@ -43,6 +43,14 @@ class StartPhases:
         self.seconds: dict[str, float] = {}
         self._t = time.perf_counter()
 
+    def running(self) -> float:
+        """Seconds of the phase under way so far."""
+        return time.perf_counter() - self._t
+
+    def add(self, phase: str, seconds: float) -> None:
+        """A phase that ended before this timeline began (e.g. the imports, timed from the process's spawn)."""
+        self.seconds[phase] = seconds
+
     def done(self, phase: str, detail: str = "") -> None:
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._t
@@ -221,7 +229,7 @@ def read_entries(folder: Path, manifest: dict, device: torch.device, verify: str
 class _Resolver:
     """The skeleton's references, resolved for this process."""
 
-    def __init__(self, manifest, storages, parts: dict[str, bytes], device, comm, workspace, tokenizer, tables):
+    def __init__(self, storages, parts: dict[str, bytes], device, comm, workspace, tokenizer, tables):
         self.storages, self.parts, self.device = storages, parts, device
         self.comm, self.workspace, self.tokenizer, self.tables = comm, workspace, tokenizer, tables
         self.blocks: dict[int, object] = {}
@@ -300,7 +308,7 @@ def load_prepared(root: str | Path, model_dir: str | Path | None, *, device="cpu
                             progress and (lambda done, total: progress(done >> 20, max(total >> 20, 1), "MiB")))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = max(time.perf_counter() - phases._t, 1e-9)
+    seconds = max(phases.running(), 1e-9)
     phases.done("read", f"{mib / 1024:.2f} GiB, {mib / 1024 / seconds:.2f} GiB/s, verify {verify}")
 
     cache: dict = {}
@@ -326,7 +334,7 @@ def load_prepared(root: str | Path, model_dir: str | Path | None, *, device="cpu
     for part in manifest["parts"]:
         parts[part["name"]] = bytes(memoryview(torch.empty(0, dtype=torch.uint8).set_(
             storages[part["skeleton"]]).numpy()))
-    resolve = _Resolver(manifest, storages, parts, device, comm or LocalComm(), workspace, tokenizer, tables)
+    resolve = _Resolver(storages, parts, device, comm or LocalComm(), workspace, tokenizer, tables)
     model = load_part(parts["model"], "model", resolve)  # its ("block", L) references load the block parts
     workspace.allocate()
     phases.done("skeleton", f"{len(manifest['parts'])} parts")
