@@ -53,6 +53,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
     ServeKnob("DSV41_MODEL", "--model", "model folder (config.json, tokenizer, safetensors); byte-identical on both nodes"),
     ServeKnob("DSV41_ENGRAM_DIR", "--engram-dir", "this node's packed Engram shards engram-l{L}-r{R}of{W}.bin (also "
               "checked by preflight and warm)"),
+    ServeKnob("DSV41_PREPARED", "--prepared", "root of this node's prepared folders rank{R}-of-{TP} (`dsv41 prepare`); "
+              "empty = build from the checkpoint at every start"),
     ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)"),
     ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0"),
     ServeKnob("DSV41_ALLOWED_HOSTS", "--allowed-hosts", "Host header names served besides loopback ones "
@@ -96,6 +98,9 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
 )
 
 ENV_KNOBS: tuple[EnvKnob, ...] = (
+    EnvKnob("DSV41_PREPARED_VERIFY", "what a start re-hashes of its prepared folder: sample (default), full, off"),
+    EnvKnob("DSV41_PREPARED_PAGE_CACHE", "a start's read of its prepared folder: drop each piece from the page cache "
+            "(default on unified memory, GB10) or keep it"),
     EnvKnob("DSV41_TP_SECRET", "shared secret of the tensor-parallel ranks (same on every host; required when "
             "--master is not loopback)"),
 )
@@ -106,6 +111,8 @@ OPS_KNOBS: tuple[OpsKnob, ...] = (
     OpsKnob("DSV41_RDMA_PORTS", "", "RoCE devices/ports that must be ACTIVE, e.g. rocep1s0f1:1 roceP2p1s0f1:1"),
     OpsKnob("DSV41_MEM_GATE_GIB", "0", "MemFree (GiB) required on a node before a load; 0 = gate off"),
     OpsKnob("DSV41_READY_TIMEOUT_S", "900", "how long deploy waits for /health ok and the canary"),
+    OpsKnob("DSV41_WARM_PREPARED", "auto", "warm unit: read the prepared folder into the page cache (auto: only when "
+            "MemAvailable holds twice the folder; 1 always; 0 never)"),
     OpsKnob("DSV41_WATCH_FAILS", "3", "bad watchdog ticks in a row before healing"),
     OpsKnob("DSV41_WATCH_MIN_HEAL_S", "1800", "at most one ordinary heal per this many seconds"),
     OpsKnob("DSV41_WATCH_FF_MIN_HEAL_S", "120", "at most one fail-fast (exit 70) heal per this many seconds"),
