@@ -45,6 +45,22 @@ def register_engine_args(parser) -> None:
                    help="the batched engine's forward: fast (runtime/ FastModel, packed weights and kernels; the "
                         "default on CUDA) or reference (model/ math over the pool; the default on the CPU). "
                         "fast on the CPU runs the Triton interpreter (TRITON_INTERPRET=1 only)")
+    import os
+
+    env = os.environ.get
+    g.add_argument("--draft-depth", type=int, default=int(env("DSV41_DRAFT_DEPTH", "5")), metavar="K",
+                   help="speculative drafting: most drafts a round, 0..5 (DSV41_DRAFT_DEPTH; default 5; 0: off)")
+    g.add_argument("--draft-dspark", choices=("on", "off"), default=env("DSV41_DRAFT_DSPARK", "on"),
+                   help="DSpark drafts when the checkpoint has the draft blocks (DSV41_DRAFT_DSPARK; default on)")
+    g.add_argument("--draft-lookup", choices=("on", "off"), default=env("DSV41_DRAFT_LOOKUP", "off"),
+                   help="lookup drafts: continuations found in the request's own prompt and output "
+                        "(DSV41_DRAFT_LOOKUP; default off)")
+    g.add_argument("--draft-default", choices=("on", "off"), default="off" if env("DSV41_DRAFT") == "0" else "on",
+                   help="whether requests that do not say draft (DSV41_DRAFT=0: off; a request's \"draft\" "
+                        "field decides for itself)")
+    g.add_argument("--draft-cost", default=env("DSV41_DRAFT_COST"), metavar="ROWS:S,...",
+                   help="the step cost per row count that sets the draft depth (DSV41_DRAFT_COST; default: "
+                        "measured at start)")
 
 
 def engine_defaults(**overrides) -> argparse.Namespace:
@@ -67,6 +83,34 @@ def knobs_tag(args) -> str:
     if args.expert_topp is not None:
         parts.append(f"expert_topp={args.expert_topp:g},min_k={args.expert_min_k}")
     return ";".join(parts)
+
+
+def draft_config(args, model, runner=None, log=None, *, drafter: bool = False):
+    """The engine's drafting (`engine/drafting.py`) from the options: DSpark when the runner has the drafter,
+    lookup when asked; the step cost table given, or measured on `runner` (a local one: under TP the table is
+    given or flat), and logged."""
+    from .drafting import CostTable, DraftConfig
+
+    depth = max(0, min(int(getattr(args, "draft_depth", 0) or 0), 5))
+    dspark = drafter
+    lookup = getattr(args, "draft_lookup", "off") == "on"
+    block = model.cfg.dspark_block_size or 5
+    config = DraftConfig(dspark=dspark, lookup=lookup, depth=depth, block=block,
+                         default_on=getattr(args, "draft_default", "on") == "on")
+    if config.active:
+        if getattr(args, "draft_cost", None):
+            config.cost = CostTable.parse(args.draft_cost)
+        elif runner is not None:
+            from .drafting import measure_step_costs
+
+            config.cost = CostTable(measure_step_costs(
+                runner.execute, slots=runner.pool.num_slots, pages=runner.pool.num_pages,
+                max_rows=args.parallel * (depth + 1), window=depth + 1, knobs_tag=runner.knobs_tag))
+        if log is not None:
+            log(f"dsv41 engine: drafting {'dspark' if dspark else ''}{'+' if dspark and lookup else ''}"
+                f"{'lookup' if lookup else ''}, depth <= {depth}, by default {'on' if config.default_on else 'off'}; "
+                f"step cost {config.cost.describe()}")
+    return config
 
 
 def serving_forward(args, device) -> str:
@@ -137,7 +181,13 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         forward = PoolForward(model, replay=args.prefill == "replay", expert_topp=args.expert_topp,
                               expert_min_k=args.expert_min_k)
     log(f"dsv41 engine: {forward_kind} forward")
-    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args))
+    drafter = None
+    if not fast and model.dspark is not None and getattr(args, "draft_dspark", "off") == "on" \
+            and getattr(args, "draft_depth", 0) > 0:
+        from ..runtime.draft_dspark import DSparkDrafter
+
+        drafter = DSparkDrafter(model)
+    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args), drafter=drafter)
 
 
 def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None):
@@ -167,7 +217,9 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
         scheduler=SchedulerConfig(prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,
-        lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args))
+        lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
+        draft=draft_config(args, runner.forward.model, runner if not hasattr(model, "execute") else None, log,
+                           drafter=runner.drafter is not None))
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,
@@ -226,6 +278,28 @@ class EngineCollector:
         hist.add_metric([], buckets + [("+Inf", running)], sum_value=d["prefill_tokens_total"]
                         + d["decode_tokens_total"])
         yield hist
+        yield from spec_decode_metrics(d.get("drafting") or {})
+
+
+def spec_decode_metrics(drafting: dict):
+    """vLLM's speculative-decoding counters, one series per drafter (label `drafter`: dspark, lookup)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    from .drafting import DRAFTERS
+
+    for name, text in (("num_drafts", "Rounds that verified drafts"), ("num_draft_tokens", "Draft tokens verified"),
+                       ("num_accepted_tokens", "Draft tokens accepted")):
+        family = CounterMetricFamily(f"vllm:spec_decode_{name}", text, labels=["drafter"])
+        for drafter in DRAFTERS:
+            if drafter in drafting:
+                family.add_metric([drafter], drafting[drafter][name])
+        yield family
+    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                 "position of the window", labels=["drafter", "position"])
+    for drafter in DRAFTERS:
+        for pos, count in enumerate((drafting.get(drafter) or {}).get("num_accepted_tokens_per_pos", [])):
+            family.add_metric([drafter, str(pos)], count)
+    yield family
 
 
 def attach_server_stats(ctx) -> None:

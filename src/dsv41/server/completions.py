@@ -17,6 +17,7 @@ from .generation import (
     best_of,
     check_request,
     choice_seed,
+    draft_of,
     completion_budget,
     new_id,
     sampling_params,
@@ -69,7 +70,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
             requests = [GenerationRequest(
                 prompt_ids=ids, max_tokens=max(budget, 1), stop_token_ids=stops, ignore_eos=req.ignore_eos,
                 sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
-                logprobs=logprobs, grammar=grammar, request_id=new_id("cmpl"),
+                logprobs=logprobs, grammar=grammar, request_id=new_id("cmpl"), draft=draft_of(req),
                 prompt_logprobs=(req.logprobs or 0) if scoring else (req.logprobs if req.echo else None))
                 for i in range(ranked or req.n)]
             for gen in submit_generations(ctx, "completions", requests, stream=req.stream):

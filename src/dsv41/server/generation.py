@@ -354,6 +354,15 @@ def submit_generations(ctx: ServerContext, endpoint: str, requests: list[Generat
     return [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
 
 
+def draft_of(fields: "SamplingFields") -> int | None:
+    """The request's `draft` field as the engine reads it: None = the server's default, 0 = off, k = at most k
+    drafts a round (true: as many as the server allows)."""
+    draft = getattr(fields, "draft", None)
+    if draft is None or isinstance(draft, int) and not isinstance(draft, bool):
+        return draft
+    return 5 if draft else 0
+
+
 def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of an n > 1 request: seed + index (mod 2**64), so choice i equals a single
     request sent with that seed."""
