@@ -46,6 +46,7 @@ def model():
 
 def run(model, requests, *, setup=None, **opts):
     """Every request added at once; steps until done. Returns (events per request, engine core)."""
+    opts.setdefault("draft_dspark", "on")  # the CPU's default is off (auto: a GPU's verify rows are the cheap ones)
     engine = build_engine(engine_defaults(**opts), model, max_model_len=256, log=lambda line: None)
     core = engine.core
     if setup is not None:
@@ -102,9 +103,6 @@ class ScriptedDrafter:
 
 @pytest.mark.parametrize("garbage", [False, True])
 def test_forced_drafts_all_accepted_or_none_and_the_reply_unchanged(model, reference, garbage):
-    def setup(core):
-        # sequence ids are given as the sequences are made: map each to the serial run's whole token list
-        core._scripted = True
     engine = build_engine(engine_defaults(draft_cost=FLAT, draft_dspark="on"), model, max_model_len=256,
                           log=lambda line: None)
     core = engine.core
@@ -165,7 +163,8 @@ def test_after_rejected_drafts_every_live_cache_byte_equals_the_serial_run(model
     req = REQUESTS[1]
     runs = {}
     for garbage in (None, True):
-        engine = build_engine(engine_defaults(draft_cost=FLAT, draft_depth=0 if garbage is None else 5), model,
+        engine = build_engine(engine_defaults(draft_cost=FLAT, draft_dspark="on",
+                                              draft_depth=0 if garbage is None else 5), model,
                               max_model_len=256, log=lambda line: None)
         core = engine.core
         seq = engine.make_sequence(req, lambda e: None)
@@ -190,7 +189,8 @@ def test_after_rejected_drafts_every_live_cache_byte_equals_the_serial_run(model
 
 def test_dspark_proposals_over_the_pool_are_the_reference_drafts(model):
     req = GenerationRequest(prompt(7, 21), 2, SamplingParams(temperature=0.7, seed=9))
-    engine = build_engine(engine_defaults(draft_cost=FLAT), model, max_model_len=256, log=lambda line: None)
+    engine = build_engine(engine_defaults(draft_cost=FLAT, draft_dspark="on"), model, max_model_len=256,
+                          log=lambda line: None)
     core, got = engine.core, []
     seq = engine.make_sequence(req, got.append)
     core.add(seq)

@@ -50,8 +50,9 @@ def register_engine_args(parser) -> None:
     env = os.environ.get
     g.add_argument("--draft-depth", type=int, default=int(env("DSV41_DRAFT_DEPTH", "5")), metavar="K",
                    help="speculative drafting: most drafts a round, 0..5 (DSV41_DRAFT_DEPTH; default 5; 0: off)")
-    g.add_argument("--draft-dspark", choices=("on", "off"), default=env("DSV41_DRAFT_DSPARK", "on"),
-                   help="DSpark drafts when the checkpoint has the draft blocks (DSV41_DRAFT_DSPARK; default on)")
+    g.add_argument("--draft-dspark", choices=("auto", "on", "off"), default=env("DSV41_DRAFT_DSPARK", "auto"),
+                   help="DSpark drafts when the checkpoint has the draft blocks (DSV41_DRAFT_DSPARK; auto: on a GPU, "
+                        "not on the CPU, where every verify row costs what a token is worth)")
     g.add_argument("--draft-lookup", choices=("on", "off"), default=env("DSV41_DRAFT_LOOKUP", "off"),
                    help="lookup drafts: continuations found in the request's own prompt and output "
                         "(DSV41_DRAFT_LOOKUP; default off)")
@@ -111,6 +112,13 @@ def draft_config(args, model, runner=None, log=None, *, drafter: bool = False):
                 f"{'lookup' if lookup else ''}, depth <= {depth}, by default {'on' if config.default_on else 'off'}; "
                 f"step cost {config.cost.describe()}")
     return config
+
+
+def dspark_wanted(args, device) -> bool:
+    """Whether the batched engine drafts with DSpark on `device` (the model must then load the draft blocks)."""
+    choice = getattr(args, "draft_dspark", "off")
+    on = choice == "on" or (choice == "auto" and str(device).startswith("cuda"))
+    return on and getattr(args, "engine", "batched") == "batched" and getattr(args, "draft_depth", 0) > 0
 
 
 def serving_forward(args, device) -> str:
@@ -182,8 +190,7 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
                               expert_min_k=args.expert_min_k)
     log(f"dsv41 engine: {forward_kind} forward")
     drafter = None
-    if not fast and model.dspark is not None and getattr(args, "draft_dspark", "off") == "on" \
-            and getattr(args, "draft_depth", 0) > 0:
+    if not fast and model.dspark is not None and dspark_wanted(args, model.device):
         from ..runtime.draft_dspark import DSparkDrafter
 
         drafter = DSparkDrafter(model)

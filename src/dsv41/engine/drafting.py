@@ -142,7 +142,7 @@ def measure_step_costs(execute, *, slots: int, pages: int, max_rows: int, window
 
     clock = clock or time.perf_counter
     max_rows = max(1, min(max_rows, slots * window))
-    counts = sorted({c for c in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if c <= max_rows} | {max_rows})
+    counts = sorted({c for c in (1, 2, 4, 8, 16, 32, 64) if c <= max_rows} | {max_rows})
 
     def batch(n: int) -> Batch:
         rows, i = [], 0

@@ -239,7 +239,11 @@ class LLMEngine:
                 scores.append((j, seq.tokens[nxt], top))
         L = self.config.lookback
         phase = PREFILL if a < seq.prompt_len else VERIFY if drafts else DECODE
-        propose = min(self._draft_cap(seq), self.config.draft.block) if sample and self.config.draft.dspark else 0
+        propose = 0
+        if sample is not None and self.config.draft.dspark and self._draft_cap(seq) > 0:
+            cap = min(self._draft_cap(seq), self.config.draft.block)
+            # a pass only where some window could pay for itself at the step's rows (sure drafts, measured cost)
+            propose = cap if choose_depth([1.0] * cap, cap, self.config.draft.cost, planned)[0] else 0
         return Row(seq.seq_id, seq.slot, seq.tokens[a:end] + drafts, a, seq.pages, phase,
                    seq.tokens[max(0, a - L):a] if L else [], sample, scores, seq.replay_start, len(drafts),
                    draft_samples, propose)

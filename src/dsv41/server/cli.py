@@ -229,7 +229,7 @@ def load_progress(notifier, terminal: bool = True):
 def load_serving_model(args, startup: Startup, progress, **tp):
     """This rank's model (`tp`: rank, world, comm under tensor parallelism). The DSpark drafter is loaded when the
     batched engine drafts with it (--draft-dspark on, --draft-depth > 0) and the checkpoint has it."""
-    from ..engine.build import serving_forward
+    from ..engine.build import dspark_wanted, serving_forward
     from ..model.loader import load_model
 
     _set_threads(args)
@@ -239,10 +239,8 @@ def load_serving_model(args, startup: Startup, progress, **tp):
 
         return build_fast_model(startup.folder, device=device, dtype=dtype, fake_quant=not args.no_fake_quant,
                                 progress=progress, engram_dir=startup.engram_dir, **tp)
-    drafts = (getattr(args, "engine", "batched") == "batched" and getattr(args, "draft_dspark", "off") == "on"
-              and getattr(args, "draft_depth", 0) > 0)
     return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant,
-                      dspark=None if drafts else False,
+                      dspark=None if dspark_wanted(args, device) else False,
                       progress=progress, engram_dir=startup.engram_dir, **tp)
 
 

@@ -293,7 +293,8 @@ class Generation:
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
             disconnected=self.disconnected, error=self.error, ttft_s=None if ttft is None else round(ttft, 4),
-            latency_s=round(now - self.arrived, 4))
+            latency_s=round(now - self.arrived, 4),
+            tokens_per_round=getattr(self.finish, "tokens_per_round", None))  # drafting: accepted drafts + 1
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
