@@ -218,3 +218,41 @@ def test_lookup_and_depth_policy():
     assert choose_depth([0.05] * 5, 5, overhead, 0)[0] == 0  # a poor drafting stream does not pay for a window
     assert choose_depth([0.95] * 5, 5, overhead, 0)[0] == 5
     assert CostTable.parse("1:0.02,8:0.04")(4) == pytest.approx(0.02 + 0.02 * 3 / 7)
+
+
+def test_grammar_masks_and_forced_text_under_drafts_equal_serial(model):
+    from dsv41.structured.grammar import Grammars
+    from dsv41.tiny.model import default_model_dir
+    from dsv41.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(default_model_dir())
+    grammars = Grammars(default_model_dir() / "tokenizer.json", vocab_size=model.cfg.vocab_size,
+                        stop_token_ids=[tok.eos_id])
+    pattern = r"(ab|ba|a|b| ){12,40}(cat|dog)\."  # sampled at most positions; "cat"/"dog" forced after a letter
+
+    def request(draft=None):  # a fresh matcher each run
+        return GenerationRequest([tok.bos_id] + tok.encode("Animals:"), 40, SamplingParams(temperature=0.7, seed=2),
+                                 logprobs=1, grammar=grammars.regex(pattern, thinking=False),
+                                 stop_token_ids=frozenset({tok.eos_id}), draft=draft)
+
+    def go(req, drafter=None, **opts):
+        opts.setdefault("draft_dspark", "on")
+        engine = build_engine(engine_defaults(draft_cost=FLAT, **opts), model, max_model_len=256,
+                              encode_text=tok.encode, log=lambda line: None)
+        core, events = engine.core, []
+        seq = engine.make_sequence(req, events.append)
+        if drafter is not None:
+            core.executor.runner.drafter = drafter(seq)
+        core.add(seq)
+        while core.has_work():
+            core.step()
+        return events, core
+
+    serial, _ = go(request(0))
+    assert len(serial) > 8
+    full = list(request().prompt_ids) + tokens(serial)
+    scripted, core = go(request(), lambda seq: ScriptedDrafter({seq.seq_id: full}, False, model.cfg.vocab_size))
+    f = figures(core, "dspark")
+    assert scripted == serial and f["num_draft_tokens"] > 0 and f["num_accepted_tokens"] == f["num_draft_tokens"]
+    looked, core = go(request(), draft_dspark="off", draft_lookup="on")
+    assert looked == serial and figures(core, "lookup")["num_draft_tokens"] > 0
