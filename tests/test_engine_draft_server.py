@@ -51,18 +51,21 @@ def test_draft_false_and_the_default_give_the_same_reply(drafting_server):
 
     drafting_server.wait_idle()
     batching = drafting_server.health().json()["batching"]["drafting"]
-    assert batching["dspark"] and batching["lookup"] and batching["depth"] == 5
+    assert batching["drafters"] == ["dspark", "lookup"] and batching["depth"] == 5
     drafted = batching["dspark"]["num_draft_tokens"] + batching["lookup"]["num_draft_tokens"]
     assert drafted > 0
     with drafting_server.http() as http:
         families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+    samples = {(s.name, s.labels.get("drafter"), s.labels.get("position")): s.value
                for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                             "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
-               for s in families[name].samples}
-    tokens = sum(v for (n, labels), v in samples.items() if n == "vllm:spec_decode_num_draft_tokens_total")
+               for s in families[name].samples if s.labels.get("model_name") == "dsv41-tiny"}
+    tokens = sum(v for (n, _, _), v in samples.items() if n == "vllm:spec_decode_num_draft_tokens_total")
     assert tokens == drafted
-    assert ("vllm:spec_decode_num_drafts_total", (("drafter", "dspark"),)) in samples
+    assert samples["vllm:spec_decode_num_drafts_total", "dspark", None] == batching["dspark"]["num_drafts"]
+    accepted = sum(v for (n, _, p), v in samples.items() if n == "vllm:spec_decode_num_accepted_tokens_per_pos_total")
+    assert accepted == samples["vllm:spec_decode_num_accepted_tokens_total", "dspark", None] \
+        + samples["vllm:spec_decode_num_accepted_tokens_total", "lookup", None]
 
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:

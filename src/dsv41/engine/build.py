@@ -164,7 +164,10 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
     if args.parallel < 1 or args.page_tokens < 1:
         raise ValueError("--parallel and --page-tokens must be >= 1")
     context_pages = -(-(max_model_len + 1) // args.page_tokens)
-    verify = model.cfg.dspark_block_size + 1 if layout.dspark is not None else 0
+    # ring rows for a verify window (a rejected draft rolls back by length: the ring keeps the window behind it):
+    # DSpark's block + 1, also for lookup drafts alone
+    drafts = getattr(args, "draft_depth", 0) > 0 and getattr(args, "draft_lookup", "off") == "on"
+    verify = (model.cfg.dspark_block_size or 5) + 1 if layout.dspark is not None or drafts else 0
     probe = pool_for_model(layout, num_slots=1, num_pages=1, page_tokens=args.page_tokens, verify_rows=verify)
     if args.pool_tokens is not None:
         pages = -(-args.pool_tokens // args.page_tokens)
@@ -285,28 +288,6 @@ class EngineCollector:
         hist.add_metric([], buckets + [("+Inf", running)], sum_value=d["prefill_tokens_total"]
                         + d["decode_tokens_total"])
         yield hist
-        yield from spec_decode_metrics(d.get("drafting") or {})
-
-
-def spec_decode_metrics(drafting: dict):
-    """vLLM's speculative-decoding counters, one series per drafter (label `drafter`: dspark, lookup)."""
-    from prometheus_client.core import CounterMetricFamily
-
-    from .drafting import DRAFTERS
-
-    for name, text in (("num_drafts", "Rounds that verified drafts"), ("num_draft_tokens", "Draft tokens verified"),
-                       ("num_accepted_tokens", "Draft tokens accepted")):
-        family = CounterMetricFamily(f"vllm:spec_decode_{name}", text, labels=["drafter"])
-        for drafter in DRAFTERS:
-            if drafter in drafting:
-                family.add_metric([drafter], drafting[drafter][name])
-        yield family
-    family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
-                                 "position of the window", labels=["drafter", "position"])
-    for drafter in DRAFTERS:
-        for pos, count in enumerate((drafting.get(drafter) or {}).get("num_accepted_tokens_per_pos", [])):
-            family.add_metric([drafter, str(pos)], count)
-    yield family
 
 
 def attach_server_stats(ctx) -> None:

@@ -385,7 +385,8 @@ class LLMEngine:
 
     def _draft_figures(self) -> dict:
         d = self.config.draft
-        return {"dspark": d.dspark, "lookup": d.lookup, "depth": d.depth, "default_on": d.default_on,
+        return {"drafters": [n for n, on in (("dspark", d.dspark), ("lookup", d.lookup)) if on],
+                "depth": d.depth, "default_on": d.default_on,
                 "step_cost": [list(p) for p in d.cost.points],
                 **{name: st.figures() for name, st in self.drafters.items()}}
 
