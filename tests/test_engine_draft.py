@@ -256,3 +256,21 @@ def test_grammar_masks_and_forced_text_under_drafts_equal_serial(model):
     assert scripted == serial and f["num_draft_tokens"] > 0 and f["num_accepted_tokens"] == f["num_draft_tokens"]
     looked, core = go(request(), draft_dspark="off", draft_lookup="on")
     assert looked == serial and figures(core, "lookup")["num_draft_tokens"] > 0
+
+
+def test_step_cost_calibration_runs_scratch_windows_on_free_slots():
+    from dsv41.engine.drafting import measure_step_costs
+
+    seen, now = [], [0.0]
+
+    def execute(batch):
+        rows = sum(len(r.token_ids) for r in batch.rows)
+        seen.append([(r.slot, len(r.token_ids), r.phase, r.sample) for r in batch.rows])
+        now[0] += 0.01 + 0.002 * rows  # a step costs 10 ms + 2 ms a row
+
+    points = measure_step_costs(execute, slots=4, pages=3, max_rows=24, window=6, clock=lambda: now[0])
+    assert [n for n, _ in points] == [1, 2, 4, 8, 16, 24]
+    assert [round(s, 6) for _, s in points] == [round(0.01 + 0.002 * n, 6) for n, _ in points]
+    for rows in seen:
+        assert len({slot for slot, *_ in rows}) == len(rows) and all(n <= 6 and s is None for _, n, _, s in rows)
+    assert CostTable(points)(12) == pytest.approx(0.01 + 0.002 * 12)

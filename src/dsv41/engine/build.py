@@ -86,10 +86,10 @@ def knobs_tag(args) -> str:
     return ";".join(parts)
 
 
-def draft_config(args, model, runner=None, log=None, *, drafter: bool = False):
+def draft_config(args, model, executor=None, log=None, *, drafter: bool = False):
     """The engine's drafting (`engine/drafting.py`) from the options: DSpark when the runner has the drafter,
-    lookup when asked; the step cost table given, or measured on `runner` (a local one: under TP the table is
-    given or flat), and logged."""
+    lookup when asked; the step cost table given, or measured through `executor` before serving (every rank runs
+    the scratch steps), and logged."""
     from .drafting import CostTable, DraftConfig
 
     depth = max(0, min(int(getattr(args, "draft_depth", 0) or 0), 5))
@@ -101,12 +101,13 @@ def draft_config(args, model, runner=None, log=None, *, drafter: bool = False):
     if config.active:
         if getattr(args, "draft_cost", None):
             config.cost = CostTable.parse(args.draft_cost)
-        elif runner is not None:
+        elif executor is not None:
             from .drafting import measure_step_costs
 
+            pool = executor.runner.pool
             config.cost = CostTable(measure_step_costs(
-                runner.execute, slots=runner.pool.num_slots, pages=runner.pool.num_pages,
-                max_rows=args.parallel * (depth + 1), window=depth + 1, knobs_tag=runner.knobs_tag))
+                executor.execute, slots=pool.num_slots, pages=pool.num_pages, max_rows=args.parallel * (depth + 1),
+                window=depth + 1, knobs_tag=executor.runner.knobs_tag))
         if log is not None:
             log(f"dsv41 engine: drafting {'dspark' if dspark else ''}{'+' if dspark and lookup else ''}"
                 f"{'lookup' if lookup else ''}, depth <= {depth}, by default {'on' if config.default_on else 'off'}; "
@@ -228,8 +229,7 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
-        draft=draft_config(args, runner.forward.model, runner if not hasattr(model, "execute") else None, log,
-                           drafter=runner.drafter is not None))
+        draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None))
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,

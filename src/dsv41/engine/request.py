@@ -87,14 +87,6 @@ class Sequence:
         """Positions the page table must cover: every absorbed token (the last sampled one never is)."""
         return self.prompt_len + self.limit
 
-    def rollback(self, n: int) -> None:
-        """Forget the last `n` absorbed tokens (rejected drafts; the caller appends the corrected one): the ring's
-        write head and the pages' length move back with `num_computed`; nothing is copied."""
-        if not 0 <= n <= self.num_computed - self.prompt_len:
-            raise ValueError(f"cannot roll back {n} of {self.num_computed} tokens")
-        self.num_computed -= n
-        del self.tokens[self.num_computed:]
-
 
 @dataclass(eq=False)
 class SequenceGroup:
