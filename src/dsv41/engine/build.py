@@ -161,6 +161,9 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         raise ConfigError("--forward reference needs the reference model (model/loader.py); a FastModel was built")
     if fast and (args.prefill == "replay" or args.expert_topp is not None):
         raise ConfigError("--forward fast runs neither --prefill replay nor --expert-topp (use --forward reference)")
+    if fast and getattr(args, "draft_lookup", "off") == "on" and getattr(args, "draft_depth", 0) > 0:
+        # its in-place verify rows do not yet keep the rows of groups a rejected draft closed (step_tables.py)
+        raise ConfigError("--forward fast does not draft yet: --draft-lookup needs --forward reference")
     layout = pool_layout(model) if fast else model
     if args.parallel < 1 or args.page_tokens < 1:
         raise ValueError("--parallel and --page-tokens must be >= 1")

@@ -14,8 +14,8 @@ Per row b (real rows first; padding rows read what row 0 reads and write nothing
   `entry_pos` that entry's RoPE position (its group's first token), and for r > 1 where the group's earlier members
   are: `back_row[d - 1]` the bucket row holding position pos - d when it is in this step, else -1 and
   `back_open[d - 1]` its row in the open-group store; `open_dest` the open-store row of each row still open when the
-  step ends (the next step's open group), -1 otherwise; with verify rows (`KVPool.open_modulus`) every row that
-  does not close its group among the step's last `open_rows` positions (a rollback may reopen its group).
+  step ends (the next step's open group), -1 otherwise; its row is the position's in the store's ring
+  (`KVPool.open_modulus`: the place in the group without verify rows).
 """
 
 from __future__ import annotations
@@ -155,9 +155,11 @@ class StepTables:
             parts[f"r{r}.entry_pos"] = e * r
             if r > 1:
                 # the open-group store is a ring over positions (KVPool.open_modulus): without verify rows a row's
-                # place in its group; with them every row of the last open_rows positions is kept (rollback)
+                # place in its group. The rows still open at the step's end are stored (what the load-and-store
+                # path stores); a verify window's rows of groups it closes are not yet (drafting is refused on this
+                # path: engine/build.py)
                 M, R = pool.open_modulus(r), pool.open_rows(r)
-                kept = pos_t >= (end_t // r * r if pool.verify_rows == 0 else end_t - R)
+                kept = pos_t >= end_t // r * r
                 open_row = slot_t * R + np.minimum(pos_t % M, R - 1)
                 parts[f"r{r}.open_dest"] = np.where(real & kept & (pos_t % r < r - 1), open_row, -1)
                 d = np.arange(1, r, dtype=np.int64)[:, None]
