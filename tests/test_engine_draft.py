@@ -274,3 +274,9 @@ def test_step_cost_calibration_runs_scratch_windows_on_free_slots():
     for rows in seen:
         assert len({slot for slot, *_ in rows}) == len(rows) and all(n <= 6 and s is None for _, n, _, s in rows)
     assert CostTable(points)(12) == pytest.approx(0.01 + 0.002 * 12)
+
+
+def test_lookup_searches_a_bounded_span():
+    ids = [1, 2, 3] + [9] * 50 + [1, 2]
+    assert lookup_draft(ids, 2) == [3, 9]
+    assert lookup_draft(ids, 2, span=40) == []  # the match lies further back than the span

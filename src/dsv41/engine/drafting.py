@@ -96,16 +96,20 @@ class DrafterStats:
                 "num_accepted_tokens": self.accepted_tokens, "num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
 
 
-def lookup_draft(tokens: list[int], n: int, min_ngram: int = 2, max_ngram: int = 4) -> list[int]:
+LOOKUP_SPAN = 16384  # lookup searches the last this many ids (a step's host time stays bounded at long contexts)
+
+
+def lookup_draft(tokens: list[int], n: int, min_ngram: int = 2, max_ngram: int = 4,
+                 span: int = LOOKUP_SPAN) -> list[int]:
     """Up to `n` ids that followed the latest earlier occurrence of the sequence's last m ids (m from `max_ngram`
-    down to `min_ngram`, the longest match first); [] when none occurs."""
+    down to `min_ngram`, the longest match first) within its last `span` ids; [] when none occurs."""
     L = len(tokens)
     if n <= 0:
         return []
     for m in range(min(max_ngram, L - 1), min_ngram - 1, -1):
         suffix = tokens[L - m:]
         first = suffix[0]
-        for j in range(L - m - 1, -1, -1):  # the latest occurrence before the suffix itself
+        for j in range(L - m - 1, max(-1, L - span - 1), -1):  # the latest occurrence before the suffix itself
             if tokens[j] == first and tokens[j:j + m] == suffix:
                 return tokens[j + m:j + m + n]
     return []
