@@ -158,7 +158,7 @@ class StepTables:
                 # place in its group. The rows still open at the step's end are stored (what the load-and-store
                 # path stores); a verify window's rows of groups it closes are not yet (drafting is refused on this
                 # path: engine/build.py)
-                M, R = pool.open_modulus(r), pool.open_rows(r)
+                M, R = (pool.open_modulus(r), pool.open_rows(r)) if hasattr(pool, "open_modulus") else (r, r - 1)
                 kept = pos_t >= end_t // r * r
                 open_row = slot_t * R + np.minimum(pos_t % M, R - 1)
                 parts[f"r{r}.open_dest"] = np.where(real & kept & (pos_t % r < r - 1), open_row, -1)
