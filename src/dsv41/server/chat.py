@@ -30,6 +30,7 @@ from .generation import (
     Generation,
     reply_of,
     submit_generations,
+    draft_of,
     check_request,
     choice_seed,
     completion_budget,
@@ -111,7 +112,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         prompt_ids=ids, max_tokens=budget, stop_token_ids=stops, ignore_eos=req.ignore_eos,
         sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
         logprobs=top if req.logprobs else None, grammar=grammar, request_id=reply_id(req, "chatcmpl"),
-        prompt_logprobs=req.prompt_logprobs)
+        prompt_logprobs=req.prompt_logprobs, draft=draft_of(req))
         for i in range(req.n)]
     gens = submit_generations(ctx, "chat", requests, stream=req.stream)
     try:

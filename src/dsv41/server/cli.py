@@ -237,9 +237,9 @@ def _status_line(line: str) -> None:
 
 
 def load_serving_model(args, startup: Startup, progress, **tp):
-    """This rank's model (`tp`: rank, world, comm under tensor parallelism). The drafter stays unloaded until the
-    scheduler drafts (it would only cost memory and time per token)."""
-    from ..engine.build import serving_forward
+    """This rank's model (`tp`: rank, world, comm under tensor parallelism). The DSpark drafter is loaded when the
+    batched engine drafts with it (--draft-dspark on, --draft-depth > 0) and the checkpoint has it."""
+    from ..engine.build import dspark_wanted, serving_forward
     from ..model.loader import load_model
 
     _set_threads(args)
@@ -253,7 +253,8 @@ def load_serving_model(args, startup: Startup, progress, **tp):
     if fast:  # packed weights driving the kernels (docs/perf/fast_path.md): from the prepared folder or built
         return load_fast_model(args, startup.folder, device=device, dtype=dtype, progress=progress,
                                engram_dir=startup.engram_dir, notify=_status_line, **tp)
-    return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant, dspark=False,
+    return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant,
+                      dspark=None if dspark_wanted(args, device) else False,
                       progress=progress, engram_dir=startup.engram_dir, **tp)
 
 

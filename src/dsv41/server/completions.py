@@ -16,6 +16,7 @@ from .generation import (
     best_of,
     check_request,
     choice_seed,
+    draft_of,
     completion_budget,
     prompt_logprobs_list,
     reply_id,
@@ -74,7 +75,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
             requests = [GenerationRequest(
                 prompt_ids=ids, max_tokens=max(budget, 1), stop_token_ids=stops, ignore_eos=req.ignore_eos,
                 sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
-                logprobs=logprobs, grammar=grammar, request_id=reply_id(req, "cmpl"),
+                logprobs=logprobs, grammar=grammar, request_id=reply_id(req, "cmpl"), draft=draft_of(req),
                 prompt_logprobs=_prompt_logprobs(req, scoring))
                 for i in range(ranked or req.n)]
             for gen in submit_generations(ctx, "completions", requests, stream=req.stream):

@@ -367,7 +367,8 @@ class Generation:
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
             disconnected=self.disconnected, error=self.error, ttft_s=None if ttft is None else round(ttft, 4),
-            latency_s=round(now - self.arrived, 4))
+            latency_s=round(now - self.arrived, 4),
+            tokens_per_round=getattr(self.finish, "tokens_per_round", None))  # drafting: accepted drafts + 1
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -405,6 +406,15 @@ def submit_generations(ctx: ServerContext, endpoint: str, requests: list[Generat
     except EngineClosed:
         raise unavailable("the server is shutting down") from None
     return [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
+
+
+def draft_of(fields: "SamplingFields") -> int | None:
+    """The request's `draft` field as the engine reads it: None = the server's default, 0 = off, k = at most k
+    drafts a round (true: as many as the server allows)."""
+    draft = getattr(fields, "draft", None)
+    if draft is None or isinstance(draft, int) and not isinstance(draft, bool):
+        return draft
+    return 5 if draft else 0
 
 
 def choice_seed(seed: int, index: int) -> int:

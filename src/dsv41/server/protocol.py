@@ -59,6 +59,9 @@ class SamplingFields(_Request):
     bad_words: Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1, max_length=MAX_TOKEN_LISTS)] | None = None
     include_stop_str_in_output: StrictBool = False
+    # speculative drafting (docs/ENGINE.md §6): false = off, true = on, k = at most k drafts a round; the reply is
+    # the same either way
+    draft: StrictBool | Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     # structured output (vLLM spellings); response_format is OpenAI's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
