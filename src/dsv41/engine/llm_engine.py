@@ -401,6 +401,10 @@ class LLMEngine:
             "last_round_s": round(self.last_round_s, 6),
             "rows_per_round": {str(k): v for k, v in self.rows_hist.items() if v},
             "prefill_mode": self.config.prefill_mode, "tag": self.config.knobs_tag,
+            # a long prompt's progress (/health's batching.prefilling): the running sequences still prefilling;
+            # read from the server's thread, so over a copy of the list the engine thread may change
+            "prefilling": [{"seq": q.seq_id, "prompt_tokens": q.prompt_len, "prefilled": q.num_computed}
+                           for q in list(s.running) if q.prefilling],
             "drafting": self._draft_figures(),
             "seconds": {"bounds": list(TIME_BUCKETS), **{k: h.figures() for k, h in self.times.items()}},
         }
