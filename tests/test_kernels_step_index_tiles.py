@@ -10,17 +10,13 @@ only (the interpreter's tl.dot is numpy's BLAS). GPU: the full shape, rows alone
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from step_harness import interpreted, need_compiled_cuda  # noqa: E402
 
 
 def _case(exact: bool, H=4, hd=32, C=150, R=11, dev="cpu", seed=5):
@@ -76,18 +72,12 @@ def _worker(out_path: str) -> None:
             "allow_ok": bool(torch.equal(masked, torch.where(allow, index_scores_tiles(q, w, k, n_vis, ncols),
                                                              torch.full_like(masked, float("-inf"))))),
         }
-    Path(out_path).write_text(json.dumps(res))
+    torch.save(res, out_path)
 
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("index_tiles") / "r.json"
-    env = dict(os.environ, TRITON_INTERPRET="1",
-               PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return interpreted(tmp_path_factory, __file__, "index_tiles")
 
 
 def test_interpreted_integer_scores_are_the_reference_bitwise(interp):
@@ -107,8 +97,7 @@ def test_interpreted_candidate_pool_masks_scores(interp):
 
 @pytest.mark.gpu
 def test_gpu_full_shape_rows_are_chunk_invariant():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    need_compiled_cuda()
     from dsv41.kernels.step.index_tiles import index_scores_tiles
 
     q, w, k, n_vis = _case(False, H=32, hd=128, C=4096, R=700, dev="cuda")

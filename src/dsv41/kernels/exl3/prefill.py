@@ -95,6 +95,24 @@ def _b_operand_columns(cols):
 
 
 @triton.jit
+def _rotate_block(v, su_ptrs, ok, h):
+    """fp16(fp16(v ⊙ su) · H/√128) of a [16, 128] block: v fp16 values held as fp32, su loaded at su_ptrs (the
+    rows `ok`), h the ±1 Hadamard (`rotate_input_kernel`'s math)."""
+    su = tl.load(su_ptrs, mask=ok[:, None], other=0.0).to(tl.float32)
+    return (tl.dot((v * su).to(tl.float16), h) * INV_SQRT128).to(tl.float16)
+
+
+@triton.jit
+def _block_offsets(rows, width, kb, PERMUTE: tl.constexpr):
+    """Element offsets of 128-block kb of `rows` in a [*, width] fp16 tensor, in the CUDA tile kernel's B-operand
+    order when PERMUTE (else natural)."""
+    cols = tl.arange(0, 128)
+    if PERMUTE:
+        cols = _b_operand_columns(cols)
+    return rows[:, None].to(tl.int64) * width + (kb * 128 + cols)[None, :]
+
+
+@triton.jit
 def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, had_ptr, xa_ptr, xb_ptr, n_rows, k,
                    GATHER: tl.constexpr, PER_EXPERT: tl.constexpr, TWO: tl.constexpr, PERMUTE: tl.constexpr):
     """xa[i] = fp16(fp16(fp16(x[row_i]) ⊙ suh_a[e_i]) · H/√128) for 16 rows and one 128-wide input block
@@ -118,17 +136,11 @@ def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, h
     x = tl.load(x_ptr + src[:, None] * stride_x + xk[None, :], mask=ok[:, None], other=0.0)
     x16 = x.to(tl.float16).to(tl.float32)
     h = tl.load(had_ptr + cols[:, None] * 128 + cols[None, :])
-    if PERMUTE:
-        out = rows[:, None].to(tl.int64) * k + (kb * 128 + _b_operand_columns(cols))[None, :]
-    else:
-        out = rows[:, None].to(tl.int64) * k + xk[None, :]
-    su = tl.load(suh_a_ptr + e[:, None] * k + xk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    xs = (x16 * su).to(tl.float16)
-    tl.store(xa_ptr + out, (tl.dot(xs, h) * INV_SQRT128).to(tl.float16), mask=ok[:, None])
+    out = _block_offsets(rows, k, kb, PERMUTE)
+    tl.store(xa_ptr + out, _rotate_block(x16, suh_a_ptr + e[:, None] * k + xk[None, :], ok, h), mask=ok[:, None])
     if TWO:
-        su = tl.load(suh_b_ptr + e[:, None] * k + xk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-        xs = (x16 * su).to(tl.float16)
-        tl.store(xb_ptr + out, (tl.dot(xs, h) * INV_SQRT128).to(tl.float16), mask=ok[:, None])
+        tl.store(xb_ptr + out, _rotate_block(x16, suh_b_ptr + e[:, None] * k + xk[None, :], ok, h),
+                 mask=ok[:, None])
 
 
 @triton.jit
@@ -150,15 +162,9 @@ def _swiglu_rotate_kernel(gate_ptr, up_ptr, route_ptr, pair_e_ptr, suh2_ptr, had
     route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
     h16 = (gate * tl.sigmoid(gate) * up * route[:, None]).to(tl.float16)
     e = tl.load(pair_e_ptr + pairs, mask=ok, other=0).to(tl.int64)
-    su = tl.load(suh2_ptr + e[:, None] * n1 + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    hs = (h16.to(tl.float32) * su).to(tl.float16)
     had = tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
-    hh = (tl.dot(hs, had) * INV_SQRT128).to(tl.float16)
-    if PERMUTE:
-        dest = pairs[:, None].to(tl.int64) * n1 + (nb * 128 + _b_operand_columns(idx))[None, :]
-    else:
-        dest = at
-    tl.store(hh_ptr + dest, hh, mask=ok[:, None])
+    hh = _rotate_block(h16.to(tl.float32), suh2_ptr + e[:, None] * n1 + cols[None, :], ok, had)
+    tl.store(hh_ptr + _block_offsets(pairs, n1, nb, PERMUTE), hh, mask=ok[:, None])
 
 
 @triton.jit

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..exl3.backend import interpreting
+from .indexer import score_operands
 
 BLOCK_C = 64  # entries per program
 TILE_M = 128  # rows x padded heads per program (BR = TILE_M // Hp rows)
@@ -92,16 +93,7 @@ def index_scores_tiles(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_v
         out = torch.empty(R, ncols, dtype=torch.float32, device=q.device)
     elif out.shape != (R, ncols) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be an fp32 [{R}, {ncols}] view with unit column stride")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if w.stride(1) != 1:
-        w = w.contiguous()
-    if keys.stride(1) != 1:
-        keys = keys.contiguous()
-    if allow is not None:
-        if allow.shape != (R, ncols):
-            raise ValueError(f"allow {list(allow.shape)} must be [R={R}, ncols={ncols}]")
-        allow = (allow.view(torch.uint8) if allow.dtype == torch.bool else allow).contiguous()
+    q, w, keys, allow = score_operands(q, w, keys, allow, R, ncols)
     if R == 0 or ncols == 0:
         return out
     # past the keys (C) every column is -inf: n_vis never exceeds C

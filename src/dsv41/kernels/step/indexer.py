@@ -163,6 +163,22 @@ def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
         seen += tl.sum(eq, axis=0)
 
 
+def score_operands(q, w, keys, allow, R: int, ncols: int):
+    """The score kernels' operands as they load them: q [., Hi, hd], w [., Hi] and keys [., hd] with unit strides in
+    their last dim, the candidate pool `allow` (bool [R, ncols] or None) as contiguous bytes."""
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    if keys.stride(1) != 1:
+        keys = keys.contiguous()
+    if allow is not None:
+        if allow.shape != (R, ncols):
+            raise ValueError(f"allow {list(allow.shape)} must be [R={R}, ncols={ncols}]")
+        allow = (allow.view(torch.uint8) if allow.dtype == torch.bool else allow).contiguous()
+    return q, w, keys, allow
+
+
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: torch.Tensor, key_off: torch.Tensor,
                  n_vis: torch.Tensor, ncols: int, allow: torch.Tensor | None = None,
                  w_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
@@ -174,17 +190,8 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, q_row: to
     _, H, hd = q.shape
     if w.shape[1] != H or keys.shape[1] != hd or key_off.shape != (R,) or n_vis.shape != (R,):
         raise ValueError(f"shapes do not fit: q {list(q.shape)} w {list(w.shape)} keys {list(keys.shape)} R={R}")
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if w.stride(1) != 1:
-        w = w.contiguous()
-    if keys.stride(1) != 1:
-        keys = keys.contiguous()
+    q, w, keys, allow = score_operands(q, w, keys, allow, R, ncols)
     out = torch.empty(R, ncols, dtype=torch.float32, device=q.device)
-    if allow is not None:
-        if allow.shape != (R, ncols):
-            raise ValueError(f"allow {list(allow.shape)} must be [R={R}, ncols={ncols}]")
-        allow = (allow.view(torch.uint8) if allow.dtype == torch.bool else allow).contiguous()
     if R == 0 or ncols == 0:
         return out
     a = allow if allow is not None else out

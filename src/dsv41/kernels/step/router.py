@@ -135,6 +135,28 @@ def _select_row(row, part_ptr, bias_ptr, logits_ptr, select_ptr, ids_ptr, weight
     tl.store(weights_ptr + row.to(tl.int64) * TOPK + kk, w, mask=k_ok)
 
 
+def check_route_args(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, dtypes) -> int:
+    """The router's inputs fit (gate_t [d, E] of one of `dtypes`, 1 <= k <= E, bias fp32 [E] or None): E."""
+    d = x.shape[1]
+    if gate_t.shape[0] != d or gate_t.dtype not in dtypes:
+        names = " / ".join(str(t).replace("torch.", "") for t in dtypes)
+        raise ValueError(f"gate_t must be {names} [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
+    E = gate_t.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"top-k {k} out of range for {E} experts")
+    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
+        raise ValueError(f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}")
+    return E
+
+
+def route_outputs(B: int, E: int, k: int, ids_dtype: torch.dtype, device):
+    """(ids [B, k], weights [B, k] fp32, logits [B, E] fp32, select [B, E] fp32), unwritten: what a router launch
+    fills."""
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.empty(B, k, dtype=ids_dtype, device=device), torch.empty(B, k, **f32), torch.empty(B, E, **f32),
+            torch.empty(B, E, **f32))
+
+
 def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None, k: int, *, scale: float,
                renorm: bool, temp: float = 1.0, block_e: int = BLOCK_E, block_d: int = BLOCK_D,
                d_splits: int = D_SPLITS, num_warps: int = 4, ids_dtype: torch.dtype = torch.int64,
@@ -149,13 +171,7 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
     kernels read them (no conversion launch after this one). `fold`: the select in the logits launch's last
     arriving program of each row (one launch; the same bits as the two), default the `FOLD_ENV` switch (on)."""
     B, d = x.shape
-    if gate_t.shape[0] != d or gate_t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"gate_t must be fp32 / bf16 / fp16 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
-    E = gate_t.shape[1]
-    if not 1 <= k <= E:
-        raise ValueError(f"top-k {k} out of range for {E} experts")
-    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
-        raise ValueError(f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}")
+    E = check_route_args(x, gate_t, bias, k, (torch.float32, torch.bfloat16, torch.float16))
     for name, v in (("block_e", block_e), ("block_d", block_d), ("num_warps", num_warps)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two, got {v}")
@@ -171,10 +187,7 @@ def route_rows(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor | None,
     chunks = triton.cdiv(d, block_d)
     per_split = triton.cdiv(chunks, d_splits)
     part = torch.empty(B, d_splits, E, dtype=torch.float32, device=dev)
-    logits = torch.empty(B, E, dtype=torch.float32, device=dev)
-    select = torch.empty(B, E, dtype=torch.float32, device=dev)
-    ids = torch.empty(B, k, dtype=ids_dtype, device=dev)
-    weights = torch.empty(B, k, dtype=torch.float32, device=dev)
+    ids, weights, logits, select = route_outputs(B, E, k, ids_dtype, dev)
     if B == 0:
         return ids, weights, logits, select
     tail = (bias if bias is not None else part, logits, select, ids, weights)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..exl3.backend import interpreting
-from .router import _router_select_kernel
+from .router import _router_select_kernel, check_route_args, route_outputs
 
 BM, BE, BK = 64, 64, 64
 # Triton's interpreter has no bf16 dot: there bf16 values go in as fp32 (the same exact products)
@@ -56,23 +56,14 @@ def route_rows_tiles(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor |
     [B, E] fp32) for prefill rows x [B, d] (bf16 / fp16 / fp32) and gate_t [d, E] (fp32 or bf16, any strides).
     The bf16 gate's tensor-core path needs x's values bf16 ones (the model's bf16 activations)."""
     B, d = x.shape
-    if gate_t.shape[0] != d or gate_t.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"gate_t must be fp32 / bf16 [d={d}, E], got {gate_t.dtype} {list(gate_t.shape)}")
-    E = gate_t.shape[1]
-    if not 1 <= k <= E:
-        raise ValueError(f"top-k {k} out of range for {E} experts")
-    if bias is not None and (bias.shape != (E,) or bias.dtype != torch.float32):
-        raise ValueError(f"bias must be fp32 [{E}], got {bias.dtype} {list(bias.shape)}")
+    E = check_route_args(x, gate_t, bias, k, (torch.float32, torch.bfloat16))
     bf16 = gate_t.dtype == torch.bfloat16
     if bf16 and x.dtype not in (torch.bfloat16,):
         raise ValueError(f"a bf16 gate takes bf16 rows (exact products), got {x.dtype}")
     if x.stride(1) != 1:
         x = x.contiguous()
     dev = x.device
-    logits = torch.empty(B, E, dtype=torch.float32, device=dev)
-    select = torch.empty(B, E, dtype=torch.float32, device=dev)
-    ids = torch.empty(B, k, dtype=ids_dtype, device=dev)
-    weights = torch.empty(B, k, dtype=torch.float32, device=dev)
+    ids, weights, logits, select = route_outputs(B, E, k, ids_dtype, dev)
     if B == 0:
         return ids, weights, logits, select
     part = torch.empty(B, E, dtype=torch.float32, device=dev)
