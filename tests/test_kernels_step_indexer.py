@@ -353,7 +353,7 @@ def test_interpreted_fast_path_indexer_on_tiles_equals_the_row_kernels(interp, n
 def test_candidate_pool_reuses_the_padded_launch_or_pads_per_segment():
     """Re-indexing layers read the candidate source's [R, ncols] pool as it is when every segment's pool is its
     row slice in order, and otherwise pad each segment's [T, C] pool with False to the longest C."""
-    from dsv41.runtime.layers.attention import _candidate_pool
+    from dsv41.runtime.layers.attention_index import _candidate_pool
 
     base = torch.rand(5, 9) > 0.5
     segs = [SimpleNamespace(T=2, shared=SimpleNamespace(candidates=base[0:2, :9])),

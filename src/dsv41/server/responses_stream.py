@@ -192,7 +192,7 @@ class ResponseEvents:
         yield self._event("response.created", response=self._response("in_progress"))
         yield self._event("response.in_progress", response=self._response("in_progress"))
         finish = "stop"
-        async for deltas, logprobs, reason in self.reply.steps():
+        async for deltas, logprobs, reason, _ids in self.reply.steps():
             if reason is None:
                 self._count(deltas, logprobs)
             for event in self._deltas(deltas):
