@@ -330,10 +330,15 @@ async def metrics(ctx: ServerContext, request: Request) -> Response:
 
 # ---------------------------------------------------------------------------- app
 async def _not_found(request: Request, exc: HTTPException) -> Response:
+    from .messages_protocol import error_bytes
+
+    path = request.url.path
     if exc.status_code == 405:
-        return APIError(405, f"method {request.method} is not allowed on {request.url.path}").response()
-    return APIError(exc.status_code, f"no route {request.method} {request.url.path}",
-                    code="not_found" if exc.status_code == 404 else None).response()
+        err = APIError(405, f"method {request.method} is not allowed on {path}")
+    else:
+        err = APIError(exc.status_code, f"no route {request.method} {path}",
+                       code="not_found" if exc.status_code == 404 else None)
+    return Response(error_bytes(err, path), status_code=err.status, media_type="application/json")
 
 
 def build_app(ctx: ServerContext, *, warmup: bool = True) -> Gate:

@@ -15,7 +15,6 @@ whose Location is built from the Host header, and the POST body would have to be
 from __future__ import annotations
 
 import ipaddress
-import json
 
 from .errors import APIError
 
@@ -70,7 +69,7 @@ class Gate:
         if scope["type"] in ("http", "websocket"):
             if not self._host_ok(scope):
                 if scope["type"] == "http":
-                    await _refuse_host(send)
+                    await _refuse_host(send, scope.get("path", ""))
                 return
             path = scope.get("path", "")
             if len(path) > 1 and path.endswith("/"):
@@ -78,10 +77,12 @@ class Gate:
         await self.app(scope, receive, send)
 
 
-async def _refuse_host(send) -> None:
+async def _refuse_host(send, path: str) -> None:
+    from .messages_protocol import error_bytes
+
     error = APIError(421, "this server does not answer for that Host header (list the name with "
                           "--allowed-hosts to serve it)", code="misdirected_request")
-    body = json.dumps(error.body()).encode()
+    body = error_bytes(error, path)
     await send({"type": "http.response.start", "status": 421,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})

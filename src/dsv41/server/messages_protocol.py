@@ -41,6 +41,17 @@ def anthropic_error(exc: APIError) -> dict:
     return error_body(exc.status, exc.message)
 
 
+def anthropic_route(path: str) -> bool:
+    """Whether `path` is the Anthropic Messages API's (`/v1/messages` and below): its errors, the route-level ones
+    (404, 405, 421) included, take Anthropic's shape, which the anthropic client parses."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def error_bytes(exc: APIError, path: str) -> bytes:
+    """The error's JSON body for a request to `path`: Anthropic's shape on its routes, else OpenAI's."""
+    return json.dumps(anthropic_error(exc) if anthropic_route(path) else exc.body()).encode()
+
+
 class MessagesRequest(_Request):
     model_config = ConfigDict(extra="allow")  # unknown fields kept in model_extra: logged once, then ignored
 
