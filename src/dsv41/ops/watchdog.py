@@ -120,9 +120,9 @@ class Tick:
 def lock_held(path: Path) -> bool:
     """True when another process holds the start lock (flock), as `flock <lock> dsv41 ...` starts do."""
     try:
-        handle = path.open("a")
+        handle = path.open("r")  # flock needs no write access: deploy's gate (root) may own the file
     except OSError:
-        return False
+        return False  # no lock file: nobody ever held it
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
