@@ -1,5 +1,7 @@
 """`nix run .#deploy -- --head HOST --worker HOST [--config FILE] [--dry-run]`: install dsv41 on both Sparks.
 
+(`nix --extra-experimental-features 'nix-command flakes' run .#deploy -- ...` where flakes are not enabled.)
+
 Steps (each printed as `[n] where: command`, and only printed with --dry-run):
  1. build the aarch64 closure, on the head by default (`--eval-store auto --store ssh-ng://head`: evaluation here,
     the build on a Spark, nothing to cross-compile), or locally with --build-on local;
@@ -309,6 +311,7 @@ def _one_line(text: str, what: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """deploy's options: on its own parser (`nix run .#deploy --`) and on `dsv41 deploy`."""
+    from dsv41.cli import number  # argparse and the stdlib only
     p.add_argument("--head", required=True, help="ssh destination of the head (rank 0), e.g. root@spark-a")
     p.add_argument("--worker", required=True, help="ssh destination of the worker (rank 1), e.g. root@spark-b")
     p.add_argument("--config", type=Path, help="env file installed as /etc/dsv41/dsv41.env on both nodes")
@@ -319,7 +322,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default="aarch64-linux", help="the nodes' Nix system (default aarch64-linux)")
     p.add_argument("--driver-libdir", default="/usr/lib/aarch64-linux-gnu",
                    help="where the nodes' NVIDIA driver libraries live")
-    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
+    p.add_argument("--ready-timeout", type=number(float, 0, above=True), default=900.0, metavar="S",
                    help="seconds to wait for /health before the canary (default 900)")
     p.add_argument("--canary-level", choices=("full", "structural"), default="full")
     p.add_argument("--restart", action="store_true", help="restart even when nothing changed")
@@ -334,7 +337,9 @@ def options(args: argparse.Namespace) -> Options:
 
 
 def parse_args(argv: list[str] | None) -> Options:
-    p = argparse.ArgumentParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
+    from dsv41.cli import OneLineParser  # argparse and the stdlib only
+
+    p = OneLineParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:
