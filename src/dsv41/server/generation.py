@@ -237,6 +237,7 @@ class Generation:
         self.error: str | None = None
         self.disconnected = False
         self.closed = False
+        self.choices = 1  # sequences generated for this prompt (n, best_of): submit_generations sets it
         self.engine_stream: RequestStream = engine_stream or ctx.submit(request)
         ctx.active.add(self)
 
@@ -288,7 +289,8 @@ class Generation:
         if self.disconnected:
             ctx.metrics.disconnects.inc()
         ctx.metrics.finished_generation(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                                        ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason)
+                                        ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason,
+                                        max_tokens=self.request.max_tokens, n=self.choices)
         ctx.request_log.write(
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
@@ -351,7 +353,10 @@ def submit_generations(ctx: ServerContext, endpoint: str, requests: list[Generat
         raise overloaded(f"the server is busy ({exc}); retry shortly") from None
     except EngineClosed:
         raise unavailable("the server is shutting down") from None
-    return [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
+    gens = [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
+    for gen in gens:
+        gen.choices = len(requests)
+    return gens
 
 
 def choice_seed(seed: int, index: int) -> int:
