@@ -30,14 +30,14 @@ from starlette.routing import Route
 
 from ..engine import EngineFailure, GenerationRequest
 from . import framing
-from .body import ClientGone, check_json_content_type, parse_json, read_body
+from .body import ClientGone, check_json_content_type, check_prompt_size, note_unknown_fields, parse_json, read_body
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion, prompt_ids
 from .context import ServerContext
 from .errors import APIError, bad_request, engine_error, engine_failed, from_validation_error, unavailable
 from .gate import Gate
 from .messages import anthropic_shaped, count_tokens, create_message
-from .generation import Generation, ServerDraining, new_id
+from .generation import HONOURED_EXTRA, Generation, ServerDraining, new_id
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .streaming import GenerationStream
 
@@ -67,10 +67,17 @@ def _parse(model, body: dict):
         raise from_validation_error(exc) from None
 
 
-def _parse_body(model, raw: bytes) -> tuple[dict, object]:
-    """(the JSON object, the validated request) of a body; blocking: run it through `ctx.run_cpu`."""
+def _parse_body(model, raw: bytes, ctx: ServerContext | None = None, endpoint: str = "") -> tuple[dict, object]:
+    """(the JSON object, the validated request) of a body; blocking: run it through `ctx.run_cpu`. With `ctx`, a
+    generation request's prompt is first checked by its size (body.check_prompt_size), and the fields the
+    endpoint does not implement are logged here, off the event loop (body.note_unknown_fields)."""
     body = parse_json(raw)
-    return body, _parse(model, body)
+    if ctx is not None and ctx.max_token_chars:
+        check_prompt_size(body, ctx.config.max_model_len, ctx.max_token_chars)
+    req = _parse(model, body)
+    if endpoint:
+        note_unknown_fields(endpoint, req.model_extra or {}, HONOURED_EXTRA.get(endpoint, ()))
+    return body, req
 
 
 def _internal_error(what: str) -> APIError:
@@ -194,13 +201,13 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
 
 # ---------------------------------------------------------------------------- handlers
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
-    body, req = await ctx.run_cpu(_parse_body, ChatCompletionRequest, request.state.body)
+    body, req = await ctx.run_cpu(_parse_body, ChatCompletionRequest, request.state.body, ctx, "chat")
     gen, reply = await create_chat_completion(ctx, req, body)
     return await _generate(ctx, gen, reply, req.stream)
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
-    _, req = await ctx.run_cpu(_parse_body, CompletionRequest, request.state.body)
+    _, req = await ctx.run_cpu(_parse_body, CompletionRequest, request.state.body, ctx, "completions")
     gen, reply = await create_completion(ctx, req)
     return await _generate(ctx, gen, reply, req.stream)
 

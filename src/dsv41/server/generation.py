@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import time
 import uuid
@@ -85,26 +84,19 @@ def stop_ids(ctx: ServerContext, fields: "SamplingFields") -> frozenset[int]:
 
 def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, budget: int) -> None:
     """What every generation endpoint checks past the schema: the model name (404 unless the served name or an
-    alias), min_tokens within the budget, and the fields accepted but not implemented (logged once per name)."""
+    alias) and min_tokens within the budget. The fields accepted but not implemented are logged where the body
+    is parsed (body.note_unknown_fields, off the event loop)."""
     if fields.model is not None and fields.model not in ctx.model_names:
         raise APIError(404, f"The model `{fields.model}` does not exist (served: {', '.join(ctx.model_names)}).",
                        param="model", code="model_not_found")
     if fields.min_tokens > budget:
         raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
                           param="min_tokens")
-    ignored = sorted(set(fields.model_extra or {}) - HONOURED_EXTRA.get(endpoint, set()))
-    for name in ignored:
-        if (endpoint, name) not in _WARNED:
-            _WARNED.add((endpoint, name))
-            log.warning("%s: the request field %r is accepted but not implemented (ignored); further requests "
-                        "with it are not logged", endpoint, name)
 
 
-_WARNED: set[tuple[str, str]] = set()
 HONOURED_EXTRA = {"completions": {"best_of"}}  # fields the schema does not name that an endpoint honours
 MAX_BEST_OF = 16  # as n (protocol.MAX_N)
 MAX_SEQUENCES = 64  # prompts x best_of, as prompts x n (protocol.MAX_CHOICES)
-log = logging.getLogger("dsv41.server")
 
 
 def best_of(fields: "SamplingFields", prompts: int = 1) -> int | None:
