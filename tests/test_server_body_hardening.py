@@ -106,3 +106,17 @@ def test_prompt_size_bound_never_refuses_what_fits():
         ids = tokenizer.encode(text)
         assert -(-len(text) // longest) <= len(ids), (text[:30], len(text), len(ids), longest)
         body_module.check_prompt_size({"prompt": text}, len(ids) + 1, longest)  # fits: never refused by size
+
+
+def test_a_body_of_too_many_members_is_refused_before_parsing(server):  # noqa: F811
+    """json.loads holds the GIL for the whole parse: 8 MiB of tiny members held it for most of a second while
+    /health waited. Past MAX_OBJECT_KEYS keys (counted in C on the raw bytes) the body is a 400 unparsed; below,
+    a key spelled inside a string does not count."""
+    limit = body_module.MAX_OBJECT_KEYS
+    fields = {f"k{i}": 0 for i in range(limit + 1)}
+    resp = post(server, "/v1/chat/completions", {"model": SERVED_NAME, "max_tokens": 1, **fields,
+                                                 "messages": [{"role": "user", "content": "hi"}]})
+    assert resp.status_code == 400 and f"at most {limit} are accepted" in resp.json()["error"]["message"]
+    quoted = json.dumps({f"k{i}": 0 for i in range(limit)})  # as text in a message: escaped quotes, no keys
+    ok = post(server, "/tokenize", {"model": SERVED_NAME, "prompt": quoted})
+    assert ok.status_code == 200, ok.text[:300]
