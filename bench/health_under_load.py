@@ -3,8 +3,8 @@
     python bench/health_under_load.py [--model DIR] [--seconds 20] [--max-body-bytes N] [-- SERVE FLAGS...]
 
 Starts a real `dsv41 serve` (the tiny model by default, one CPU thread), then for each body shape keeps two
-requests of that shape in flight (both preparation threads busy) while a third client probes /health every
-10 ms on a kept-alive connection. Prints p50 / p99 / max of the probes per shape, and the requests' own
+requests of that shape in flight (two loader processes: both preparation threads busy) while this process
+probes /health every 10 ms on a kept-alive connection. Prints p50 / p99 / max of the probes per shape, and the requests' own
 statuses and times. The goal: /health p99 under 100 ms under every shape (the watchdog's probe).
 
 Shapes (each at the body limit): one long chat message (refused by its size before tokenizing unless it fits
@@ -18,9 +18,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -65,8 +67,8 @@ def fill(shape: dict, key_path: list, limit: int, unit: str) -> bytes:
 def shapes(limit: int, model: str) -> dict[str, tuple[str, bytes]]:
     chat = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": ""}]}
     ids_per_byte = len(json.dumps(list(range(100, 200)))) / 100
-    fields = {f"x_{i:07d}": 0 for i in range(int(limit / 15))}
-    many = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}] * int(limit / 32)}
+    fields = {f"x_{i:07d}": 0 for i in range(int(limit / 17))}
+    many = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}] * int(limit / 36)}
     return {
         "chat: one long message": ("/v1/chat/completions", fill(chat, ["messages", 0, "content"], limit, WORDS[:8])),
         "tokenize: the longest text": ("/tokenize", fill({"model": model, "prompt": ""}, ["prompt"], limit, WORDS[:8])),
@@ -78,36 +80,46 @@ def shapes(limit: int, model: str) -> dict[str, tuple[str, bytes]]:
     }
 
 
-def measure(url: str, path: str, body: bytes, seconds: float, headers: dict) -> dict:
-    stop = threading.Event()
-    statuses: list[tuple[int, float]] = []
+LOADER = """
+import sys, time, httpx
+url, path, body_file = sys.argv[1:4]
+body = open(body_file, "rb").read()
+with httpx.Client(base_url=url, timeout=600) as http:
+    while True:
+        t0 = time.perf_counter()
+        try:
+            status = http.post(path, content=body, headers={"content-type": "application/json"}).status_code
+        except httpx.HTTPError:
+            status = -1
+        print(status, time.perf_counter() - t0, flush=True)
+"""
 
-    def load() -> None:
-        with httpx.Client(base_url=url, timeout=600, headers=headers) as http:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                try:
-                    status = http.post(path, content=body, headers={"content-type": "application/json"}).status_code
-                except httpx.HTTPError:
-                    status = -1
-                statuses.append((status, time.perf_counter() - t0))
 
-    workers = [threading.Thread(target=load) for _ in range(2)]
+def measure(url: str, path: str, body: bytes, seconds: float, tmp: Path) -> dict:
+    """Two loader processes (their own GIL: the probe here measures the server, not this process) keep requests
+    of `body` in flight while this process probes /health every 10 ms."""
+    body_file = tmp / "body.json"
+    body_file.write_bytes(body)
+    loaders = [subprocess.Popen([sys.executable, "-c", LOADER, url, path, str(body_file)], stdout=subprocess.PIPE,
+                                text=True) for _ in range(2)]
     probes = []
-    with httpx.Client(base_url=url, timeout=30) as probe:
-        probe.get("/health")
-        for worker in workers:
-            worker.start()
-        time.sleep(0.2)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
+    try:
+        with httpx.Client(base_url=url, timeout=30) as probe:
             probe.get("/health")
-            probes.append(time.perf_counter() - t0)
-            time.sleep(0.01)
-        stop.set()
-        for worker in workers:
-            worker.join()
+            time.sleep(0.5)
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t0 = time.perf_counter()
+                probe.get("/health")
+                probes.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+    finally:
+        for loader in loaders:
+            loader.terminate()
+    statuses = []
+    for loader in loaders:
+        out, _ = loader.communicate(timeout=60)
+        statuses += [(int(s), float(t)) for s, t in (line.split() for line in out.splitlines() if line.strip())]
     probes.sort()
     return {"probes": len(probes), "p50_ms": 1000 * statistics.median(probes),
             "p99_ms": 1000 * probes[int(0.99 * (len(probes) - 1))], "max_ms": 1000 * probes[-1],
@@ -132,11 +144,12 @@ def main() -> None:
     proc, url = start_server(model, ["--max-body-bytes", str(args.max_body_bytes), "--served-name", "m",
                                      *args.serve_flags])
     results = {}
+    tmp = tempfile.mkdtemp(prefix="dsv41-health-")
     try:
         for name, (path, body) in shapes(args.max_body_bytes, "m").items():
             if args.only and args.only not in name:
                 continue
-            result = measure(url, path, body, args.seconds, {})
+            result = measure(url, path, body, args.seconds, Path(tmp))
             results[name] = {"bytes": len(body), **result}
             print(f"{name:36s} {len(body):>9d} B  /health p50 {result['p50_ms']:6.1f} ms  p99 "
                   f"{result['p99_ms']:6.1f} ms  max {result['max_ms']:7.1f} ms  ({result['probes']} probes; "
@@ -145,6 +158,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)
     print(json.dumps(results))
 
 

@@ -120,3 +120,12 @@ def test_a_body_of_too_many_members_is_refused_before_parsing(server):  # noqa: 
     quoted = json.dumps({f"k{i}": 0 for i in range(limit)})  # as text in a message: escaped quotes, no keys
     ok = post(server, "/tokenize", {"model": SERVED_NAME, "prompt": quoted})
     assert ok.status_code == 200, ok.text[:300]
+
+
+def test_detokenize_takes_at_most_a_context_of_ids(server):  # noqa: F811
+    with server.http() as http:
+        context = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert post(server, "/detokenize", {"tokens": [100] * context}).status_code == 200
+    for count in (context + 1, 20 * context):  # counted after the parse; far more: by the commas, before it
+        resp = post(server, "/detokenize", {"tokens": [100] * count})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "tokens", resp.text[:300]

@@ -227,8 +227,19 @@ def _tokenize(ctx: ServerContext, raw: bytes) -> bytes:
         _, ids = render_chat(ctx, body)
     # vLLM's token_strs: each id's string in the vocabulary (convert_ids_to_tokens), e.g. "Ġword" byte-level
     token_strs = [ctx.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
-    return json.dumps({"count": len(ids), "max_model_len": ctx.config.max_model_len, "tokens": ids,
-                       "token_strs": token_strs}, separators=(",", ":"), ensure_ascii=False).encode()
+    head = json.dumps({"count": len(ids), "max_model_len": ctx.config.max_model_len}, separators=(",", ":"))
+    tail = json.dumps({"token_strs": token_strs}, separators=(",", ":"), ensure_ascii=False)
+    return f'{head[:-1]},"tokens":{_ids_json(ids)},{tail[1:]}'.encode()
+
+
+def _ids_json(ids: list[int], step: int = 1 << 16) -> str:
+    """`json.dumps(ids)` (compact) in slices, letting other threads (the event loop: /health) in between: one
+    json.dumps of the 3.5M ids of a maximum-size /tokenize held the GIL for up to a second."""
+    parts = []
+    for start in range(0, len(ids), step):
+        parts.append(",".join(map(str, ids[start:start + step])))
+        time.sleep(0)  # releases the GIL
+    return "[" + ",".join(parts) + "]"
 
 
 async def tokenize(ctx: ServerContext, request: Request) -> Response:
@@ -236,7 +247,15 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
 
 
 def _detokenize(ctx: ServerContext, raw: bytes) -> bytes:
+    # at most a context of ids (no reply is longer), refused before the parse when the commas already say more:
+    # parsing and decoding a body of 1.6M ids held the GIL for ~0.2 s at a time, /health waiting
+    limit = ctx.config.max_model_len
+    if raw.count(b",") > limit + 16:  # the other fields: a few commas at most
+        raise bad_request(f"tokens: more than {limit} token ids (the context, --max-model-len)", param="tokens")
     _, req = _parse_body(DetokenizeRequest, raw)
+    if len(req.tokens) > limit:
+        raise bad_request(f"tokens: {len(req.tokens)} token ids, more than {limit} (the context, --max-model-len)",
+                          param="tokens")
     for i, token in enumerate(req.tokens):
         if not 0 <= token < ctx.vocab_size:
             raise bad_request(f"tokens[{i}] = {token} is not a token id (0 <= id < {ctx.vocab_size})",
