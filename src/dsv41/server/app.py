@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from ..engine import EngineFailure, GenerationRequest
 from . import framing
-from .body import ClientGone, check_json_content_type, check_prompt_size, note_unknown_fields, parse_json, read_body
+from .body import ClientGone, check_json_content_type, note_unknown_fields, parse_json, read_body
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion, prompt_ids
 from .context import ServerContext
@@ -71,9 +71,7 @@ def _parse_body(model, raw: bytes, ctx: ServerContext | None = None, endpoint: s
     """(the JSON object, the validated request) of a body; blocking: run it through `ctx.run_cpu`. With `ctx`, a
     generation request's prompt is first checked by its size (body.check_prompt_size), and the fields the
     endpoint does not implement are logged here, off the event loop (body.note_unknown_fields)."""
-    body = parse_json(raw)
-    if ctx is not None and ctx.max_token_chars:
-        check_prompt_size(body, ctx.config.max_model_len, ctx.max_token_chars)
+    body = parse_json(raw, *((ctx.config.max_model_len, ctx.max_token_chars) if ctx is not None else ()))
     req = _parse(model, body)
     if endpoint:
         note_unknown_fields(endpoint, req.model_extra or {}, HONOURED_EXTRA.get(endpoint, ()))

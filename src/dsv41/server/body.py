@@ -118,8 +118,10 @@ def object_keys(body: bytes) -> int:
     return body.count(b'":') - body.count(b'\\":')
 
 
-def parse_json(body: bytes) -> dict:
-    """The body as a JSON object, or a 400 (see the module docstring)."""
+def parse_json(body: bytes, max_model_len: int | None = None, max_token_chars: int | None = None) -> dict:
+    """The body as a JSON object, or a 400 (see the module docstring). With `max_model_len` and `max_token_chars`
+    a generation request's prompt is checked by its size first (`check_prompt_size`), before the walk over every
+    string: an oversized prompt costs the parse only."""
     keys = object_keys(body)
     if keys > MAX_OBJECT_KEYS:
         raise bad_request(f"request body has {keys} object keys; at most {MAX_OBJECT_KEYS} are accepted")
@@ -135,6 +137,8 @@ def parse_json(body: bytes) -> dict:
         raise bad_request(f"request body is not valid JSON: {_short(exc)}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    if max_model_len and max_token_chars:
+        check_prompt_size(data, max_model_len, max_token_chars)
     check_tree(data)
     return data
 

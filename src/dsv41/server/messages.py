@@ -23,7 +23,7 @@ from ..chat.tokens import THINK_END
 from ..engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
 from ..engine.constraint import ReasoningBudget
 from dsv41.structured.grammar import GrammarError
-from .body import check_prompt_size, note_unknown_fields, parse_json
+from .body import note_unknown_fields, parse_json
 from .chat import render_chat
 from .context import ServerContext
 from .errors import bad_request, engine_error, engine_failed, from_validation_error, unavailable
@@ -55,10 +55,7 @@ class _Stop(StopMatcher):
 def _prepare(ctx: ServerContext, model, raw: bytes):
     """(request, ChatPrompt, prompt ids); blocking: run it through `ctx.run_cpu`."""
     try:
-        data = parse_json(raw)
-        if ctx.max_token_chars:
-            check_prompt_size(data, ctx.config.max_model_len, ctx.max_token_chars)
-        req = model.model_validate(data)
+        req = model.model_validate(parse_json(raw, ctx.config.max_model_len, ctx.max_token_chars))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     prompt, ids = render_chat(ctx, chat_body(req))
