@@ -278,8 +278,11 @@ def note_unknown_fields(endpoint: str, names: Iterable[str], honoured: Iterable[
                 new.append(name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "...")
             if len(_remembered) < MAX_REMEMBERED:
                 _remembered.add(key)
-    if count:
+    if count == 1:
+        log.warning("%s: the request field %r is accepted but not implemented (ignored); further requests with it "
+                    "are not logged", endpoint, new[0])
+    elif count:
         more = f" (+{count - len(new)} more)" if count > len(new) else ""
-        log.warning("%s: %d request field(s) accepted but not implemented (ignored): %s%s; names already logged "
+        log.warning("%s: %d request fields are accepted but not implemented (ignored): %s%s; names already logged "
                     "are not logged again", endpoint, count, ", ".join(map(repr, new)), more)
     return new
