@@ -31,11 +31,12 @@ def random_pieces(text, rng):
 
 def run(pieces, thinking_mode, tools=None, **kwargs):
     """Feed the pieces; return (events, result) and check the event stream's own consistency."""
+    truncated = kwargs.pop("truncated", False)
     parser = StreamParser(thinking_mode, tools, **kwargs)
     events = []
     for piece in pieces:
         events += parser.feed(piece)
-    events += parser.finish()
+    events += parser.finish(truncated=truncated)
     assert isinstance(events[-1], Finished) and not any(isinstance(e, Finished) for e in events[:-1])
     result = events[-1].result
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == result.content
@@ -299,3 +300,28 @@ def test_grammar_constrained_calls_parse_to_valid_arguments(tool_choice, thinkin
         for call in result.tool_calls:
             assert not named or call["function"]["name"] == "get_weather"
             jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+
+
+def test_call_cut_anywhere_is_never_reported_with_hold_calls():
+    """A call cut by max_tokens (finish(truncated=True)) is dropped; with hold_calls nothing of it was streamed
+    either, so the streamed events and the result agree at every cut (issue 33 item 4)."""
+    whole = call_text("get_weather", [("city", "true", "Paris"), ("days", "false", "3")])
+    text = "Sure." + block(whole)
+    for cut in range(len(text)):
+        events, result = run(list(text[:cut]), "chat", [WEATHER], truncated=True, hold_calls=True)
+        streamed = [e for e in events if isinstance(e, (ToolCallStart, ToolCallArgumentsDelta))]
+        complete = INVOKE_CLOSE_AT <= cut - len("Sure.\n\n<｜DSML｜ calls>\n")
+        assert [c["function"]["arguments"] for c in result.tool_calls] == (['{"city": "Paris", "days": 3}']
+                                                                           if complete else []), cut
+        assert bool(streamed) == complete, cut
+        assert result.content == "Sure."[:cut] and "｜" not in result.content
+
+
+INVOKE_CLOSE_AT = len(call_text("get_weather", [("city", "true", "Paris"), ("days", "false", "3")]))
+
+
+def test_stray_think_markers_are_never_text():
+    _, result = run(list("a</think>b<think>c" + EOS), "chat", [])
+    assert result.content == "abc"
+    _, result = run(list("r<think>s</think>x</think>y" + EOS), "thinking", [])
+    assert (result.reasoning_content, result.content) == ("rs", "xy")

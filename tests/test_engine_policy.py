@@ -223,3 +223,17 @@ def test_block_manager_ref_counts():
     assert b.free(None, pages[:1]) == pages[:1] and b.empty()
     with pytest.raises(RuntimeError, match="freed twice"):
         b.free(None, pages[:1])
+
+
+def test_stats_show_each_prompt_s_prefill_progress_chunk_by_chunk():
+    """/health's batching.prefilling: a prompt's prefilled tokens grow a chunk a step, and it leaves the list once
+    its prompt is in the cache."""
+    engine, _ = make_engine(chunk=16)
+    seq = Sequence(list(range(50)), limit=3, sampling=SamplingParams(seed=1))
+    engine.add(seq)
+    seen = []
+    while engine.has_work():
+        engine.step()
+        seen.append([(p["prompt_tokens"], p["prefilled"]) for p in engine.stats()["prefilling"]])
+    assert seen[:3] == [[(50, 16)], [(50, 32)], [(50, 48)]], seen
+    assert seen[3] == [] and all(s == [] for s in seen[3:])

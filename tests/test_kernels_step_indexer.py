@@ -141,8 +141,9 @@ def _layer_case(name: str):
     return layers, segs, iq, iw
 
 
-def _run_layers(layers, segs, iq, iw, kernels: bool, rows_per_launch=None):
-    """Both layers over the segments (fresh per-forward `Shared`s). Returns per layer the traces and the pools."""
+def _run_layers(layers, segs, iq, iw, kernels: bool, rows_per_launch=None, tiles: bool = False):
+    """Both layers over the segments (fresh per-forward `Shared`s). Returns per layer the traces and the pools.
+    `tiles`: the prefill rows' scores on the tensor-core tiles (`kernels.step.index_tiles`)."""
     from dsv41.model.attention import Shared
 
     for s in segs:
@@ -151,7 +152,7 @@ def _run_layers(layers, segs, iq, iw, kernels: bool, rows_per_launch=None):
     for lay, q, w in zip(layers, iq, iw):
         tr = {}
         if kernels:
-            lay._index_kernels(segs, q, w, tr, rows_per_launch)
+            lay._index_kernels(segs, q, w, tr, rows_per_launch, tiles=tiles)
         else:
             for s in segs:
                 src = s.state.source(3)
@@ -187,7 +188,10 @@ def _interp_worker(out_path: str) -> None:
         layers, segs, iq, iw = _layer_case(name)
         out["layer_" + name] = {"all": _run_layers(layers, segs, iq, iw, True),
                                 "one_row": _run_layers(layers, segs, iq, iw, True, rows_per_launch=1),
-                                "alone": [_run_layers(layers, [s], iq, iw, True) for s in segs]}
+                                "alone": [_run_layers(layers, [s], iq, iw, True) for s in segs],
+                                "tiles": _run_layers(layers, segs, iq, iw, True, tiles=True),
+                                "tiles_one_row": _run_layers(layers, segs, iq, iw, True, rows_per_launch=1,
+                                                             tiles=True)}
     torch.save(out, out_path)
 
 
@@ -315,6 +319,35 @@ def test_interpreted_fast_path_indexer_equals_its_reference_loop(interp, name):
             for key in ("ids", "scores", "cand"):
                 a, b, c = g[key][i], got["one_row"][L][key][i], got["alone"][i][L][key][0]
                 assert (a is None and b is None and c is None) or (torch.equal(a, b) and torch.equal(a, c)), key
+
+
+@pytest.mark.parametrize("name", LAYER_CASES)
+def test_interpreted_fast_path_indexer_on_tiles_equals_the_row_kernels(interp, name):
+    """`_index_kernels(tiles=True)` (the prefill rows' scores on the tensor-core tiles, per sequence) against the
+    row kernels: the exact inputs bitwise (scores, ids, candidate pools; and one row per launch the same bits), the
+    random ones within fp32 sum rounding with ids and pools the reference's on the tiles' own scores."""
+    from dsv41.model.attention import Attention
+
+    layers, segs, iq, iw = _layer_case(name)
+    got = interp["layer_" + name]
+    for L in range(len(layers)):
+        for i, s in enumerate(segs):
+            a, t, t1 = got["all"][L], got["tiles"][L], got["tiles_one_row"][L]
+            if a["scores"][i] is None:
+                assert t["scores"][i] is None and t["ids"][i].shape == (s.T, 0)
+                continue
+            if name == "exact":
+                for key in ("scores", "ids", "cand"):
+                    assert torch.equal(t[key][i], a[key][i]) and torch.equal(t1[key][i], t[key][i]), (L, i, key)
+                continue
+            fin = torch.isfinite(a["scores"][i])
+            assert torch.equal(torch.isfinite(t["scores"][i]), fin)
+            assert float((t["scores"][i] - a["scores"][i])[fin].abs().max()) < 1e-4
+            k = min(8, s.state.source(3).entries)
+            assert torch.equal(t["ids"][i], Attention._select(t["scores"][i], k)), (L, i)
+            if L == 0:
+                assert torch.equal(t["cand"][i], layers[0].ref._candidate_mask(
+                    t["scores"][i], torch.arange(s.pos, s.pos + s.T) + 1)), i
 
 
 def test_candidate_pool_reuses_the_padded_launch_or_pads_per_segment():

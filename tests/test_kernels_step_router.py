@@ -72,8 +72,13 @@ KNOBS = dict(block_e=8, block_d=64, d_splits=8, num_warps=2)  # "tiny": more spl
 
 def _interp_worker(out_path: str) -> None:
     from dsv41.kernels.step.router import route_rows
+    from dsv41.kernels.step.router_tiles import route_rows_tiles
 
     out = {}
+    for name in CASES:  # prefill rows: the logits as one tiled product (kernels/step/router_tiles.py)
+        x, gate, bias, k, scale, renorm, temp = _case(name)
+        ids, w, logits, select = route_rows_tiles(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp)
+        out["tiles_" + name] = {"ids": ids, "weights": w, "logits": logits, "select": select}
     for name in ("tiny", "nobias"):
         x, gate, bias, k, scale, renorm, temp = _case(name)
         out["knobs_" + name] = route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp, **KNOBS)
@@ -149,6 +154,27 @@ def test_interpreted_router_matches_reference(interp, name):
     assert torch.equal(got["ids"][clear], ids[clear]), (got["ids"], ids)
     assert got["ids"].dtype == torch.int64 and got["weights"].dtype == torch.float32
     assert torch.allclose(got["weights"], w, rtol=1e-5, atol=1e-7), (got["weights"] - w).abs().max()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_prefill_router_tiles_match_reference(interp, name):
+    """The prefill router (tiled logits, the same select): logits within fp32 reduction rounding of fp64, ids the
+    reference's where its margin is clear, and always the tie rule's on the kernel's own selects."""
+    from dsv41.model.topk import topk_lowest_index_ties
+
+    got = interp["tiles_" + name]
+    ids, w, logits, select = _reference(name)
+    exact = _logits_fp64(name)
+    if float(exact.norm()):
+        assert float((got["logits"].double() - exact).norm() / exact.norm()) < 1e-6
+    else:
+        assert not got["logits"].any()
+    assert torch.equal(got["ids"], topk_lowest_index_ties(got["select"], ids.shape[1]))
+    drift = float((got["select"].double() - select.double()).abs().max())
+    clear = _margins(select, ids.shape[1]) > 10 * drift + 1e-6
+    assert torch.equal(got["ids"][clear], ids[clear])
+    if bool(clear.any()):
+        assert float((got["weights"][clear] - w[clear]).abs().max()) < 1e-5
 
 
 def test_interpreted_router_ties_go_to_the_lower_id(interp):
@@ -303,6 +329,28 @@ def test_gpu_router_real_shapes_vs_reference_and_row_invariance(d, E):
         torch.cuda.synchronize()
         for a, b in zip(captured, route_rows(rows, gate.t(), bias, 6, scale=1.5, renorm=True, fold=False)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_prefill_router_tiles_full_shape_rows_alone(gate_dtype):
+    """The prefill router at the release's shape (d 5120, E 384, top-6): a row's ids, weights and logits the same
+    bits in any chunk (alone, a slice, reordered), and the reference's ids where its margin is clear."""
+    need_compiled_cuda()
+    from dsv41.kernels.step.router_tiles import route_rows_tiles
+    from dsv41.model.moe import route
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(700, 5120, generator=gen, device="cuda").bfloat16()
+    gate = (torch.randn(384, 5120, generator=gen, device="cuda") * 0.02).to(gate_dtype)
+    bias = torch.randn(384, generator=gen, device="cuda") * 0.01
+    full = route_rows_tiles(x, gate.t(), bias, 6, scale=1.5, renorm=True)
+    for rows in (slice(0, 1), slice(5, 70), slice(300, 700), torch.randperm(700, device="cuda")):
+        part = route_rows_tiles(x[rows], gate.t(), bias, 6, scale=1.5, renorm=True)
+        for a, b in zip(part, full):
+            assert torch.equal(a, b[rows]), rows
+    ref_ids = route(x.float(), gate.float(), bias, 6, scale=1.5, renorm=True)[0]
+    assert float((full[0] == ref_ids).all(dim=1).float().mean()) > 0.99
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

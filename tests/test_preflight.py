@@ -161,7 +161,7 @@ def test_preflight_cli_json_and_exit_status(node_env, tmp_path, capsys):
     env_file = write_env(tmp_path / "dsv41.env", {**env, "DSV41_RDMA_PORTS": "", "DSV41_MEM_GATE_GIB": "0"})
     assert ops_main(["preflight", "--local", "--json", "--env-file", str(env_file)]) == 0
     checks = json.loads(capsys.readouterr().out)
-    assert {c["name"] for c in checks} == {"model", "engram", "ports", "gpus", "roce", "memory"}
+    assert {c["name"] for c in checks} == {"model", "engram", "prepared", "ports", "gpus", "roce", "memory"}
     assert all(c["status"] in ("pass", "skip") for c in checks)
     env_file.write_text(env_file.read_text().replace(env["DSV41_MODEL"], "/missing"))
     assert ops_main(["preflight", "--local", "--env-file", str(env_file)]) == 1

@@ -162,14 +162,55 @@ def test_grouped_experts_sync_once(monkeypatch):
     assert calls == []
 
 
+def _check_tiles() -> dict:
+    """The tile kernels' prefill (`kernels.exl3.prefill.prefill_moe`, the router on its row kernels) against the
+    reconstruct loop on the routed part: the same function within the loop's roundings (it rounds W_eff to fp16
+    and each expert's gate, up, h and output to bf16, ~4e-3 here; the tiles keep fp32 to h's one fp16 rounding
+    and are within 6e-4 of fp64: tests/test_exl3_prefill.py)."""
+    from dsv41.kernels.step.router_tiles import route_rows_tiles
+
+    results = {}
+    for name, T, n, ids in _cases():
+        if ids is not None:  # forced routes replace `moe.route`, which the tile path does not call
+            continue
+        moe = _moe("stacked")
+        x = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(T * 100 + n)).to(torch.bfloat16)
+        new = moe.partial(x, n, "prefill")
+        old = _loop_partial(moe, x, n)  # the experts through the workspace (StackedExperts.expert), not the tiles
+        ref_ids = moe.route(x)[0][:n]
+        got_ids = route_rows_tiles(x[:n], moe.gate_t, moe.gate_bias, moe.topk, scale=moe.route_scale,
+                                   renorm=moe.renorm)[0]
+        shared = moe._shared(x, n, "prefill").double()[:n]  # the same on both paths: judge the routed part
+        routed_new, routed_old = new[:n].double() - shared, old[:n].double() - shared
+        rel = float((routed_new - routed_old).norm() / routed_old.norm())
+        results[name] = {"rel": rel, "same_experts": bool(torch.equal(got_ids.long(), ref_ids.long())),
+                         "finite": bool(torch.isfinite(new[:n]).all())}
+    return results
+
+
 def test_interpreted_stacked_experts_equal_the_loop():
-    """StackedExperts with the real workspace: reconstruct in Triton's interpreter (child process)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    """StackedExperts with the real workspace: reconstruct in Triton's interpreter (child process), the tile
+    kernels switched off (DSV41_PREFILL_TILES=0: the path this loop stands for)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "DSV41_PREFILL_TILES": "0"}
     out = subprocess.run([sys.executable, __file__, "stacked"], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     _assert_all(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def test_interpreted_tile_kernels_match_the_loop():
+    """Prefill rows of stacked experts take the tile kernels by default: the loop's function within fp16 rounding,
+    the same experts picked by the router's row kernels, padding rows past n left out."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    env.pop("DSV41_PREFILL_TILES", None)
+    out = subprocess.run([sys.executable, __file__, "tiles"], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(results) == {"routed T=1", "routed T=37", "routed T=37 n=30"}
+    for name, r in results.items():
+        assert r["same_experts"] and r["finite"], (name, r)
+        assert r["rel"] <= 1e-2, (name, r)
+
+
 if __name__ == "__main__":
-    print(json.dumps(_check(sys.argv[1])))
+    print(json.dumps(_check_tiles() if sys.argv[1] == "tiles" else _check(sys.argv[1])))

@@ -267,7 +267,7 @@ def test_metrics_and_request_log(server, client):
 
 def test_unknown_fields_are_ignored_and_logged_once_and_an_unknown_model_is_404(server, client):
     resp = client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=2,
-                                          extra_body={"frobnicate": {"x": 1}, "priority": 3, "user_tag": "t"})
+                                          extra_body={"frobnicate": {"x": 1}, "user_tag": "t"})
     assert resp.choices[0].finish_reason in ("stop", "length")
     client.chat.completions.create(model=SERVED_NAME, messages=MESSAGES, max_tokens=1, extra_body={"frobnicate": 2})
     warned = [line for line in server.lines if "accepted but not implemented" in line and "'frobnicate'" in line]

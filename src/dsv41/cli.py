@@ -134,6 +134,9 @@ def cmd_generate(args) -> int:
     import torch
 
     from .engine.sampling import SamplingParams, derive_seed, sample_token
+    from .prepared.start import generate_fast, wants_fast
+    if wants_fast(args):  # the serving forward: from a prepared folder (--prepared) or built (--forward fast)
+        return generate_fast(args, _model_dir(args.model), resolve_device(args.device), LoadBar().update)
     model = _load(args)
     tok = model.tokenizer
     if tok is None:
@@ -267,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=number(int, 0), default=0, help="0 = off (default)")
     p.add_argument("--seed", type=number(int, 0), default=None, help="sampling seed (default: derived from the prompt)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sentence token")
+    p.add_argument("--forward", choices=("reference", "fast"), default="reference",
+                   help="reference (model/, default) or fast (runtime/ FastModel, as serve on CUDA; implied by "
+                        "--prepared)")
+    from .prepared.start import add_start_args
+    add_start_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("score", help="teacher-forced logits of ids, prefilled in chunks then decoded")
@@ -288,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=number(int, 0), default=0)
     p.set_defaults(func=cmd_make_tiny)
 
-    for module in ("server.cli", "ops.cli", "engram.cli"):
+    for module in ("server.cli", "ops.cli", "engram.cli", "prepared.cli", "hub.cli"):
         _register_optional(module, sub)
     return parser
 

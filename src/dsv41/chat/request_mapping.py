@@ -1,8 +1,9 @@
 """OpenAI chat request (a plain dict, as parsed from JSON) -> the V4.1 encoder's arguments and prompt text.
 
 Rules (issue 5, RECIPE.md §1.2, fixtures README "OpenAI request -> encoder arguments"):
-- thinking is on by default; `chat_template_kwargs.enable_thinking` / `.thinking` (bool) set it explicitly and
-  win over an effort word that implies a mode;
+- thinking is on by default; `chat_template_kwargs.enable_thinking` / `.thinking` (bool), then the `thinking`
+  object (DeepSeek's `{"type": "enabled" | "disabled"}`, Anthropic's adaptive) set it explicitly and win over an
+  effort word that implies a mode (`resolve_thinking`: the one precedence rule);
 - `reasoning_effort` at top level or in `chat_template_kwargs` (kwargs win): none/minimal -> thinking off,
   low -> 50, medium/high -> 75, xhigh/max -> 100, an int 1..100 as is; anything else is a RequestError;
 - request `tools` and `response_format` go onto a system message at index 0 (an empty one is inserted when the
@@ -28,7 +29,7 @@ from .tools_text import qualify
 EFFORT_WORDS = {"low": 50, "medium": 75, "high": 75, "xhigh": 100, "max": 100}
 EFFORT_OFF_WORDS = ("none", "minimal")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
 @dataclass
@@ -53,10 +54,12 @@ class ChatPrompt:
         return self.thinking_mode == "thinking" and not self.continue_final_message and self.add_generation_prompt
 
     def new_parser(self, **kwargs) -> StreamParser:
-        """The output parser for this request (undeclared tool names stay content, values typed by schema)."""
+        """The output parser for this request (undeclared tool names stay content, values typed by schema; a call
+        is reported once its invoke closes, so one cut by max_tokens is never shown: `hold_calls`)."""
         # A continued answer is past </think> already, and a prompt without a generation header is continued as
         # text, so the generated text starts as content.
         mode = self.thinking_mode if self.reply_in_reasoning else "chat"
+        kwargs.setdefault("hold_calls", True)
         return StreamParser(mode, self.tools, parallel_tool_calls=self.parallel_tool_calls, **kwargs)
 
 
@@ -114,7 +117,15 @@ def _optional_bool(request: dict, key: str) -> bool | None:
 
 
 def resolve_thinking(request: dict, kwargs: dict) -> tuple[bool, int]:
-    """(thinking on?, effort number) from the effort fields and the explicit thinking switches."""
+    """(thinking on?, effort number): THE precedence rule of every endpoint (docs/SERVER.md "Thinking controls").
+
+    Whether the reply reasons, the first of these that is given decides:
+      1. `chat_template_kwargs.enable_thinking` / `.thinking` (booleans; they must agree);
+      2. the `thinking` object (DeepSeek's API and Anthropic's): type enabled / adaptive -> on, disabled -> off;
+      3. the effort: none / minimal -> off, any other effort -> on;
+      4. the default: on.
+    How much (the effort number the prompt shows when thinking): `chat_template_kwargs.reasoning_effort`, else
+    `reasoning_effort` (Anthropic's `output_config.effort` arrives here), else high (75)."""
     if "reasoning_effort" in kwargs and kwargs["reasoning_effort"] is not None:
         raw, param = kwargs["reasoning_effort"], "chat_template_kwargs.reasoning_effort"
     else:
@@ -127,9 +138,26 @@ def resolve_thinking(request: dict, kwargs: dict) -> tuple[bool, int]:
     if len(set(switches.values())) > 1:
         raise RequestError("chat_template_kwargs.enable_thinking and .thinking disagree",
                            param="chat_template_kwargs.enable_thinking")
+    switch = thinking_switch(request.get("thinking"))
     if switches:
         thinking = next(iter(switches.values()))
+    elif switch is not None:
+        thinking = switch
     return thinking, effort
+
+
+THINKING_TYPES = {"enabled": True, "adaptive": True, "disabled": False}
+
+
+def thinking_switch(value) -> bool | None:
+    """The `thinking` object's switch (DeepSeek: enabled / disabled; Anthropic also adaptive), None when absent.
+    Its other keys (Anthropic's budget_tokens, display) are the caller's business."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in THINKING_TYPES:
+        raise RequestError('thinking must be an object {"type": "enabled" | "disabled" | "adaptive"}',
+                           param="thinking.type" if isinstance(value, dict) else "thinking")
+    return THINKING_TYPES[value["type"]]
 
 
 def effort_to_mode(raw, param: str = "reasoning_effort") -> tuple[bool, int]:
@@ -274,9 +302,9 @@ def _response_format(request: dict) -> dict | None:
     response_format = request.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in RESPONSE_FORMAT_TYPES:
-            raise RequestError('response_format.type must be "text", "json_object" or "json_schema"',
+            raise RequestError('response_format.type must be "text", "json_object", "json_schema" or "structural_tag"',
                                param="response_format")
-        if response_format["type"] == "text":
+        if response_format["type"] in ("text", "structural_tag"):  # a structural tag is enforced, not described
             return None
         if response_format["type"] == "json_schema" and not isinstance(response_format.get("json_schema"), dict):
             raise RequestError("response_format.json_schema must be an object", param="response_format.json_schema")

@@ -23,7 +23,13 @@ accepts, the result equals `parse_completion`'s. With `tools` given (the request
 - values are typed by the tool's JSON schema (tool_schema.py): arguments are always valid JSON;
 - the reported name is the function name as declared (namespace separately when declared separately).
 Malformed DSML never raises: completed calls stand, an open call's arguments are closed to valid JSON, and the
-unparsed rest becomes content (dropped instead when the text simply ended inside a call).
+unparsed rest becomes content. A call cut by max_tokens (`finish(truncated=True)` while it is open) is dropped,
+never reported with arguments the model did not finish; its markup is not content either.
+`hold_calls=True` (what `ChatPrompt.new_parser` asks for, so every endpoint does the same) emits a call's events
+only once its invoke has closed (ToolCallStart, its arguments in one fragment, ToolCallEnd together), so a streamed
+reply never shows a call that a cut later drops, and streamed and whole replies agree.
+`<think>` and `</think>` are never reasoning or content text: a stray one (thinking off, a second `</think>`) is
+dropped (docs/SERVER.md "Clean text").
 """
 
 import json
@@ -34,7 +40,8 @@ from typing import Callable
 
 from .dsml import json_key, official_value, split_call_name
 from .errors import ParseError
-from .tokens import CALLS_CLOSE, CALLS_START, EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, THINK_END
+from .tokens import (CALLS_CLOSE, CALLS_START, EOS, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, THINK_END,
+                     THINK_START)
 from .tool_schema import ToolSpec, tool_specs
 
 CALL_ID_ALPHABET = string.ascii_letters + string.digits
@@ -140,6 +147,9 @@ def _match(buf: str, pattern) -> tuple[int, list[str]] | str:
     return pos, captures
 
 
+STRAY_MARKUP = (THINK_START, THINK_END)  # dropped wherever they are not the end of the reasoning
+
+
 def _literal(buf: str, pos: int, literal: str) -> str:
     chunk = buf[pos:pos + len(literal)]
     if chunk == literal:
@@ -178,7 +188,7 @@ class StreamParser:
     """Incremental V4.1 completion parser; see the module docstring for the event model."""
 
     def __init__(self, thinking_mode: str, tools: list | None = None, *, parallel_tool_calls: bool = True,
-                 new_call_id: Callable[[], str] = new_call_id):
+                 new_call_id: Callable[[], str] = new_call_id, hold_calls: bool = False):
         if thinking_mode not in ("chat", "thinking"):
             raise ParseError(f"thinking_mode must be 'chat' or 'thinking', got {thinking_mode!r}")
         self._specs = tool_specs(tools)
@@ -187,6 +197,8 @@ class StreamParser:
         self._state = "reasoning" if thinking_mode == "thinking" else "content"
         self._buf = ""
         self._events: list = []
+        self._hold_calls = hold_calls
+        self._held: list = []  # the open call's events while hold_calls keeps them back
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[dict] = []
@@ -283,7 +295,9 @@ class StreamParser:
             self._events.append(ContentDelta(text))
 
     def _step_reasoning(self, final: bool) -> bool:
-        marker = self._scan((THINK_END, EOS), self._emit_reasoning, final)
+        marker = self._scan((THINK_END, EOS, THINK_START), self._emit_reasoning, final)
+        if marker == THINK_START:
+            return True  # markup, never reasoning text
         if marker == THINK_END:
             self._state = "content"
         elif marker == EOS:
@@ -291,7 +305,9 @@ class StreamParser:
         return marker is not None
 
     def _step_content(self, final: bool) -> bool:
-        marker = self._scan((CALLS_START, EOS), self._emit_content, final)
+        marker = self._scan((CALLS_START, EOS) + STRAY_MARKUP, self._emit_content, final)
+        if marker in STRAY_MARKUP:
+            return True  # a stray <think> / </think> is markup, never content
         if marker == CALLS_START:
             self._state, self._at = "block", "open"
             self._block_raw, self._block_calls = CALLS_START, 0
@@ -301,7 +317,7 @@ class StreamParser:
 
     def _step_raw(self, final: bool) -> bool:
         """After malformed or undeclared DSML: everything is content until EOS."""
-        marker = self._scan((EOS,), self._emit_content, final)
+        marker = self._scan((EOS,) + STRAY_MARKUP, self._emit_content, final)
         if marker == EOS:
             self._saw_eos, self._state = True, "done"
         return marker is not None
@@ -386,7 +402,7 @@ class StreamParser:
         self._call = _OpenCall(index=len(self._calls) if reported else -1, id=self._new_call_id() if reported
                                else "", name=name, namespace=namespace, spec=spec)
         if reported:
-            self._events.append(ToolCallStart(self._call.index, self._call.id, name, namespace))
+            self._call_event(ToolCallStart(self._call.index, self._call.id, name, namespace))
         self._at = "invoke_body"
         return True
 
@@ -394,7 +410,10 @@ class StreamParser:
         call = self._call
         call.fragments.append(fragment)
         if call.index >= 0 and fragment:
-            self._events.append(ToolCallArgumentsDelta(call.index, fragment))
+            self._call_event(ToolCallArgumentsDelta(call.index, fragment))
+
+    def _call_event(self, event):
+        (self._held if self._hold_calls else self._events).append(event)
 
     def _open_param(self, key: str, is_string: bool, final: bool) -> bool:
         call = self._call
@@ -441,14 +460,15 @@ class StreamParser:
         self._value_text(self._consume(size))
         return False
 
-    def _end_call(self, close: bool = True):
+    def _end_call(self):
         call = self._call
-        if close:
-            self._argument("}" if call.keys else "{}")
+        self._argument("}" if call.keys else "{}")
         self._call = None
         arguments = "".join(call.fragments)
         if call.index < 0:
             return
+        self._events += self._held
+        self._held = []
         self._events.append(ToolCallEnd(call.index, arguments))
         record = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
         if call.namespace is not None:
@@ -456,10 +476,12 @@ class StreamParser:
         self._calls.append(record)
 
     def _close_open_call(self):
-        """Make an interrupted call's arguments valid JSON and record it."""
+        """Make an interrupted call's arguments valid JSON and record it; a call cut by max_tokens is dropped (its
+        arguments are unfinished: a required one may be missing, a value half written)."""
         call = self._call
         if self._truncated:
-            return self._end_call(close=False)
+            self._call, self._held = None, []
+            return
         if call.value_open:
             self._argument('"' if call.streaming_value else "null")
         self._end_call()

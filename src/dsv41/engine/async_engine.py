@@ -126,9 +126,11 @@ class AsyncEngine(Engine):
 
             constraint = GrammarConstraint(request.grammar, self.vocab_size, self.encode_text)
         limit = max(1, min(request.max_tokens, self.max_model_len - len(request.prompt_ids)))
-        return Sequence(list(request.prompt_ids), limit, request.sampling, request.stop_token_ids,
-                        request.ignore_eos, request.logprobs, request.prompt_logprobs, constraint,
-                        request.background, emit)
+        seq = Sequence(list(request.prompt_ids), limit, request.sampling, request.stop_token_ids,
+                       request.ignore_eos, request.logprobs, request.prompt_logprobs, constraint,
+                       request.background, emit)
+        seq.draft = getattr(request, "draft", None)
+        return seq
 
     def _cancel(self, stream: RequestStream) -> None:
         self._commands.put(("abort", stream.seq))

@@ -55,13 +55,23 @@ class Row:
     sample: RowSampling | None = None  # draw a token from the last row's logits
     scores: list[tuple[int, int, int]] = field(default_factory=list)  # (row offset, next id, top): logprobs
     replay_start: int = 0  # CED bounded replay: the decoder layers see positions >= this only
+    # verify rows (phase VERIFY): the last n_draft token ids are drafts; `sample` draws at the row before them
+    # (the window's first row) and `draft_samples[i]` at draft i's row (its mask and adjustments after the drafts
+    # before it), each at the request's step sample.step + 1 + i; drafts are kept up to the first that differs
     n_draft: int = 0
+    draft_samples: list = field(default_factory=list)  # RowSampling per draft (wire lists on followers)
+    propose: int = 0  # DSpark drafts wanted for the next round (from the last kept row and the last token)
+
+    @property
+    def first_choice(self) -> int:
+        """The offset of the first sampled row: the last row, or the window's first row of a verify row."""
+        return len(self.token_ids) - 1 - self.n_draft
 
     def logit_offsets(self) -> list[int]:
-        """The rows of this chunk whose logits the step needs, ascending (scored rows, then the sampled one)."""
+        """The rows of this chunk whose logits the step needs, ascending (scored rows, then the sampled ones)."""
         wanted = {offset for offset, _, _ in self.scores}
         if self.sample is not None:
-            wanted.add(len(self.token_ids) - 1)
+            wanted.update(range(self.first_choice, len(self.token_ids)))
         return sorted(wanted)
 
 
@@ -91,6 +101,10 @@ class RowOutput:
     scored: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # one per Row.scores entry
     accepted: int = 0  # verify rows: drafts accepted
     error: str | None = None  # this row alone failed because of its request (its grammar allows no token)
+    # verify rows: every token the round emits, (id, logprob, top) each: the accepted drafts, then `token`
+    emitted: list = field(default_factory=list)
+    proposal: list[int] = field(default_factory=list)  # DSpark drafts for the next round (Row.propose)
+    confidence: list[float] = field(default_factory=list)  # per proposal: acceptance given the ones before
 
 
 @dataclass(slots=True)

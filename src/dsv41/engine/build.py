@@ -45,6 +45,23 @@ def register_engine_args(parser) -> None:
                    help="the batched engine's forward: fast (runtime/ FastModel, packed weights and kernels; the "
                         "default on CUDA) or reference (model/ math over the pool; the default on the CPU). "
                         "fast on the CPU runs the Triton interpreter (TRITON_INTERPRET=1 only)")
+    import os
+
+    env = os.environ.get
+    g.add_argument("--draft-depth", type=int, default=int(env("DSV41_DRAFT_DEPTH", "5")), metavar="K",
+                   help="speculative drafting: most drafts a round, 0..5 (DSV41_DRAFT_DEPTH; default 5; 0: off)")
+    g.add_argument("--draft-dspark", choices=("auto", "on", "off"), default=env("DSV41_DRAFT_DSPARK", "auto"),
+                   help="DSpark drafts when the checkpoint has the draft blocks (DSV41_DRAFT_DSPARK; auto: on a GPU, "
+                        "not on the CPU, where every verify row costs what a token is worth)")
+    g.add_argument("--draft-lookup", choices=("on", "off"), default=env("DSV41_DRAFT_LOOKUP", "off"),
+                   help="lookup drafts: continuations found in the request's own prompt and output "
+                        "(DSV41_DRAFT_LOOKUP; default off)")
+    g.add_argument("--draft-default", choices=("on", "off"), default="off" if env("DSV41_DRAFT") == "0" else "on",
+                   help="whether requests that do not say draft (DSV41_DRAFT=0: off; a request's \"draft\" "
+                        "field decides for itself)")
+    g.add_argument("--draft-cost", default=env("DSV41_DRAFT_COST"), metavar="ROWS:S,...",
+                   help="the step cost per row count that sets the draft depth (DSV41_DRAFT_COST; default: "
+                        "measured at start)")
 
 
 def engine_defaults(**overrides) -> argparse.Namespace:
@@ -67,6 +84,42 @@ def knobs_tag(args) -> str:
     if args.expert_topp is not None:
         parts.append(f"expert_topp={args.expert_topp:g},min_k={args.expert_min_k}")
     return ";".join(parts)
+
+
+def draft_config(args, model, executor=None, log=None, *, drafter: bool = False):
+    """The engine's drafting (`engine/drafting.py`) from the options: DSpark when the runner has the drafter,
+    lookup when asked; the step cost table given, or measured through `executor` before serving (every rank runs
+    the scratch steps), and logged."""
+    from .drafting import CostTable, DraftConfig
+
+    depth = max(0, min(int(getattr(args, "draft_depth", 0) or 0), 5))
+    dspark = drafter
+    lookup = getattr(args, "draft_lookup", "off") == "on"
+    block = model.cfg.dspark_block_size or 5
+    config = DraftConfig(dspark=dspark, lookup=lookup, depth=depth, block=block,
+                         default_on=getattr(args, "draft_default", "on") == "on")
+    if config.active:
+        if getattr(args, "draft_cost", None):
+            config.cost = CostTable.parse(args.draft_cost)
+        elif executor is not None:
+            from .drafting import measure_step_costs
+
+            pool = executor.runner.pool
+            config.cost = CostTable(measure_step_costs(
+                executor.execute, slots=pool.num_slots, pages=pool.num_pages, max_rows=args.parallel * (depth + 1),
+                window=depth + 1, knobs_tag=executor.runner.knobs_tag))
+        if log is not None:
+            log(f"dsv41 engine: drafting {'dspark' if dspark else ''}{'+' if dspark and lookup else ''}"
+                f"{'lookup' if lookup else ''}, depth <= {depth}, by default {'on' if config.default_on else 'off'}; "
+                f"step cost {config.cost.describe()}")
+    return config
+
+
+def dspark_wanted(args, device) -> bool:
+    """Whether the batched engine drafts with DSpark on `device` (the model must then load the draft blocks)."""
+    choice = getattr(args, "draft_dspark", "off")
+    on = choice == "on" or (choice == "auto" and str(device).startswith("cuda"))
+    return on and getattr(args, "engine", "batched") == "batched" and getattr(args, "draft_depth", 0) > 0
 
 
 def serving_forward(args, device) -> str:
@@ -108,11 +161,17 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         raise ConfigError("--forward reference needs the reference model (model/loader.py); a FastModel was built")
     if fast and (args.prefill == "replay" or args.expert_topp is not None):
         raise ConfigError("--forward fast runs neither --prefill replay nor --expert-topp (use --forward reference)")
+    if fast and getattr(args, "draft_lookup", "off") == "on" and getattr(args, "draft_depth", 0) > 0:
+        # its in-place verify rows do not yet keep the rows of groups a rejected draft closed (step_tables.py)
+        raise ConfigError("--forward fast does not draft yet: --draft-lookup needs --forward reference")
     layout = pool_layout(model) if fast else model
     if args.parallel < 1 or args.page_tokens < 1:
         raise ValueError("--parallel and --page-tokens must be >= 1")
     context_pages = -(-(max_model_len + 1) // args.page_tokens)
-    verify = model.cfg.dspark_block_size + 1 if layout.dspark is not None else 0
+    # ring rows for a verify window (a rejected draft rolls back by length: the ring keeps the window behind it):
+    # DSpark's block + 1, also for lookup drafts alone
+    drafts = getattr(args, "draft_depth", 0) > 0 and getattr(args, "draft_lookup", "off") == "on"
+    verify = (model.cfg.dspark_block_size or 5) + 1 if layout.dspark is not None or drafts else 0
     probe = pool_for_model(layout, num_slots=1, num_pages=1, page_tokens=args.page_tokens, verify_rows=verify)
     if args.pool_tokens is not None:
         pages = -(-args.pool_tokens // args.page_tokens)
@@ -137,7 +196,12 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         forward = PoolForward(model, replay=args.prefill == "replay", expert_topp=args.expert_topp,
                               expert_min_k=args.expert_min_k)
     log(f"dsv41 engine: {forward_kind} forward")
-    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args))
+    drafter = None
+    if not fast and model.dspark is not None and dspark_wanted(args, model.device):
+        from ..runtime.draft_dspark import DSparkDrafter
+
+        drafter = DSparkDrafter(model)
+    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args), drafter=drafter)
 
 
 def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None):
@@ -167,7 +231,8 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
         scheduler=SchedulerConfig(prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,
-        lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args))
+        lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
+        draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None))
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,

@@ -132,6 +132,29 @@ class GrammarConstraint:
     def forced(self, budget: int) -> list[int]:
         return self.forced_tokens(self.encode, budget)
 
+    def speculate(self, tokens: list[int]) -> list[bytes | None]:
+        """Drafting (engine/drafting.py): the masks after each prefix of `tokens` at which the next token is
+        sampled as usual — it stops before a token the grammar rejects, and at a state that ends the grammar,
+        forces text or ends the reasoning budget (a serial run would not sample there). The constraint is left
+        as it was (the matcher rolled back)."""
+        masks: list[bytes | None] = []
+        saved, accepted = (self.reasoning, self.thought), 0
+        try:
+            for token in tokens:
+                if self.matcher is not None and not self.matcher.accept_token(token):
+                    break
+                accepted += 1
+                self._follow(token)
+                if self._must_end() or (self.matcher is not None and (
+                        self.matcher.is_terminated() or self.matcher.find_jump_forward_string())):
+                    break
+                masks.append(self.mask())
+        finally:
+            if self.matcher is not None and accepted:
+                self.matcher.rollback(accepted)
+            self.reasoning, self.thought = saved
+        return masks
+
     def accept(self, token: int) -> bool:
         """Advance; True once the grammar has ended (its stop token accepted)."""
         if self.matcher is not None and not self.matcher.accept_token(token):

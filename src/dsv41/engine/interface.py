@@ -52,6 +52,7 @@ class GenerationRequest:
     grammar: Any = None  # an xgrammar CompiledGrammar; the engine masks every step with a matcher over it
     request_id: str = ""
     background: bool = False  # the batched engine admits foreground requests first (FIFO within each class)
+    draft: int | None = None  # speculative drafting: None = the engine's default, 0 = off, k = at most k a round
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class FinishEvent:
     completion_tokens: int
     cached_tokens: int = 0
     tag: str = ""  # the approximate engine settings the reply was computed under ("" = exact; docs/ENGINE.md)
+    # decode tokens per engine round (drafting: accepted drafts + 1); not part of the reply (equality ignores it)
+    tokens_per_round: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

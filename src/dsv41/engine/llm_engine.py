@@ -19,8 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .batch import DECODE, PREFILL, Batch, Row, RowOutput, RowSampling
+from .batch import DECODE, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling
 from .block_manager import BlockManager
+from .drafting import DRAFTERS, DraftConfig, DrafterStats, choose_depth, lookup_draft
 from .params import banned_ids
 from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from .request import Sequence, SequenceGroup, Status
@@ -53,6 +54,7 @@ class EngineConfig:
     window: int = 128  # the model's sliding window (the replay segment)
     lookback: int = 0  # token ids before a chunk that the Engram n-grams need
     knobs_tag: str = ""  # every approximate setting in force ("" = exact)
+    draft: DraftConfig = field(default_factory=DraftConfig)  # speculative drafting (engine/drafting.py)
 
 
 class LLMEngine:
@@ -76,6 +78,8 @@ class LLMEngine:
         self.times = {"queue": TimeHistogram(), "prefill": TimeHistogram(), "inter_token": TimeHistogram()}
         self._scheduled_at: dict[int, float] = {}  # seq id -> when its first row ran (until its prompt is in)
         self._last_token_at: dict[int, float] = {}  # seq id -> when its last token was reported
+        self.drafters = {name: DrafterStats() for name in DRAFTERS}
+        self._drafter_of: dict[int, str] = {}  # seq id -> the drafter of its verify row in this step
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
@@ -134,6 +138,7 @@ class LLMEngine:
                                     f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running",
                                     code="insufficient_memory"))
         work = self.scheduler.schedule()
+        self._drafter_of.clear()
         if not work:
             return False
         now = self.clock()
@@ -141,7 +146,10 @@ class LLMEngine:
             if seq.prefilling and not seq.forked and seq.seq_id not in self._scheduled_at:
                 self._scheduled_at[seq.seq_id] = now
                 self.times["queue"].observe(now - seq.arrival)
-        rows = [self._row(seq, n) for seq, n in work]
+        rows, planned = [], sum(n for seq, n in work if seq.prefilling)
+        for seq, n in work:
+            rows.append(self._row(seq, n, planned))
+            planned += len(rows[-1].token_ids) if not seq.prefilling else 0
         copies = [entry for sib, entry in self._copies if sib.status is Status.RUNNING]
         batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag,
                       copies=copies)
@@ -162,33 +170,93 @@ class LLMEngine:
             self._postprocess(seq, n, row, result)
         return True
 
-    def _row(self, seq: Sequence, n: int) -> Row:
+    def _sampling(self, seq: Sequence, drafts: list[int], mask: bytes | None) -> RowSampling:
+        """The keyed draw after the sequence's tokens and `drafts` (its step, adjustments and grammar mask there:
+        what a serial run uses at that position once the drafts are its tokens)."""
+        p = seq.sampling
+        sample = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.produced + len(drafts),
+                             seq.logprobs, mask)
+        if p.adjusts:
+            output = seq.tokens[seq.prompt_len:] + drafts
+            penalised = p.presence_penalty or p.frequency_penalty or p.uses_prompt
+            sample.adjust = [p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
+                             [list(b) for b in p.logit_bias],
+                             None if p.allowed_token_ids is None else list(p.allowed_token_ids),
+                             banned_ids(p, output, () if seq.ignore_eos else seq.stop_ids),
+                             output if penalised else [], list(seq.prompt) if p.uses_prompt else []]
+        return sample
+
+    def _draft_cap(self, seq: Sequence) -> int:
+        d = self.config.draft
+        if not d.active:
+            return 0
+        cap = seq.draft if seq.draft is not None else (d.depth if d.default_on else 0)
+        return max(0, min(cap, d.depth))
+
+    def _drafts(self, seq: Sequence, planned: int) -> tuple[str, list[int]]:
+        """The drafter and drafts this round verifies after y (the one token the sequence absorbs): the better
+        of DSpark's proposal and a lookup match by tokens per second at their cost-chosen depths, cut where a
+        serial run would not sample (budget, grammar end, forced text)."""
+        d, cap = self.config.draft, min(self._draft_cap(seq), seq.limit - seq.produced - 1)
+        if cap <= 0:
+            return "", []
+        options = []
+        if d.dspark and seq.proposal:
+            k, rate = choose_depth(seq.confidence, cap, d.cost, planned)
+            options.append((rate, "dspark", seq.proposal[:k]))
+        if d.lookup:
+            found = lookup_draft(seq.tokens, cap, d.min_ngram, d.max_ngram)
+            if found:
+                c = (seq.lookup_accepted + 1) / (seq.lookup_drafted + 2)
+                k, rate = choose_depth([c] * len(found), cap, d.cost, planned)
+                options.append((rate, "lookup", found[:k]))
+        options = [o for o in options if o[2]]
+        if not options:
+            return "", []
+        _, name, drafts = max(options, key=lambda o: o[0])
+        return name, drafts
+
+    def _row(self, seq: Sequence, n: int, planned: int = 0) -> Row:
         a = seq.num_computed
         end = a + n
-        sample = None
+        sample, drafter, drafts, draft_samples = None, "", [], []
         if end == len(seq.tokens) and seq.produced < seq.limit:
-            p = seq.sampling
-            sample = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.produced, seq.logprobs,
-                                 seq.constraint.mask() if seq.constraint is not None else None)
-            if p.adjusts:
-                output = seq.tokens[seq.prompt_len:]
-                penalised = p.presence_penalty or p.frequency_penalty or p.uses_prompt
-                sample.adjust = [p.presence_penalty, p.frequency_penalty, p.repetition_penalty,
-                                 [list(b) for b in p.logit_bias],
-                                 None if p.allowed_token_ids is None else list(p.allowed_token_ids),
-                                 banned_ids(p, output, () if seq.ignore_eos else seq.stop_ids),
-                                 output if penalised else [], list(seq.prompt) if p.uses_prompt else []]
+            mask = seq.constraint.mask() if seq.constraint is not None else None
+            sample = self._sampling(seq, [], mask)
+            if n == 1 and not seq.prefilling:
+                drafter, drafts = self._drafts(seq, planned)
+                masks = seq.constraint.speculate(drafts) if drafts and seq.constraint is not None else None
+                if masks is not None:
+                    drafts = drafts[:len(masks)]
+                draft_samples = [self._sampling(seq, drafts[:i + 1], masks[i] if masks else None)
+                                 for i in range(len(drafts))]
+        if drafts:
+            self._drafter_of[seq.seq_id] = drafter
         scores = []
         for j, nxt in enumerate(range(a + 1, min(end + 1, len(seq.tokens)))):
             top = seq.prompt_logprobs if nxt < seq.prompt_len else seq.logprobs
             if top is not None:
                 scores.append((j, seq.tokens[nxt], top))
         L = self.config.lookback
-        return Row(seq.seq_id, seq.slot, seq.tokens[a:end], a, seq.pages, PREFILL if a < seq.prompt_len else DECODE,
-                   seq.tokens[max(0, a - L):a] if L else [], sample, scores, seq.replay_start)
+        phase = PREFILL if a < seq.prompt_len else VERIFY if drafts else DECODE
+        propose = 0
+        if sample is not None and self.config.draft.dspark and self._draft_cap(seq) > 0:
+            cap = min(self._draft_cap(seq), self.config.draft.block)
+            # a pass only where some window could pay for itself at the step's rows (sure drafts, measured cost)
+            propose = cap if choose_depth([1.0] * cap, cap, self.config.draft.cost, planned)[0] else 0
+        return Row(seq.seq_id, seq.slot, seq.tokens[a:end] + drafts, a, seq.pages, phase,
+                   seq.tokens[max(0, a - L):a] if L else [], sample, scores, seq.replay_start, len(drafts),
+                   draft_samples, propose)
 
     def _postprocess(self, seq: Sequence, n: int, row: Row, out: RowOutput) -> None:
-        if out.error is not None:
+        drafter = self._drafter_of.pop(seq.seq_id, "")
+        if drafter:
+            self.drafters[drafter].count(row.n_draft, out.accepted)
+            if drafter == "lookup":
+                seq.lookup_drafted += row.n_draft
+                seq.lookup_accepted += out.accepted
+        seq.proposal, seq.confidence = list(out.proposal), list(out.confidence)
+        if out.error is not None and not out.emitted:
             grammar = out.error.startswith("the grammar")
             self._fail(seq, out.error, rejected="grammar_dead_end" if grammar else "no_token_allowed")
             return
@@ -212,16 +280,27 @@ class LLMEngine:
         for q in range(seq.prompt_len if a < seq.prompt_len else a + 1, seq.num_computed):
             logprob, top = scored.get(q - a - 1, (None, ()))  # row q - 1 predicts position q
             self._report(seq, seq.unreported.popleft(), logprob, top)
-        if out.token is not None:
-            seq.tokens.append(out.token)
+        # the round's tokens: the accepted drafts (their rows are in the cache: the rejected rows' are not counted,
+        # the next round writes over them), then the one chosen after them, each handled as a serial step would
+        emitted = out.emitted or ([(out.token, out.logprob, out.top)] if out.token is not None else [])
+        if emitted and row.phase != PREFILL:
+            seq.decode_rounds += 1
+            seq.round_tokens += len(emitted)
+        for i, (token, logprob, top) in enumerate(emitted):
+            seq.tokens.append(token)
+            seq.num_computed += i < out.accepted
             seq.produced += 1
-            self._report(seq, out.token, out.logprob, out.top)
-            if seq.constraint is not None and seq.constraint.accept(out.token):
+            self._report(seq, token, logprob, top)
+            if seq.constraint is not None and seq.constraint.accept(token):
                 return self._finish(seq, "stop")
-            if out.token in seq.stop_ids and not seq.ignore_eos:
+            if token in seq.stop_ids and not seq.ignore_eos:
                 return self._finish(seq, "stop")
             if seq.produced >= seq.limit:
                 return self._finish(seq, "length")
+        if out.error is not None:  # after accepted drafts: where a serial run fails too
+            grammar = out.error.startswith("the grammar")
+            return self._fail(seq, out.error, rejected="grammar_dead_end" if grammar else "no_token_allowed")
+        if emitted:
             self._extend_forced(seq)
         elif not seq.prefilling and seq.pending == 0 and seq.produced >= seq.limit:
             self._finish(seq, "length")  # forced text filled the budget
@@ -277,8 +356,10 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self._release(seq)  # the finish event goes out after the slot and pages are back
+        per_round = round(seq.round_tokens / seq.decode_rounds, 3) if seq.decode_rounds else None
         seq.emit(FinishEvent(reason=reason, prompt_tokens=seq.prompt_len,
-                             completion_tokens=seq.produced - len(seq.unreported), tag=self.config.knobs_tag))
+                             completion_tokens=seq.produced - len(seq.unreported), tag=self.config.knobs_tag,
+                             tokens_per_round=per_round))
 
     def _fail(self, seq: Sequence, message: str, rejected: str = "") -> None:
         """`rejected`: the EngineRejected code when the request itself is at fault ("" = an engine failure)."""
@@ -302,6 +383,13 @@ class LLMEngine:
         n = sum(len(r.token_ids) for r in rows)
         self.rows_hist[next((b for b in ROW_BUCKETS if n <= b), ROW_BUCKETS[-1])] += 1
 
+    def _draft_figures(self) -> dict:
+        d = self.config.draft
+        return {"drafters": [n for n, on in (("dspark", d.dspark), ("lookup", d.lookup)) if on],
+                "depth": d.depth, "default_on": d.default_on,
+                "step_cost": [list(p) for p in d.cost.points],
+                **{name: st.figures() for name, st in self.drafters.items()}}
+
     def stats(self) -> dict:
         b, s = self.blocks, self.scheduler
         return {
@@ -313,5 +401,10 @@ class LLMEngine:
             "last_round_s": round(self.last_round_s, 6),
             "rows_per_round": {str(k): v for k, v in self.rows_hist.items() if v},
             "prefill_mode": self.config.prefill_mode, "tag": self.config.knobs_tag,
+            # a long prompt's progress (/health's batching.prefilling): the running sequences still prefilling;
+            # read from the server's thread, so over a copy of the list the engine thread may change
+            "prefilling": [{"seq": q.seq_id, "prompt_tokens": q.prompt_len, "prefilled": q.num_computed}
+                           for q in list(s.running) if q.prefilling],
+            "drafting": self._draft_figures(),
             "seconds": {"bounds": list(TIME_BUCKETS), **{k: h.figures() for k, h in self.times.items()}},
         }

@@ -57,6 +57,13 @@ class Sequence:
     hold_at: int | None = None  # a group's leader: prefill up to here, then its siblings fork
     awaiting_fork: bool = False  # a sibling admitted with its group, waiting for the leader's prefill
     forked: bool = False  # a sibling that forked: its prompt was prefilled (and counted) by the leader
+    draft: int | None = None  # the request's drafting: None = the engine's default, 0 = off, k = at most k a round
+    proposal: list[int] = field(default_factory=list)  # DSpark's drafts for the next round (and their confidences)
+    confidence: list[float] = field(default_factory=list)
+    lookup_drafted: int = 0  # this sequence's lookup drafts verified and accepted (its lookup confidence)
+    lookup_accepted: int = 0
+    decode_rounds: int = 0  # rounds that emitted sampled tokens, and those tokens (tokens per round)
+    round_tokens: int = 0
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -79,14 +86,6 @@ class Sequence:
     def reserve_tokens(self) -> int:
         """Positions the page table must cover: every absorbed token (the last sampled one never is)."""
         return self.prompt_len + self.limit
-
-    def rollback(self, n: int) -> None:
-        """Forget the last `n` absorbed tokens (rejected drafts; the caller appends the corrected one): the ring's
-        write head and the pages' length move back with `num_computed`; nothing is copied."""
-        if not 0 <= n <= self.num_computed - self.prompt_len:
-            raise ValueError(f"cannot roll back {n} of {self.num_computed} tokens")
-        self.num_computed -= n
-        del self.tokens[self.num_computed:]
 
 
 @dataclass(eq=False)

@@ -64,25 +64,42 @@ class DSpark:
         """Draft B tokens after the committed sequence in `state` followed by `y`. `choose(logits_row, i)` picks
         each row's token (greedy when None).
 
-        The reference for the engine's drafter: nothing in serving calls it until the scheduler drafts
-        (docs/SERVER.md); the speculative loop will, and its drafts are checked against this."""
+        The reference for the engine's drafter (runtime/draft_dspark.py runs `draft_many` over the pool's rings,
+        several sequences in one pass; its drafts are checked against this)."""
+        rings = [state.dspark_window(s).kv for s in range(len(self.blocks))]
+        return self.draft_many(model, [y], [state.pos - 1], [rings], [choose])[0]
+
+    @torch.no_grad()
+    def draft_many(self, model, ys: Sequence[int], last: Sequence[int], rings: Sequence[Sequence[torch.Tensor | None]],
+                   chooses: Sequence[Callable[[torch.Tensor, int], int] | None]) -> list[Draft]:
+        """`draft` for n sequences at once: sequence i's last committed position `last[i]`, its token `ys[i]` for
+        the position after, its stage rings `rings[i][s]` (the window rows up to last[i]). The stages, the norm and
+        the head run over every block row together (row-wise math: each sequence's bits are its own); attention
+        runs per block over its own ring; the Markov and confidence heads chain row by row per sequence."""
         cfg = self.cfg
-        B = cfg.dspark_block_size
-        choose = choose or (lambda row, i: int(torch.argmax(row)))
-        ids = torch.tensor([y] + [cfg.dspark_noise_token_id] * (B - 1), device=model.device)
-        p = state.pos - 1
-        positions = torch.arange(p + 1, p + 1 + B, device=model.device)
+        B, n = cfg.dspark_block_size, len(ys)
+        ids = torch.tensor([t for y in ys for t in [y] + [cfg.dspark_noise_token_id] * (B - 1)], device=model.device)
+        positions = torch.cat([torch.arange(p + 1, p + 1 + B, device=model.device) for p in last])
         h = model.embed(ids)
-        x = h[:, None, :].expand(B, cfg.hc_mult, h.shape[-1]).contiguous()
-        pre = torch.zeros(B, cfg.hc_mult, device=model.device)
+        x = h[:, None, :].expand(n * B, cfg.hc_mult, h.shape[-1]).contiguous()
+        pre = torch.zeros(n * B, cfg.hc_mult, device=model.device)
         pre[:, 0] = 1.0
         for s, block in enumerate(self.blocks):
-            ring = state.dspark_window(s).kv
-            x, pre, _ = block.run(model, x, pre, lambda hh, blk=block, r=ring: blk.attn.forward_block(hh, positions, r))
+            def attend(hh, blk=block, s=s):
+                return torch.cat([blk.attn.forward_block(hh[i * B:(i + 1) * B], positions[i * B:(i + 1) * B],
+                                                         rings[i][s]) for i in range(n)])
+
+            x, pre, _ = block.run(model, x, pre, attend)
         collapsed = mhc.collapse(x, pre)
         base = model.logits(rms_norm(collapsed, self.norm, cfg.rms_norm_eps))
+        return [self._chain(collapsed[i * B:(i + 1) * B], base[i * B:(i + 1) * B], ys[i],
+                            chooses[i] or (lambda row, j: int(torch.argmax(row)))) for i in range(n)]
+
+    def _chain(self, collapsed: torch.Tensor, base: torch.Tensor, y: int,
+               choose: Callable[[torch.Tensor, int], int]) -> Draft:
+        """The Markov head row by row (each row's choice feeds the next) and the confidence head."""
         tokens, rows, conf, prev = [], [], [], y
-        for i in range(B):
+        for i in range(base.shape[0]):
             e = self.markov_embed[prev].float()
             row = base[i] + self.markov_head.float() @ e
             conf.append(torch.sigmoid(self.confidence_proj.float() @ torch.cat((collapsed[i].float(), e))))

@@ -65,6 +65,7 @@ class Options:
     ready_timeout: float = 900.0
     canary_level: str = "full"
     force_restart: bool = False
+    prepare: bool = False
 
 
 @dataclass
@@ -133,6 +134,9 @@ class Deploy:
         for node in nodes:
             changed |= self.install(node, config_text)
         self.trust_worker(*nodes)
+        if opts.prepare:
+            self.prepare(nodes)
+            changed = True
         healthy_before = False
         if opts.dry_run or (not changed and not opts.force_restart):
             status = self.step(opts.head, [f"{PROFILE}/bin/dsv41", "status"], check=False,
@@ -250,6 +254,15 @@ class Deploy:
         self.step(worker.host, ["install", "-d", *owned, "-m", "0700", home_ssh])
         self.step(worker.host, ["install", *owned, "-m", "0600", "/dev/stdin", f"{home_ssh}/authorized_keys"],
                   input=authorized)
+    def prepare(self, nodes: list[Node]) -> None:
+        """--prepare: stop both ranks (the build needs the GPU the rank holds), then write each node's prepared
+        folder from its env file (DSV41_MODEL, DSV41_PREPARED, DSV41_TP, ...; resumable, a no-op when current)."""
+        for node in nodes:
+            self.step(node.host, ["systemctl", "stop", f"dsv41@{node.rank}.service"], note="before prepare")
+        for node in nodes:
+            self.step(node.host, [f"{PROFILE}/bin/dsv41", "prepare", "--env-file", ENV_FILE, "--rank",
+                                  node.rank.removeprefix("rank")], timeout=None,
+                      note="prepared folder of this rank (docs/WEIGHTS.md)")
 
     def restart(self, nodes: list[Node], note: str = "") -> None:
         head, worker = nodes
@@ -326,6 +339,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds to wait for /health before the canary (default 900)")
     p.add_argument("--canary-level", choices=("full", "structural"), default="full")
     p.add_argument("--restart", action="store_true", help="restart even when nothing changed")
+    p.add_argument("--prepare", action="store_true",
+                   help="run `dsv41 prepare` on each node (its rank's prepared folder) before the restart")
 
 
 def options(args: argparse.Namespace) -> Options:
@@ -333,7 +348,8 @@ def options(args: argparse.Namespace) -> Options:
         raise ConfigError("--head and --worker must be different hosts")
     return Options(head=args.head, worker=args.worker, flake=args.flake, config=args.config, dry_run=args.dry_run,
                    build_on=args.build_on, system=args.system, driver_libdir=args.driver_libdir,
-                   ready_timeout=args.ready_timeout, canary_level=args.canary_level, force_restart=args.restart)
+                   ready_timeout=args.ready_timeout, canary_level=args.canary_level, force_restart=args.restart,
+                   prepare=getattr(args, "prepare", False))
 
 
 def parse_args(argv: list[str] | None) -> Options:

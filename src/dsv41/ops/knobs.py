@@ -75,6 +75,11 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               "checked by preflight and warm)", example="/srv/dsv41/engram",
               more="Same path on both nodes (r0of2 files on the head, r1of2 on the worker). Empty = the tables "
                    "inside the model folder; preflight and warm then skip their shard checks, as serve needs none."),
+    ServeKnob("DSV41_PREPARED", "--prepared", "root of this node's prepared folders rank{R}-of-{TP} (`dsv41 prepare`); "
+              "empty = build from the checkpoint at every start",
+              more="Written by `dsv41 prepare --env-file /etc/dsv41/dsv41.env --rank R` (or `deploy --prepare`): the "
+                   "rank then starts by reading one file instead of building from the checkpoint; a folder that does "
+                   "not fit (other checkpoint, rank, code) is refused with its reason. E.g. /srv/dsv41/prepared."),
     ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)",
               example="127.0.0.1", more="Put a TLS proxy in front for other machines."),
     ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0", example="8000",
@@ -149,6 +154,9 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
 )
 
 ENV_KNOBS: tuple[EnvKnob, ...] = (
+    EnvKnob("DSV41_PREPARED_VERIFY", "what a start re-hashes of its prepared folder: sample (default), full, off"),
+    EnvKnob("DSV41_PREPARED_PAGE_CACHE", "a start's read of its prepared folder: drop each piece from the page cache "
+            "(default on unified memory, GB10) or keep it"),
     EnvKnob("DSV41_TP_SECRET", "shared secret of the tensor-parallel ranks (same on every host; required when "
             "--master is not loopback)",
             more="Read from the environment, never passed as a flag. Rank 0 refuses a rank with another one. "
@@ -175,6 +183,9 @@ OPS_KNOBS: tuple[OpsKnob, ...] = (
             more="Unified memory: MemFree, not MemAvailable."),
     OpsKnob("DSV41_READY_TIMEOUT_S", "900", "how long deploy waits for /health ok and the canary",
             more="Then it rolls back."),
+    OpsKnob("DSV41_WARM_PREPARED", "auto", "warm unit: read the prepared folder into the page cache (auto: only when "
+            "MemAvailable holds twice the folder; 1 always; 0 never)",
+            more="On a GB10 the page cache is the GPU's memory: a 95 GB folder is not cached ahead of a 95 GB load."),
     OpsKnob("DSV41_WATCH_FAILS", "3", "bad watchdog ticks in a row before healing"),
     OpsKnob("DSV41_WATCH_MIN_HEAL_S", "1800", "at most one ordinary heal per this many seconds"),
     OpsKnob("DSV41_WATCH_FF_MIN_HEAL_S", "120", "at most one fail-fast (exit 70) heal per this many seconds",

@@ -372,8 +372,28 @@ def check_memory(node: Node) -> Check:
     return Check("memory", "pass", f"MemFree {free:.1f} GiB >= {gate:g} GiB")
 
 
+def check_prepared(node: Node) -> Check:
+    """Each local rank's prepared folder under DSV41_PREPARED (`prepared.manifest.folder_problems`)."""
+    root = ops_value_or(node.env, "DSV41_PREPARED")
+    if not root:
+        return Check("prepared", "skip", "DSV41_PREPARED is empty: the ranks build from the checkpoint")
+    from dsv41.prepared.manifest import folder_problems
+
+    world = int(ops_value_or(node.env, "DSV41_TP") or 1)
+    ranks = [int(r.removeprefix("rank")) for r in ops_value(node.env, "DSV41_LOCAL_RANKS").split()] or [0]
+    problems, data = [], {}
+    for rank in ranks:
+        found, summary = folder_problems(root, rank, world, ops_value_or(node.env, "DSV41_MODEL") or None)
+        problems += found
+        data[f"rank{rank}"] = summary
+    if problems:
+        return Check("prepared", "fail", "\n".join(problems), data)
+    sizes = ", ".join(f"{k} {v['bytes'] / 2**30:.1f} GiB" for k, v in data.items())
+    return Check("prepared", "pass", f"{root}: {sizes}, matching the model and this code", data)
+
+
 LOCAL_CHECKS: tuple[Callable[[Node], Check], ...] = (
-    check_model, check_engram, check_ports, check_gpus, check_rdma, check_memory)
+    check_model, check_engram, check_prepared, check_ports, check_gpus, check_rdma, check_memory)
 
 
 def local_checks(node: Node) -> list[Check]:

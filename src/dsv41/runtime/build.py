@@ -9,13 +9,15 @@ bytes plus the one declared prefill workspace (allocated here, at build). Nothin
 `Linear` objects are discarded unused.
 
 Entry point for the serving stack: `build_fast_model(path, device, dtype, rank, world, comm) -> FastModel`, whose
-`forward([(state, ids), ...], phase)` takes rows of several sequences (runtime/model.py).
+`forward([(state, ids), ...], phase)` takes rows of several sequences (runtime/model.py). `sink=` is the seam of
+`dsv41 prepare` (prepared/writer.py): it sees each block as built (and stores it), and may skip blocks it stored in
+an earlier, interrupted run.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -31,7 +33,7 @@ from dsv41.weights import Checkpoint
 from dsv41.weights.linear import split_range
 
 from .layers.attention import FastAttention
-from .layers.linear import PrefillWorkspace, fast_linear
+from .layers.linear import PrefillWorkspace, fast_linear, prefill_tiles_enabled
 from .layers.moe import FusedMoE, StackedExperts
 from .model import HC, FastBlock, FastEngram, FastModel
 
@@ -99,10 +101,21 @@ class _Mover:
                          self.moe(block.moe, f"layers.{block.index}.ffn"))
 
 
+class BlockSink(Protocol):
+    """Where `dsv41 prepare` takes the blocks as they are built (prepared/writer.py)."""
+
+    def skip(self, index: int) -> object | None:
+        """What stands for block `index` when it is already stored (it is then neither read nor built), else None."""
+
+    def built(self, index: int, block: FastBlock) -> object:
+        """Takes the built block; returns what the model's block list keeps in its place."""
+
+
 def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
                      rank: int = 0, world: int = 1, comm: Comm | None = None, fake_quant: bool = True,
                      engram_dir: str | Path | None = None,
-                     progress: Callable[[int, int, str], None] | None = None) -> FastModel:
+                     progress: Callable[[int, int, str], None] | None = None, sink: BlockSink | None = None
+                     ) -> FastModel:
     """This rank's FastModel of the checkpoint folder `path` (the same folder and arguments as `load_model`; the
     DSpark drafter's tensors are accepted but not built)."""
     path, device = Path(path), torch.device(device)
@@ -121,9 +134,16 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
     blocks = []
     for L in range(cfg.num_hidden_layers):
         role = cfg.role(L)
-        ref = load_block(reader, cfg, role, tables, rank, world, fake_quant)
-        blocks.append(mover.block(ref, ropes[role.rope_kind]))
-        del ref
+        kept = sink.skip(L) if sink is not None else None
+        if kept is not None:  # stored by an earlier run: its tensors count as used (its Engram's are read below)
+            reader.used.update(n for n in reader.ckpt.names() if n.startswith(f"layers.{L}.") and ".engram." not in n)
+        else:
+            ref = load_block(reader, cfg, role, tables, rank, world, fake_quant)
+            kept = mover.block(ref, ropes[role.rope_kind])
+            del ref
+            if sink is not None:
+                kept = sink.built(L, kept)
+        blocks.append(kept)
         report(L + 1, cfg.num_hidden_layers + 1, "layers")
 
     d, V = cfg.hidden_size, cfg.vocab_size
@@ -141,7 +161,8 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
     extra = reader.unexpected()
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} not used by the model)")
-    mover.workspace.allocate()
+    if not prefill_tiles_enabled():  # the tile kernels need no dense copy of any matrix
+        mover.workspace.allocate()
     report(cfg.num_hidden_layers + 1, cfg.num_hidden_layers + 1, "layers")
     return FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,
                      comm, tokenizer, fake_quant)

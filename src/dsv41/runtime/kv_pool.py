@@ -4,7 +4,8 @@ Two kinds of store, cut as views out of one uint8 buffer:
 - ring slots (one per live request): the window KV of every layer (and of every DSpark stage) in `ring_rows`
   rows (the sliding window + the largest verify window, so a rejected draft rolls back by moving the write head;
   position p lives in row p mod ring_rows), and the open compressor group of each ratio > 1 KV source
-  (fp32 value and gate rows, fewer than the ratio);
+  (fp32 value and gate rows: fewer than the ratio, or with verify rows a ring over the last ratio - 1 + verify
+  rows positions, so that rejected drafts roll back without a copy);
 - pages of `page_tokens` positions: the compressed entries and index keys of each KV source
   (page_tokens / ratio entries per page); a sequence's page table addresses all of them, entry e of a source lives
   in page `page_ids[e // per_page]` at row `e % per_page`.
@@ -171,8 +172,9 @@ class SourceLayout:
 class KVPool:
     def __init__(self, *, num_slots: int, num_pages: int, page_tokens: int, ring_rows: int, window_layers,
                  sources: list[SourceLayout], head_dim: int, index_head_dim: int, dspark_stages: int = 0,
-                 dtype: torch.dtype = torch.float32, fake_quant: bool = True, device="cpu"):
+                 dtype: torch.dtype = torch.float32, fake_quant: bool = True, device="cpu", verify_rows: int = 0):
         self.num_slots, self.num_pages, self.page_tokens, self.ring_rows = num_slots, num_pages, page_tokens, ring_rows
+        self.verify_rows = verify_rows
         self.dtype, self.device, self.head_dim = dtype, torch.device(device), head_dim
         self.window_codec = codec_for("window", head_dim, dtype, fake_quant)
         self.kv_codec = codec_for("kv", head_dim, dtype, fake_quant)
@@ -186,7 +188,7 @@ class KVPool:
             plan.append((("dspark", s), (num_slots, ring_rows, self.window_codec.row_bytes), torch.uint8))
         for s in sources:
             if s.ratio > 1:
-                plan.append((("open", s.layer), (num_slots, s.ratio - 1, 2, head_dim), torch.float32))
+                plan.append((("open", s.layer), (num_slots, self.open_rows(s.ratio), 2, head_dim), torch.float32))
             plan.append((("kv", s.layer), (num_pages, s.per_page, self.kv_codec.row_bytes), torch.uint8))
             if s.has_index_k:
                 plan.append((("index_k", s.layer), (num_pages, s.per_page, self.index_codec.row_bytes), torch.uint8))
@@ -233,17 +235,45 @@ class KVPool:
         idx = self._ring_rows(torch.arange(first, first + rows.shape[0], device=self.device))
         self.stores[(kind, layer)][slot].index_copy_(0, idx, self.window_codec.encode(rows))
 
-    def read_open(self, layer: int, slot: int, n: int):
-        """The open compressor group's first `n` (value, gate) rows, fp32; (None, None) when empty."""
-        if n == 0:
+    # The open-group store is a ring over positions: position p's (value, gate) row lives in row p mod
+    # `open_modulus(r)`. Without verify rows that is p mod r, the row's place in its group (r - 1 rows: a group's
+    # last member closes it and is never stored). With verify rows the ring holds r - 1 + verify_rows positions
+    # (rounded up to whole groups), so a rejected draft's rows never overwrite the kept group's earlier members:
+    # rolling back moves the sequence's length only (docs/ENGINE.md §3).
+    def open_modulus(self, ratio: int) -> int:
+        return ratio * -(-(ratio - 1 + self.verify_rows) // ratio)
+
+    def open_rows(self, ratio: int) -> int:
+        return ratio - 1 if self.verify_rows == 0 else self.open_modulus(ratio)
+
+    def _open_index(self, ratio: int, first: int, end: int) -> torch.Tensor:
+        return torch.arange(first, end, device=self.device) % self.open_modulus(ratio)
+
+    def read_open(self, layer: int, slot: int, start: int):
+        """The (value, gate) rows, fp32, of the group open at `start` (positions start // r * r .. start - 1);
+        (None, None) when empty."""
+        r = self.sources[layer].ratio
+        first = start // r * r
+        if first == start:
             return None, None
-        group = self.stores[("open", layer)][slot, :n]
+        group = self.stores[("open", layer)][slot].index_select(0, self._open_index(r, first, start))
         return group[:, 0].clone(), group[:, 1].clone()
 
-    def write_open(self, layer: int, slot: int, v: torch.Tensor | None, s: torch.Tensor | None) -> None:
-        if v is not None and v.shape[0]:
-            self.stores[("open", layer)][slot, :v.shape[0], 0] = v.float()
-            self.stores[("open", layer)][slot, :s.shape[0], 1] = s.float()
+    def write_open(self, layer: int, slot: int, v: torch.Tensor | None, s: torch.Tensor | None,
+                   end: int | None = None) -> None:
+        """Store the (value, gate) rows of positions end - n .. end - 1 (n = rows given, at most the ring's last
+        ones). `end` None: the rows are an open group's first members (a pool without verify rows only)."""
+        if v is None or not v.shape[0]:
+            return
+        r = self.sources[layer].ratio
+        n = min(v.shape[0], self.open_rows(r))
+        if end is None:
+            if self.verify_rows or n != v.shape[0]:
+                raise ValueError("write_open without `end` stores an open group's first rows (no verify rows)")
+            idx = torch.arange(n, device=self.device)
+        else:
+            idx = self._open_index(r, end - n, end)
+        self.stores[("open", layer)][slot].index_copy_(0, idx, torch.stack((v[-n:].float(), s[-n:].float()), dim=1))
 
     def copy_slot(self, src: int, dst: int) -> None:
         """A fork: ring slot `dst` becomes a copy of `src` (window rows, DSpark rings, open compressor groups)."""
@@ -311,7 +341,7 @@ def pool_for_model(model, *, num_slots: int, num_pages: int, page_tokens: int, v
                                         block.attn.p.compressor.index_wk is not None))
     fake_quant = all(b.attn.fake_quant for b in model.blocks)
     stages = len(model.dspark.blocks) if model.dspark is not None else 0
-    return KVPool(num_slots=num_slots, num_pages=num_pages, page_tokens=page_tokens,
+    return KVPool(num_slots=num_slots, num_pages=num_pages, page_tokens=page_tokens, verify_rows=verify_rows,
                   ring_rows=cfg.sliding_window + verify_rows, window_layers=[b.index for b in model.blocks],
                   sources=sources, head_dim=cfg.head_dim, index_head_dim=cfg.index_head_dim, dspark_stages=stages,
                   dtype=model.dtype, fake_quant=fake_quant, device=device or model.device)

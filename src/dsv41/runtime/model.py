@@ -8,7 +8,9 @@ per sequence) and returns fp32 logits. The phase picks the matmul path (ENGINE.m
   logits are the same bits alone and among up to BUCKET - 1 others. Over the KV pool (every op a row-invariant
   kernel) a step runs its row bucket (`row_bucket`: 1-8, 12, 16, 24, 32 rows, up to STEP_ROWS). Larger batches
   run in buckets one after another; a sequence's rows stay in one bucket (at most BUCKET of them).
-- "prefill": the reconstruct-into-the-workspace + GEMM path, all rows in one pass.
+- "prefill": the tile kernels (`kernels/exl3/prefill.py`: each weight tile decoded once per tile of rows, the routed
+  experts grouped by expert on the device), all rows in one pass; DSV41_PREFILL_TILES=0 takes the
+  reconstruct-into-the-workspace + GEMM path instead.
 The head takes the fused kernel in every phase: its rows are sampling rows (`logits="last"`: one per sequence).
 
 mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: two

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.batch import Batch, Row, RowOutput, StepOutput
-from ..engine.sampling import adjust_logits, sample_token, token_logprobs
+from ..engine.batch import Batch, Row, RowOutput, RowSampling, StepOutput
+from ..engine.sampling import SamplingParams, adjust_logits, sample_token, token_logprobs
 
 
 def free_bytes(device: torch.device) -> int:
@@ -43,9 +43,10 @@ def allowed_ids(mask: bytes, vocab: int, device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, forward, pool, *, driver: bool = True, knobs_tag: str = ""):
+    def __init__(self, forward, pool, *, driver: bool = True, knobs_tag: str = "", drafter=None):
         self.forward, self.pool, self.driver, self.knobs_tag = forward, pool, driver, knobs_tag
         self.device = getattr(pool, "device", torch.device("cpu"))
+        self.drafter = drafter  # DSpark (runtime/draft_dspark.py) when loaded: rows with `propose` get drafts
 
     def free_bytes(self) -> int:
         return free_bytes(self.device)
@@ -59,11 +60,31 @@ class ModelRunner:
             if src_page >= 0:
                 self.pool.copy_page(src_page, dst_page)
         logits = self.forward.execute(batch.rows, self.pool)
-        if not self.driver:
+        proposing = self.drafter is not None and any(r.propose for r in batch.rows)
+        if not self.driver and not proposing:
             return StepOutput(batch.step)
-        greedy = self._greedy_tokens(batch.rows, logits)
-        return StepOutput(batch.step, [self._row(row, lg, greedy.get(i))
-                                       for i, (row, lg) in enumerate(zip(batch.rows, logits))])
+        # followers choose too when drafts are asked: the draft pass runs on every rank from the chosen tokens
+        # (the same logits on every rank, the same keyed choice)
+        pairs = [(r, lg) for r, lg in zip(batch.rows, logits) if self.driver or r.propose]
+        rows = [r for r, _ in pairs]
+        greedy = self._greedy_tokens(rows, [lg for _, lg in pairs])
+        outs = [self._row(row, lg, greedy.get(i)) for i, (row, lg) in enumerate(pairs)]
+        if proposing:
+            self._propose(rows, outs)
+        return StepOutput(batch.step, outs) if self.driver else StepOutput(batch.step)
+
+    def _propose(self, rows: list[Row], outs: list[RowOutput]) -> None:
+        """The DSpark pass for the rows that ask it, from each row's last kept position and its last token."""
+        asks, owners = [], []
+        for row, out in zip(rows, outs):
+            if row.propose and out.token is not None:
+                s = row.sample
+                params = SamplingParams(s.temperature, s.top_p, s.top_k, s.min_p, s.seed)
+                last = row.start_pos + row.first_choice + out.accepted
+                asks.append((row, last, out.token, params, s.step + out.accepted + 1, row.propose))
+                owners.append(out)
+        for out, (tokens, conf) in zip(owners, self.drafter.propose(self.pool, asks)):
+            out.proposal, out.confidence = tokens, conf
 
     @staticmethod
     @torch.inference_mode()
@@ -76,7 +97,7 @@ class ModelRunner:
         picks = []
         for i, (row, lg) in enumerate(zip(rows, logits)):
             s = row.sample
-            if s is not None and s.adjust is None and s.mask is None and s.params().greedy:
+            if s is not None and not row.n_draft and s.adjust is None and s.mask is None and s.params().greedy:
                 picks.append((i, lg[row.logit_offsets().index(len(row.token_ids) - 1)]))
         on_gpu = bool(picks) and picks[0][1].is_cuda
         if len(picks) < (1 if on_gpu else 2):
@@ -96,20 +117,40 @@ class ModelRunner:
         s = row.sample
         if s is None:
             return out
-        raw = logits[at[len(row.token_ids) - 1]]
+        if not row.n_draft:
+            out.token, out.error = self._choose(logits[at[row.first_choice]], s, greedy)
+            if out.token is not None and s.logprobs is not None:
+                out.logprob, out.top = token_logprobs(logits[at[row.first_choice]], out.token, s.logprobs)
+            return out
+        # a verify window: the keyed choice at each row, kept while it equals the draft that follows (so the round
+        # emits exactly the tokens serial decoding gives: accepted drafts, then the first choice that differs or the
+        # one after the last draft)
+        drafts = row.token_ids[row.first_choice + 1:]
+        samplings = [s] + [d if isinstance(d, RowSampling) else RowSampling(*d) for d in row.draft_samples]
+        for i, si in enumerate(samplings):
+            raw = logits[at[row.first_choice + i]]
+            token, out.error = self._choose(raw, si, None)
+            if token is None:
+                break
+            logprob, top = token_logprobs(raw, token, si.logprobs) if si.logprobs is not None else (None, [])
+            out.emitted.append((token, logprob, top))
+            if i == len(drafts) or token != drafts[i]:
+                out.token, out.logprob, out.top = token, logprob, top
+                break
+        out.accepted = len(out.emitted) - (out.token is not None)
+        return out
+
+    @staticmethod
+    def _choose(raw: torch.Tensor, s: RowSampling, greedy: int | None) -> tuple[int | None, str | None]:
+        """The keyed choice of one row (its adjustments, then its grammar mask), or the reason there is none."""
         params = s.params()
         masked = raw
         if s.adjust is not None:
             masked = adjust_logits(raw, params, s.adjust[6], s.adjust[7], s.adjust[5])
             if not torch.isfinite(masked).any():
-                out.error = "the sampling parameters (allowed_token_ids, bad_words, min_tokens) allow no token here"
-                return out
+                return None, "the sampling parameters (allowed_token_ids, bad_words, min_tokens) allow no token here"
         if s.mask is not None:
             masked = masked.float().masked_fill(~allowed_ids(s.mask, raw.shape[-1], raw.device), float("-inf"))
             if not torch.isfinite(masked).any():
-                out.error = "the grammar allows no token at this point"
-                return out
-        out.token = sample_token(masked, params, s.seed, s.step) if greedy is None else greedy
-        if s.logprobs is not None:
-            out.logprob, out.top = token_logprobs(raw, out.token, s.logprobs)
-        return out
+                return None, "the grammar allows no token at this point"
+        return (sample_token(masked, params, s.seed, s.step) if greedy is None else greedy), None

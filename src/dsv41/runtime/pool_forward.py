@@ -21,7 +21,7 @@ import dataclasses
 
 import torch
 
-from ..engine.batch import PREFILL, Row
+from ..engine.batch import PREFILL, VERIFY, Row
 from ..model import mhc
 from ..model.attention import Shared
 from ..model.moe import route, swiglu_clamped
@@ -46,6 +46,7 @@ class PoolSequence(SequenceState):
         self.pool, self.row, self.cfg, self.decoder_from = pool, row, cfg, decoder_from
         self.start, self.end = row.start_pos, row.start_pos + len(row.token_ids)
         self._entries: dict[int, int] = {}
+        self.step_open: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # verify rows: every row's (value, gate)
 
     def floor(self, layer: int | None) -> int:
         """Lowest live window position: the replay segment's start for the decoder layers (and DSpark)."""
@@ -71,7 +72,7 @@ class PoolSequence(SequenceState):
             r = self.pool.sources[layer].ratio
             n = self.start // r
             kv, index_k = self.pool.read_entries(layer, self.row.page_ids, n)
-            open_v, open_s = self.pool.read_open(layer, self.row.slot, self.start % r) if r > 1 else (None, None)
+            open_v, open_s = self.pool.read_open(layer, self.row.slot, self.start) if r > 1 else (None, None)
             self.sources[layer] = SourceCache(kv, index_k, open_v, open_s, keep_unquantised=True)
             self._entries[layer] = n
         return self.sources[layer]
@@ -101,7 +102,9 @@ class PoolSequence(SequenceState):
                 if new is not None:
                     pool.write_entries(layer, self.row.page_ids, old, new,
                                        None if src.index_k is None else src.index_k[old:])
-            pool.write_open(layer, slot, src.open_v, src.open_s)
+            pool.write_open(layer, slot, src.open_v, src.open_s, end=self.end)
+            if layer in self.step_open:  # a verify window: every row, so that any rollback finds its group's rows
+                pool.write_open(layer, slot, *self.step_open[layer], end=self.end)
 
 
 def load_sequences(pool: KVPool, rows: list[Row], cfg, decoder_from: int, hasher=None) -> list[PoolSequence]:
@@ -238,8 +241,18 @@ class PoolForward:
     def _attend(self, block, h, positions, owner, views, shared) -> torch.Tensor:
         """Attention of every sequence over its own cache: the reference `Attention.forward`, one sequence at a
         time, on the rows of that sequence."""
+        spans = self._spans(owner, len(views))
+        role = block.attn.role
+        if role.compresses and role.compress_ratio > 1:
+            c = block.attn.p.compressor
+            for v, (a, b) in zip(views, spans):
+                if b > a and v.row.phase == VERIFY and v.pool.verify_rows:
+                    # the (value, gate) rows `_compress` computes (the same row-wise functions of the same rows),
+                    # kept for every row of the window: the open-group ring then survives any rollback
+                    x = h[a:b].float()
+                    v.step_open[role.index] = (c.wkv(x).float(), c.wgate(x).float())
         parts = [block.attn.forward(h[a:b], positions[a:b], views[i], shared[i])
-                 for i, (a, b) in enumerate(self._spans(owner, len(views))) if b > a]
+                 for i, (a, b) in enumerate(spans) if b > a]
         return torch.cat(parts)
 
     def _encoder_only_rows(self, block, x, pre, positions, owner, views) -> None:

@@ -14,7 +14,8 @@ Per row b (real rows first; padding rows read what row 0 reads and write nothing
   `entry_pos` that entry's RoPE position (its group's first token), and for r > 1 where the group's earlier members
   are: `back_row[d - 1]` the bucket row holding position pos - d when it is in this step, else -1 and
   `back_open[d - 1]` its row in the open-group store; `open_dest` the open-store row of each row still open when the
-  step ends (the next step's open group), -1 otherwise.
+  step ends (the next step's open group), -1 otherwise; its row is the position's in the store's ring
+  (`KVPool.open_modulus`: the place in the group without verify rows).
 """
 
 from __future__ import annotations
@@ -153,12 +154,17 @@ class StepTables:
             parts[f"r{r}.entry_dest"] = np.where(closes, flat, -1)
             parts[f"r{r}.entry_pos"] = e * r
             if r > 1:
-                first_open = end_t // r * r
-                open_row = slot_t * (r - 1) + np.minimum(pos_t % r, r - 2)
-                parts[f"r{r}.open_dest"] = np.where(real & (pos_t >= first_open) & (pos_t % r < r - 1), open_row, -1)
+                # the open-group store is a ring over positions (KVPool.open_modulus): without verify rows a row's
+                # place in its group. The rows still open at the step's end are stored (what the load-and-store
+                # path stores); a verify window's rows of groups it closes are not yet (drafting is refused on this
+                # path: engine/build.py)
+                M, R = (pool.open_modulus(r), pool.open_rows(r)) if hasattr(pool, "open_modulus") else (r, r - 1)
+                kept = pos_t >= end_t // r * r
+                open_row = slot_t * R + np.minimum(pos_t % M, R - 1)
+                parts[f"r{r}.open_dest"] = np.where(real & kept & (pos_t % r < r - 1), open_row, -1)
                 d = np.arange(1, r, dtype=np.int64)[:, None]
                 parts[f"r{r}.back_row"] = np.where(j_t[None, :] >= d, rows - d, -1)
-                parts[f"r{r}.back_open"] = slot_t[None, :] * (r - 1) + np.minimum((pos_t[None, :] - d) % r, r - 2)
+                parts[f"r{r}.back_open"] = slot_t[None, :] * R + np.minimum((pos_t[None, :] - d) % M, R - 1)
         widths = {}
         for name, t in (inputs or {}).items():
             t = np.asarray(t)

@@ -39,6 +39,7 @@ from .gate import Gate
 from .messages import anthropic_shaped, count_tokens, create_message
 from .generation import HONOURED_EXTRA, Generation, ServerDraining, new_id
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses import create_response
 from .streaming import GenerationStream
 
 log = logging.getLogger("dsv41.server")
@@ -217,6 +218,13 @@ async def messages(ctx: ServerContext, request: Request) -> Response:
     return await _generate(ctx, gen, reply, False)
 
 
+async def responses(ctx: ServerContext, request: Request) -> Response:
+    gen, reply = await create_response(ctx, request.state.body)
+    if isinstance(reply, GenerationStream):  # the Responses API's typed events, settled like any stream
+        return reply
+    return await _generate(ctx, gen, reply, False)
+
+
 def _tokenize(ctx: ServerContext, raw: bytes) -> bytes:
     body, req = _parse_body(TokenizeRequest, raw)
     if req.prompt is not None:
@@ -265,13 +273,45 @@ async def detokenize(ctx: ServerContext, request: Request) -> Response:
     return Response(await ctx.run_cpu(_detokenize, ctx, request.state.body), media_type="application/json")
 
 
-async def models(ctx: ServerContext, request: Request) -> Response:
+def _model_card(ctx: ServerContext, name: str) -> dict:
     names = ctx.model_names
-    data = [{"id": name, "object": "model", "created": ctx.created, "owned_by": ctx.config.owned_by,
-             "root": ctx.config.served_name, "parent": None if name == ctx.config.served_name else names[0],
-             "max_model_len": ctx.config.max_model_len, "context_length": ctx.config.max_model_len,
-             "aliases": [n for n in names if n != name]} for name in names]
-    return JSONResponse({"object": "list", "data": data})
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": ctx.config.owned_by,
+            "root": ctx.config.served_name, "parent": None if name == ctx.config.served_name else names[0],
+            "max_model_len": ctx.config.max_model_len, "context_length": ctx.config.max_model_len,
+            "aliases": [n for n in names if n != name]}
+
+
+async def models(ctx: ServerContext, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(ctx, name) for name in ctx.model_names]})
+
+
+async def model(ctx: ServerContext, request: Request) -> Response:
+    """GET /v1/models/{model} (`client.models.retrieve`): the served name or an alias, else 404."""
+    name = request.path_params["model"]
+    if name not in ctx.model_names:
+        raise APIError(404, f"The model `{name[:200]}` does not exist (served: {', '.join(ctx.model_names)}).",
+                       param="model", code="model_not_found")
+    return JSONResponse(_model_card(ctx, name))
+
+
+async def ping(ctx: ServerContext, request: Request) -> Response:
+    """GET /ping (vLLM's liveness probe): an empty 200 when ready, else /health's 503 and Retry-After."""
+    answer = await health(ctx, request)
+    return Response(status_code=answer.status_code, headers={k: v for k, v in answer.headers.items()
+                                                             if k.lower() == "retry-after"})
+
+
+async def openapi(ctx: ServerContext, request: Request) -> Response:
+    """GET /openapi.json: the routes served (server/openapi.py), built once."""
+    document = getattr(request.app.state, "openapi", None)
+    if document is None:
+        from .. import __version__
+        from .openapi import openapi_document
+
+        document = await ctx.run_cpu(lambda: openapi_document(request.app.routes, __version__, "dsv41",
+                                                              auth=bool(ctx.config.api_key)))
+        request.app.state.openapi = document
+    return JSONResponse(document)
 
 
 async def health(ctx: ServerContext, request: Request) -> Response:
@@ -327,6 +367,8 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Gate:
         ("tokenize", ["/tokenize", "/v1/tokenize"], tokenize, ["POST"]),
         ("detokenize", ["/detokenize", "/v1/detokenize"], detokenize, ["POST"]),
         ("models", ["/v1/models", "/models"], models, ["GET"]),
+        ("responses", ["/v1/responses", "/responses"], responses, ["POST"]),
+        ("models", ["/v1/models/{model:path}"], model, ["GET"]),
     ]
     routes = [Route(path, _endpoint(name, handler), methods=methods)
               for name, paths, handler, methods in api for path in paths]
@@ -339,6 +381,8 @@ def build_app(ctx: ServerContext, *, warmup: bool = True) -> Gate:
         Route("/v1/health", _endpoint("health", health, guarded=False), methods=["GET"]),
         Route("/metrics", _endpoint("metrics", metrics, guarded=False), methods=["GET"]),
         Route("/version", _endpoint("version", version, guarded=False), methods=["GET"]),
+        Route("/ping", _endpoint("ping", ping, guarded=False), methods=["GET"]),
+        Route("/openapi.json", _endpoint("openapi", openapi, guarded=False), methods=["GET"]),
     ]
 
     @contextlib.asynccontextmanager

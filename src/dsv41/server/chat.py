@@ -21,7 +21,7 @@ from ..chat import (
     build_chat_prompt,
 )
 from ..chat.errors import RequestError
-from ..engine import GenerationRequest, TokenEvent
+from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
 from dsv41.structured.grammar import GrammarError
 from .context import ServerContext
 from .errors import bad_request
@@ -30,16 +30,20 @@ from .generation import (
     Generation,
     reply_of,
     submit_generations,
-    TokenText,
+    draft_of,
     check_request,
     choice_seed,
     completion_budget,
-    new_id,
+    prompt_logprobs_list,
+    reply_id,
     sampling_params,
     stop_ids,
     structured_grammar,
+    truncate_prompt,
     usage,
+    with_reasoning_budget,
 )
+from .reply_text import reply_text
 from .protocol import ChatCompletionRequest
 from .stop import StopMatcher
 
@@ -89,6 +93,7 @@ def _tool_grammar(ctx: ServerContext, req: ChatCompletionRequest, prompt, thinki
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, body: dict):
     prompt, ids = await ctx.run_cpu(render_chat, ctx, body)
+    ids = truncate_prompt(ctx, ids, req)
     # the reply starts in reasoning only when the prompt ends in <think> (a continued answer is past </think>)
     thinking = prompt.reply_in_reasoning
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -97,6 +102,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     # compiling a grammar can take a while for a big schema: keep it off the event loop
     grammar = await ctx.run_cpu(
         lambda: _tool_grammar(ctx, req, prompt, thinking) or structured_grammar(ctx, req, thinking=thinking))
+    grammar = with_reasoning_budget(ctx, grammar, _reasoning_budget(req), thinking)
     top = req.top_logprobs or 0
     sampling = await ctx.run_cpu(sampling_params, ctx, req)
     stops = stop_ids(ctx, req)
@@ -105,7 +111,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     requests = [GenerationRequest(
         prompt_ids=ids, max_tokens=budget, stop_token_ids=stops, ignore_eos=req.ignore_eos,
         sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
-        logprobs=top if req.logprobs else None, grammar=grammar, request_id=new_id("chatcmpl"))
+        logprobs=top if req.logprobs else None, grammar=grammar, request_id=reply_id(req, "chatcmpl"),
+        prompt_logprobs=req.prompt_logprobs, draft=draft_of(req))
         for i in range(req.n)]
     gens = submit_generations(ctx, "chat", requests, stream=req.stream)
     try:
@@ -117,23 +124,32 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     return reply_of(replies, req, len(ids))
 
 
+def _reasoning_budget(req: ChatCompletionRequest) -> int | None:
+    """vLLM's thinking_token_budget, else the `thinking` object's budget_tokens (Anthropic's spelling, which
+    clients also send in DeepSeek's format): how many reasoning tokens before `</think>` is forced."""
+    if req.thinking_token_budget is not None:
+        return req.thinking_token_budget
+    budget = (req.thinking or {}).get("budget_tokens")
+    if budget is not None and (type(budget) is not int or budget < 0):
+        raise bad_request("thinking.budget_tokens must be a non-negative integer", param="thinking.budget_tokens")
+    return budget
+
+
 class _ChatReply(StreamedReply):
     def __init__(self, ctx: ServerContext, gen: Generation, req: ChatCompletionRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
-        # the parser needs every marker (EOS, </think>, DSML), so the decoder skips nothing; skip_special_tokens
-        # hides the other special tokens (<｜User｜>, place-holders, ...) instead. A stop_token_ids id other than EOS
-        # is not shown (unless include_stop_str_in_output), as in completions
-        eos = ctx.tokenizer.eos_id
-        hidden = frozenset() if req.include_stop_str_in_output or req.ignore_eos else \
-            gen.request.stop_token_ids - {eos}
-        if req.skip_special_tokens:
-            hidden |= {i for i, tok in ctx.tokenizer.added_tokens.items() if tok.special and i != eos}
-        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=frozenset(hidden))
+        # the one rule of every reply (server/reply_text.py): the parser gets EOS and the markup tokens, the other
+        # special tokens are hidden unless skip_special_tokens is false
+        self.text = reply_text(ctx.tokenizer, parsed=True, skip_special_tokens=req.skip_special_tokens,
+                               stop_token_ids=gen.request.stop_token_ids,
+                               include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos)
         self.parser = prompt.new_parser()
         self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.calls_seen = 0
+        self.echo = _echo_text(prompt) if req.echo else ""
+        self.prompt_logprobs = None  # vLLM's prompt_logprobs, from the engine's first event when asked for
 
     def _logprob_entries(self, event: TokenEvent) -> list[dict]:
         if not self.req.logprobs:
@@ -147,11 +163,13 @@ class _ChatReply(StreamedReply):
         }]
 
     def _deltas(self, events) -> list[dict]:
-        """Parser events -> OpenAI delta dicts (stop strings applied to content)."""
+        """Parser events -> OpenAI delta dicts (stop strings applied to content; reasoning left out when the
+        request says include_reasoning: false)."""
         deltas: list[dict] = []
         for ev in events:
             if isinstance(ev, ReasoningDelta):
-                deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
+                if self.req.include_reasoning:
+                    deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
             elif isinstance(ev, ContentDelta):
                 visible = self.stop.feed(ev.text)
                 if visible:
@@ -169,23 +187,29 @@ class _ChatReply(StreamedReply):
         return deltas
 
     async def steps(self):
-        """(deltas, logprob entries, finish_reason or None) per engine event."""
+        """(deltas, logprob entries, finish_reason or None, token ids) per engine event."""
+        if self.echo:
+            yield [{"content": self.echo}], [], None, []
         async for event in self.gen.events():
-            if isinstance(event, TokenEvent):
+            if isinstance(event, PromptLogprobsEvent):
+                self.prompt_logprobs = prompt_logprobs_list(self.ctx.tokenizer, self.gen.request.prompt_ids,
+                                                            event.entries)
+            elif isinstance(event, TokenEvent):
                 deltas = self._deltas(self.parser.feed(self.text.feed(event.token_id)))
                 entries = self._logprob_entries(event)
                 if self.stop.stopped:
-                    yield deltas, entries, "stop"
+                    yield deltas, entries, "stop", [event.token_id]
                     return
-                yield deltas, entries, None
+                yield deltas, entries, None, [event.token_id]
             else:
-                cut = event.reason == "length"  # a tool call cut here keeps what was written, nothing invented
+                # a tool call cut here is dropped (the parser never showed it: hold_calls), nothing invented
+                cut = event.reason == "length"
                 tail = self._deltas(self.parser.feed(self.text.flush()) + self.parser.finish(truncated=cut))
                 if not self.stop.stopped:
                     rest = self.stop.flush()
                     if rest:
                         tail.append({"content": rest})
-                yield tail, [], self._finish_reason(event.reason)
+                yield tail, [], self._finish_reason(event.reason), []
                 return
 
     def _finish_reason(self, engine_reason: str) -> str:
@@ -193,26 +217,31 @@ class _ChatReply(StreamedReply):
             return "length"
         return "tool_calls" if self.calls_seen else "stop"
 
-    def _chunk(self, delta: dict, entries: list[dict] | None, finish_reason) -> dict:
+    def _chunk(self, delta: dict, entries: list[dict] | None, finish_reason, token_ids=None) -> dict:
         choice = {"index": 0, "delta": delta, "logprobs": {"content": entries} if entries else None,
                   "finish_reason": finish_reason}
+        if self.req.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
         return {"id": self.gen.request.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice]}
 
     async def _chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        yield self._chunk({"role": "assistant", "content": ""}, None, None)
-        async for deltas, entries, finish in self.steps():
+        first = self._chunk({"role": "assistant", "content": ""}, None, None)
+        if self.req.return_token_ids:
+            first["prompt_token_ids"] = self.gen.request.prompt_ids
+        yield first
+        async for deltas, entries, finish, token_ids in self.steps():
             if finish is not None:
-                for delta in deltas:
-                    yield self._chunk(delta, None, None)
+                for i, delta in enumerate(deltas):
+                    yield self._chunk(delta, None, None, token_ids if i == 0 else [])
                 self.gen.done(finish)
-                yield self._chunk({}, entries, finish)
+                yield self._chunk({}, entries, finish, [] if deltas else token_ids)
                 break
-            if not deltas and entries:
+            if not deltas and (entries or (token_ids and self.req.return_token_ids)):
                 deltas = [{}]
             for i, delta in enumerate(deltas):
-                yield self._chunk(delta, entries if i == 0 else None, None)
+                yield self._chunk(delta, entries if i == 0 else None, None, token_ids if i == 0 else [])
         if include_usage:
             chunk = self._chunk({}, None, None)
             chunk["choices"] = []
@@ -220,9 +249,10 @@ class _ChatReply(StreamedReply):
             yield chunk
 
     async def complete(self) -> dict:
-        content, reasoning, calls, entries, finish = [], [], {}, [], "stop"
-        async for deltas, step_entries, reason in self.steps():
+        content, reasoning, calls, entries, finish, token_ids = [], [], {}, [], "stop", []
+        async for deltas, step_entries, reason, step_ids in self.steps():
             entries += step_entries
+            token_ids += step_ids
             for delta in deltas:
                 if "content" in delta:
                     content.append(delta["content"])
@@ -239,17 +269,39 @@ class _ChatReply(StreamedReply):
                 finish = reason
         self.gen.done(finish)
         reasoning_text = "".join(reasoning) if reasoning else None
+        tool_calls = [calls[i] for i in sorted(calls)] or None
+        # content is null only beside tool calls or reasoning (OpenAI's and vLLM's shape); a reply with neither
+        # (thinking off, nothing written) has the empty string
         message = {
             "role": "assistant",
-            "content": "".join(content) or None,
+            "content": "".join(content) or (None if tool_calls or reasoning_text else ""),
             "reasoning_content": reasoning_text,
             "reasoning": reasoning_text,
-            "tool_calls": [calls[i] for i in sorted(calls)] or None,
+            "tool_calls": tool_calls,
         }
         if message["tool_calls"] is None:
             del message["tool_calls"]
         choice = {"index": 0, "message": message, "logprobs": {"content": entries} if self.req.logprobs else None,
                   "finish_reason": finish}
-        return {"id": self.gen.request.request_id, "object": "chat.completion", "created": self.created,
+        if self.req.return_token_ids:
+            choice["token_ids"] = token_ids
+        body = {"id": self.gen.request.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice],
                 "usage": usage(self.gen.prompt_tokens, self.gen.completion_tokens)}
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = self.gen.request.prompt_ids
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
+        return body
+
+
+def _echo_text(prompt) -> str:
+    """vLLM's chat `echo`: the reply starts with the final message when it is the assistant's (the answer being
+    continued); otherwise there is nothing to echo."""
+    last = prompt.messages[-1]
+    if last["role"] != "assistant" or not prompt.continue_final_message:
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):
+        content = "\n\n".join(part.get("text", "") for part in content if part.get("type") == "text")
+    return content

@@ -72,8 +72,11 @@ def register(subparsers) -> argparse.ArgumentParser:
     from dsv41.engine.build import register_engine_args  # argparse only: no torch import here
     from dsv41.parallel.args import register_tp_args
 
+    from dsv41.prepared.start import add_start_args
+
     register_engine_args(p)
     register_tp_args(p)
+    add_start_args(p)
     p.set_defaults(func=run_serve)
     return p
 
@@ -250,22 +253,34 @@ def load_progress(notifier, terminal: bool = True):
     return report
 
 
+def _status_line(line: str) -> None:
+    """A start phase's line as systemd STATUS= (a no-op outside a notify unit)."""
+    from ..ops.notify import Notifier
+
+    Notifier().status(line)
+
+
 def load_serving_model(args, startup: Startup, progress, **tp):
-    """This rank's model (`tp`: rank, world, comm under tensor parallelism). The drafter stays unloaded until the
-    scheduler drafts (it would only cost memory and time per token)."""
-    from ..engine.build import serving_forward
+    """This rank's model (`tp`: rank, world, comm under tensor parallelism). The DSpark drafter is loaded when the
+    batched engine drafts with it (--draft-dspark on, --draft-depth > 0) and the checkpoint has it."""
+    from ..engine.build import dspark_wanted, serving_forward
     from ..model.loader import load_model
 
     from ..cli import set_cpu_threads
 
     set_cpu_threads(args.cpu_threads)
     device, dtype = model_placement(args)
-    if getattr(args, "engine", "batched") == "batched" and serving_forward(args, device) == "fast":
-        from ..runtime.build import build_fast_model  # packed weights driving the kernels (docs/perf/fast_path.md)
+    fast = getattr(args, "engine", "batched") == "batched" and serving_forward(args, device) == "fast"
+    from ..prepared.start import load_fast_model, prepared_root
 
-        return build_fast_model(startup.folder, device=device, dtype=dtype, fake_quant=not args.no_fake_quant,
-                                progress=progress, engram_dir=startup.engram_dir, **tp)
-    return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant, dspark=False,
+    if prepared_root(args) is not None and not fast:
+        raise DSV41Error("--prepared starts the fast forward: use --engine batched with --forward fast (the default "
+                         "on CUDA)")
+    if fast:  # packed weights driving the kernels (docs/perf/fast_path.md): from the prepared folder or built
+        return load_fast_model(args, startup.folder, device=device, dtype=dtype, progress=progress,
+                               engram_dir=startup.engram_dir, notify=_status_line, **tp)
+    return load_model(startup.folder, dtype=dtype, device=device, fake_quant=not args.no_fake_quant,
+                      dspark=None if dspark_wanted(args, device) else False,
                       progress=progress, engram_dir=startup.engram_dir, **tp)
 
 

@@ -13,18 +13,21 @@ from .generation import (
     StreamedReply,
     Generation,
     reply_of,
-    TokenText,
     best_of,
     check_request,
     choice_seed,
+    draft_of,
     completion_budget,
-    new_id,
+    prompt_logprobs_list,
+    reply_id,
     sampling_params,
     stop_ids,
     structured_grammar,
     submit_generations,
+    truncate_prompt,
     usage,
 )
+from .reply_text import reply_text
 from .protocol import CompletionRequest
 from .stop import StopMatcher
 
@@ -53,6 +56,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
     prepared = []
     for k, prompt in enumerate(req.prompts):
         ids, added_bos = await ctx.run_cpu(prompt_ids, ctx, prompt, req.add_special_tokens)
+        kept = truncate_prompt(ctx, ids, req)
+        if len(kept) < len(ids):  # what is echoed and scored is the prompt as the model saw it
+            prompt, ids, added_bos = kept, kept, False
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{k}]"
         prepared.append((prompt, ids, added_bos, completion_budget(ctx, len(ids), req.max_tokens, param)))
     check_request(ctx, req, "completions", min(b for *_, b in prepared))
@@ -69,8 +75,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
             requests = [GenerationRequest(
                 prompt_ids=ids, max_tokens=max(budget, 1), stop_token_ids=stops, ignore_eos=req.ignore_eos,
                 sampling=dataclasses.replace(sampling, seed=choice_seed(sampling.seed, i)),
-                logprobs=logprobs, grammar=grammar, request_id=new_id("cmpl"),
-                prompt_logprobs=(req.logprobs or 0) if scoring else (req.logprobs if req.echo else None))
+                logprobs=logprobs, grammar=grammar, request_id=reply_id(req, "cmpl"), draft=draft_of(req),
+                prompt_logprobs=_prompt_logprobs(req, scoring))
                 for i in range(ranked or req.n)]
             for gen in submit_generations(ctx, "completions", requests, stream=req.stream):
                 reply = _Reply(ctx, gen, req, prompt)
@@ -85,47 +91,58 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest) -> tuple
                     None if ranked is None else (ranked, req.n))
 
 
+def _prompt_logprobs(req: CompletionRequest, scoring: bool) -> int | None:
+    """How many top logprobs per prompt token the engine computes: for echo + logprobs (OpenAI's) and for vLLM's
+    prompt_logprobs, the larger of the two."""
+    echoed = (req.logprobs or 0) if scoring else (req.logprobs if req.echo else None)
+    asked = [k for k in (echoed, req.prompt_logprobs) if k is not None]
+    return max(asked) if asked else None
+
+
 class _Reply(StreamedReply):
     def __init__(self, ctx: ServerContext, gen: Generation, req: CompletionRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.created = int(time.time())
         self.model = ctx.response_model_name(req.model)
-        stops = gen.request.stop_token_ids
-        if req.include_stop_str_in_output:  # a stop_token_ids token is shown; EOS never is
-            stops = stops & {ctx.tokenizer.eos_id}
-        self.text = TokenText(ctx, skip_special_tokens=req.skip_special_tokens,
-                              hidden_ids=frozenset() if req.ignore_eos else stops)
+        self.text = reply_text(ctx.tokenizer, parsed=False, skip_special_tokens=req.skip_special_tokens,
+                               stop_token_ids=gen.request.stop_token_ids,
+                               include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos)
         self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.offset = 0
         self.hidden_prefix = 0  # leading prompt tokens the server added (not echoed, not scored)
+        self.prompt_logprobs = None  # vLLM's prompt_logprobs, when asked for
         if req.echo:
             self.echo = prompt if isinstance(prompt, str) else ctx.tokenizer.decode(prompt)
         else:
             self.echo = ""
 
     async def pieces(self):
-        """(visible text, logprobs dict or None) per token; the last item is (tail text, None, finish_reason)."""
+        """(visible text, logprobs dict or None, finish_reason or None, token ids) per token; the last item has the
+        tail text and the finish reason."""
         echo_with_logprobs = bool(self.echo) and self.req.logprobs is not None
         if self.echo and not echo_with_logprobs:
-            yield self.echo, None, None
+            yield self.echo, None, None, []
         async for event in self.gen.events():
             if isinstance(event, PromptLogprobsEvent):  # comes first, only when echo + logprobs were asked
+                if self.req.prompt_logprobs is not None:
+                    self.prompt_logprobs = prompt_logprobs_list(self.ctx.tokenizer, self.gen.request.prompt_ids,
+                                                                event.entries)
                 if echo_with_logprobs:
-                    yield self.echo, self._prompt_logprobs(event), None
+                    yield self.echo, self._prompt_logprobs(event), None, []
                 self.offset = len(self.echo)
                 if self.req.max_tokens == 0:  # scoring only: the prompt is all there is
-                    yield "", None, "length"
+                    yield "", None, "length", []
                     return
                 continue
             if not isinstance(event, TokenEvent):
                 tail = self.stop.feed(self.text.flush())
                 tail += self.stop.flush()
-                yield tail, None, event.reason if event.reason != "cancelled" else "stop"
+                yield tail, None, event.reason if event.reason != "cancelled" else "stop", []
                 return
             visible = self.stop.feed(self.text.feed(event.token_id))
-            yield visible, self._logprobs(event, visible), None
+            yield visible, self._logprobs(event, visible), None, [event.token_id]
             if self.stop.stopped:
-                yield "", None, "stop"
+                yield "", None, "stop", []
                 return
 
     def _prompt_logprobs(self, event: PromptLogprobsEvent) -> dict:
@@ -157,21 +174,28 @@ class _Reply(StreamedReply):
         self.offset += len(visible)
         return lp
 
-    def _chunk(self, text: str, logprobs, finish_reason) -> dict:
+    def _chunk(self, text: str, logprobs, finish_reason, token_ids=None) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.req.return_token_ids and token_ids is not None:
+            choice["token_ids"] = token_ids
         return {
             "id": self.gen.request.request_id, "object": "text_completion", "created": self.created,
-            "model": self.model, "seed": self.gen.request.sampling.seed,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice],
         }
 
     async def _chunks(self):
         include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
-        async for text, logprobs, finish in self.pieces():
+        first = True
+        async for text, logprobs, finish, token_ids in self.pieces():
             if finish is not None:
                 self.gen.done(finish)
-                yield self._chunk(text, None, finish)
-            elif text or logprobs:
-                yield self._chunk(text, logprobs, None)
+                yield self._chunk(text, None, finish, token_ids)
+            elif text or logprobs or (token_ids and self.req.return_token_ids):
+                chunk = self._chunk(text, logprobs, None, token_ids)
+                if first and self.req.return_token_ids:  # vLLM's: the prompt's ids in the first chunk
+                    chunk["choices"][0]["prompt_token_ids"] = self.gen.request.prompt_ids
+                first = False
+                yield chunk
         if include_usage:
             chunk = self._chunk("", None, None)
             chunk["choices"] = []
@@ -179,9 +203,10 @@ class _Reply(StreamedReply):
             yield chunk
 
     async def complete(self) -> dict:
-        parts, merged, finish = [], None, "stop"
-        async for text, logprobs, reason in self.pieces():
+        parts, merged, finish, token_ids = [], None, "stop", []
+        async for text, logprobs, reason, ids in self.pieces():
             parts.append(text)
+            token_ids += ids
             if logprobs is not None:
                 if merged is None:
                     merged = {k: [] for k in logprobs}
@@ -192,6 +217,11 @@ class _Reply(StreamedReply):
         self.gen.done(finish)
         if self.req.logprobs is not None and merged is None:
             merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        body = self._chunk("".join(parts), merged, finish)
+        body = self._chunk("".join(parts), merged, finish, token_ids)
+        choice = body["choices"][0]
+        if self.req.return_token_ids:  # vLLM's completions: both lists in the choice
+            choice["prompt_token_ids"] = self.gen.request.prompt_ids
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs
         body["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
         return body

@@ -15,6 +15,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
+from ..chat.tokens import THINK_END
+from ..engine.constraint import ReasoningBudget
 from ..engine import (EngineClosed, EngineOverloaded, FinishEvent, GenerationRequest, RequestStream, SamplingParams,
                       TokenEvent)
 from dsv41.structured.grammar import GrammarError
@@ -27,6 +29,52 @@ if TYPE_CHECKING:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def reply_id(fields: "SamplingFields", prefix: str) -> str:
+    """The reply's id: vLLM's `request_id` when the client gave one (`chatcmpl-<request_id>`), else a fresh one."""
+    return f"{prefix}-{fields.request_id}" if fields.request_id else new_id(prefix)
+
+
+def truncate_prompt(ctx: ServerContext, ids: list[int], fields: "SamplingFields") -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: only the last k prompt tokens are kept (-1: the context length)."""
+    keep = fields.truncate_prompt_tokens
+    if keep is None:
+        return ids
+    limit = ctx.config.max_model_len
+    if keep == -1:
+        keep = limit
+    if keep > limit:
+        raise bad_request(f"truncate_prompt_tokens ({keep}) must not exceed the context length ({limit})",
+                          param="truncate_prompt_tokens")
+    return ids[-keep:]
+
+
+def with_reasoning_budget(ctx: ServerContext, grammar, tokens: int | None, thinking: bool):
+    """The request's constraint with its reasoning bounded to `tokens` (vLLM's thinking_token_budget, Anthropic's
+    budget_tokens): once the reasoning has that many tokens, `</think>` is forced (engine/constraint.py). A reply
+    that does not start in reasoning has nothing to bound."""
+    if tokens is None or not thinking:
+        return grammar
+    return ReasoningBudget(tokens, ctx.tokenizer.special(THINK_END), grammar)
+
+
+def prompt_logprobs_list(tokenizer, prompt_ids: list[int], entries) -> list:
+    """vLLM's `prompt_logprobs`: per prompt token None (the first) or {id: {logprob, rank, decoded_token}} for
+    the prompt's token and the top ones there (rank: 1 = most likely; null for the prompt's token when it is not
+    among the top ones asked for)."""
+    out: list = []
+    for token, (logprob, top) in zip(prompt_ids, entries):
+        if logprob is None:
+            out.append(None)
+            continue
+        ranked = [t for t, _ in top]
+        row = {str(token): {"logprob": logprob, "rank": ranked.index(token) + 1 if token in ranked else None,
+                            "decoded_token": tokenizer.decode_token(token)}}
+        for rank, (t, value) in enumerate(top, 1):
+            row.setdefault(str(t), {"logprob": value, "rank": rank, "decoded_token": tokenizer.decode_token(t)})
+        out.append(row)
+    return out
 
 
 class ServerDraining(Exception):
@@ -82,13 +130,23 @@ def stop_ids(ctx: ServerContext, fields: "SamplingFields") -> frozenset[int]:
     return frozenset({ctx.tokenizer.eos_id, *_token_ids(ctx, fields.stop_token_ids or [], "stop_token_ids")})
 
 
+def check_model(ctx: ServerContext, name: str | None) -> None:
+    """404 unless `name` is absent, the served name or an alias (every generation route: OpenAI and Anthropic)."""
+    if name is not None and name not in ctx.model_names:
+        raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(ctx.model_names)}).",
+                       param="model", code="model_not_found")
+
+
 def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, budget: int) -> None:
     """What every generation endpoint checks past the schema: the model name (404 unless the served name or an
     alias) and min_tokens within the budget. The fields accepted but not implemented are logged where the body
     is parsed (body.note_unknown_fields, off the event loop)."""
-    if fields.model is not None and fields.model not in ctx.model_names:
-        raise APIError(404, f"The model `{fields.model}` does not exist (served: {', '.join(ctx.model_names)}).",
-                       param="model", code="model_not_found")
+    check_model(ctx, fields.model)
+    if fields.prompt_logprobs is not None and fields.stream:
+        raise bad_request("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
+    if fields.priority != 0:
+        raise bad_request("priority scheduling is not enabled on this server (requests are served first come, "
+                          "first served): priority must be 0", param="priority")
     if fields.min_tokens > budget:
         raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
                           param="min_tokens")
@@ -157,16 +215,24 @@ def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking
                 schema = envelope.get("schema", {})
                 schema = grammars.check_schema(schema, "response_format.json_schema.schema")
                 return grammars.json(schema, thinking=thinking)
+            if kind == "structural_tag":
+                return grammars.structural_tag(rf, thinking=thinking)
             if kind in (None, "text"):
                 if kind is None:
                     raise bad_request("response_format.type is required", param="response_format.type")
                 return None
-            raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema)",
-                              param="response_format.type")
+            raise bad_request(f"response_format.type {kind!r} is not supported (text, json_object, json_schema, "
+                              "structural_tag)", param="response_format.type")
         so = fields.structured_outputs or {}
-        chosen = [k for k in ("json", "regex", "choice", "grammar") if so.get(k) is not None]
+        # vLLM's other options (whitespace_pattern, disable_any_whitespace, ...): refused, never dropped; there is
+        # no fallback backend, so disable_fallback holds as asked
+        unknown = sorted(set(so) - set(STRUCTURED_OUTPUTS) - {"json_object", "disable_fallback"})
+        if unknown:
+            raise bad_request(f"structured_outputs.{unknown[0]} is not supported",
+                              param=f"structured_outputs.{unknown[0]}")
+        chosen = [k for k in STRUCTURED_OUTPUTS if so.get(k) is not None]
         if len(chosen) > 1:
-            raise bad_request("structured_outputs takes only one of json, regex, choice, grammar",
+            raise bad_request(f"structured_outputs takes only one of {', '.join(STRUCTURED_OUTPUTS)}",
                               param="structured_outputs")
         if so.get("json_object"):
             if chosen:
@@ -193,10 +259,18 @@ def structured_grammar(ctx: ServerContext, fields: "SamplingFields", *, thinking
                 raise bad_request("regex must be a string", param="structured_outputs.regex")
             return grammars.regex(regex, thinking=thinking)
         if "grammar" in chosen:
-            raise bad_request("structured_outputs.grammar is not supported", param="structured_outputs.grammar")
+            if not isinstance(so["grammar"], str):
+                raise bad_request("structured_outputs.grammar must be a string (EBNF)",
+                                  param="structured_outputs.grammar")
+            return grammars.ebnf(so["grammar"], thinking=thinking)
+        if "structural_tag" in chosen:
+            return grammars.structural_tag(so["structural_tag"], thinking=thinking)
         return None
     except GrammarError as exc:
         raise bad_request(str(exc), param=_grammar_param(fields)) from None
+
+
+STRUCTURED_OUTPUTS = ("json", "regex", "choice", "grammar", "structural_tag")  # vLLM's, one per request
 
 
 def _grammar_param(fields) -> str:
@@ -287,7 +361,8 @@ class Generation:
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
             disconnected=self.disconnected, error=self.error, ttft_s=None if ttft is None else round(ttft, 4),
-            latency_s=round(now - self.arrived, 4))
+            latency_s=round(now - self.arrived, 4),
+            tokens_per_round=getattr(self.finish, "tokens_per_round", None))  # drafting: accepted drafts + 1
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -312,27 +387,6 @@ class StreamedReply:
             yield chunk
 
 
-class TokenText:
-    """Token ids -> text for one reply: complete characters only; stop ids (EOS) are not shown."""
-
-    def __init__(self, ctx: ServerContext, *, skip_special_tokens: bool, hidden_ids: frozenset[int]):
-        self.tokenizer = ctx.tokenizer
-        self.decoder = ctx.tokenizer.incremental_decoder(skip_special_tokens=skip_special_tokens)
-        self.hidden = hidden_ids
-
-    def feed(self, token_id: int) -> str:
-        return "" if token_id in self.hidden else self.decoder.feed(token_id)
-
-    def flush(self) -> str:
-        return self.decoder.flush()
-
-    def token_string(self, token_id: int) -> str:
-        return self.tokenizer.decode_token(token_id)
-
-    def token_bytes(self, token_id: int) -> list[int]:
-        return list(self.decoder.token_bytes(token_id))
-
-
 def submit_generations(ctx: ServerContext, endpoint: str, requests: list[GenerationRequest], *,
                        stream: bool) -> list[Generation]:
     """The requests of one prompt's choices (n > 1, best_of: each its own seed) as ONE engine group: the prompt
@@ -349,6 +403,15 @@ def submit_generations(ctx: ServerContext, endpoint: str, requests: list[Generat
     for gen in gens:
         gen.choices = len(requests)
     return gens
+
+
+def draft_of(fields: "SamplingFields") -> int | None:
+    """The request's `draft` field as the engine reads it: None = the server's default, 0 = off, k = at most k
+    drafts a round (true: as many as the server allows)."""
+    draft = getattr(fields, "draft", None)
+    if draft is None or isinstance(draft, int) and not isinstance(draft, bool):
+        return draft
+    return 5 if draft else 0
 
 
 def choice_seed(seed: int, index: int) -> int:

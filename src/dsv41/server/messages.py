@@ -19,15 +19,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
-from ..chat.tokens import THINK_END
 from ..engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
-from ..engine.constraint import ReasoningBudget
 from dsv41.structured.grammar import GrammarError
 from .body import note_unknown_fields, parse_json
 from .chat import render_chat
 from .context import ServerContext
 from .errors import bad_request, engine_error, engine_failed, from_validation_error, unavailable
-from .generation import Generation, ServerDraining, TokenText, completion_budget, new_id
+from .generation import (Generation, ServerDraining, check_model, completion_budget, new_id, structured_grammar,
+                         with_reasoning_budget)
+from .protocol import SamplingFields
+from .reply_text import reply_text
 from .messages_protocol import (CountTokensRequest, MessagesRequest, anthropic_error, chat_body, error_body,
                                 thinking_budget)
 from .stop import StopMatcher
@@ -58,14 +59,23 @@ def _prepare(ctx: ServerContext, model, raw: bytes):
         req = model.model_validate(parse_json(raw, ctx.config.max_model_len, ctx.max_token_chars))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    check_model(ctx, req.model)
     prompt, ids = render_chat(ctx, chat_body(req))
     note_unknown_fields("messages", req.model_extra or {})
     return req, prompt, ids
 
 
 def _grammar(ctx: ServerContext, prompt, thinking: bool):
+    """The tool-call grammar (tool_choice any / tool), or the output_config.format one, or None."""
     if prompt.tool_choice in ("none", "auto") or not prompt.tools:
-        return None
+        if prompt.response_format is None:
+            return None
+        if isinstance(prompt.tool_choice, dict):
+            raise bad_request("a tool_choice of type tool cannot be combined with output_config.format",
+                              param="output_config.format")
+        fields = SamplingFields.model_construct(response_format=prompt.response_format, structured_outputs=None,
+                                                guided_json=None, guided_regex=None, guided_choice=None)
+        return structured_grammar(ctx, fields, thinking=thinking)
     try:
         return ctx.grammars.tool_calls(prompt.tools, prompt.tool_choice, parallel=prompt.parallel_tool_calls,
                                        thinking=thinking)
@@ -79,7 +89,9 @@ class _Reply:
     def __init__(self, ctx: ServerContext, gen: Generation, req: MessagesRequest, prompt):
         self.ctx, self.gen, self.req = ctx, gen, req
         self.model = ctx.response_model_name(req.model)
-        self.text = TokenText(ctx, skip_special_tokens=False, hidden_ids=frozenset())
+        # the one rule of every reply (server/reply_text.py): no special token in a text or thinking block
+        self.text = reply_text(ctx.tokenizer, parsed=True, skip_special_tokens=req.skip_special_tokens,
+                               stop_token_ids=frozenset({ctx.tokenizer.eos_id}))
         self.parser = prompt.new_parser()
         self.stop = _Stop(req.stop_sequences or [])
         self.index = -1
@@ -140,7 +152,10 @@ class _Reply:
                 if self.stop.stopped:
                     break
             else:
-                tail = self._events(self.parser.feed(self.text.flush()) + self.parser.finish())
+                # a tool call cut by max_tokens is dropped, never a tool_use block with half its input nor a
+                # text block of raw DSML (the parser held it back: hold_calls)
+                cut = event.reason == "length"
+                tail = self._events(self.parser.feed(self.text.flush()) + self.parser.finish(truncated=cut))
                 rest = "" if self.stop.stopped else self.stop.flush()
                 if rest:
                     if self.open != "text":
@@ -226,9 +241,8 @@ async def create_message(ctx: ServerContext, raw: bytes):
     thinking = prompt.reply_in_reasoning
     budget = completion_budget(ctx, len(ids), req.max_tokens, "messages")
     grammar = await ctx.run_cpu(_grammar, ctx, prompt, thinking)
-    reasoning_budget = thinking_budget(req)
-    if thinking and reasoning_budget is not None:  # a prefilled (continued) answer is past its reasoning
-        grammar = ReasoningBudget(reasoning_budget, ctx.tokenizer.special(THINK_END), grammar)
+    # a prefilled (continued) answer is past its reasoning: nothing to bound
+    grammar = with_reasoning_budget(ctx, grammar, thinking_budget(req), thinking)
     sampling = SamplingParams(temperature=float(req.temperature) if req.temperature is not None else 1.0,
                               top_p=float(req.top_p) if req.top_p is not None else 1.0, top_k=req.top_k or 0)
     engine_request = GenerationRequest(prompt_ids=ids, max_tokens=budget, sampling=sampling,

@@ -5,9 +5,12 @@ encoder, one set of rules): `system` -> a system message; content blocks -> text
 blocks -> `reasoning_content`; `tool_use` -> `tool_calls` (input dumped as JSON); user `tool_result` blocks ->
 `tool` messages (before the user's own text, in order); `tools` (name, description, input_schema) -> functions;
 `tool_choice` auto / any / tool / none -> auto / required / named / none (`disable_parallel_tool_use` ->
-`parallel_tool_calls: false`); `thinking: {type: enabled}` turns reasoning on (off otherwise, as Anthropic's
-default), its `budget_tokens` checked as Anthropic does (`thinking_budget`) and enforced by the engine
-(`ReasoningBudget`). Images, documents and server tools are refused (400).
+`parallel_tool_calls: false`); the `thinking` object (absent: disabled, Anthropic's default) and
+`output_config.effort` go to the chat path's one precedence rule (`chat.request_mapping.resolve_thinking`),
+`budget_tokens` checked as Anthropic does (`thinking_budget`) and enforced by the engine (`ReasoningBudget`);
+`output_config.format` (json_schema) becomes the chat body's `response_format`. Images, documents and server tools
+are refused (400), and so is what Anthropic refuses (empty content or stop sequences, a tool_result without its
+tool_use, a non-boolean is_error, a non-string description).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from .errors import APIError, bad_request
 from .protocol import MAX_STOP_STRINGS, Number, _Request
@@ -53,7 +56,15 @@ class MessagesRequest(_Request):
     tools: list[Any] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # effort (low/medium/high/max) and format (json_schema)
     metadata: dict[str, Any] | None = None
+    skip_special_tokens: StrictBool = True  # vLLM's, as on the OpenAI routes (server/reply_text.py)
+
+    @model_validator(mode="after")
+    def _stop_sequences(self):
+        if any(not stop.strip() for stop in self.stop_sequences or []):
+            raise ValueError("each stop sequence must contain non-whitespace")
+        return self
 
 
 class CountTokensRequest(MessagesRequest):
@@ -76,20 +87,42 @@ def _text_of(blocks, where: str) -> str:
     return "\n\n".join(texts)
 
 
-def _user(content, where: str) -> list[dict]:
+def _empty_message(where: str):
+    return bad_request(f"{where}: all messages must have non-empty content except for the optional final "
+                       "assistant message", param=where)
+
+
+def _text_block(block: dict, at: str) -> str:
+    if not block["text"]:
+        raise bad_request(f"{at}: text content blocks must be non-empty", param=f"{at}.text")
+    return block["text"]
+
+
+def _user(content, where: str, calls: set[str]) -> list[dict]:
+    """`calls`: the tool_use ids of the assistant message just before; a tool_result must answer one of them."""
     if isinstance(content, str):
+        if not content:
+            raise _empty_message(where)
         return [{"role": "user", "content": content}]
-    if not isinstance(content, list) or not content:
+    if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a non-empty list of content blocks", param=where)
+    if not content:
+        raise _empty_message(where)
     out, parts = [], []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            parts.append({"type": "text", "text": block["text"]})
+            parts.append({"type": "text", "text": _text_block(block, at)})
         elif kind == "tool_result":
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad_request(f"{at}.tool_use_id must be a string", param=f"{at}.tool_use_id")
+            if block["tool_use_id"] not in calls:
+                raise bad_request(f"{at}: unexpected `tool_use_id` found in `tool_result` blocks: "
+                                  f"{block['tool_use_id']}. Each `tool_result` block must have a corresponding "
+                                  "`tool_use` block in the previous message.", param=f"{at}.tool_use_id")
+            if block.get("is_error") is not None and not isinstance(block["is_error"], bool):
+                raise bad_request(f"{at}.is_error: Input should be a valid boolean", param=f"{at}.is_error")
             text = _text_of(block.get("content", ""), f"{at}.content")
             if block.get("is_error"):
                 text = f"Error: {text}"
@@ -103,17 +136,22 @@ def _user(content, where: str) -> list[dict]:
     return out
 
 
-def _assistant(content, where: str) -> dict:
+def _assistant(content, where: str, final: bool) -> dict:
+    """`final`: the last message (a prefill), the one assistant message that may be empty."""
     if isinstance(content, str):
+        if not content and not final:
+            raise _empty_message(where)
         return {"role": "assistant", "content": content}
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content blocks", param=where)
+    if not content and not final:
+        raise _empty_message(where)
     texts, reasoning, calls = [], [], []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append(_text_block(block, at))
         elif kind == "thinking" and isinstance(block.get("thinking"), str):
             reasoning.append(block["thinking"])
         elif kind == "redacted_thinking":
@@ -151,8 +189,11 @@ def _tools(tools) -> list[dict] | None:
         if not isinstance(schema, dict):
             raise bad_request(f"{at}.input_schema must be an object", param=f"{at}.input_schema")
         function = {"name": tool["name"], "parameters": schema}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise bad_request(f"{at}.description: Input should be a valid string", param=f"{at}.description")
+        if description is not None:
+            function["description"] = description
         out.append({"type": "function", "function": function})
     return out
 
@@ -177,15 +218,30 @@ def _tool_choice(choice: dict | None, body: dict) -> None:
         body["parallel_tool_calls"] = False
 
 
-def _thinking(thinking: dict | None) -> bool:
-    if thinking is None:
-        return False
-    kind = thinking.get("type")
-    if kind in ("enabled", "adaptive"):
-        return True
-    if kind == "disabled":
-        return False
-    raise bad_request("thinking.type must be enabled, adaptive or disabled", param="thinking.type")
+EFFORTS = ("low", "medium", "high", "max")  # Anthropic's output_config.effort, the chat effort words of those names
+
+
+def _output_config(config: dict | None, body: dict) -> None:
+    """Anthropic's `output_config`: `effort` -> the chat body's reasoning_effort (the one precedence rule,
+    chat.request_mapping.resolve_thinking); `format` {type: json_schema, schema} -> response_format (the schema
+    in the prompt and enforced by the grammar, as on the chat route)."""
+    if config is None:
+        return
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad_request(f"output_config.effort must be one of {', '.join(EFFORTS)}", param="output_config.effort")
+        body["reasoning_effort"] = effort
+    fmt = config.get("format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise bad_request('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                              param="output_config.format")
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    unknown = sorted(set(config) - {"effort", "format"})
+    if unknown:
+        raise bad_request(f"output_config.{unknown[0]}: Extra inputs are not permitted",
+                          param=f"output_config.{unknown[0]}")
 
 
 def thinking_budget(req: MessagesRequest) -> int | None:
@@ -222,16 +278,21 @@ def chat_body(req: MessagesRequest) -> dict:
         messages.append({"role": "system", "content": _text_of(req.system, "system")})
     if not req.messages:
         raise bad_request("messages must be a non-empty list", param="messages")
+    calls: set[str] = set()  # the tool_use ids of the previous (assistant) message
     for i, message in enumerate(req.messages):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
         if role == "user":
-            messages += _user(message.get("content"), f"{where}.content")
+            messages += _user(message.get("content"), f"{where}.content", calls)
+            calls = set()
         elif role == "assistant":
-            messages.append(_assistant(message.get("content"), f"{where}.content"))
+            messages.append(_assistant(message.get("content"), f"{where}.content", final=i == len(req.messages) - 1))
+            calls = {call["id"] for call in messages[-1].get("tool_calls", [])}
         else:
             raise bad_request(f"{where}.role must be user or assistant, got {role!r}", param=f"{where}.role")
-    body: dict = {"messages": messages, "chat_template_kwargs": {"thinking": _thinking(req.thinking)}}
+    # thinking: Anthropic's default is off; the object itself goes to the one precedence rule of the chat path
+    body: dict = {"messages": messages, "thinking": req.thinking or {"type": "disabled"}}
+    _output_config(req.output_config, body)
     thinking_budget(req)  # refused here when it is not one Anthropic accepts (count_tokens too)
     tools = _tools(req.tools)
     if tools:

@@ -188,6 +188,24 @@ class EngineCollector:
                                     ("prefill", "request_prefill_time_seconds", "First scheduled to the prompt in"),
                                     ("inter_token", "inter_token_latency_seconds", "Between two output tokens")):
                 yield self._timing(f"vllm:{name}", text, seconds["bounds"], seconds[key], m)
+        yield from self._spec_decode(d.get("drafting") or {}, m)
+
+    @staticmethod
+    def _spec_decode(drafting: dict, m: list[str]):
+        """vLLM's speculative-decoding counters, one series per drafter (engine/drafting.py: dspark, lookup)."""
+        drafters = [k for k, v in drafting.items() if isinstance(v, dict)]
+        for name, text in (("num_drafts", "Rounds that verified drafts"), ("num_draft_tokens", "Draft tokens verified"),
+                           ("num_accepted_tokens", "Draft tokens accepted")):
+            family = CounterMetricFamily(f"vllm:spec_decode_{name}", text, labels=VLLM_LABELS + ["drafter"])
+            for drafter in drafters:
+                family.add_metric(m + [drafter], drafting[drafter][name])
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each "
+                                     "position of the window", labels=VLLM_LABELS + ["drafter", "position"])
+        for drafter in drafters:
+            for pos, count in enumerate(drafting[drafter]["num_accepted_tokens_per_pos"]):
+                family.add_metric(m + [drafter, str(pos)], count)
+        yield family
 
     @staticmethod
     def _timing(name: str, text: str, bounds: list, figures: dict, m: list[str]) -> HistogramMetricFamily:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
 
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -17,6 +18,7 @@ MAX_N = 16  # choices per request (and per prompt of a completions batch)
 MAX_CHOICES = 64  # prompts x n
 MAX_LOGIT_BIAS = 300  # OpenAI's limit
 MAX_TOKEN_LISTS = 4096  # stop_token_ids, allowed_token_ids
+MAX_REQUEST_ID = 128
 
 Number = StrictFloat | StrictInt
 Probability = Annotated[Number, Field(ge=0.0, le=1.0)]
@@ -57,12 +59,21 @@ class SamplingFields(_Request):
     bad_words: Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     allowed_token_ids: Annotated[list[StrictInt], Field(min_length=1, max_length=MAX_TOKEN_LISTS)] | None = None
     include_stop_str_in_output: StrictBool = False
+    # speculative drafting (docs/ENGINE.md §6): false = off, true = on, k = at most k drafts a round; the reply is
+    # the same either way
+    draft: StrictBool | Annotated[StrictInt, Field(ge=0, le=5)] | None = None
     # structured output (vLLM spellings); response_format is OpenAI's
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | StrictStr | None = None
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
+    # vLLM's request extras (docs/SERVER.md "vLLM extras")
+    return_token_ids: StrictBool = False
+    prompt_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
+    request_id: Annotated[StrictStr, Field(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
 
     @model_validator(mode="after")
     def _common_rules(self):
@@ -80,6 +91,20 @@ class SamplingFields(_Request):
             if not key.isdigit():
                 raise ValueError(f"logit_bias keys are token ids, got {key!r}")
         return self
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, value):
+        if value is not None and value < 1 and value != -1:
+            raise ValueError("must be -1 (the context length) or a positive integer")
+        return value
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable(cls, value):
+        if value is not None and not value.isprintable():
+            raise ValueError("must be printable text")
+        return value
 
     @property
     def stop_strings(self) -> list[str]:
@@ -103,6 +128,11 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: StrictBool = False
     add_generation_prompt: StrictBool = True  # vLLM's; false with continue_final_message: build_chat_prompt
+    # thinking controls (docs/SERVER.md "Thinking controls"); build_chat_prompt reads `thinking` from the body
+    thinking: dict[str, Any] | None = None
+    include_reasoning: StrictBool = True
+    thinking_token_budget: Annotated[StrictInt, Field(ge=0)] | None = None
+    echo: StrictBool = False  # vLLM's: the reply starts with the final assistant message it continues
 
     @model_validator(mode="after")
     def _chat_rules(self):

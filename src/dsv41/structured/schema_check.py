@@ -78,7 +78,38 @@ def _node(schema: Any, where: str) -> Any:
                         if isinstance(items, list) else _node(items, f"{where}.items"))
     _required(schema, where)
     _values_match_type(schema, where)
+    _counts(schema, where)
     return out
+
+
+COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+MAX_COUNT = 2**31 - 1  # xgrammar's repetition bound
+
+
+def _counts(schema: dict, where: str) -> None:
+    for key in COUNTS:
+        if key in schema:
+            value = schema[key]
+            if type(value) is not int or not 0 <= value <= MAX_COUNT:
+                raise SchemaRefused(f"{where}.{key} must be an integer from 0 to {MAX_COUNT}, got {_short(value)}")
+
+
+_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas: no pattern keyword inside
+
+
+def string_patterns(schema: Any, where: str) -> list[tuple[str, str]]:
+    """(place, regex) of every `pattern` keyword in `schema`, for the emptiness probe of each alone."""
+    found: list[tuple[str, str]] = []
+    if isinstance(schema, dict):
+        if isinstance(schema.get("pattern"), str):
+            found.append((f"{where}.pattern", schema["pattern"]))
+        for key, value in schema.items():
+            if key not in _DATA:
+                found += string_patterns(value, f"{where}.{key}")
+    elif isinstance(schema, list):
+        for i, value in enumerate(schema):
+            found += string_patterns(value, f"{where}[{i}]")
+    return found
 
 
 def _single_all_of(schema: dict, where: str) -> Any:

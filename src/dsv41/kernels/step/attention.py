@@ -386,12 +386,14 @@ def _launch(grid, args: tuple, kw: dict, m, l, acc, sink, out, H: int, hd: int, 
 
 def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: torch.Tensor,
                    scale: float, *, keys_bf16: bool | None = None, split_keys: int = SPLIT_KEYS,
-                   key_block: int = KEY_BLOCK, num_warps: int = 8) -> torch.Tensor:
+                   key_block: int = KEY_BLOCK, num_warps: int = 8, head_block: int = HEAD_BLOCK) -> torch.Tensor:
     """`Attention._core` for rows q [T, H, hd] over keys [T, S, hd] (K = V; bf16 / fp16 / fp32, read as fp32) with
     ok [T, S] bool (live slots) and sink [H] fp32. Returns o [T, H, hd] fp32 on q's device, no host sync.
     `keys_bf16`: the keys' values are bf16 ones (default: keys.dtype is bf16; the caller knows it of fake-quantised
     fp32 keys), so the products take one bf16 part of them (`_split_dot`); `attention_pool` over the same values
-    decides alike from its codecs, which keeps the two bitwise equal."""
+    decides alike from its codecs, which keeps the two bitwise equal. `head_block`: heads per program (a power of
+    two >= 16; the keys are read once per head block); with split_keys / key_block it fixes the bits, num_warps
+    does not."""
     T, H, hd = q.shape
     if keys.dim() != 3 or keys.shape[0] != T or keys.shape[2] != hd:
         raise ValueError(f"keys {list(keys.shape)} do not fit q {list(q.shape)}")
@@ -415,10 +417,12 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     if keys_bf16 is None:
         keys_bf16 = keys.dtype == torch.bfloat16
     n_splits, m, l, acc, hdp = _split_scratch(T, S, H, hd, split_keys, key_block, q.device)
-    _launch((T, triton.cdiv(H, HEAD_BLOCK), n_splits),
+    if head_block < 16 or head_block & (head_block - 1):
+        raise ValueError(f"head_block must be a power of two >= 16, got {head_block}")
+    _launch((T, triton.cdiv(H, head_block), n_splits),
             (q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
              H, S, hd, float(scale), *_no_pool(ok)),
-            dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
+            dict(HB=head_block, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps),
             m, l, acc, sink, out, H, hd, n_splits, hdp)
     return out

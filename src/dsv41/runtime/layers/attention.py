@@ -42,6 +42,10 @@ from .pool_attention import InPlaceAttention
 # (5 splits x local heads x hd fp32 per row: 80 MiB at 32 heads, 160 MiB at 64). Any value gives the same bits (one
 # program per row, `_core_blocked`).
 PREFILL_CORE_ROWS = 256
+# The core's tiling for prefill rows (bench/results/attention_prefill_sweep.json, H100, 256 rows x 32 heads x 640
+# slots: 814 -> 401 us against the decode-era 16 heads x 16 keys): all 32 local heads per program (the keys read
+# once per row), 64-key blocks, 128-slot splits. Fixed for the phase, so a row's bits never follow the chunk.
+PREFILL_TILING = dict(head_block=32, key_block=64, split_keys=128, num_warps=8)
 # Rows per indexer launch (`_index_kernels`): bounds the [rows, C] fp32 scores (1,024 rows x 65,536 entries:
 # 256 MiB). Any value gives the same bits (one program per row and entry block, one per row for the top-k).
 INDEX_ROWS = 1024
@@ -202,7 +206,9 @@ class FastAttention(InPlaceAttention):
         indexed = kernels and role.scores
         if indexed:
             with section("indexer"):
-                self._index_kernels(segs, iq, iw, trace, w_scales=a["iw_scales"])
+                # prefill rows of fake-quantised index queries and keys (bf16 values) score on the tensor cores
+                self._index_kernels(segs, iq, iw, trace, w_scales=a["iw_scales"],
+                                    tiles=not is_fused(phase) and self.fq)
         for s, win in zip(segs, wins):
             ids = src = None
             if not role.swa_only:
@@ -281,19 +287,36 @@ class FastAttention(InPlaceAttention):
     def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
                       ids: torch.Tensor | None, src, block: int | None = None) -> None:
         """The core of a prefill segment's rows with the step kernel, `block` (default PREFILL_CORE_ROWS) rows per
-        launch, each block's slots gathered right before it; o's rows written in place. The kernel runs one
-        program per row and reads nothing of another row (`kernels.step.attention`), so a row's bits do not depend
-        on the block it is in nor on the chunk: chunked == one-shot holds for the core bitwise
-        (tests/test_runtime_prefill_core.py)."""
+        launch, each block's slots gathered right before it in ONE gather from the window and the source's entries
+        stacked once per segment (the reference's slot layout, the same values: `_slots`); o's rows written in
+        place. The kernel runs one program per (row, head block, split) and reads nothing of another row
+        (`kernels.step.attention`), so a row's bits do not depend on the block it is in nor on the chunk: chunked ==
+        one-shot holds for the core bitwise (tests/test_runtime_prefill_core.py)."""
         from dsv41.kernels.step.attention import attention_core
 
         block = block or PREFILL_CORE_ROWS
+        cfg = self.cfg
+        stacked = win if src is None or src.kv is None else torch.cat((win, src.kv.to(win.dtype)))
+        first = s.pos + s.T - win.shape[0]
         for start in range(0, s.T, block):
             rows = slice(start, min(start + block, s.T))
-            keys, ok = self._slots(s, win, ids, src, rows)
+            key_pos = (torch.arange(s.pos + rows.start, s.pos + rows.stop, device=win.device)[:, None]
+                       + torch.arange(1 - cfg.sliding_window, 1, device=win.device)[None, :])
+            idx, ok = (key_pos - first).clamp(min=0), key_pos >= 0
+            if src is not None:
+                sel = None if ids is None else ids[rows]
+                n = rows.stop - rows.start
+                sel = torch.empty(n, 0, dtype=torch.long, device=win.device) if sel is None else sel
+                sel = torch.cat((torch.full((n, cfg.index_topk - sel.shape[1]), -1, dtype=sel.dtype,
+                                            device=sel.device), sel), dim=1)
+                # no entries yet: every compressed slot dead (it reads the window's row 0, never used)
+                idx = torch.cat((idx, win.shape[0] + sel.clamp(min=0) if src.kv is not None
+                                 else torch.zeros_like(sel)), dim=1)
+                ok = torch.cat((ok, sel >= 0), dim=1)
+            keys = stacked[idx]
             at = slice(s.start + rows.start, s.start + rows.stop)
             o[at] = attention_core(q[at], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
-                                   keys_bf16=self._keys_bf16(keys))
+                                   keys_bf16=self._keys_bf16(keys), **PREFILL_TILING)
 
     def _core_batched(self, q: torch.Tensor, gathered, o: torch.Tensor) -> None:
         """The core of every segment's rows in one launch: their key slots [T, S, hd] stacked in row order (dead
@@ -417,14 +440,18 @@ class FastAttention(InPlaceAttention):
         return ids
 
     def _index_kernels(self, segs: Sequence[Segment], iq: torch.Tensor, iw: torch.Tensor, trace: dict | None,
-                       rows_per_launch: int | None = None, w_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+                       rows_per_launch: int | None = None, w_scales: tuple[float, float] = (1.0, 1.0),
+                       tiles: bool = False) -> None:
         """`_topk` of every segment with the step kernels (`kernels.step.indexer`), rows of all sequences together:
         each row reads its own sequence's keys (the sources' index keys concatenated, a row's offset into them) up
         to its visible count, columns padded with -inf to the longest source, and takes the last min(index_topk, C)
         columns of the padded top-k (the others are -1, `kernels.step.indexer`): a row's bits are those it gets
         alone. Candidate pools are per row too (the candidate source writes `[T, C]` masks; re-indexing layers pass
         them as the kernel's `allow`). `rows_per_launch` (default INDEX_ROWS) bounds the [rows, C] scores; any
-        value gives the same bits. Sets each segment's `shared.topk[index]` and the traces `_topk` writes."""
+        value gives the same bits. `tiles`: the scores of each segment's rows on the tensor cores
+        (`kernels.step.index_tiles`: bf16 values only, the prefill path with fake quantisation), a row's bits again
+        those it gets alone. Sets each segment's `shared.topk[index]` and the traces `_topk` writes."""
+        from dsv41.kernels.step.index_tiles import index_scores_tiles
         from dsv41.kernels.step.indexer import candidate_mask, index_scores, topk_select
 
         cfg, role = self.cfg, self.role
@@ -435,8 +462,9 @@ class FastAttention(InPlaceAttention):
         if work:
             ncols = max(src.entries for _, src in work)
             k = min(cfg.index_topk, ncols)
-            meta, key_list, at = [], [], 0
+            meta, key_list, at, firsts = [], [], 0, []
             for s, src in work:  # per row: (q row, key offset, visible entries), all known on the host
+                firsts.append(firsts[-1] + work[len(firsts) - 1][0].T if firsts else 0)  # the segment's first row
                 C, j = src.entries, torch.arange(s.T, dtype=torch.int64)
                 vis = torch.div(s.pos + j + 1, role.compress_ratio, rounding_mode="floor").clamp(max=C)
                 meta.append(torch.stack((s.start + j, torch.full_like(j, at), vis)))
@@ -452,8 +480,18 @@ class FastAttention(InPlaceAttention):
             scores = [] if trace is not None else None
             for a in range(0, R, step):
                 b = min(a + step, R)
-                sc = index_scores(iq, iw, keys, meta[0, a:b], meta[1, a:b], meta[2, a:b], ncols,
-                                  None if allow is None else allow[a:b], w_scales=w_scales)
+                if tiles:
+                    sc = torch.empty(b - a, ncols, dtype=torch.float32, device=dev)
+                    for (s, src), r0 in zip(work, firsts):  # each segment's rows in [a, b): one sequence's keys
+                        lo, hi = max(a, r0), min(b, r0 + s.T)
+                        if lo < hi:
+                            q0 = s.start + lo - r0
+                            index_scores_tiles(iq[q0:q0 + hi - lo], iw[q0:q0 + hi - lo], src.index_k,
+                                               meta[2, lo:hi], ncols, None if allow is None else allow[lo:hi],
+                                               w_scales=w_scales, out=sc[lo - a:hi - a])
+                else:
+                    sc = index_scores(iq, iw, keys, meta[0, a:b], meta[1, a:b], meta[2, a:b], ncols,
+                                      None if allow is None else allow[a:b], w_scales=w_scales)
                 if cand is not None:
                     cand[a:b] = candidate_mask(sc, meta[2, a:b], cfg.candidate_block_size, cfg.candidate_topk_blocks)
                 ids[a:b] = topk_select(sc, k)

@@ -104,7 +104,8 @@ class PrefillWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * 2
+        """The bytes it holds: none until a matrix takes the reconstruct path (off with the tile kernels)."""
+        return 0 if self.buf is None else self.buf.numel() * 2
 
     def matrix(self, k: int, n: int) -> torch.Tensor:
         self.allocate()
@@ -154,7 +155,18 @@ class Exl3Linear:
                 return out
             if out is not None:
                 raise ValueError(f"{self.name}: out= is for the fused path, not {phase!r}")
+            if prefill_tiles_enabled():
+                from dsv41.kernels.exl3.prefill import prefill_linear
+
+                return prefill_linear(x, self.weight, out_dtype=out_dtype)
             return self.workspace.matmul(x, self.weight).to(out_dtype)
+
+
+def prefill_tiles_enabled() -> bool:
+    """Prefill EXL3 products on the tile kernels (`kernels/exl3/prefill.py`: each weight tile decoded once per tile of
+    rows, on by default); DSV41_PREFILL_TILES=0 takes the reconstruct-into-the-workspace + cuBLAS path instead (A/B
+    runs: other bits, and cuBLAS may pick its kernel by the row count, so chunks are not bitwise one-shot there)."""
+    return os.environ.get("DSV41_PREFILL_TILES", "1") not in ("0", "")
 
 
 def grouping_enabled() -> bool:

@@ -6,10 +6,13 @@ kernels run (a CUDA device, or the interpreter) the two launches of `kernels.ste
 and weights stay on the device, in the top-k tables the MoE kernels read); otherwise its product over the whole
 row bucket in one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the kernels' MoE
 (`kernels.exl3.moe`, two launches, routing read in-kernel, slots summed in order), with the split counts resolved
-once at build; prefill rows loop over the experts they picked, in ascending id as the reference does, each expert's
-matrices reconstructed into the rank's one prefill workspace, the rows grouped by expert on the device with one
-host read of the counts per layer (`FusedMoE._grouped`). Experts stored in another format (the release's
-MXFP4) take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs
+once at build; prefill rows of stacked EXL3 experts take the tile kernels (`kernels.exl3.prefill.prefill_moe`:
+the chunk's (row, slot) pairs sorted by expert on the device, one grouped launch for gate/up with the SwiGLU and
+the routing weight fused, one for down, the slots summed in order with the shared output; no host read, the router
+logits as one tiled product, `kernels.step.router_tiles`), or with DSV41_PREFILL_TILES=0 the loop over the experts they picked, in ascending id as the
+reference does, each expert's matrices reconstructed into the rank's one prefill workspace, the rows grouped by
+expert on the device with one host read of the counts per layer (`FusedMoE._grouped`). Experts stored in another
+format (the release's MXFP4) take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs
 one rank-ordered reduction per layer (the caller's).
 """
 
@@ -30,7 +33,7 @@ from dsv41.model.topk import topk_lowest_index_ties
 
 from ..sections import section
 from .attention import step_kernels_run
-from .linear import LinearGroup, PrefillWorkspace, is_fused
+from .linear import LinearGroup, PrefillWorkspace, is_fused, prefill_tiles_enabled
 
 
 @dataclass(frozen=True)
@@ -125,19 +128,40 @@ class FusedMoE:
 
     def partial(self, x: torch.Tensor, n: int, phase: str, trace: dict | None = None) -> torch.Tensor:
         """This rank's fp32 share of the MoE output for the bucket x [B, d] whose first n rows are real."""
+        stacked = isinstance(self.experts, StackedExperts)
+        # prefill rows of stacked EXL3 experts take the tile kernels (`kernels/exl3/prefill.py`), and with them the
+        # router's tiled logits (`kernels/step/router_tiles.py`): every op of the chunk row-invariant, so chunks are
+        # bitwise one-shot
+        tiles = phase == "prefill" and stacked and prefill_tiles_enabled() and step_kernels_run(x.device)
         with section("router"):
-            if is_fused(phase) and step_kernels_run(x.device):
+            if tiles:
+                from dsv41.kernels.step.router_tiles import route_rows_tiles
+
+                ids, weights, logits, select = route_rows_tiles(
+                    x[:n], self.gate_t, self.gate_bias, self.topk, scale=self.route_scale, renorm=self.renorm,
+                    temp=self.gate_temp, ids_dtype=torch.int32)
+            elif is_fused(phase) and step_kernels_run(x.device):
                 from dsv41.kernels.step.router import route_rows
 
                 ids, weights, logits, select = route_rows(
                     x[:n], self.gate_t, self.gate_bias, self.topk, scale=self.route_scale, renorm=self.renorm,
                     temp=self.gate_temp,  # int32 ids: the table the MoE kernels read, no conversion launch
-                    ids_dtype=torch.int32 if isinstance(self.experts, StackedExperts) else torch.int64)
+                    ids_dtype=torch.int32 if stacked else torch.int64)
             else:
                 ids, weights, logits, select = self.route(x)
         if trace is not None:
             trace.update(router_ids=ids[:n].long(), router_logits=logits[:n], router_select=select[:n])
-        if is_fused(phase) and isinstance(self.experts, StackedExperts):
+        if tiles:
+            shared = self._shared(x, n, phase)
+            with section("moe"):
+                from dsv41.kernels.exl3.prefill import prefill_moe
+
+                s = self.experts
+                y = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+                prefill_moe(x[:n], ids[:n], weights[:n], s.w1, s.w3, s.w2, self.limit, out=y[:n],
+                            addend=None if shared is None else shared[:n])
+            return y
+        if is_fused(phase) and stacked:
             shared = self._shared(x, n, phase)
             with section("moe"):
                 # the routed sum written straight into the bucket's real rows, the shared output added to it in

@@ -1,0 +1,240 @@
+"""Prefill of one full-shape synthetic rank (rank 0 of TP=2) at several prompt lengths, with its floors (issue 31).
+
+One call measures, in this order (results saved after each stage, so a run cut short keeps what it measured):
+- the ceilings: the bf16 GEMM rate on random data;
+- the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
+  (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer;
+- per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
+  tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position);
+- the per-section table of one profiled chunk at position 0 and one at the longest prompt's last chunk;
+- A/B in the same process: the 2K chunk on the reconstruct + cuBLAS path (`DSV41_PREFILL_TILES=0`);
+- the floors per chunk: the weight-decode floor (the rank's EXL3 weights that the chunk touches, once, at the
+  decode rate measured above) and the GEMM floor (the chunk's FLOPs at the measured bf16 rate).
+
+On an H100 (80 GB) the full rank (~98 GiB) does not fit: `--layers N` builds the first N layers; every figure is
+reported as measured and scaled to 40 layers (`scaled_40`: time x 40 / N for the per-layer work).
+
+    python bench/prefill.py --layers 26 --lengths 2048,8192,32768 --out bench/results/prefill.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from decode_step import StubComm, bf16_tflops, log, prefill_flops  # noqa: E402
+from step_profile import classify, sync  # noqa: E402
+
+from dsv41.runtime import sections  # noqa: E402
+from dsv41.runtime.synthetic import synthetic_rank  # noqa: E402
+
+
+def cuda_ms(fn, reps: int = 3) -> float:
+    """Median ms of fn() over reps runs after one warm-up (CUDA events)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def kernels_alone(model, chunk: int, tflops: float) -> dict:
+    """The prefill kernels on layer 0's matrices at `chunk` rows: ms, EXL3 weights decoded per second, TFLOP/s."""
+    from dsv41.kernels.exl3.prefill import EXPERTS, prefill_linear, prefill_moe
+    from dsv41.runtime.layers.linear import Exl3Linear
+
+    dev = torch.device("cuda")
+    block = model.blocks[0]
+    s = block.moe.experts
+    E, topk = s.w1.experts, block.moe.topk
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(chunk, s.w1.k, generator=g, device=dev).bfloat16()
+    # a router's spread: each row's top-k distinct, the experts about evenly loaded
+    ids = torch.rand(chunk, E, generator=g, device=dev).topk(topk, dim=1).indices.int()
+    w = torch.rand(chunk, topk, generator=g, device=dev)
+    out = {}
+    ms = cuda_ms(lambda: prefill_moe(x, ids, w, s.w1, s.w3, s.w2))
+    touched = int(ids.unique().numel())
+    weights = touched * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
+    flops = 2.0 * chunk * topk * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
+    rows_per_expert = chunk * topk / touched
+    decodes = -(-rows_per_expert // EXPERTS.block_m)  # about: each expert's tiles decode its weights once
+    out["experts"] = {"rows": chunk, "ms": ms, "experts_touched": touched, "weights_per_s": weights / ms * 1e3,
+                      "decoded_weights_per_s": weights * decodes / ms * 1e3, "tflops": flops / ms / 1e9,
+                      "pct_of_bf16": 100 * flops / ms / 1e9 / tflops, "K": s.w1.K}
+    dense = []
+    lins = [lin for lin in block.attn.linears() if isinstance(lin, Exl3Linear)]
+    lins += [lin for trio in block.moe.shared for lin in trio if isinstance(lin, Exl3Linear)]
+    for lin in lins:
+        xl = torch.randn(chunk, lin.in_features, generator=g, device=dev).bfloat16()
+        t = cuda_ms(lambda: prefill_linear(xl, lin.weight))
+        f = 2.0 * chunk * lin.in_features * lin.out_features
+        dense.append({"name": lin.name, "k": lin.in_features, "n": lin.out_features, "K": lin.weight.K, "ms": t,
+                      "tflops": f / t / 1e9})
+    out["dense"] = dense
+    out["dense_ms"] = sum(d["ms"] for d in dense)
+    log(f"kernels at {chunk} rows: experts {ms:.2f} ms ({out['experts']['tflops']:.0f} TFLOP/s, "
+        f"{out['experts']['weights_per_s'] / 1e12:.2f} T weights/s once each), dense {out['dense_ms']:.2f} ms over "
+        f"{len(dense)} matrices")
+    return out
+
+
+def prefill_prompt(model, length: int, chunk: int, seed: int = 0) -> dict:
+    """One prompt of `length` tokens prefilled in `chunk`-row chunks into a new sequence."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size, (length,), generator=g)
+    st = model.new_state()
+    chunk_s = []
+    sync(torch.device("cuda"))
+    t0 = time.perf_counter()
+    for start in range(0, length, chunk):
+        c0 = time.perf_counter()
+        model.forward([(st, ids[start:start + chunk])], "prefill")
+        sync(torch.device("cuda"))
+        chunk_s.append(time.perf_counter() - c0)
+    seconds = time.perf_counter() - t0
+    return {"length": length, "chunk": chunk, "seconds": seconds, "tokens_per_s": length / seconds,
+            "first_chunk_s": chunk_s[0], "last_chunk_s": chunk_s[-1], "chunks": len(chunk_s)}, st, ids
+
+
+def profile_chunk(model, state, ids) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    sections.enable(True)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            model.forward([(state, ids)], "prefill")
+            sync(torch.device("cuda"))
+            wall = time.perf_counter() - t0
+    finally:
+        sections.enable(False)
+    cls = classify(prof)
+    res = {"rows": int(ids.numel()), "wall_ms_profiled": wall * 1e3, "device_ms": cls["busy_us"] / 1e3,
+           "sections_ms": {k: v / 1e3 for k, v in sorted(cls["device_us"].items(), key=lambda t: -t[1])},
+           "launches": dict(cls["launches"]), "top_kernels": cls["kernels_us"]}
+    log(f"profiled chunk of {ids.numel()} rows: device busy {res['device_ms']:.0f} ms; per section (ms / launches): "
+        + ", ".join(f"{k} {v:.1f}/{cls['launches'].get(k, 0)}" for k, v in res["sections_ms"].items()))
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=HERE / "results" / "prefill.json")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--lengths", default="2048,8192,32768")
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--ab", action="store_true", help="the 2K chunk on the reconstruct path too (DSV41_PREFILL_TILES=0)")
+    p.add_argument("--budget-s", type=float, default=None, help="skip the longer prompts past this many seconds")
+    p.add_argument("--kernels-only", action="store_true", help="stop after the kernels alone (A/B of kernel options)")
+    args = p.parse_args(argv)
+    started = time.perf_counter()
+    dev = torch.device("cuda")
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                              capture_output=True, text=True).stdout.strip()
+    from dsv41.kernels.exl3.backend import use_cuda_backend
+
+    res = {"commit": commit or "unknown", "gpu": torch.cuda.get_device_name(), "chunk": args.chunk,
+           "backend": "cuda" if use_cuda_backend(dev) else "triton",
+           "exl3_tuning": os.environ.get("DSV41_EXL3_TUNING", "default")}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+    tflops = bf16_tflops()
+    res["bf16_tflops"] = tflops
+    t0 = time.perf_counter()
+    model = synthetic_rank(None, rank=0, world=2, device=dev, dtype=torch.bfloat16, comm=StubComm(),
+                           layers=args.layers)
+    sync(dev)
+    n_layers = len(model.blocks)
+    scale = model.cfg.num_hidden_layers / n_layers
+    res.update(layers=n_layers, scale_to_40=scale, build_s=time.perf_counter() - t0,
+               held_gib=model.stored_bytes() / 2 ** 30)
+    log(f"{res['gpu']}: {n_layers} layers built in {res['build_s']:.1f} s, {res['held_gib']:.1f} GiB; bf16 "
+        f"{tflops:.0f} TFLOP/s")
+    save()
+    res["kernels"] = kernels_alone(model, args.chunk, tflops)
+    save()
+    if args.kernels_only:
+        return 0
+    # warm-up: every kernel compiled (a chunk of each kind of position)
+    model.forward([(model.new_state(), torch.randint(0, model.cfg.vocab_size, (256,)))], "prefill")
+    sync(dev)
+    runs = []
+    last = None
+    for length in [int(v) for v in args.lengths.split(",") if v]:
+        if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+            runs.append({"length": length, "skipped": "budget"})
+            continue
+        r, st, ids = prefill_prompt(model, length, args.chunk)
+        r["scaled_40_tokens_per_s"] = r["tokens_per_s"] / scale
+        runs.append(r)
+        last = (st, length)
+        log(f"prompt {length}: {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tok/s ({n_layers} layers; "
+            f"{r['scaled_40_tokens_per_s']:.0f} scaled to 40), chunks first {r['first_chunk_s'] * 1e3:.0f} ms "
+            f"last {r['last_chunk_s'] * 1e3:.0f} ms")
+        res["prompts"] = runs
+        save()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.cfg.vocab_size, (args.chunk,), generator=g)
+    trace = {}
+    model.forward([(model.new_state(), ids)], "prefill", trace=trace)
+    flops = prefill_flops(model, trace, args.chunk)
+    distinct = 0
+    weights = 0
+    for block in model.blocks:
+        s = block.moe.experts
+        touched = int(torch.cat([t["router_ids"].reshape(-1) for t in trace[block.index]]).unique().numel())
+        distinct += touched
+        weights += touched * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
+        weights += sum(lin.in_features * lin.out_features for lin in block.attn.linears())
+        weights += sum(lin.in_features * lin.out_features for trio in block.moe.shared for lin in trio)
+    rate = res["kernels"]["experts"]["weights_per_s"]
+    res["floors"] = {"chunk_gemm_tflop": flops / 1e12, "gemm_floor_ms": flops / (tflops * 1e12) * 1e3,
+                     "chunk_weights": weights, "decode_floor_ms": weights / rate * 1e3,
+                     "experts_touched_per_layer": distinct / n_layers,
+                     "note": "decode floor at the grouped kernel's measured rate of weights decoded once"}
+    save()
+    res["profile_first_chunk"] = profile_chunk(model, model.new_state(), ids)
+    save()
+    if last is not None and last[1] > args.chunk:
+        st, length = last
+        res["profile_late_chunk"] = profile_chunk(model, st, torch.randint(0, model.cfg.vocab_size, (args.chunk,)))
+        res["profile_late_chunk"]["position"] = length
+        save()
+    if args.ab:
+        os.environ["DSV41_PREFILL_TILES"] = "0"
+        try:
+            r, _, _ = prefill_prompt(model, args.chunk, args.chunk)
+        finally:
+            os.environ.pop("DSV41_PREFILL_TILES")
+        res["reconstruct_path"] = r
+        log(f"reconstruct path, {args.chunk} rows: {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tok/s")
+        save()
+    log("\nlength  seconds  tok/s(N layers)  tok/s(scaled 40)")
+    for r in runs:
+        if "seconds" in r:
+            log(f"{r['length']:6} {r['seconds']:8.2f} {r['tokens_per_s']:15.0f} {r['scaled_40_tokens_per_s']:16.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

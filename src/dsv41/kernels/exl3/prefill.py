@@ -1,0 +1,392 @@
+"""Prefill EXL3 products on tensor cores, each weight tile decoded once per tile of rows (issue 31).
+
+The decode kernels (`matmul.py`, `moe.py`) take 16 rows and split the k loop; a prefill chunk has thousands of
+rows, and reconstructing each matrix into a dense workspace (`reconstruct.py` + a GEMM) writes and re-reads a bf16
+copy of every weight. Here a program owns a tile of `BM` rows and one 128-column block, runs the WHOLE k loop
+(no split: no partials, no counters) decoding the trellis slice by slice in registers and multiplying it on the
+tensor cores with every row of its tile, and applies the output rotation and svh in its epilogue. So a weight is
+decoded once per row tile: for the routed experts, whose rows are grouped by expert, about once per chunk.
+
+Two backends, the EXL3 kernels' choice (`backend.use_cuda_backend`): on NVIDIA GPUs the CUDA tile kernel
+(`prefill_cuda`, `exl3_prefill_r64`: each lane decodes its weights straight into its mma operand registers, as the
+decode kernels do, and each fragment feeds the tile's 64 rows), elsewhere (the interpreter, other GPUs) the Triton
+tiles here (`_gate_up_kernel`, `_tile_matmul_kernel`: the same function, decoded through Triton's layouts). The two
+give other bits; each is row-invariant.
+
+Routed experts (`prefill_moe`), per layer:
+  1. the chunk's (row, slot) pairs sorted by expert on the device (one stable argsort of the flattened ids: an
+     expert's pairs stay in (row, slot) order) and cut into tiles of at most BM pairs of one expert (`tile_table`,
+     torch ops, no host read: the grid is the static bound `pairs // BM + min(E, pairs)`, spare programs exit);
+  2. `_rotate_kernel`: each pair's input row rotated with its expert's suh, once for gate and once for up (in the
+     CUDA kernel's B-operand order on that backend);
+  3. gate and up over each tile, clamped SwiGLU times the routing weight (the decode kernel's epilogue, h rounded
+     to fp16), and h rotated at once for the down product (the same 128-column block is the down's 128-row input
+     block: `rot(fp16(h) ⊙ suh2)`), so h is never stored unrotated: Triton in one launch (`_gate_up_kernel`); CUDA
+     as two tile launches (gate, up: fp32) and `_swiglu_rotate_kernel`;
+  4. the down product, each pair's output row stored at its (row, slot) place;
+  5. `_slot_sum_kernel`: each row's slots summed in slot order (0 .. k-1), plus the addend (the shared expert).
+Dense projections (`prefill_linear`): the input rotated once, then one tiled launch over tiles of consecutive rows.
+
+Row invariance (chunked == one-shot, batched == alone): the tile shape, BK and warps are fixed per kernel, never
+chosen from the row count; every product is a tensor-core dot whose output row depends on its own input row only;
+the rotations are per row (`rotate_rows_fp32` scales each row by its own maximum). So a row's bits do not depend
+on the other rows of its tile, on its place in it, or on the chunk (tests/test_exl3_prefill.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv41.kernels.exl3.backend import interpreting, use_cuda_backend, use_inline_asm
+from dsv41.kernels.exl3.decode import (
+    INV_SQRT128,
+    accumulate_kslice_prerotated,
+    hadamard_signs,
+    rotate_rows_fp32,
+)
+from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
+from dsv41.kernels.exl3 import prefill_cuda
+from dsv41.kernels.exl3.prefill_cuda import PF_ROWS, prefill_tiles_cuda
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """One launch shape for every prefill product of a kind: fixed, so a row's bits never follow the chunk."""
+
+    block_m: int = 64
+    block_k: int = 32
+    num_warps: int = 8
+    num_stages: int = 1
+
+
+EXPERTS = PrefillConfig()
+DENSE = PrefillConfig(block_m=64)
+# the interpreter runs one program at a time on the CPU: the smallest legal tiles keep the tests short (a row's
+# bits never depend on the tile, so the tests' claims are the GPU's)
+INTERPRETED = PrefillConfig(block_m=16, block_k=16, num_warps=4)
+
+
+def _config(cfg: PrefillConfig) -> PrefillConfig:
+    return INTERPRETED if interpreting() else cfg
+
+
+@triton.jit
+def _tile(table_ptr, t, BM: tl.constexpr):
+    """(expert, first pair, pairs) of tile t of the table [tiles, 3] int32; pairs 0: a spare program."""
+    e = tl.load(table_ptr + t * 3)
+    first = tl.load(table_ptr + t * 3 + 1)
+    count = tl.load(table_ptr + t * 3 + 2)
+    return e, first, count
+
+
+@triton.jit
+def _b_operand_columns(cols):
+    """Where the CUDA tile kernel reads natural column c of a 128-block (its B-operand order, `b_word_pos` in
+    cuda/exl3_fused.cu): fp16 pair w = c // 2 of tile row r = w // 8, half h = (w // 4) % 2, lane t = w % 4 goes to
+    pair 16(r // 2) + 4t + 2(r % 2) + h."""
+    w = cols // 2
+    r = w // 8
+    pos = 16 * (r // 2) + 4 * (w % 4) + 2 * (r % 2) + (w // 4) % 2
+    return 2 * pos + cols % 2
+
+
+@triton.jit
+def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, had_ptr, xa_ptr, xb_ptr, n_rows, k,
+                   GATHER: tl.constexpr, PER_EXPERT: tl.constexpr, TWO: tl.constexpr, PERMUTE: tl.constexpr):
+    """xa[i] = fp16(fp16(fp16(x[row_i]) ⊙ suh_a[e_i]) · H/√128) for 16 rows and one 128-wide input block
+    (`rotate_input_kernel`'s math), and xb with suh_b when TWO. GATHER: row_i = src[i] (else i); PER_EXPERT: the
+    signs of expert e_i = pair_e[i] (else the one matrix's); PERMUTE: each 128-block stored in the CUDA tile
+    kernel's B-operand order."""
+    pb = tl.program_id(0)
+    kb = tl.program_id(1)
+    rows = pb * 16 + tl.arange(0, 16)
+    ok = rows < n_rows
+    cols = tl.arange(0, 128)
+    xk = kb * 128 + cols
+    if GATHER:
+        src = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    if PER_EXPERT:
+        e = tl.load(pair_e_ptr + rows, mask=ok, other=0).to(tl.int64)
+    else:
+        e = rows.to(tl.int64) * 0
+    x = tl.load(x_ptr + src[:, None] * stride_x + xk[None, :], mask=ok[:, None], other=0.0)
+    x16 = x.to(tl.float16).to(tl.float32)
+    h = tl.load(had_ptr + cols[:, None] * 128 + cols[None, :])
+    if PERMUTE:
+        out = rows[:, None].to(tl.int64) * k + (kb * 128 + _b_operand_columns(cols))[None, :]
+    else:
+        out = rows[:, None].to(tl.int64) * k + xk[None, :]
+    su = tl.load(suh_a_ptr + e[:, None] * k + xk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    xs = (x16 * su).to(tl.float16)
+    tl.store(xa_ptr + out, (tl.dot(xs, h) * INV_SQRT128).to(tl.float16), mask=ok[:, None])
+    if TWO:
+        su = tl.load(suh_b_ptr + e[:, None] * k + xk[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        xs = (x16 * su).to(tl.float16)
+        tl.store(xb_ptr + out, (tl.dot(xs, h) * INV_SQRT128).to(tl.float16), mask=ok[:, None])
+
+
+@triton.jit
+def _swiglu_rotate_kernel(gate_ptr, up_ptr, route_ptr, pair_e_ptr, suh2_ptr, had_ptr, hh_ptr, n_pairs, n1, LIMIT,
+                          PERMUTE: tl.constexpr):
+    """The CUDA path's gate/up epilogue for 16 pairs and one 128-column block: clamped SwiGLU of the rotated gate
+    and up (fp32) times the routing weight, rounded to fp16, rotated with the down matrix's suh (`_gate_up_kernel`'s
+    epilogue, the same math)."""
+    pb = tl.program_id(0)
+    nb = tl.program_id(1)
+    pairs = pb * 16 + tl.arange(0, 16)
+    ok = pairs < n_pairs
+    idx = tl.arange(0, 128)
+    cols = nb * 128 + idx
+    at = pairs[:, None].to(tl.int64) * n1 + cols[None, :]
+    gate = tl.minimum(tl.load(gate_ptr + at, mask=ok[:, None], other=0.0), LIMIT)
+    up = tl.load(up_ptr + at, mask=ok[:, None], other=0.0)
+    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
+    h16 = (gate * tl.sigmoid(gate) * up * route[:, None]).to(tl.float16)
+    e = tl.load(pair_e_ptr + pairs, mask=ok, other=0).to(tl.int64)
+    su = tl.load(suh2_ptr + e[:, None] * n1 + cols[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    hs = (h16.to(tl.float32) * su).to(tl.float16)
+    had = tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
+    hh = (tl.dot(hs, had) * INV_SQRT128).to(tl.float16)
+    if PERMUTE:
+        dest = pairs[:, None].to(tl.int64) * n1 + (nb * 128 + _b_operand_columns(idx))[None, :]
+    else:
+        dest = at
+    tl.store(hh_ptr + dest, hh, mask=ok[:, None])
+
+
+@triton.jit
+def _gate_up_kernel(table_ptr, xg_ptr, xu_ptr, route_ptr, w1_ptr, svh1_ptr, w3_ptr, svh3_ptr, suh2_ptr, had_ptr,
+                    hh_ptr, k1, n1, LIMIT, K: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr,
+                    BK: tl.constexpr, USE_ASM: tl.constexpr):
+    """One tile of one expert's pairs x one 128-column block of the intermediate: gate and up over the whole k,
+    rotated back, clamped SwiGLU times the routing weight, rounded to fp16 (the decode kernel's h), then rotated
+    with the down matrix's suh into the down product's input hh (fp16)."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    e, first, count = _tile(table_ptr, t, BM)
+    if count > 0:
+        e64 = e.to(tl.int64)
+        pairs = first + tl.arange(0, BM)
+        ok = tl.arange(0, BM) < count
+        x_rows = pairs.to(tl.int64) * k1
+        tiles_n = n1 // 16
+        expert_words = e64 * (k1 // 16) * tiles_n * (8 * K)
+        col_words = nb * 8 * (8 * K)
+        k_blocks = k1 // 128
+        acc_g = tl.zeros((BM, 128), dtype=tl.float32)
+        acc_g = accumulate_kslice_prerotated(acc_g, xg_ptr, x_rows, ok, w1_ptr + expert_words + col_words, tiles_n,
+                                             0, k_blocks, K, CODEBOOK, BK, USE_ASM)
+        acc_u = tl.zeros((BM, 128), dtype=tl.float32)
+        acc_u = accumulate_kslice_prerotated(acc_u, xu_ptr, x_rows, ok, w3_ptr + expert_words + col_words, tiles_n,
+                                             0, k_blocks, K, CODEBOOK, BK, USE_ASM)
+        cols = nb * 128 + tl.arange(0, 128)
+        gate = rotate_rows_fp32(acc_g, had_ptr) * tl.load(svh1_ptr + e64 * n1 + cols).to(tl.float32)[None, :]
+        up = rotate_rows_fp32(acc_u, had_ptr) * tl.load(svh3_ptr + e64 * n1 + cols).to(tl.float32)[None, :]
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
+        h16 = (gate * tl.sigmoid(gate) * up * route[:, None]).to(tl.float16)
+        # the down product's input rotation of this 128-block (rotate_input_kernel's math on the fp16 h)
+        su = tl.load(suh2_ptr + e64 * n1 + cols).to(tl.float32)
+        hs = (h16.to(tl.float32) * su[None, :]).to(tl.float16)
+        idx = tl.arange(0, 128)
+        had = tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
+        hh = (tl.dot(hs, had) * INV_SQRT128).to(tl.float16)
+        tl.store(hh_ptr + pairs[:, None].to(tl.int64) * n1 + cols[None, :], hh, mask=ok[:, None])
+
+
+@triton.jit
+def _tile_matmul_kernel(table_ptr, xh_ptr, out_rows_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_rows, k, n,
+                        K: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                        GROUPED: tl.constexpr, USE_ASM: tl.constexpr):
+    """out[row] = rot(xh[i] @ W_q[e]) ⊙ svh[e] for the BM rows i of one tile and one 128-column block, the whole k.
+
+    GROUPED: tiles from the table (expert, first, count), output row out_rows[i]; else one matrix (e = 0), tile t
+    the rows [t·BM, t·BM + BM) of n_rows, output row i."""
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    if GROUPED:
+        e, first, count = _tile(table_ptr, t, BM)
+    else:
+        e = t * 0
+        first = t * BM
+        count = tl.minimum(n_rows - first, BM)
+    if count > 0:
+        e64 = e.to(tl.int64)
+        rows = first + tl.arange(0, BM)
+        ok = tl.arange(0, BM) < count
+        tiles_n = n // 16
+        words = e64 * (k // 16) * tiles_n * (8 * K) + nb * 8 * (8 * K)
+        acc = tl.zeros((BM, 128), dtype=tl.float32)
+        acc = accumulate_kslice_prerotated(acc, xh_ptr, rows.to(tl.int64) * k, ok, w_ptr + words, tiles_n, 0,
+                                           k // 128, K, CODEBOOK, BK, USE_ASM)
+        cols = nb * 128 + tl.arange(0, 128)
+        y = rotate_rows_fp32(acc, had_ptr) * tl.load(svh_ptr + e64 * n + cols).to(tl.float32)[None, :]
+        if GROUPED:
+            dest = tl.load(out_rows_ptr + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            dest = rows.to(tl.int64)
+        tl.store(out_ptr + dest[:, None] * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=ok[:, None])
+
+
+@triton.jit
+def _slot_sum_kernel(y_ptr, addend_ptr, out_ptr, stride_out, stride_add, n_rows, n, TOPK: tl.constexpr,
+                     ADD: tl.constexpr):
+    """out[r] = ((y[r·k] + y[r·k + 1]) + ...) + addend[r]: a row's slots in slot order (the decode kernel's sum)."""
+    rb = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = rb * 16 + tl.arange(0, 16)
+    ok = rows < n_rows
+    cols = nb * 128 + tl.arange(0, 128)
+    total = tl.zeros((16, 128), dtype=tl.float32)
+    for s in tl.static_range(TOPK):
+        slot = rows.to(tl.int64) * TOPK + s
+        total += tl.load(y_ptr + slot[:, None] * n + cols[None, :], mask=ok[:, None], other=0.0)
+    if ADD:
+        total += tl.load(addend_ptr + rows[:, None].to(tl.int64) * stride_add + cols[None, :], mask=ok[:, None],
+                         other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=ok[:, None])
+
+
+def max_tiles(pairs: int, experts: int, block_m: int) -> int:
+    """The most tiles `pairs` (row, slot) pairs over `experts` experts can need: Σ_e ceil(c_e / BM) with Σ c_e =
+    pairs is at most pairs // BM plus one per expert that has any pair."""
+    return pairs // block_m + min(experts, pairs)
+
+
+def tile_table(flat_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, pair_expert, table) of the flattened routing ids [pairs], all on the device, no host read.
+
+    order: the pairs (flat index row·k + slot) sorted by expert, stably (an expert's pairs in (row, slot) order);
+    pair_expert: each sorted pair's expert; table [max_tiles, 3] int32: per tile its expert, first sorted pair and
+    pair count (at most block_m; 0 for the spare tiles past the last)."""
+    flat = flat_ids.reshape(-1).long()
+    pairs = flat.numel()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts)
+    starts = torch.cumsum(counts, 0) - counts
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    t = torch.arange(max_tiles(pairs, experts, block_m), device=flat.device)
+    e = torch.searchsorted(tile_end, t, right=True).clamp_(max=experts - 1)
+    within = t - (tile_end[e] - tiles[e])
+    first = starts[e] + within * block_m
+    count = (counts[e] - within * block_m).clamp_(min=0, max=block_m)
+    count = torch.where(t < tile_end[-1], count, torch.zeros_like(count))
+    table = torch.stack((e, first, count), dim=1).to(torch.int32).contiguous()
+    return order, flat[order].to(torch.int32).contiguous(), table
+
+
+def _cuda(device: torch.device, *Ks: int) -> bool:
+    """The CUDA tile kernel (`prefill_cuda`) where the EXL3 CUDA kernels run and its shared memory fits for these
+    K, else the Triton tiles here."""
+    return use_cuda_backend(device) and all(prefill_cuda.fits(K, device) for K in Ks)
+
+
+def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False):
+    """The rotated input(s) of `rows` rows (fp16 [rows (+ PF_ROWS padding when permuted), k])."""
+    rows = x.shape[0] if rows is None else rows
+    pad = PF_ROWS if permute else 0
+    xa = torch.empty(rows + pad, k, dtype=torch.float16, device=x.device)
+    xb = torch.empty_like(xa) if suh_b is not None else xa
+    if rows:
+        _rotate_kernel[(triton.cdiv(rows, 16), k // 128)](
+            x, x.stride(0), src if src is not None else xa, pair_e if pair_e is not None else xa, suh_a,
+            suh_b if suh_b is not None else suh_a, hadamard_signs(x.device, torch.float16), xa, xb, rows, k,
+            GATHER=src is not None, PER_EXPERT=pair_e is not None, TWO=suh_b is not None, PERMUTE=permute)
+    return xa, xb
+
+
+def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: Exl3ExpertStack,
+                w3: Exl3ExpertStack, w2: Exl3ExpertStack, swiglu_limit: float = 10.0,
+                out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
+                addend: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+    """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i,
+    plus `addend` [T, hidden] when given: `moe.moe_forward`'s function for a prefill chunk of any length."""
+    check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
+    T, hidden = x.shape
+    out = moe_out(out, T, hidden, out_dtype, x.device)
+    if T == 0:
+        return out
+    if addend is not None and (addend.shape != (T, hidden) or addend.stride(-1) != 1):
+        raise ValueError(f"addend must be [{T}, {hidden}] with unit column stride, got {list(addend.shape)}")
+    dev = x.device
+    cuda = _cuda(dev, w1.K, w2.K)
+    cfg = _config(config or EXPERTS)
+    block_m = PF_ROWS if cuda else cfg.block_m
+    topk = topk_ids.shape[1]
+    pairs = T * topk
+    inter = w1.n
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    order, pair_e, table = tile_table(topk_ids, w1.experts, block_m)
+    src = torch.div(order, topk, rounding_mode="floor").to(torch.int32)
+    route = topk_weights.reshape(-1).float()[order].contiguous()
+    had = hadamard_signs(dev, torch.float16)
+    tiles = table.shape[0]
+    xg, xu = _rotate(x, w1.suh, hidden, src=src, pair_e=pair_e, suh_b=w3.suh, rows=pairs, permute=cuda)
+    hh = torch.empty(pairs + (PF_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
+    if cuda:
+        gate = torch.empty(pairs, inter, dtype=torch.float32, device=dev)
+        up = torch.empty_like(gate)
+        prefill_tiles_cuda(xg, w1.words, w1.svh, w1.K, w1.codebook, hidden, inter, gate, pairs, tiles, table=table)
+        prefill_tiles_cuda(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table)
+        del xg, xu
+        _swiglu_rotate_kernel[(triton.cdiv(pairs, 16), inter // 128)](
+            gate, up, route, pair_e, w2.suh, had, hh, pairs, inter, float(swiglu_limit), PERMUTE=True)
+        del gate, up
+    else:
+        _gate_up_kernel[(tiles, inter // 128)](
+            table, xg, xu, route, w1.words, w1.svh, w3.words, w3.svh, w2.suh, had, hh, hidden, inter,
+            float(swiglu_limit), K=w1.K, CODEBOOK=w1.codebook_id, BM=cfg.block_m, BK=cfg.block_k,
+            USE_ASM=use_inline_asm(dev, w1.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        del xg, xu
+    y = torch.empty(pairs, hidden, dtype=torch.float32, device=dev)
+    out_rows = order.to(torch.int32)
+    if cuda:
+        prefill_tiles_cuda(hh, w2.words, w2.svh, w2.K, w2.codebook, inter, hidden, y, pairs, tiles, table=table,
+                           out_rows=out_rows)
+    else:
+        _tile_matmul_kernel[(tiles, hidden // 128)](
+            table, hh, out_rows, w2.words, w2.svh, had, y, y.stride(0), pairs, inter, hidden,
+            K=w2.K, CODEBOOK=w2.codebook_id, BM=cfg.block_m, BK=cfg.block_k, GROUPED=True,
+            USE_ASM=use_inline_asm(dev, w2.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    add = addend if addend is not None else y
+    _slot_sum_kernel[(triton.cdiv(T, 16), hidden // 128)](
+        y, add, out, out.stride(0), add.stride(0), T, hidden, TOPK=topk, ADD=addend is not None)
+    return out
+
+
+def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype | None = None,
+                   out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+    """`x @ W_eff` for a prefill chunk [T, k]: the input rotated once, then one tiled launch (module docstring)."""
+    T, k = x.shape
+    if k != weight.k:
+        raise ValueError(f"x has {k} columns, the matrix {weight.k} rows")
+    out_dtype = out_dtype or x.dtype
+    if out is None:
+        out = torch.empty(T, weight.n, dtype=out_dtype, device=x.device)
+    elif out.shape != (T, weight.n) or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{T}, {weight.n}] with unit column stride, got {list(out.shape)}")
+    if T == 0:
+        return out
+    dev = x.device
+    if _cuda(dev, weight.K):
+        xh, _ = _rotate(x, weight.suh, k, permute=True)
+        return prefill_tiles_cuda(xh, weight.words, weight.svh, weight.K, weight.codebook, k, weight.n, out, T,
+                                  triton.cdiv(T, PF_ROWS))
+    cfg = _config(config or DENSE)
+    xh, _ = _rotate(x, weight.suh, k)
+    _tile_matmul_kernel[(triton.cdiv(T, cfg.block_m), weight.n // 128)](
+        xh, xh, xh, weight.words, weight.svh, hadamard_signs(dev, torch.float16), out, out.stride(0), T, k, weight.n,
+        K=weight.K, CODEBOOK=weight.codebook_id, BM=cfg.block_m, BK=cfg.block_k, GROUPED=False,
+        USE_ASM=use_inline_asm(dev, weight.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out

@@ -1,0 +1,96 @@
+"""`dsv41 prepare`: write (or `--check`) each rank's prepared folder (registered by dsv41.cli when it runs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from dsv41.errors import DSV41Error
+
+from .start import _log
+
+
+def _placement(args):
+    """(device, dtype) as `serve` resolves them: auto dtype = bfloat16 on CUDA, float32 elsewhere."""
+    import torch
+
+    from dsv41.cli import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- prepare
+# (option, knob) pairs `--env-file` fills when the option is not given: the values serve will start with
+ENV_DEFAULTS = (("model", "DSV41_MODEL"), ("out", "DSV41_PREPARED"), ("tp", "DSV41_TP"), ("device", "DSV41_DEVICE"),
+                ("dtype", "DSV41_DTYPE"), ("engram_dir", "DSV41_ENGRAM_DIR"))
+
+
+def _apply_env_file(args) -> None:
+    if args.env_file:
+        from dsv41.ops.knobs import parse_env_file
+
+        env = parse_env_file(Path(args.env_file))
+        for option, knob in ENV_DEFAULTS:
+            value = env.get(knob, "").strip()
+            if getattr(args, option) is None and value:
+                setattr(args, option, int(value) if option == "tp" else value)
+    args.tp = args.tp or 1
+    args.device = args.device or "auto"
+    args.dtype = args.dtype or "auto"
+    if not args.out:
+        raise DSV41Error("--out (or DSV41_PREPARED in --env-file) names where the prepared folders go")
+
+
+def cmd_prepare(args) -> int:
+    from dsv41.cli import _model_dir
+
+    from .writer import check_folder, prepare
+
+    _apply_env_file(args)
+    world = args.tp
+    ranks = [args.rank] if args.rank is not None else list(range(world))
+    if any(not 0 <= r < world for r in ranks) or world < 1:
+        raise DSV41Error(f"--rank {args.rank} is outside --tp {world} (ranks are 0..{world - 1})")
+    if args.check:
+        from .manifest import rank_folder
+
+        bad = 0
+        for rank in ranks:
+            folder = rank_folder(args.out, rank, world)
+            problems = check_folder(folder)
+            for line in problems:
+                print(line, file=sys.stderr)
+            bad += bool(problems)
+            if not problems:
+                print(f"{folder}: every entry verified", file=sys.stderr)
+        return 1 if bad else 0
+    device, dtype = _placement(args)
+    for rank in ranks:
+        prepare(_model_dir(args.model), args.out, rank=rank, world=world, device=device, dtype=dtype,
+                fake_quant=not args.no_fake_quant, engram_dir=args.engram_dir, force=args.force, log=_log)
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prepare", help="write each rank's prepared folder (the bytes the runtime places on the "
+                                       "device) for fast starts",
+                       description="Build this rank's fast-path model from the checkpoint and store it as "
+                                   "OUT/rank{R}-of-{TP}/{manifest.json,data.bin}; resumable; --check re-verifies.")
+    p.add_argument("--model", metavar="DIR", help="checkpoint folder (default: the built-in tiny model)")
+    p.add_argument("--out", metavar="DIR", help="root of the prepared folders (required, or from --env-file)")
+    p.add_argument("--env-file", metavar="FILE",
+                   help="take the options not given from the appliance's env file (/etc/dsv41/dsv41.env: "
+                        "DSV41_MODEL, DSV41_PREPARED, DSV41_TP, DSV41_DEVICE, DSV41_DTYPE, DSV41_ENGRAM_DIR), as the "
+                        "ranks will start")
+    p.add_argument("--tp", type=int, default=None, metavar="N", help="tensor-parallel world size (default 1)")
+    p.add_argument("--rank", type=int, metavar="R", help="the rank to prepare (default: every rank of --tp)")
+    p.add_argument("--device", default=None, help="device the ranks will serve on: auto, cpu, cuda (default auto)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
+                   help="compute dtype, as serve's (auto: bfloat16 on CUDA, float32 on the CPU)")
+    p.add_argument("--no-fake-quant", action="store_true", help="as serve's --no-fake-quant")
+    p.add_argument("--engram-dir", metavar="DIR", help="the packed Engram shards serve will read (as serve's)")
+    p.add_argument("--check", action="store_true", help="re-verify every entry's SHA-256 instead of preparing")
+    p.add_argument("--force", action="store_true", help="prepare again even when the folder is current")
+    p.set_defaults(func=cmd_prepare)
