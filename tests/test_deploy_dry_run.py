@@ -362,8 +362,10 @@ def test_serve_parser_accepts_the_flags():
                DSV41_API_KEY_FILE="/k", DSV41_REQUEST_LOG="/l", DSV41_MASTER="h:1", DSV41_TP_BACKEND="nccl",
                DSV41_DEVICE="cuda", DSV41_DTYPE="bfloat16", DSV41_ENGINE="reference", DSV41_PREFILL="replay",
                DSV41_PROMPT_SPECIAL_TOKENS="text", DSV41_PREFILL_SHARE="0.25", DSV41_EXPERT_TOPP="0.9",
-               DSV41_FORWARD="reference")
+               DSV41_FORWARD="reference", DSV41_DRAFT_DSPARK="off", DSV41_DRAFT_LOOKUP="on",
+               DSV41_DRAFT_COST="1:0.01", DSV41_PREPARED="/p", DSV41_PREPARED_FALLBACK="1")
     args = parser.parse_args(["serve", *serve_argv(env, 1)])
+    assert args.prepared_fallback is True and args.draft_lookup == "on" and args.draft_depth == 2
     assert args.rank == 1 and args.tp == 2 and args.alias == ["a", "b"] and args.master == "h:1"
     assert args.device == "cuda" and args.dtype == "bfloat16"
     assert args.engine == "reference" and args.prefill == "replay" and args.parallel == 2

@@ -59,7 +59,7 @@ def serve_options() -> set[str]:
 
 def test_serve_flags_and_serve_knobs_are_the_same_set():
     options = serve_options()
-    flags = {knob.flag for knob in SERVE_KNOBS}
+    flags = {knob.flag for knob in SERVE_KNOBS} | {knob.flag for knob in ENV_KNOBS if knob.flag}
     assert flags <= options, f"knobs for flags serve does not take: {flags - options}"
     assert options - SERVE_ONLY <= flags, f"serve flags without a knob: {options - SERVE_ONLY - flags}"
 

@@ -33,6 +33,7 @@ class ServeKnob:
     many: bool = False
     example: str = ""
     more: str = ""
+    switch: bool = False  # a flag without a value: passed when the knob is 1/yes/true/on
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class EnvKnob:
     doc: str
     example: str = ""
     more: str = ""
+    flag: str = ""  # the serve flag whose default it is, if any
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               more="Written by `dsv41 prepare --env-file /etc/dsv41/dsv41.env --rank R` (or `deploy --prepare`): the "
                    "rank then starts by reading one file instead of building from the checkpoint; a folder that does "
                    "not fit (other checkpoint, rank, code) is refused with its reason. E.g. /srv/dsv41/prepared."),
+    ServeKnob("DSV41_PREPARED_FALLBACK", "--prepared-fallback", "1 = when the prepared folder does not fit, build "
+              "from the checkpoint instead of refusing to start", switch=True, more="Empty = refuse."),
     ServeKnob("DSV41_HOST", "--host", "HTTP bind address of rank 0 (keep loopback and put a proxy in front)",
               example="127.0.0.1", more="Put a TLS proxy in front for other machines."),
     ServeKnob("DSV41_PORT", "--port", "HTTP port of rank 0", example="8000",
@@ -137,6 +141,13 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               more="Empty = 3."),
     ServeKnob("DSV41_FORWARD", "--forward", "batched engine's forward: fast (runtime/ kernels; default on CUDA) or "
               "reference (model/ math; default on the CPU)"),
+    ServeKnob("DSV41_DRAFT_DEPTH", "--draft-depth", "speculative drafting: most drafts a round, 0..5 (0 = off)",
+              more="Empty = 5."),
+    ServeKnob("DSV41_DRAFT_DSPARK", "--draft-dspark", "DSpark drafts when the checkpoint has the draft blocks: auto, "
+              "on, off", more="Empty = auto (on a GPU)."),
+    ServeKnob("DSV41_DRAFT_LOOKUP", "--draft-lookup", "prompt-lookup drafts: on or off", more="Empty = off."),
+    ServeKnob("DSV41_DRAFT_COST", "--draft-cost", "the step cost per row count that sets the draft depth "
+              "(ROWS:S,...)", more="Empty = measured."),
     ServeKnob("DSV41_TP", "--tp", "tensor-parallel world size (2 = the two Sparks)", example="2",
               more="1 = one node: status, preflight and the watchdog then look at rank 0 only."),
     ServeKnob("DSV41_MASTER", "--master", "HEAD_LINK_IP:PORT of rank 0's rendezvous on the direct link",
@@ -154,7 +165,10 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
 )
 
 ENV_KNOBS: tuple[EnvKnob, ...] = (
-    EnvKnob("DSV41_PREPARED_VERIFY", "what a start re-hashes of its prepared folder: sample (default), full, off"),
+    EnvKnob("DSV41_PREPARED_VERIFY", "what a start re-hashes of its prepared folder: sample (default), full, off",
+            flag="--prepared-verify"),
+    EnvKnob("DSV41_DRAFT", "0 = requests that do not say `draft` are not drafted (the default of --draft-default)",
+            flag="--draft-default", more="Empty = drafted."),
     EnvKnob("DSV41_PREPARED_PAGE_CACHE", "a start's read of its prepared folder: drop each piece from the page cache "
             "(default on unified memory, GB10) or keep it"),
     EnvKnob("DSV41_TP_SECRET", "shared secret of the tensor-parallel ranks (same on every host; required when "
@@ -216,7 +230,8 @@ DEVELOPER_SWITCHES = {  # A/B switches of the kernels for benches (docs/perf); t
     name: "kernel A/B switch" for name in (
         "DSV41_EXL3_GROUP", "DSV41_EXL3_BACKEND", "DSV41_EXL3_NO_ASM", "DSV41_EXL3_CLUSTER",
         "DSV41_EXL3_WARP_EPILOGUE", "DSV41_EXL3_PERSIST", "DSV41_EXL3_TUNING", "DSV41_NVCC", "DSV41_PDL",
-        "DSV41_CUDA_PDL", "DSV41_ATTN_FOLD", "DSV41_ATTN_ALIGNED", "DSV41_MHC_PIPELINE", "DSV41_ROUTER_FOLD")
+        "DSV41_CUDA_PDL", "DSV41_ATTN_FOLD", "DSV41_ATTN_ALIGNED", "DSV41_MHC_PIPELINE", "DSV41_ROUTER_FOLD",
+        "DSV41_PREFILL_TILES")
 }
 INTERNAL = {  # between processes of one run, or test hooks
     "DSV41_TP_LOCAL_CHILD": "set by `serve --tp N` for the ranks it starts itself",
@@ -273,7 +288,9 @@ def serve_argv(env: Mapping[str, str], rank: int) -> list[str]:
         value = env.get(knob.env, "").strip()
         if not value:
             continue
-        if knob.many:
+        if knob.switch:
+            argv += [knob.flag] if value.lower() in ("1", "yes", "true", "on") else []
+        elif knob.many:
             for item in shlex.split(value):
                 argv += [knob.flag, item]
         else:

@@ -182,6 +182,7 @@ ENGINE_LIMITS = (
     ("admit_timeout", "--admit-timeout", float, 0, None, True),
     ("expert_topp", "--expert-topp", float, 0, 1, True),
     ("expert_min_k", "--expert-min-k", int, 1, None, False),
+    ("draft_depth", "--draft-depth", int, 0, 5, False),
 )
 
 
