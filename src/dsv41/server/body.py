@@ -16,7 +16,7 @@
 - A body of more than `MAX_OBJECT_KEYS` object keys is a 400 before it is parsed (counted in C): the parse holds
   the GIL, so an 8 MiB body of tiny members stalled every other request, /health included.
 - Fields a request names that an endpoint does not implement are logged once per request, as one bounded line,
-  and only names not seen before; the names remembered are bounded too (`note_unknown_fields`). Thousands of
+  and only names not seen lately: the most recent 1,024 names are remembered (`note_unknown_fields`). Thousands of
   unique names in one body wrote one warning each and were kept forever.
 Parsing runs in the caller's worker thread (`ServerContext.run_cpu`), never on the event loop.
 """
@@ -29,6 +29,7 @@ import logging
 import math
 import re
 import threading
+from collections import OrderedDict
 from typing import Iterable
 
 from starlette.requests import ClientDisconnect, Request
@@ -254,11 +255,11 @@ def check_prompt_size(data: dict, max_model_len: int, max_token_chars: int) -> N
 
 
 # ---------------------------------------------------------------------------- fields accepted, not implemented
-MAX_REMEMBERED = 1024  # (endpoint, name) pairs already logged; past this, names are logged again (bounded lines)
+MAX_REMEMBERED = 1024  # the (endpoint, name) pairs logged most recently; older ones may be logged again
 MAX_SHOWN = 8  # names in one log line
 MAX_NAME_CHARS = 64
 
-_remembered: set[tuple[str, str]] = set()
+_remembered: OrderedDict[tuple[str, str], None] = OrderedDict()
 _remembered_lock = threading.Lock()
 
 
@@ -271,13 +272,17 @@ def note_unknown_fields(endpoint: str, names: Iterable[str], honoured: Iterable[
     with _remembered_lock:
         for name in names:
             key = (endpoint, name)
-            if name in honoured or key in _remembered:
+            if name in honoured:
+                continue
+            if key in _remembered:
+                _remembered.move_to_end(key)
                 continue
             count += 1
             if len(new) < MAX_SHOWN:
                 new.append(name if len(name) <= MAX_NAME_CHARS else name[:MAX_NAME_CHARS] + "...")
-            if len(_remembered) < MAX_REMEMBERED:
-                _remembered.add(key)
+            _remembered[key] = None
+            if len(_remembered) > MAX_REMEMBERED:
+                _remembered.popitem(last=False)  # the least recently seen
     if count == 1:
         log.warning("%s: the request field %r is accepted but not implemented (ignored); further requests with it "
                     "are not logged", endpoint, new[0])
