@@ -1,11 +1,16 @@
-"""Tokens/s through HTTP streaming vs the engine directly, on the same model and the same request.
+"""Tokens/s through HTTP streaming vs the same engine directly, on the same model and the same request.
 
-    python bench/http_overhead.py [--model DIR] [--tokens 256] [--runs 5] [--cpu-threads 1]
+    python bench/http_overhead.py [--model DIR] [--tokens 256] [--runs 5] [--cpu-threads 1] [-- SERVE FLAGS...]
 
-Engine direct: `SerialEngine.submit` in this process, timing submit -> finish event.
-HTTP: a real `dsv41 serve` process on loopback, a streaming /v1/completions request read event by event with
-httpx, timing request -> [DONE]. Both use ignore_eos and the same prompt/seed, so they produce the same number
-of tokens; runs alternate between the two so drifting machine load hits both alike (only one runs at a time). Prints both rates, the ratio and the overhead (1 - http/engine); the goal is <= 5%.
+Both sides build the engine exactly as `dsv41 serve` does, from the same serve flags (the serve parser, `Startup`,
+`load_serving_model`, `build_server`: the batched engine by default, or whatever `--engine`/`--parallel`/... the
+extra flags say), so the difference is HTTP alone (an earlier version compared the serial engine with the
+server's batched one).
+Engine direct: `ctx.engine.submit` in this process, timing submit -> finish event.
+HTTP: a real `dsv41 serve` process on loopback, a streaming /v1/completions request of the same token ids read
+event by event with httpx, timing request -> [DONE]. Both use ignore_eos and the same ids/seed, so they produce the
+same number of tokens; runs alternate between the two so drifting machine load hits both alike (only one runs at a
+time). Prints both rates, the ratio and the overhead (1 - http/engine); the goal is <= 5%.
 """
 
 from __future__ import annotations
@@ -29,22 +34,22 @@ PROMPT = "The lighthouse stood at the end of a narrow spit of rock"
 
 
 class DirectEngine:
-    """The engine in this process, called through its async interface (no HTTP)."""
+    """The engine `dsv41 serve` builds from `serve_flags`, in this process, called without HTTP."""
 
-    def __init__(self, model_dir: Path, threads: int, tokens: int):
-        import torch
+    def __init__(self, serve_flags: list[str], tokens: int):
+        from dsv41.cli import build_parser
+        from dsv41.server.cli import Startup, build_server, load_serving_model
 
-        from dsv41.engine.serial import SerialEngine
-        from dsv41.model.loader import load_model
-        from dsv41.tokenizer import Tokenizer
-
-        torch.set_num_threads(threads)
-        tokenizer = Tokenizer.from_dir(model_dir)
+        args = build_parser().parse_args(["serve", *serve_flags])
+        startup = Startup.check(args)
+        model = load_serving_model(args, startup, progress=lambda done, total, what: None)
+        self.ctx = build_server(args, startup, model)
+        tokenizer = self.ctx.tokenizer
         self.ids = [tokenizer.bos_id] + tokenizer.encode(PROMPT)
         self.tokens = tokens
+        self.engine_name = type(self.ctx.engine).__name__
         self.loop = asyncio.new_event_loop()
-        self.engine = SerialEngine(load_model(model_dir), max_model_len=len(self.ids) + tokens + 1)
-        self.loop.run_until_complete(self.engine.start())
+        self.loop.run_until_complete(self.ctx.engine.start())
 
     def run(self) -> float:
         from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent
@@ -52,28 +57,30 @@ class DirectEngine:
         async def one() -> float:
             started = time.perf_counter()
             count = 0
-            stream = self.engine.submit(GenerationRequest(prompt_ids=self.ids, max_tokens=self.tokens,
-                                                          ignore_eos=True, sampling=SamplingParams(seed=1)))
+            stream = self.ctx.engine.submit(GenerationRequest(prompt_ids=self.ids, max_tokens=self.tokens,
+                                                              ignore_eos=True, sampling=SamplingParams(seed=1)))
             async for event in stream:
                 count += isinstance(event, TokenEvent)
+            if count != self.tokens:
+                raise SystemExit(f"expected {self.tokens} tokens from the engine, got {count}")
             return count / (time.perf_counter() - started)
 
         return self.loop.run_until_complete(one())
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.engine.shutdown())
+        self.loop.run_until_complete(self.ctx.engine.shutdown())
+        self.ctx.close()
 
 
 class HttpServer:
     """A real `dsv41 serve` process; one streaming /v1/completions request per run."""
 
-    def __init__(self, model_dir: Path, threads: int, tokens: int):
+    def __init__(self, serve_flags: list[str], ids: list[int], tokens: int):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = str(REPO / "src") + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dsv41.server", "serve", "--model", str(model_dir), "--port", "0",
-             "--cpu-threads", str(threads)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            cwd=REPO)
+            [sys.executable, "-m", "dsv41.server", "serve", *serve_flags, "--port", "0"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
         url = None
         for line in self.proc.stdout:
             match = re.search(r"dsv41: serving .* on (http://\S+)", line)
@@ -85,7 +92,7 @@ class HttpServer:
         threading.Thread(target=lambda: [None for _ in self.proc.stdout], daemon=True).start()
         self.http = httpx.Client(base_url=url, timeout=600)
         self.tokens = tokens
-        self.body = {"prompt": PROMPT, "max_tokens": tokens, "ignore_eos": True, "seed": 1, "stream": True,
+        self.body = {"prompt": ids, "max_tokens": tokens, "ignore_eos": True, "seed": 1, "stream": True,
                      "stream_options": {"include_usage": True}}
 
     def run(self) -> float:
@@ -113,6 +120,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--cpu-threads", type=int, default=1)
+    parser.add_argument("serve_flags", nargs="*", help="more `dsv41 serve` flags, after --, for both sides")
     args = parser.parse_args()
     if args.model:
         model_dir = Path(args.model)
@@ -120,8 +128,9 @@ def main() -> None:
         from dsv41.tiny.model import default_model_dir
 
         model_dir = default_model_dir()
-    server = HttpServer(model_dir, args.cpu_threads, args.tokens)
-    direct = DirectEngine(model_dir, args.cpu_threads, args.tokens)
+    serve_flags = ["--model", str(model_dir), "--cpu-threads", str(args.cpu_threads), *args.serve_flags]
+    direct = DirectEngine(serve_flags, args.tokens)
+    server = HttpServer(serve_flags, direct.ids, args.tokens)
     engine, http = [], []
     try:
         direct.run(), server.run()  # warm-up
@@ -132,7 +141,8 @@ def main() -> None:
         direct.close()
         server.close()
     e, h = statistics.median(engine), statistics.median(http)
-    print(f"model {model_dir}  tokens/request {args.tokens}  runs {args.runs}  cpu threads {args.cpu_threads}")
+    print(f"model {model_dir}  engine {direct.engine_name} (serve {' '.join(serve_flags[2:])})  "
+          f"tokens/request {args.tokens}  runs {args.runs}")
     print(f"engine direct : {e:8.1f} tok/s  (runs: {', '.join(f'{r:.1f}' for r in engine)})")
     print(f"HTTP streaming: {h:8.1f} tok/s  (runs: {', '.join(f'{r:.1f}' for r in http)})")
     print(f"ratio http/engine {h / e:.3f}  overhead {100 * (1 - h / e):.1f}%")

@@ -32,6 +32,11 @@ rec {
 
   envExample = builtins.readFile (root + "/config/dsv41.env.example");
 
+  # The service user (systemd-sysusers) and its polkit rule, as deploy installs them: a NixOS host can take these
+  # (environment.etc."sysusers.d/dsv41.conf", security.polkit.extraConfig) instead.
+  sysusers = builtins.readFile (systemdDir + "/dsv41.sysusers");
+  polkitRules = builtins.readFile (systemdDir + "/dsv41.rules");
+
   # Shell lines that write the rendered units into $out/lib/systemd/system; used by the nixpkgs package and by the
   # offline check below, so both install exactly the same files. Unit names contain '@', which store paths do
   # not allow, so the texts travel as environment variables rather than builtins.toFile.

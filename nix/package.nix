@@ -24,7 +24,7 @@ buildPythonPackage {
     torch numpy safetensors tokenizers starlette hypercorn pydantic prometheus-client xgrammar sdnotify tqdm
   ];
   postInstall = ''
-    install -Dm644 -t "$out/share/dsv41/systemd" systemd/*.in
+    install -Dm644 -t "$out/share/dsv41/systemd" systemd/*.in systemd/dsv41.sysusers systemd/dsv41.rules
     install -Dm644 config/dsv41.env.example "$out/share/dsv41/dsv41.env.example"
     install -Dm644 -t "$out/share/doc/dsv41" docs/*.md
   '';

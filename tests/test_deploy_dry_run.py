@@ -23,6 +23,8 @@ PROFILE = "/nix/var/nix/profiles/dsv41"
 HEAD, WORKER = "root@spark-a", "root@spark-b"
 STORE = "'ssh-ng://{}?remote-program=/nix/var/nix/profiles/default/bin/nix-daemon'"
 NIX = "nix --extra-experimental-features 'nix-command flakes'"
+SYSUSERS_LINES = len((REPO / "systemd" / "dsv41.sysusers").read_text().splitlines())
+POLKIT_LINES = len((REPO / "systemd" / "dsv41.rules").read_text().splitlines())
 UNITS = ["dsv41@.service", "dsv41-warm@.service", "dsv41-watchdog.service", "dsv41-watchdog.timer",
          "dsv41-boot.service"]
 
@@ -31,8 +33,13 @@ def node_steps(host: str, config_lines: int, node_lines: int, head: bool) -> lis
     steps = [
         f"{host}: readlink -e {PROFILE}  # current generation",
         f"{host}: nix-env -p {PROFILE} --set '$OUT'  # new profile generation",
+        f"{host}: install -D -m 0644 /dev/stdin /etc/sysusers.d/dsv41.conf  <<< {SYSUSERS_LINES} line(s)",
+        f"{host}: systemd-sysusers /etc/sysusers.d/dsv41.conf  # the service user dsv41",
+        f"{host}: install -d -o dsv41 -g dsv41 -m 0755 /var/lib/dsv41",
+        f"{host}: install -D -m 0644 /dev/stdin /etc/polkit-1/rules.d/50-dsv41.rules  <<< {POLKIT_LINES} line(s)"
+        "  # dsv41 may start/stop/restart the dsv41 units only",
         f"{host}: cat /etc/dsv41/dsv41.env  # current env file",
-        f"{host}: install -D -m 0644 /dev/stdin /etc/dsv41/dsv41.env  <<< {config_lines} line(s)",
+        f"{host}: install -D -o dsv41 -g dsv41 -m 0600 /dev/stdin /etc/dsv41/dsv41.env  <<< {config_lines} line(s)",
         f"{host}: install -D -m 0644 /dev/stdin /etc/dsv41/node.env  <<< {node_lines} line(s)",
     ]
     steps += [f"{host}: ln -sfn {PROFILE}/lib/systemd/system/{u} /etc/systemd/system/{u}" for u in UNITS]
@@ -56,6 +63,14 @@ def expected_dry_run(config_lines: int) -> list[str]:
         f"local: {NIX} copy -s --from {STORE.format(HEAD)} --to {STORE.format(WORKER)} '$OUT'  # closure to the worker",
         *node_steps(HEAD, config_lines, 2, head=True),
         *node_steps(WORKER, config_lines, 1, head=False),
+        f"{WORKER}: cat /etc/ssh/ssh_host_ed25519_key.pub  # the worker's host key",
+        f"{HEAD}: runuser -u dsv41 -- sh -c 'mkdir -p -m 0700 /var/lib/dsv41/.ssh && {{ test -f "
+        "/var/lib/dsv41/.ssh/id_ed25519 || ssh-keygen -q -t ed25519 -N \"\" -C dsv41-watchdog -f "
+        "/var/lib/dsv41/.ssh/id_ed25519; } && cat /var/lib/dsv41/.ssh/id_ed25519.pub'  # the watchdog's ssh key "
+        "(made once)",
+        f"{HEAD}: install -o dsv41 -g dsv41 -m 0644 /dev/stdin /var/lib/dsv41/.ssh/known_hosts  <<< 1 line(s)",
+        f"{WORKER}: install -d -o dsv41 -g dsv41 -m 0700 /var/lib/dsv41/.ssh",
+        f"{WORKER}: install -o dsv41 -g dsv41 -m 0600 /dev/stdin /var/lib/dsv41/.ssh/authorized_keys  <<< 1 line(s)",
         f"{HEAD}: {PROFILE}/bin/dsv41 status  # unchanged and healthy -> no restart",
         f"{HEAD}: systemctl stop dsv41@rank0.service dsv41-warm@rank0.service" + skip,
         f"{WORKER}: systemctl stop dsv41@rank1.service dsv41-warm@rank1.service" + skip,
@@ -115,7 +130,10 @@ def test_local_build_copies_to_both_nodes():
     assert lines[3] == f"[2] local: {NIX} copy -s --to {STORE.format(HEAD)} '$OUT'  # closure to the head"
     assert lines[4] == f"[3] local: {NIX} copy -s --to {STORE.format(WORKER)} '$OUT'  # closure to the worker"
     # without --config each node must already have its env file
-    assert f"[6] {HEAD}: test -f /etc/dsv41/dsv41.env  # no --config: the node must have its env file" in lines
+    at = lines.index(f"[10] {HEAD}: test -f /etc/dsv41/dsv41.env  # no --config: the node must have its env file")
+    # ... and is made the service user's, 0600 (it holds DSV41_TP_SECRET), also when an older deploy left it 0644
+    assert lines[at + 1:at + 3] == [f"[11] {HEAD}: chown dsv41:dsv41 /etc/dsv41/dsv41.env",
+                                    f"[12] {HEAD}: chmod 0600 /etc/dsv41/dsv41.env"]
 
 
 def test_bad_config_is_refused_before_anything_runs(tmp_path, capsys):
@@ -158,6 +176,10 @@ class Nodes:
                 self.generations[host].pop()
             self.profile[host] = self.generations[host][-1] if self.generations[host] else None
             return Result(0)
+        if cmd == "cat" and argv[1] == "/etc/ssh/ssh_host_ed25519_key.pub":
+            return Result(0, "ssh-ed25519 AAAAworker root@spark-b\n")
+        if cmd == "runuser":  # the service user's key, made once
+            return Result(0, "ssh-ed25519 AAAAhead dsv41-watchdog\n")
         if cmd == "cat":
             text = self.files.get((host, argv[1]))
             return Result(0, text) if text is not None else Result(1, "", "No such file")
@@ -190,7 +212,10 @@ def test_first_deploy_then_idempotent_rerun():
     assert rc == 0 and lines[-1] == "deployed /nix/store/new-dsv41-appliance"
     assert nodes.profile == {HEAD: nodes.built, WORKER: nodes.built}
     assert nodes.files[(HEAD, "/etc/dsv41/dsv41.env")] == EXAMPLE.read_text()
-    assert nodes.files[(HEAD, "/etc/dsv41/node.env")] == f"DSV41_LOCAL_RANKS=rank0\nDSV41_WORKER_SSH={WORKER}\n"
+    assert nodes.files[(HEAD, "/etc/dsv41/node.env")] == "DSV41_LOCAL_RANKS=rank0\nDSV41_WORKER_SSH=dsv41@spark-b\n"
+    # the head's service user reaches the worker's with its own key, restricted, and knows the worker's host key
+    assert nodes.files[(WORKER, "/var/lib/dsv41/.ssh/authorized_keys")] == "restrict ssh-ed25519 AAAAhead dsv41-watchdog\n"
+    assert nodes.files[(HEAD, "/var/lib/dsv41/.ssh/known_hosts")] == "spark-b ssh-ed25519 AAAAworker root@spark-b\n"
     assert nodes.files[(WORKER, "/etc/dsv41/node.env")] == "DSV41_LOCAL_RANKS=rank1\n"
     order = [c for _, c in nodes.calls if "start --no-block" in c]
     assert order == ["systemctl start --no-block dsv41@rank1.service", "systemctl start --no-block dsv41@rank0.service"]
@@ -337,8 +362,10 @@ def test_serve_parser_accepts_the_flags():
                DSV41_API_KEY_FILE="/k", DSV41_REQUEST_LOG="/l", DSV41_MASTER="h:1", DSV41_TP_BACKEND="nccl",
                DSV41_DEVICE="cuda", DSV41_DTYPE="bfloat16", DSV41_ENGINE="reference", DSV41_PREFILL="replay",
                DSV41_PROMPT_SPECIAL_TOKENS="text", DSV41_PREFILL_SHARE="0.25", DSV41_EXPERT_TOPP="0.9",
-               DSV41_FORWARD="reference")
+               DSV41_FORWARD="reference", DSV41_DRAFT_DSPARK="off", DSV41_DRAFT_LOOKUP="on",
+               DSV41_DRAFT_COST="1:0.01", DSV41_PREPARED="/p", DSV41_PREPARED_FALLBACK="1")
     args = parser.parse_args(["serve", *serve_argv(env, 1)])
+    assert args.prepared_fallback is True and args.draft_lookup == "on" and args.draft_depth == 2
     assert args.rank == 1 and args.tp == 2 and args.alias == ["a", "b"] and args.master == "h:1"
     assert args.device == "cuda" and args.dtype == "bfloat16"
     assert args.engine == "reference" and args.prefill == "replay" and args.parallel == 2

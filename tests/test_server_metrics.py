@@ -115,7 +115,13 @@ def test_metrics_count_aborts_apart_from_successes(cors_server):
                 break  # leave after the first event: the request is aborted
     cors_server.wait_idle()
     after = _scrape(cors_server)
-    assert _value(after, "vllm:request_success", "vllm:request_success_total", default=0) == success
+    # as vLLM: an abort is a finished request with finished_reason="abort", never a stop or length
+    finished = {reason: _value(after, "vllm:request_success", "vllm:request_success_total", finished_reason=reason)
+                for reason in ("stop", "length")}
+    assert finished == {reason: _value(before, "vllm:request_success", "vllm:request_success_total", default=0,
+                                       finished_reason=reason) for reason in ("stop", "length")}
+    aborted = _value(after, "vllm:request_success", "vllm:request_success_total", finished_reason="abort")
+    assert aborted >= 1 and sum(finished.values()) + aborted > success
     assert _value(after, "dsv41_requests_unfinished", "dsv41_requests_unfinished_total", reason="abort") >= 1
 
 
@@ -130,6 +136,7 @@ def test_engine_time_histogram_and_its_export():
         h.observe(seconds)
     assert h.counts[0] == 1 and h.counts[TIME_BUCKETS.index(0.005)] == 2 and h.counts[-1] == 1 and sum(h.counts) == 4
     collector = EngineCollector("m")
+    # vLLM's labels: model_name and engine (the engine core's index)
     collector.detail = {"pages_used": 1, "pages_total": 4, "rows_per_round": {"1": 2}, "prefill_tokens_total": 1,
                         "decode_tokens_total": 1,
                         "seconds": {"bounds": list(TIME_BUCKETS), "queue": h.figures(), "prefill": h.figures(),
@@ -137,8 +144,60 @@ def test_engine_time_histogram_and_its_export():
     registry = CollectorRegistry()
     registry.register(collector)
     text = generate_latest(registry).decode()
-    assert 'vllm:request_queue_time_seconds_bucket{le="0.005",model_name="m"} 3.0' in text
-    assert 'vllm:request_queue_time_seconds_bucket{le="80.0",model_name="m"} 3.0' in text
-    assert 'vllm:request_queue_time_seconds_bucket{le="+Inf",model_name="m"} 4.0' in text
-    assert 'vllm:kv_cache_usage_perc{model_name="m"} 0.25' in text
-    assert 'vllm:iteration_tokens_total_bucket{le="1.0",model_name="m"} 2.0' in text
+    assert 'vllm:request_queue_time_seconds_bucket{engine="0",le="0.005",model_name="m"} 3.0' in text
+    assert 'vllm:request_queue_time_seconds_bucket{engine="0",le="80.0",model_name="m"} 3.0' in text
+    assert 'vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0' in text
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25' in text
+    assert 'vllm:iteration_tokens_total_bucket{engine="0",le="1.0",model_name="m"} 2.0' in text
+
+
+# ---------------------------------------------------------------------------- vLLM's series and labels (issue 33)
+def test_metrics_as_vllm_names_them(cors_server):
+    """The engine label on every vllm: series, the request_params_* and per-request time series, the prefix-cache
+    counters: scraped from a real server and read with prometheus_client's parser."""
+    before = _scrape(cors_server)
+    with cors_server.client() as client:
+        client.chat.completions.create(model=SERVED_NAME, max_tokens=3, n=2,
+                                       messages=[{"role": "user", "content": "hi"}])
+    cors_server.wait_idle()
+    after = _scrape(cors_server)
+    for family in after.values():
+        if family.name.startswith("vllm:"):
+            for sample in family.samples:
+                assert sample.labels.get("model_name") == SERVED_NAME and sample.labels.get("engine") == "0", sample
+    for reason in ("stop", "length", "abort", "error"):  # present from the start, as vLLM's
+        _value(after, "vllm:request_success", "vllm:request_success_total", finished_reason=reason)
+
+    def grew(family: str, sample: str, **labels) -> float:
+        return _value(after, family, sample, **labels) - _value(before, family, sample, default=0, **labels)
+
+    assert grew("vllm:request_params_n", "vllm:request_params_n_count") == 2  # both sequences of the n=2 request
+    assert grew("vllm:request_params_n", "vllm:request_params_n_sum") == 4
+    assert grew("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_sum") == 6
+    assert grew("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_bucket", le="1.0") == 0
+    assert grew("vllm:request_params_max_tokens", "vllm:request_params_max_tokens_bucket", le="16.0") == 2
+    assert grew("vllm:request_inference_time_seconds", "vllm:request_inference_time_seconds_count") == 2
+    assert grew("vllm:request_time_per_output_token_seconds",
+                "vllm:request_time_per_output_token_seconds_count") >= 0  # a 1-token reply has no per-token time
+    assert "vllm:request_time_per_output_token_seconds" in after
+    assert _value(after, "vllm:prefix_cache_queries", "vllm:prefix_cache_queries_total") == 0
+    assert _value(after, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") == 0
+
+
+def test_finish_reasons_counted_as_the_engine_ends():
+    """tool_calls (and /v1/messages' names) count as the engine's stop; abort and error are counted too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dsv41.server.metrics import Metrics
+
+    metrics = Metrics("m")
+    for reason in ("stop", "tool_calls", "end_turn", "tool_use", "length", "max_tokens", "abort", "error", "error"):
+        metrics.finished_generation(prompt_tokens=3, completion_tokens=4, ttft_s=0.1, e2e_s=0.4,
+                                    finish_reason=reason, max_tokens=8)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    counted = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples
+               if s.name == "vllm:request_success_total"}
+    assert counted == {"stop": 4, "length": 2, "abort": 1, "error": 2}
+    tpot = _value(families, "vllm:request_time_per_output_token_seconds",
+                  "vllm:request_time_per_output_token_seconds_sum")
+    assert abs(tpot - 9 * 0.1) < 1e-9  # (0.4 - 0.1) / (4 - 1) per request

@@ -13,6 +13,50 @@ from .errors import DSV41Error
 DTYPES = ("float32", "bfloat16")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors as one line (`dsv41 generate: error: argument --max-tokens: ...`), no usage dump:
+    the same shape as every other refusal of the CLI. `--help` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def number(kind: type, low: float | None = None, high: float | None = None, *, above: bool = False):
+    """An argparse `type=` that range-checks: `kind` int or float, at least `low` (more than it with `above`), at
+    most `high`; floats must be finite. The refusal names the range and the value on one line."""
+    noun = "an integer" if kind is int else "a number"
+    parts = [f"{'>' if above else '>='} {low:g}"] if low is not None else []
+    parts += [f"<= {high:g}"] if high is not None else []
+    wanted = f"{noun} {' and '.join(parts)}".strip()
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text!r}") from None
+        bad = value != value or value in (float("inf"), float("-inf"))
+        bad = bad or (low is not None and (value <= low if above else value < low))
+        bad = bad or (high is not None and value > high)
+        if bad:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def add_cpu_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu-threads", type=number(int, 1), metavar="N",
+                   help="torch CPU threads (default: torch's choice; a busy machine runs faster with fewer)")
+
+
+def set_cpu_threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
@@ -69,6 +113,7 @@ def _load(args, dspark: bool = False):
     import torch
 
     from .model.loader import load_model
+    set_cpu_threads(args.cpu_threads)
     dtype = getattr(torch, args.dtype)
     return load_model(_model_dir(args.model), dtype=dtype, device=resolve_device(args.device),
                       fake_quant=not args.no_fake_quant, dspark=dspark, progress=LoadBar().update)
@@ -81,6 +126,7 @@ def _model_args(p: argparse.ArgumentParser, model_required: bool = False) -> Non
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:N, auto (default cpu)")
     p.add_argument("--no-fake-quant", action="store_true",
                    help="skip the FP8/FP4 KV and index fake quantisation everywhere (diagnosis)")
+    add_cpu_threads(p)
 
 
 # ---------------------------------------------------------------------------------------------------- generate
@@ -140,7 +186,12 @@ def cmd_score(args) -> int:
         for i in range(pos, len(ids)):  # the remainder is decoded one token at a time
             rows.append(model.forward(state, ids[i:i + 1]))
     logits = torch.cat(rows).float().contiguous()
-    save_file({"logits": logits}, args.out)
+    out = Path(args.out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)  # a missing folder is made, as `make-tiny DIR` does
+        save_file({"logits": logits}, str(out))
+    except OSError as e:
+        raise DSV41Error(f"--out {out}: {e.strerror or e}") from None
     print(f"wrote logits {list(logits.shape)} to {args.out}", file=sys.stderr)
     return 0
 
@@ -189,7 +240,8 @@ def cmd_bench(args) -> int:
         decode_s = time.perf_counter() - start
     print(json.dumps({"model": str(_model_dir(args.model)), "device": args.device, "dtype": args.dtype,
                       "prompt_tokens": args.prompt_tokens, "prefill_tok_s": round(args.prompt_tokens / prefill_s, 2),
-                      "decode_tokens": args.tokens, "decode_tok_s": round(args.tokens / decode_s, 2)}))
+                      "decode_tokens": args.tokens, "decode_tok_s": round(args.tokens / decode_s, 2),
+                      "cpu_threads": torch.get_num_threads()}))
     return 0
 
 
@@ -205,18 +257,18 @@ def cmd_make_tiny(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from dsv41.tiny.model import DEFAULT_FORMAT, FORMATS
     from . import __version__
-    parser = argparse.ArgumentParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference appliance")
+    parser = OneLineParser(prog="dsv41", description="DeepSeek-V4.1-Flash inference appliance")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("generate", help="continue a prompt and print tokens/s")
     _model_args(p)
     p.add_argument("--prompt", required=True, help="prompt text (BOS is added unless the text starts with it)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: derived from the prompt)")
+    p.add_argument("--max-tokens", type=number(int, 1), default=64)
+    p.add_argument("--temperature", type=number(float, 0), default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=number(float, 0, 1, above=True), default=1.0)
+    p.add_argument("--top-k", type=number(int, 0), default=0, help="0 = off (default)")
+    p.add_argument("--seed", type=number(int, 0), default=None, help="sampling seed (default: derived from the prompt)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sentence token")
     p.add_argument("--forward", choices=("reference", "fast"), default="reference",
                    help="reference (model/, default) or fast (runtime/ FastModel, as serve on CUDA; implied by "
@@ -233,15 +285,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="prefill and decode tokens/s of the forward (JSON line)")
     _model_args(p)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--chunk", type=int, default=128, help="prefill chunk length (default 128)")
-    p.add_argument("--tokens", type=int, default=32, help="tokens decoded one at a time (default 32)")
+    p.add_argument("--prompt-tokens", type=number(int, 1), default=256)
+    p.add_argument("--chunk", type=number(int, 1), default=128, help="prefill chunk length (default 128)")
+    p.add_argument("--tokens", type=number(int, 1), default=32, help="tokens decoded one at a time (default 32)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("make-tiny", help="write the small test model in the real checkpoint formats")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--format", choices=FORMATS, default=DEFAULT_FORMAT)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=number(int, 0), default=0)
     p.set_defaults(func=cmd_make_tiny)
 
     for module in ("server.cli", "ops.cli", "engram.cli", "prepared.cli", "hub.cli"):

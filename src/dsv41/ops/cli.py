@@ -140,6 +140,7 @@ def _run_driver_tmpfiles(args) -> int:
 
 def register(subparsers) -> None:
     """Add preflight, watchdog, status, canary, deploy, render-units and the unit helpers to `dsv41`'s subparsers."""
+    from dsv41.cli import number
     from dsv41.ops import deploy  # argparse and the stdlib only
 
     p = subparsers.add_parser("preflight", help="check both nodes are ready to start (files, ports, GPUs, RoCE, memory)")
@@ -164,7 +165,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", help="model id to send (default: DSV41_SERVED_NAME or the first of /v1/models)")
     p.add_argument("--level", choices=("full", "structural"), default="full",
                    help="structural: skip the knowledge checks (for random-weight test models)")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+    p.add_argument("--wait", type=number(float, 0), default=0.0, metavar="S",
                    help="first wait up to S seconds for /health to be ok")
     _env_arg(p)
     p.set_defaults(func=_run_canary)
@@ -206,7 +207,9 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dsv41")
+    from dsv41.cli import OneLineParser
+
+    parser = OneLineParser(prog="dsv41")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     try:

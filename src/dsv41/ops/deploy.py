@@ -1,13 +1,17 @@
 """`nix run .#deploy -- --head HOST --worker HOST [--config FILE] [--dry-run]`: install dsv41 on both Sparks.
 
+(`nix --extra-experimental-features 'nix-command flakes' run .#deploy -- ...` where flakes are not enabled.)
+
 Steps (each printed as `[n] where: command`, and only printed with --dry-run):
  1. build the aarch64 closure, on the head by default (`--eval-store auto --store ssh-ng://head`: evaluation here,
     the build on a Spark, nothing to cross-compile), or locally with --build-on local;
  2. `nix copy` it to both nodes (ssh-ng with remote-program set, so a non-interactive ssh finds nix-daemon);
  3. on each node: remember the current profile generation, point /nix/var/nix/profiles/dsv41 at the new build
-    (skipped when already there), write /etc/dsv41/dsv41.env (from --config) and node.env, link the units from the
-    profile into /etc/systemd/system, install the driver tmpfiles rules, daemon-reload, enable boot (+ watchdog
-    timer on the head);
+    (skipped when already there), create the service user (systemd-sysusers) and its polkit rule, write
+    /etc/dsv41/dsv41.env (from --config; mode 0600, owned by the service user: it holds DSV41_TP_SECRET) and
+    node.env, link the units from the profile into /etc/systemd/system, install the driver tmpfiles rules,
+    daemon-reload, enable boot (+ watchdog timer on the head); then let the head's service user reach the worker's
+    over ssh (its key, the worker's host key: the watchdog restarts rank 1 that way);
  4. restart: stop rank 0 then rank 1, start rank 1 first (it retries the rendezvous until rank 0 listens), then
     rank 0 under the start lock, and gate on /health plus the canary;
  5. if the gate fails: roll each changed profile back (`nix-env --rollback`), restart the previous build, exit 1.
@@ -29,6 +33,7 @@ from dsv41.errors import ConfigError, DSV41Error
 from dsv41.ops import host_commands
 from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.knobs import PROFILE, parse_env_file, unknown_keys
+from dsv41.ops.units import support_file
 
 NIX = ["nix", "--extra-experimental-features", "nix-command flakes"]
 REMOTE_NIX_DAEMON = "/nix/var/nix/profiles/default/bin/nix-daemon"
@@ -37,6 +42,11 @@ UNITS = ("dsv41@.service", "dsv41-warm@.service", "dsv41-watchdog.service", "dsv
 UNIT_DIR = "/etc/systemd/system"
 ENV_FILE = "/etc/dsv41/dsv41.env"
 NODE_ENV_FILE = "/etc/dsv41/node.env"
+SERVICE_USER = "dsv41"  # every unit runs as this user (systemd/dsv41.sysusers); docs/SECURITY.md
+SERVICE_HOME = "/var/lib/dsv41"  # its home = the units' StateDirectory (the watchdog's ssh key lives here)
+SYSUSERS_FILE = "/etc/sysusers.d/dsv41.conf"
+POLKIT_FILE = "/etc/polkit-1/rules.d/50-dsv41.rules"
+WORKER_HOST_KEY = "/etc/ssh/ssh_host_ed25519_key.pub"
 TMPFILES = "/etc/tmpfiles.d/dsv41-driver.conf"
 START_LOCK = "/var/lib/dsv41/start.lock"
 OUT = "$OUT"  # the build's store path, known once step 1 ran
@@ -123,6 +133,7 @@ class Deploy:
         changed = False
         for node in nodes:
             changed |= self.install(node, config_text)
+        self.trust_worker(*nodes)
         if opts.prepare:
             self.prepare(nodes)
             changed = True
@@ -193,15 +204,24 @@ class Deploy:
             self.step(host, ["nix-env", "-p", PROFILE, "--set", OUT], note="new profile generation")
             node.switched = not self.opts.dry_run
             changed = True
+        self.step(host, ["install", "-D", "-m", "0644", "/dev/stdin", SYSUSERS_FILE],
+                  input=support_file("dsv41.sysusers"))
+        self.step(host, ["systemd-sysusers", SYSUSERS_FILE], note=f"the service user {SERVICE_USER}")
+        self.step(host, ["install", "-d", "-o", SERVICE_USER, "-g", SERVICE_USER, "-m", "0755", SERVICE_HOME])
+        self.step(host, ["install", "-D", "-m", "0644", "/dev/stdin", POLKIT_FILE], input=support_file("dsv41.rules"),
+                  note=f"{SERVICE_USER} may start/stop/restart the dsv41 units only")
+        owner = ["-o", SERVICE_USER, "-g", SERVICE_USER, "-m", "0600"]  # DSV41_TP_SECRET: service user only
         if config_text is not None:
             before = self.step(host, ["cat", ENV_FILE], check=False, note="current env file")
             changed |= not before.ok or before.stdout != config_text
-            self.step(host, ["install", "-D", "-m", "0644", "/dev/stdin", ENV_FILE], input=config_text)
+            self.step(host, ["install", "-D", *owner, "/dev/stdin", ENV_FILE], input=config_text)
         else:
             self.step(host, ["test", "-f", ENV_FILE], note="no --config: the node must have its env file")
+            self.step(host, ["chown", f"{SERVICE_USER}:{SERVICE_USER}", ENV_FILE])
+            self.step(host, ["chmod", "0600", ENV_FILE])
         node_env = f"DSV41_LOCAL_RANKS={node.rank}\n"
         if node.role == "head":
-            node_env += f"DSV41_WORKER_SSH={self.opts.worker}\n"
+            node_env += f"DSV41_WORKER_SSH={worker_ssh(self.opts.worker)}\n"
         self.step(host, ["install", "-D", "-m", "0644", "/dev/stdin", NODE_ENV_FILE], input=node_env)
         for unit in UNITS:
             self.step(host, ["ln", "-sfn", f"{PROFILE}/lib/systemd/system/{unit}", f"{UNIT_DIR}/{unit}"])
@@ -215,6 +235,25 @@ class Deploy:
             self.step(host, ["systemctl", "start", "dsv41-watchdog.timer"])
         return changed
 
+    def trust_worker(self, head: Node, worker: Node) -> None:
+        """The head's service user gets an ssh key (made once) that the worker's service user accepts with
+        `restrict` (no pty, no forwarding), and the worker's host key as read over deploy's own ssh connection,
+        so the watchdog's BatchMode ssh neither prompts nor trusts a first answer."""
+        home_ssh = f"{SERVICE_HOME}/.ssh"
+        host_key = self.step(worker.host, ["cat", WORKER_HOST_KEY], note="the worker's host key")
+        make_key = (f"mkdir -p -m 0700 {home_ssh} && {{ test -f {home_ssh}/id_ed25519 || ssh-keygen -q -t ed25519 "
+                    f'-N "" -C dsv41-watchdog -f {home_ssh}/id_ed25519; }} && cat {home_ssh}/id_ed25519.pub')
+        public = self.step(head.host, ["runuser", "-u", SERVICE_USER, "--", "sh", "-c", make_key],
+                           note="the watchdog's ssh key (made once)")
+        if self.opts.dry_run:
+            host_key.stdout, public.stdout = "<the worker's host key>", "<the key step above printed>"
+        known = f"{ssh_host(self.opts.worker)} {_one_line(host_key.stdout, WORKER_HOST_KEY)}\n"
+        authorized = f"restrict {_one_line(public.stdout, 'the head service user key')}\n"
+        owned = ["-o", SERVICE_USER, "-g", SERVICE_USER]
+        self.step(head.host, ["install", *owned, "-m", "0644", "/dev/stdin", f"{home_ssh}/known_hosts"], input=known)
+        self.step(worker.host, ["install", "-d", *owned, "-m", "0700", home_ssh])
+        self.step(worker.host, ["install", *owned, "-m", "0600", "/dev/stdin", f"{home_ssh}/authorized_keys"],
+                  input=authorized)
     def prepare(self, nodes: list[Node]) -> None:
         """--prepare: stop both ranks (the build needs the GPU the rank holds), then write each node's prepared
         folder from its env file (DSV41_MODEL, DSV41_PREPARED, DSV41_TP, ...; resumable, a no-op when current)."""
@@ -266,8 +305,26 @@ class Deploy:
                  else "deploy FAILED: the gate did not pass; the ranks are stopped")
 
 
+def ssh_host(destination: str) -> str:
+    """`root@spark-b` -> `spark-b`."""
+    return destination.rpartition("@")[2]
+
+
+def worker_ssh(destination: str) -> str:
+    """The head's watchdog reaches the worker as the service user (its key, authorized there with `restrict`)."""
+    return f"{SERVICE_USER}@{ssh_host(destination)}"
+
+
+def _one_line(text: str, what: str) -> str:
+    line = text.strip()
+    if not line or "\n" in line:
+        raise DeployFailed(f"{what}: expected one key line, got {text[:200]!r}")
+    return line
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """deploy's options: on its own parser (`nix run .#deploy --`) and on `dsv41 deploy`."""
+    from dsv41.cli import number  # argparse and the stdlib only
     p.add_argument("--head", required=True, help="ssh destination of the head (rank 0), e.g. root@spark-a")
     p.add_argument("--worker", required=True, help="ssh destination of the worker (rank 1), e.g. root@spark-b")
     p.add_argument("--config", type=Path, help="env file installed as /etc/dsv41/dsv41.env on both nodes")
@@ -278,7 +335,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default="aarch64-linux", help="the nodes' Nix system (default aarch64-linux)")
     p.add_argument("--driver-libdir", default="/usr/lib/aarch64-linux-gnu",
                    help="where the nodes' NVIDIA driver libraries live")
-    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
+    p.add_argument("--ready-timeout", type=number(float, 0, above=True), default=900.0, metavar="S",
                    help="seconds to wait for /health before the canary (default 900)")
     p.add_argument("--canary-level", choices=("full", "structural"), default="full")
     p.add_argument("--restart", action="store_true", help="restart even when nothing changed")
@@ -296,7 +353,9 @@ def options(args: argparse.Namespace) -> Options:
 
 
 def parse_args(argv: list[str] | None) -> Options:
-    p = argparse.ArgumentParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
+    from dsv41.cli import OneLineParser  # argparse and the stdlib only
+
+    p = OneLineParser(prog="nix run .#deploy --", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     args = p.parse_args(argv)
     try:

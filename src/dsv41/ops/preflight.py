@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 from dsv41.ops import host_commands
 from dsv41.ops.host_commands import CommandRunner
-from dsv41.ops.knobs import PROFILE, ops_number, ops_value
+from dsv41.ops.knobs import PROFILE, ops_number, ops_value, tp_ranks
 
 MODEL_FILES_HASHED = ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json")
 
@@ -206,8 +206,9 @@ def check_engram(node: Node) -> Check:
     if not layers:
         return Check("engram", "skip", "the model config lists no Engram layers")
     folder_text = ops_value_or(node.env, "DSV41_ENGRAM_DIR")
-    if not folder_text:
-        return Check("engram", "fail", f"the model has Engram layers {layers} but DSV41_ENGRAM_DIR is empty")
+    if not folder_text:  # as `dsv41 serve` without --engram-dir: the tables inside the model folder
+        return Check("engram", "skip", f"DSV41_ENGRAM_DIR is empty: the server reads the Engram tables of layers "
+                                       f"{layers} from the model folder")
     world = int(ops_value_or(node.env, "DSV41_TP") or 1)
     ranks = [int(r.removeprefix("rank")) for r in ops_value(node.env, "DSV41_LOCAL_RANKS").split()] or [0]
     folder = Path(folder_text)
@@ -311,7 +312,7 @@ def check_ports(node: Node) -> Check:
     if "rank0" in local:
         ports.append((ops_value_or(node.env, "DSV41_HOST") or "127.0.0.1", int(ops_value_or(node.env, "DSV41_PORT") or 8000)))
         master = ops_value_or(node.env, "DSV41_MASTER")
-        if master:
+        if master and len(tp_ranks(node.env)) > 1:  # at DSV41_TP=1 serve hosts no rendezvous
             host, _, port = master.rpartition(":")
             ports.append(("0.0.0.0", int(port)))
     if not ports:
@@ -407,6 +408,8 @@ def local_checks(node: Node) -> list[Check]:
 
 def worker_checks(env: Mapping[str, str], run: CommandRunner) -> list[Check]:
     worker = ops_value(env, "DSV41_WORKER_SSH")
+    if len(tp_ranks(env)) == 1:
+        return [Check("worker", "skip", "DSV41_TP=1: one node, no worker")]
     if not worker:
         return [Check("worker", "skip", "DSV41_WORKER_SSH is empty (single node)")]
     result = run([f"{PROFILE}/bin/dsv41", "preflight", "--local", "--json"], host=worker, timeout=300)

@@ -8,15 +8,16 @@ from typing import Mapping
 
 from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.health import base_url, health
-from dsv41.ops.knobs import PROFILE, ops_value
+from dsv41.ops.knobs import PROFILE, ops_value, tp_ranks
 from dsv41.ops.lifecycle import read_marker, state_dir
-from dsv41.ops.watchdog import HEAD_RANK, WORKER_RANK, WatchState, rank_state
+from dsv41.ops.watchdog import HEAD_RANK, WatchState, rank_state
 
 
 def collect_status(env: Mapping[str, str], run: CommandRunner) -> dict:
     worker = ops_value(env, "DSV41_WORKER_SSH") or None
     ranks = {}
-    for instance, host in ((HEAD_RANK, None), (WORKER_RANK, worker)):
+    for instance in tp_ranks(env):  # rank 0 only at DSV41_TP=1
+        host = None if instance == HEAD_RANK else worker
         state = rank_state(instance, host, run)
         ranks[instance] = {"host": host or "local", "reachable": state.reachable, "active": state.active,
                            "result": state.result, "exit_status": state.exit_status}

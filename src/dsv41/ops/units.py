@@ -35,6 +35,15 @@ def render_units(prefix: str = PROFILE, source: Path | None = None) -> dict[str,
     return {t.name[: -len(".in")]: t.read_text().replace(PLACEHOLDER, prefix) for t in sorted(source.glob("*.in"))}
 
 
+def support_file(name: str) -> str:
+    """A file next to the unit templates that deploy installs as it is (dsv41.sysusers, dsv41.rules)."""
+    path = templates_dir() / name
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+
+
 def write_units(out_dir: Path, prefix: str = PROFILE, source: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 
 from dsv41.ops.host_commands import CommandRunner
 from dsv41.ops.health import Reply, base_url, health
-from dsv41.ops.knobs import ops_number, ops_value
+from dsv41.ops.knobs import ops_number, ops_value, tp_ranks
 from dsv41.ops.lifecycle import read_marker, state_dir
 
 log = logging.getLogger(__name__)
@@ -120,9 +120,9 @@ class Tick:
 def lock_held(path: Path) -> bool:
     """True when another process holds the start lock (flock), as `flock <lock> dsv41 ...` starts do."""
     try:
-        handle = path.open("a")
+        handle = path.open("r")  # flock needs no write access: deploy's gate (root) may own the file
     except OSError:
-        return False
+        return False  # no lock file: nobody ever held it
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -140,6 +140,7 @@ class Watchdog:
         self.state_path = self.state_dir / "watchdog.json"
         self.lock_path = self.state_dir / "start.lock"
         self.worker = ops_value(env, "DSV41_WORKER_SSH") or None
+        self.instances = tp_ranks(env)  # rank0 only at DSV41_TP=1
         self.fails_needed = int(ops_number(env, "DSV41_WATCH_FAILS"))
         self.min_heal = ops_number(env, "DSV41_WATCH_MIN_HEAL_S")
         self.ff_min_heal = ops_number(env, "DSV41_WATCH_FF_MIN_HEAL_S")
@@ -164,7 +165,8 @@ class Watchdog:
             state.fails = 0
             return Tick("stand-down", f"{HEAD_RANK} was stopped deliberately", 0)
 
-        ranks = [rank_state(HEAD_RANK, None, self.run), rank_state(WORKER_RANK, self.worker, self.run)]
+        ranks = [rank_state(instance, None if instance == HEAD_RANK else self.worker, self.run)
+                 for instance in self.instances]
         problems = []
         for rank in ranks:
             if not rank.reachable:
@@ -207,7 +209,7 @@ class Watchdog:
         if not self.heal_enabled:
             return Tick("bad", f"{reason}; healing disabled (DSV41_WATCH_HEAL=0)", fails)
         commands = []
-        for instance, host in ((WORKER_RANK, self.worker), (HEAD_RANK, None)):
+        for instance, host in [(i, self.worker) for i in self.instances if i != HEAD_RANK] + [(HEAD_RANK, None)]:
             unit = f"dsv41@{instance}.service"
             for argv in (["systemctl", "reset-failed", unit], ["systemctl", "restart", "--no-block", unit]):
                 self.run(argv, host=host, timeout=60)

@@ -30,14 +30,14 @@ from starlette.routing import Route
 
 from ..engine import EngineFailure, GenerationRequest
 from . import framing
-from .body import ClientGone, check_json_content_type, parse_json, read_body
+from .body import ClientGone, check_json_content_type, note_unknown_fields, parse_json, read_body
 from .chat import create_chat_completion, render_chat
 from .completions import create_completion, prompt_ids
 from .context import ServerContext
 from .errors import APIError, bad_request, engine_error, engine_failed, from_validation_error, unavailable
 from .gate import Gate
 from .messages import anthropic_shaped, count_tokens, create_message
-from .generation import Generation, ServerDraining, new_id
+from .generation import HONOURED_EXTRA, Generation, ServerDraining, new_id
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses import create_response
 from .streaming import GenerationStream
@@ -68,10 +68,15 @@ def _parse(model, body: dict):
         raise from_validation_error(exc) from None
 
 
-def _parse_body(model, raw: bytes) -> tuple[dict, object]:
-    """(the JSON object, the validated request) of a body; blocking: run it through `ctx.run_cpu`."""
-    body = parse_json(raw)
-    return body, _parse(model, body)
+def _parse_body(model, raw: bytes, ctx: ServerContext | None = None, endpoint: str = "") -> tuple[dict, object]:
+    """(the JSON object, the validated request) of a body; blocking: run it through `ctx.run_cpu`. With `ctx`, a
+    generation request's prompt is first checked by its size (body.check_prompt_size), and the fields the
+    endpoint does not implement are logged here, off the event loop (body.note_unknown_fields)."""
+    body = parse_json(raw, *((ctx.config.max_model_len, ctx.max_token_chars) if ctx is not None else ()))
+    req = _parse(model, body)
+    if endpoint:
+        note_unknown_fields(endpoint, req.model_extra or {}, HONOURED_EXTRA.get(endpoint, ()))
+    return body, req
 
 
 def _internal_error(what: str) -> APIError:
@@ -195,13 +200,13 @@ async def _generate(ctx: ServerContext, gen: Generation, reply, stream: bool) ->
 
 # ---------------------------------------------------------------------------- handlers
 async def chat_completions(ctx: ServerContext, request: Request) -> Response:
-    body, req = await ctx.run_cpu(_parse_body, ChatCompletionRequest, request.state.body)
+    body, req = await ctx.run_cpu(_parse_body, ChatCompletionRequest, request.state.body, ctx, "chat")
     gen, reply = await create_chat_completion(ctx, req, body)
     return await _generate(ctx, gen, reply, req.stream)
 
 
 async def completions(ctx: ServerContext, request: Request) -> Response:
-    _, req = await ctx.run_cpu(_parse_body, CompletionRequest, request.state.body)
+    _, req = await ctx.run_cpu(_parse_body, CompletionRequest, request.state.body, ctx, "completions")
     gen, reply = await create_completion(ctx, req)
     return await _generate(ctx, gen, reply, req.stream)
 
@@ -228,8 +233,19 @@ def _tokenize(ctx: ServerContext, raw: bytes) -> bytes:
         _, ids = render_chat(ctx, body)
     # vLLM's token_strs: each id's string in the vocabulary (convert_ids_to_tokens), e.g. "Ġword" byte-level
     token_strs = [ctx.tokenizer.id_to_token(i) for i in ids] if req.return_token_strs else None
-    return json.dumps({"count": len(ids), "max_model_len": ctx.config.max_model_len, "tokens": ids,
-                       "token_strs": token_strs}, separators=(",", ":"), ensure_ascii=False).encode()
+    head = json.dumps({"count": len(ids), "max_model_len": ctx.config.max_model_len}, separators=(",", ":"))
+    tail = json.dumps({"token_strs": token_strs}, separators=(",", ":"), ensure_ascii=False)
+    return f'{head[:-1]},"tokens":{_ids_json(ids)},{tail[1:]}'.encode()
+
+
+def _ids_json(ids: list[int], step: int = 1 << 16) -> str:
+    """`json.dumps(ids)` (compact) in slices, letting other threads (the event loop: /health) in between: one
+    json.dumps of the 3.5M ids of a maximum-size /tokenize held the GIL for up to a second."""
+    parts = []
+    for start in range(0, len(ids), step):
+        parts.append(",".join(map(str, ids[start:start + step])))
+        time.sleep(0)  # releases the GIL
+    return "[" + ",".join(parts) + "]"
 
 
 async def tokenize(ctx: ServerContext, request: Request) -> Response:
@@ -237,7 +253,15 @@ async def tokenize(ctx: ServerContext, request: Request) -> Response:
 
 
 def _detokenize(ctx: ServerContext, raw: bytes) -> bytes:
+    # at most a context of ids (no reply is longer), refused before the parse when the commas already say more:
+    # parsing and decoding a body of 1.6M ids held the GIL for ~0.2 s at a time, /health waiting
+    limit = ctx.config.max_model_len
+    if raw.count(b",") > limit + 16:  # the other fields: a few commas at most
+        raise bad_request(f"tokens: more than {limit} token ids (the context, --max-model-len)", param="tokens")
     _, req = _parse_body(DetokenizeRequest, raw)
+    if len(req.tokens) > limit:
+        raise bad_request(f"tokens: {len(req.tokens)} token ids, more than {limit} (the context, --max-model-len)",
+                          param="tokens")
     for i, token in enumerate(req.tokens):
         if not 0 <= token < ctx.vocab_size:
             raise bad_request(f"tokens[{i}] = {token} is not a token id (0 <= id < {ctx.vocab_size})",

@@ -56,7 +56,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--request-log", metavar="FILE", help="append one JSON line per request to FILE")
     p.add_argument("--max-waiting", type=int, default=64, metavar="N",
                    help="requests queued before new ones get 429 (default 64)")
-    p.add_argument("--cpu-threads", type=int, metavar="N", help="torch CPU threads (default: torch's choice)")
+    from ..cli import add_cpu_threads
+
+    add_cpu_threads(p)
     p.add_argument("--device", default="auto",
                    help="torch device: auto (cuda when available, else cpu), cpu, cuda, cuda:N (default auto)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
@@ -159,6 +161,7 @@ def check_limits(args, folder: Path) -> None:
     for name, value in (("--drain-timeout", args.drain_timeout), ("--body-timeout", args.body_timeout)):
         if value == float("inf"):
             raise DSV41Error(f"{name} must be finite, got {value}")
+    check_engine_limits(args)
     from dsv41.parallel.args import check_tp_args
 
     check_tp_args(args)
@@ -166,6 +169,35 @@ def check_limits(args, folder: Path) -> None:
     if args.max_model_len is not None and positions is not None and args.max_model_len > positions:
         raise DSV41Error(f"--max-model-len {args.max_model_len} is beyond the model's {positions} positions "
                          f"({folder / 'config.json'}: max_position_embeddings)")
+
+
+# The engine's numeric flags (engine/build.py registers them): (dest, flag, kind, low, high, low excluded).
+ENGINE_LIMITS = (
+    ("parallel", "--parallel", int, 1, None, False),
+    ("pool_tokens", "--pool-tokens", int, 1, None, False),
+    ("page_tokens", "--page-tokens", int, 1, None, False),
+    ("prefill_chunk", "--prefill-chunk", int, 1, None, False),
+    ("prefill_share", "--prefill-share", float, 0, 1, True),
+    ("mem_floor_gib", "--mem-floor-gib", float, 0, None, False),
+    ("admit_timeout", "--admit-timeout", float, 0, None, True),
+    ("expert_topp", "--expert-topp", float, 0, 1, True),
+    ("expert_min_k", "--expert-min-k", int, 1, None, False),
+    ("draft_depth", "--draft-depth", int, 0, 5, False),
+)
+
+
+def check_engine_limits(args) -> None:
+    """`--parallel 0`, `--page-tokens 0`, `--prefill-share 2` ended in tracebacks from inside the engine build."""
+    from ..cli import number
+
+    for dest, flag, kind, low, high, above in ENGINE_LIMITS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        try:
+            number(kind, low, high, above=above)(str(value) if kind is int else f"{value:g}")
+        except argparse.ArgumentTypeError as exc:
+            raise DSV41Error(f"{flag} {exc}") from None
 
 
 @dataclass
@@ -191,13 +223,6 @@ def apply_http_options(config, args) -> None:
     config.body_timeout_s = args.body_timeout
     config.prompt_special_tokens = args.prompt_special_tokens
     config.allowed_origins = tuple(args.allowed_origins)
-
-
-def _set_threads(args) -> None:
-    if args.cpu_threads:
-        import torch
-
-        torch.set_num_threads(args.cpu_threads)
 
 
 def model_placement(args):
@@ -242,7 +267,9 @@ def load_serving_model(args, startup: Startup, progress, **tp):
     from ..engine.build import dspark_wanted, serving_forward
     from ..model.loader import load_model
 
-    _set_threads(args)
+    from ..cli import set_cpu_threads
+
+    set_cpu_threads(args.cpu_threads)
     device, dtype = model_placement(args)
     fast = getattr(args, "engine", "batched") == "batched" and serving_forward(args, device) == "fast"
     from ..prepared.start import load_fast_model, prepared_root

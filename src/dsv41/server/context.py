@@ -39,6 +39,20 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()
 
 
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters of text one token can stand for: its longest vocabulary spelling (a byte-level spelling
+    has one character per byte, and text has at most one character per byte), x4 where a normalizer could shrink
+    text before the model sees it. None when the tokenizer does not say (no bound, the token count decides)."""
+    backend = getattr(tokenizer, "backend", None)
+    try:
+        vocab = backend.get_vocab(with_added_tokens=True)
+        normalizer = backend.normalizer
+    except AttributeError:
+        return None
+    longest = max(map(len, vocab), default=0)
+    return longest * (1 if normalizer is None else 4) or None
+
+
 class ServerContext:
     """What every handler shares: engine, tokenizer, grammars, counters, the set of live generations."""
 
@@ -48,6 +62,8 @@ class ServerContext:
         self.tokenizer = tokenizer
         self.grammars = grammars
         self.vocab_size = min(engine.vocab_size, tokenizer.vocab_size)
+        # a prompt of more characters than max_model_len x this is refused before tokenizing (body.check_prompt_size)
+        self.max_token_chars = max_token_chars(tokenizer)
         self.status = "loading"
         self.started = time.monotonic()
         self.created = int(time.time())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
 import time
 import uuid
@@ -140,7 +139,8 @@ def check_model(ctx: ServerContext, name: str | None) -> None:
 
 def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, budget: int) -> None:
     """What every generation endpoint checks past the schema: the model name (404 unless the served name or an
-    alias), min_tokens within the budget, and the fields accepted but not implemented (logged once per name)."""
+    alias) and min_tokens within the budget. The fields accepted but not implemented are logged where the body
+    is parsed (body.note_unknown_fields, off the event loop)."""
     check_model(ctx, fields.model)
     if fields.prompt_logprobs is not None and fields.stream:
         raise bad_request("prompt_logprobs is not supported with stream=true", param="prompt_logprobs")
@@ -150,19 +150,11 @@ def check_request(ctx: ServerContext, fields: "SamplingFields", endpoint: str, b
     if fields.min_tokens > budget:
         raise bad_request(f"min_tokens ({fields.min_tokens}) must not exceed max_tokens ({budget})",
                           param="min_tokens")
-    ignored = sorted(set(fields.model_extra or {}) - HONOURED_EXTRA.get(endpoint, set()))
-    for name in ignored:
-        if (endpoint, name) not in _WARNED:
-            _WARNED.add((endpoint, name))
-            log.warning("%s: the request field %r is accepted but not implemented (ignored); further requests "
-                        "with it are not logged", endpoint, name)
 
 
-_WARNED: set[tuple[str, str]] = set()
 HONOURED_EXTRA = {"completions": {"best_of"}}  # fields the schema does not name that an endpoint honours
 MAX_BEST_OF = 16  # as n (protocol.MAX_N)
 MAX_SEQUENCES = 64  # prompts x best_of, as prompts x n (protocol.MAX_CHOICES)
-log = logging.getLogger("dsv41.server")
 
 
 def best_of(fields: "SamplingFields", prompts: int = 1) -> int | None:
@@ -311,6 +303,7 @@ class Generation:
         self.error: str | None = None
         self.disconnected = False
         self.closed = False
+        self.choices = 1  # sequences generated for this prompt (n, best_of): submit_generations sets it
         self.engine_stream: RequestStream = engine_stream or ctx.submit(request)
         ctx.active.add(self)
 
@@ -362,7 +355,8 @@ class Generation:
         if self.disconnected:
             ctx.metrics.disconnects.inc()
         ctx.metrics.finished_generation(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                                        ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason)
+                                        ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason,
+                                        max_tokens=self.request.max_tokens, n=self.choices)
         ctx.request_log.write(
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
@@ -405,7 +399,10 @@ def submit_generations(ctx: ServerContext, endpoint: str, requests: list[Generat
         raise overloaded(f"the server is busy ({exc}); retry shortly") from None
     except EngineClosed:
         raise unavailable("the server is shutting down") from None
-    return [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
+    gens = [Generation(ctx, endpoint, r, stream=stream, engine_stream=s) for r, s in zip(requests, streams)]
+    for gen in gens:
+        gen.choices = len(requests)
+    return gens
 
 
 def draft_of(fields: "SamplingFields") -> int | None:

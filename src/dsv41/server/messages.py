@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
 from ..engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
 from dsv41.structured.grammar import GrammarError
-from .body import parse_json
+from .body import note_unknown_fields, parse_json
 from .chat import render_chat
 from .context import ServerContext
 from .errors import bad_request, engine_error, engine_failed, from_validation_error, unavailable
@@ -56,20 +56,13 @@ class _Stop(StopMatcher):
 def _prepare(ctx: ServerContext, model, raw: bytes):
     """(request, ChatPrompt, prompt ids); blocking: run it through `ctx.run_cpu`."""
     try:
-        req = model.model_validate(parse_json(raw))
+        req = model.model_validate(parse_json(raw, ctx.config.max_model_len, ctx.max_token_chars))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     check_model(ctx, req.model)
     prompt, ids = render_chat(ctx, chat_body(req))
-    for name in sorted(set(req.model_extra or {})):
-        if name not in _WARNED:
-            _WARNED.add(name)
-            log.warning("messages: the request field %r is accepted but not implemented (ignored); further "
-                        "requests with it are not logged", name)
+    note_unknown_fields("messages", req.model_extra or {})
     return req, prompt, ids
-
-
-_WARNED: set[str] = set()
 
 
 def _grammar(ctx: ServerContext, prompt, thinking: bool):
