@@ -25,6 +25,7 @@ from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
 from dsv41.structured.grammar import GrammarError
 from .context import ServerContext
 from .errors import bad_request
+from .grammar_request import structured_grammar
 from .generation import (
     StreamedReply,
     Generation,
@@ -38,7 +39,6 @@ from .generation import (
     reply_id,
     sampling_params,
     stop_ids,
-    structured_grammar,
     truncate_prompt,
     usage,
     with_reasoning_budget,

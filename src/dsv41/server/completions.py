@@ -9,6 +9,7 @@ import time
 from ..engine import GenerationRequest, PromptLogprobsEvent, TokenEvent
 from .context import ServerContext
 from .errors import bad_request
+from .grammar_request import structured_grammar
 from .generation import (
     StreamedReply,
     Generation,
@@ -22,7 +23,6 @@ from .generation import (
     reply_id,
     sampling_params,
     stop_ids,
-    structured_grammar,
     submit_generations,
     truncate_prompt,
     usage,

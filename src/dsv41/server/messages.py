@@ -25,7 +25,8 @@ from .body import note_unknown_fields, parse_json
 from .chat import render_chat
 from .context import ServerContext
 from .errors import bad_request, engine_error, engine_failed, from_validation_error, unavailable
-from .generation import (Generation, ServerDraining, check_model, completion_budget, new_id, structured_grammar,
+from .grammar_request import structured_grammar
+from .generation import (Generation, ServerDraining, check_model, completion_budget, new_id,
                          with_reasoning_budget)
 from .protocol import SamplingFields
 from .reply_text import reply_text

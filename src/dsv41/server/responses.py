@@ -30,9 +30,11 @@ def _validated(model, data: dict):
         raise from_validation_error(exc) from None
 
 
-def _prepare(raw: bytes) -> tuple[ResponsesRequest, dict, ChatCompletionRequest]:
-    """(the Responses request, its chat body, that body validated); blocking: run it through `ctx.run_cpu`."""
-    req = _validated(ResponsesRequest, parse_json(raw))
+def _prepare(raw: bytes, max_model_len: int, max_token_chars: int) -> tuple[ResponsesRequest, dict,
+                                                                            ChatCompletionRequest]:
+    """(the Responses request, its chat body, that body validated); blocking: run it through `ctx.run_cpu`. A
+    prompt that cannot fit the context is refused by its size before anything walks it (`body.parse_json`)."""
+    req = _validated(ResponsesRequest, parse_json(raw, max_model_len, max_token_chars))
     body = chat_body(req)
     try:
         return req, body, _validated(ChatCompletionRequest, body)
@@ -60,7 +62,7 @@ def _renamed(exc: APIError) -> APIError:
 
 async def create_response(ctx: ServerContext, raw: bytes):
     """(Generation, its ResponseStream when streaming, else the ResponseEvents to complete)."""
-    req, body, chat_req = await ctx.run_cpu(_prepare, raw)
+    req, body, chat_req = await ctx.run_cpu(_prepare, raw, ctx.config.max_model_len, ctx.max_token_chars)
     try:
         gen, reply = await create_chat_completion(ctx, chat_req, body)
     except APIError as exc:
