@@ -29,8 +29,8 @@ def subcommands() -> dict:
     return sub.choices
 
 
-# commands of other modules (their own issue): engram's subcommands, `prepare` (prepared/cli.py: --tp, --rank)
-OTHERS = {"engram", "prepare"}
+# engram's flags live on its own subcommands (`engram pack`): `test_engram_and_prepare_flags_are_range_checked`
+OTHERS = {"engram"}
 
 
 def numeric_flags() -> list[tuple[str, str]]:
@@ -144,3 +144,13 @@ def test_docs_nix_commands_work_without_flakes_enabled():
             elif in_block and new_style.match(line) and "--extra-experimental-features" not in line:
                 offenders.append(f"{doc.name}: {line.strip()}")
     assert not offenders, offenders
+
+
+@pytest.mark.parametrize("argv", [
+    ["prepare", "--out", "x", "--tp", "0"], ["prepare", "--out", "x", "--rank", "-1"],
+    ["engram", "pack", "--src", "x", "--tp", "0"], ["engram", "pack", "--src", "x", "--rank", "-2"],
+    ["engram", "pack", "--src", "x", "--sample", "0"], ["engram", "pack", "--src", "x", "--max-mib-s", "nan"],
+])
+def test_engram_and_prepare_flags_are_range_checked(argv, capsys):
+    err = one_line_refusal(argv, capsys)
+    assert argv[-2] in err and "must be" in err, err

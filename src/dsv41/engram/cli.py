@@ -21,15 +21,19 @@ def register(sub) -> None:
     p.add_argument("--src", metavar="ORIG_DIR", required=True,
                    help="the original checkpoint folder (config.json, model.safetensors.index.json, table shards)")
     p.add_argument("--out", metavar="DIR", help="where the shard files go (a local disk of the rank's node)")
-    p.add_argument("--rank", type=int, help="this node's tensor-parallel rank")
-    p.add_argument("--tp", type=int, help="the tensor-parallel world size")
+    from dsv41.cli import number  # argparse and the stdlib only
+
+    p.add_argument("--rank", type=number(int, 0), help="this node's tensor-parallel rank")
+    p.add_argument("--tp", type=number(int, 1), help="the tensor-parallel world size")
     p.add_argument("--layers", help="comma-separated Engram layer ids (default: all of the config's)")
     p.add_argument("--list", action="store_true", help="print which source shards hold the tables and exit")
     p.add_argument("--check", metavar="DIR", help="compare the shard files in DIR with the source and exit")
     p.add_argument("--full", action="store_true", help="with --check: compare every row, not a sample")
-    p.add_argument("--sample", type=int, default=4096, help="with --check: rows sampled per file (default 4096)")
-    p.add_argument("--chunk-rows", type=int, default=None, help="rows copied per chunk (default 131072)")
-    p.add_argument("--max-mib-s", type=float, default=None, help="limit the copy rate (MiB/s), e.g. beside a server")
+    p.add_argument("--sample", type=number(int, 1), default=4096,
+                   help="with --check: rows sampled per file (default 4096)")
+    p.add_argument("--chunk-rows", type=number(int, 1), default=None, help="rows copied per chunk (default 131072)")
+    p.add_argument("--max-mib-s", type=number(float, 0, above=True), default=None,
+                   help="limit the copy rate (MiB/s), e.g. beside a server")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar with rate and ETA (default: when stderr is a terminal)")
     p.add_argument("--repo", default=None, help="Hugging Face repository for the --list download command")

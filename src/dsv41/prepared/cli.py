@@ -84,8 +84,11 @@ def register(sub) -> None:
                    help="take the options not given from the appliance's env file (/etc/dsv41/dsv41.env: "
                         "DSV41_MODEL, DSV41_PREPARED, DSV41_TP, DSV41_DEVICE, DSV41_DTYPE, DSV41_ENGRAM_DIR), as the "
                         "ranks will start")
-    p.add_argument("--tp", type=int, default=None, metavar="N", help="tensor-parallel world size (default 1)")
-    p.add_argument("--rank", type=int, metavar="R", help="the rank to prepare (default: every rank of --tp)")
+    from dsv41.cli import number
+
+    p.add_argument("--tp", type=number(int, 1), default=None, metavar="N",
+                   help="tensor-parallel world size (default 1)")
+    p.add_argument("--rank", type=number(int, 0), metavar="R", help="the rank to prepare (default: every rank of --tp)")
     p.add_argument("--device", default=None, help="device the ranks will serve on: auto, cpu, cuda (default auto)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="compute dtype, as serve's (auto: bfloat16 on CUDA, float32 on the CPU)")

@@ -69,7 +69,8 @@ def _tile_scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, nvis_ptr, allow
         w = (tl.load(w_ptr + r_of.to(tl.int64) * swt + h_of, mask=m_ok, other=0.0).to(tl.float32) * wa) * wb
         per = tl.reshape(w[:, None] * s, (BR, HP, BC))
         score = tl.where(live, tl.sum(per, axis=1), score)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * sot + c[None, :], score, mask=row_ok[:, None] & (c < ncols)[None, :])
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * sot + c[None, :], score,
+             mask=row_ok[:, None] & (c < ncols)[None, :])
 
 
 def index_scores_tiles(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n_vis: torch.Tensor, ncols: int,

@@ -4,16 +4,17 @@ The router is the reference's (MODEL.md §8: sqrtsoftplus scores, the bias picks
 top-k with ties to the lower expert id, renormalised and scaled): for decode and verify rows where the Triton step
 kernels run (a CUDA device, or the interpreter) the two launches of `kernels.step.router` over the real rows (ids
 and weights stay on the device, in the top-k tables the MoE kernels read); otherwise its product over the whole
-row bucket in one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the kernels' MoE
-(`kernels.exl3.moe`, two launches, routing read in-kernel, slots summed in order), with the split counts resolved
-once at build; prefill rows of stacked EXL3 experts take the tile kernels (`kernels.exl3.prefill.prefill_moe`:
-the chunk's (row, slot) pairs sorted by expert on the device, one grouped launch for gate/up with the SwiGLU and
-the routing weight fused, one for down, the slots summed in order with the shared output; no host read, the router
-logits as one tiled product, `kernels.step.router_tiles`), or with DSV41_PREFILL_TILES=0 the loop over the experts they picked, in ascending id as the
-reference does, each expert's matrices reconstructed into the rank's one prefill workspace, the rows grouped by
-expert on the device with one host read of the counts per layer (`FusedMoE._grouped`). Experts stored in another
-format (the release's MXFP4) take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs
-one rank-ordered reduction per layer (the caller's).
+row bucket in one fixed-shape matmul instead of row by row. Routed experts: decode and verify rows go through the
+kernels' MoE (`kernels.exl3.moe`, two launches, routing read in-kernel, slots summed in order), with the split
+counts resolved once at build; prefill rows of stacked EXL3 experts take the tile kernels
+(`kernels.exl3.prefill.prefill_moe`: the chunk's (row, slot) pairs sorted by expert on the device, one grouped
+launch for gate/up with the SwiGLU and the routing weight fused, one for down, the slots summed in order with the
+shared output; no host read; the router logits as one tiled product, `kernels.step.router_tiles`), or with
+DSV41_PREFILL_TILES=0 the loop over the experts they picked, in ascending id as the reference does, each expert's
+matrices reconstructed into the rank's one prefill workspace, the rows grouped by expert on the device with one
+host read of the counts per layer (`FusedMoE._grouped`). Experts stored in another format (the release's MXFP4)
+take that loop in every phase. The routed and shared outputs are added locally, so tensor parallelism needs one
+rank-ordered reduction per layer (the caller's).
 """
 
 from __future__ import annotations
