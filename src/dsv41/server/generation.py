@@ -9,6 +9,7 @@ JSONL log.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 import uuid
@@ -16,10 +17,10 @@ from typing import TYPE_CHECKING
 
 from ..chat.tokens import THINK_END
 from ..engine.constraint import ReasoningBudget
-from ..engine import (EngineClosed, EngineOverloaded, FinishEvent, GenerationRequest, RequestStream, SamplingParams,
+from ..engine import (EngineClosed, EngineFailure, EngineOverloaded, FinishEvent, GenerationRequest, RequestStream, SamplingParams,
                       TokenEvent)
 from .context import ServerContext
-from .errors import APIError, bad_request, overloaded, unavailable
+from .errors import APIError, bad_request, engine_error, engine_failed, overloaded, unavailable
 
 if TYPE_CHECKING:
     from .protocol import SamplingFields
@@ -73,6 +74,17 @@ def prompt_logprobs_list(tokenizer, prompt_ids: list[int], entries) -> list:
             row.setdefault(str(t), {"logprob": value, "rank": rank, "decoded_token": tokenizer.decode_token(t)})
         out.append(row)
     return out
+
+
+def stream_failure(exc: Exception, what: str, detail: bool = False) -> APIError:
+    """The error an exception past a stream's headers becomes (its `error` event); an unexpected one is logged
+    with its traceback (`detail`: its message in the reply too)."""
+    if isinstance(exc, EngineFailure):
+        return engine_error(exc)
+    if isinstance(exc, ServerDraining):
+        return unavailable(str(exc))
+    logging.getLogger(__name__).exception("unhandled error while streaming %s", what)
+    return engine_failed(f"internal error: {type(exc).__name__}" + (f": {exc}" if detail else ""))
 
 
 class ServerDraining(Exception):

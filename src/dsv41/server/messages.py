@@ -12,21 +12,20 @@ headers). Every error, auth included, is an Anthropic error object; `x-api-key` 
 from __future__ import annotations
 
 import json
-import logging
 
 from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat import ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallStart
-from ..engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
+from ..engine import GenerationRequest, SamplingParams, TokenEvent
 from dsv41.structured.grammar import GrammarError
 from .body import note_unknown_fields, parse_json
 from .chat import render_chat
 from .context import ServerContext
-from .errors import bad_request, engine_error, engine_failed, from_validation_error, unavailable
+from .errors import bad_request, from_validation_error
 from .grammar_request import structured_grammar
-from .generation import (Generation, ServerDraining, check_model, completion_budget, new_id,
+from .generation import (Generation, check_model, stream_failure, completion_budget, new_id,
                          with_reasoning_budget)
 from .protocol import SamplingFields
 from .reply_text import reply_text
@@ -35,7 +34,6 @@ from .messages_protocol import (CountTokensRequest, MessagesRequest, anthropic_e
 from .stop import StopMatcher
 from .streaming import GenerationStream
 
-log = logging.getLogger(__name__)
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -215,13 +213,7 @@ async def _sse_body(gen: Generation, reply: _Reply):
         async for event in reply.events():
             yield _sse(event)
     except Exception as exc:  # past the headers: an `error` event, which the official client raises
-        if isinstance(exc, EngineFailure):
-            error = engine_error(exc)
-        elif isinstance(exc, ServerDraining):
-            error = unavailable(str(exc))
-        else:
-            log.exception("unhandled error while streaming a message")
-            error = engine_failed(f"internal error: {type(exc).__name__}: {exc}")
+        error = stream_failure(exc, "a message", detail=True)
         gen.fail(error)
         yield _sse(anthropic_error(error))
 

@@ -18,20 +18,16 @@ APIError); the stream has no `[DONE]`, as OpenAI's.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import AsyncIterator
 
 from starlette.responses import StreamingResponse
 
-from ..engine import EngineFailure
 from .context import ServerContext
-from .errors import engine_error, engine_failed, unavailable
-from .generation import Generation, ServerDraining
+from .generation import Generation, stream_failure
 from .responses_protocol import ResponsesRequest
 from .streaming import GenerationStream
 
-log = logging.getLogger(__name__)
 
 
 def _request_echo(req: ResponsesRequest) -> dict:
@@ -224,13 +220,7 @@ async def _sse_body(gen: Generation, events: ResponseEvents) -> AsyncIterator[by
         async for event in events.events():
             yield _sse(event)
     except Exception as exc:  # past the headers: an `error` event, which the official client raises
-        if isinstance(exc, EngineFailure):
-            error = engine_error(exc)
-        elif isinstance(exc, ServerDraining):
-            error = unavailable(str(exc))
-        else:
-            log.exception("unhandled error while streaming a response")
-            error = engine_failed(f"internal error: {type(exc).__name__}")
+        error = stream_failure(exc, "a response")
         gen.fail(error)
         body = error.body()
         yield _sse(events._event("error", code=error.code or error.type, message=error.message, param=error.param,
