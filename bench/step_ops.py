@@ -148,6 +148,7 @@ def install(model, rec: Recorder):
     from dsv41.model import attention as ref_attention
     from dsv41.runtime import model as rt_model
     from dsv41.runtime.layers import attention as rt_attention
+    from dsv41.runtime.layers import attention_index as rt_attention_index
     from dsv41.runtime.layers import moe as rt_moe
     from dsv41.runtime.layers.linear import DequantLinear, Exl3Linear
 
@@ -240,8 +241,8 @@ def install(model, rec: Recorder):
         return {"cache_bytes": sum(_t(s.state.source(att.role.kv_source).index_k) for s in segs)}
 
     leaf(rt_attention.FastAttention, "attend", "attention (attend, own)", "attention", attend_cache, container=True)
-    leaf(rt_attention.FastAttention, "_index_kernels", "indexer (scores, top-k)", "indexer", index_cache)
-    leaf(rt_attention.FastAttention, "_topk", "indexer (scores, top-k)", "indexer")
+    leaf(rt_attention_index.FastIndexer, "_index_kernels", "indexer (scores, top-k)", "indexer", index_cache)
+    leaf(rt_attention_index.FastIndexer, "_topk", "indexer (scores, top-k)", "indexer")
 
     # Engram, embedding, comm
     leaf(rt_model.FastEngram, "__call__", "engram (project glue, mix)", "engram", container=True)
