@@ -39,8 +39,8 @@ run: $(BIN)/.installed
 # suite took 16 min 3 s on two workers against 23 min 13 s serially (1403 passed); 12 min 45 s on two
 # workers at 6287452 (1450 passed), 22 min 29 s for the same suite on a CI machine under load; 13 min 16 s at
 # 194d58a (1470 passed), 14 min 44 s at d25b3f5 (1471: + an interpreted 64 s test), 14 min 25 s at 1fbdb04
-# (1509 passed; the project's CI machine took 29-37 min for the same suite), 16 min 56 s at 24d1e3b-era main
-# (issue 31-35 merges: 1,680 tests, 250 skipped). TEST_WORKERS=0 runs serially.
+# (1509 passed; the project's CI machine took 29-37 min for the same suite), 16 min 56 s after the
+# issue 31-35 merges of 2026-12-06 (1,680 tests, 250 skipped). TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= 2
 
 test: $(BIN)/.installed
