@@ -130,22 +130,29 @@ def _model_args(p: argparse.ArgumentParser, model_required: bool = False) -> Non
 
 
 # ---------------------------------------------------------------------------------------------------- generate
-def cmd_generate(args) -> int:
-    import torch
+def generation_inputs(args, model, model_dir):
+    """`generate`'s (tokenizer, prompt ids with BOS first, sampling params, seed) for a loaded model."""
+    from .engine.sampling import SamplingParams, derive_seed
 
-    from .engine.sampling import SamplingParams, derive_seed, sample_token
-    from .prepared.start import generate_fast, wants_fast
-    if wants_fast(args):  # the serving forward: from a prepared folder (--prepared) or built (--forward fast)
-        return generate_fast(args, _model_dir(args.model), resolve_device(args.device), LoadBar().update)
-    model = _load(args)
     tok = model.tokenizer
     if tok is None:
-        raise DSV41Error(f"{_model_dir(args.model)}: tokenizer.json is missing")
+        raise DSV41Error(f"{model_dir}: tokenizer.json is missing")
     ids = tok.encode(args.prompt)
     if not ids or ids[0] != tok.bos_id:
         ids = [tok.bos_id] + ids
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    seed = args.seed if args.seed is not None else derive_seed(ids)
+    return tok, ids, params, args.seed if args.seed is not None else derive_seed(ids)
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .engine.sampling import sample_token
+    from .prepared.start import generate_fast, wants_fast
+    if wants_fast(args):  # the serving forward: from a prepared folder (--prepared) or built (--forward fast)
+        return generate_fast(args, _model_dir(args.model), resolve_device(args.device), LoadBar().update)
+    model = _load(args)
+    tok, ids, params, seed = generation_inputs(args, model, _model_dir(args.model))
     state = model.new_state()
     decoder = tok.incremental_decoder()
     start = time.perf_counter()

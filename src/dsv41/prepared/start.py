@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-from dsv41.errors import DSV41Error
 
 from .manifest import PreparedMismatch
 
@@ -73,18 +72,13 @@ def generate_fast(args, model_dir: Path, device, progress=None) -> int:
 
     import torch
 
-    from dsv41.engine.sampling import SamplingParams, derive_seed, sample_token
+    from dsv41.engine.sampling import sample_token
 
     model = load_fast_model(args, model_dir, device=device, dtype=getattr(torch, args.dtype),
                             engram_dir=getattr(args, "engram_dir", None), progress=progress)
-    tok = model.tokenizer
-    if tok is None:
-        raise DSV41Error(f"{model_dir}: tokenizer.json is missing")
-    ids = tok.encode(args.prompt)
-    if not ids or ids[0] != tok.bos_id:
-        ids = [tok.bos_id] + ids
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    seed = args.seed if args.seed is not None else derive_seed(ids)
+    from dsv41.cli import generation_inputs
+
+    tok, ids, params, seed = generation_inputs(args, model, model_dir)
     state, decoder, out = model.new_state(), tok.incremental_decoder(), []
     start = time.perf_counter()
     with torch.no_grad():
