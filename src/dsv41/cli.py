@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .errors import DSV41Error
+from .generation import generation_inputs
 
 DTYPES = ("float32", "bfloat16")
 
@@ -130,20 +131,6 @@ def _model_args(p: argparse.ArgumentParser, model_required: bool = False) -> Non
 
 
 # ---------------------------------------------------------------------------------------------------- generate
-def generation_inputs(args, model, model_dir):
-    """`generate`'s (tokenizer, prompt ids with BOS first, sampling params, seed) for a loaded model."""
-    from .engine.sampling import SamplingParams, derive_seed
-
-    tok = model.tokenizer
-    if tok is None:
-        raise DSV41Error(f"{model_dir}: tokenizer.json is missing")
-    ids = tok.encode(args.prompt)
-    if not ids or ids[0] != tok.bos_id:
-        ids = [tok.bos_id] + ids
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    return tok, ids, params, args.seed if args.seed is not None else derive_seed(ids)
-
-
 def cmd_generate(args) -> int:
     import torch
 

@@ -76,7 +76,7 @@ def generate_fast(args, model_dir: Path, device, progress=None) -> int:
 
     model = load_fast_model(args, model_dir, device=device, dtype=getattr(torch, args.dtype),
                             engram_dir=getattr(args, "engram_dir", None), progress=progress)
-    from dsv41.cli import generation_inputs
+    from dsv41.generation import generation_inputs
 
     tok, ids, params, seed = generation_inputs(args, model, model_dir)
     state, decoder, out = model.new_state(), tok.incremental_decoder(), []
