@@ -76,7 +76,7 @@ def batched(model, requests, arrivals, cancel=None, **opts):
 
 def test_batched_equals_the_reference_engine_and_alone(model, reference):
     events, core = batched(model, REQUESTS, arrivals=[0, 0, 1, 3, 6])
-    assert max(core.rows_hist) and core.blocks.empty()
+    assert max(core.rows_hist) and core.pool_idle()
     assert events == reference
     assert isinstance(reference[2][0], PromptLogprobsEvent) and reference[1][0].logprob is not None
     for i in (1, 3):  # alone, in an engine of its own
@@ -88,7 +88,7 @@ def test_pool_pressure_two_slots_and_pages_for_two(model, reference):
     events, core = batched(model, requests, arrivals=[0] * len(requests), parallel=2, pool_tokens=2 * 513,
                            page_tokens=64)
     assert events == reference + reference[:2]
-    assert core.blocks.empty() and core.stats()["slots_total"] == 2
+    assert core.pool_idle() and core.stats()["slots_total"] == 2
 
 
 def test_random_cancellations_then_the_next_reply_is_unchanged(model, reference):
@@ -97,7 +97,7 @@ def test_random_cancellations_then_the_next_reply_is_unchanged(model, reference)
     arrivals = [rng.randrange(20) for _ in requests]
     plan = {arrivals[i] + rng.randrange(12): i for i in range(12)}  # step -> cancel (queued, prefilling, decoding)
     events, core = batched(model, requests, arrivals=arrivals, cancel=plan.get, parallel=3, prefill_chunk=16)
-    assert core.blocks.empty() and not core.has_work()
+    assert core.pool_idle() and not core.has_work()
     for i, evs in enumerate(events):
         assert isinstance(evs[-1], FinishEvent)
         if evs[-1].reason != "cancelled":
@@ -173,7 +173,7 @@ def test_replay_equals_full_for_prompts_within_the_window_and_is_tagged(model, r
     replay, core = batched(model, short, arrivals=[0, 1], prefill="replay")
     strip = lambda evs: [e for e in evs if isinstance(e, TokenEvent)]  # noqa: E731
     assert [strip(e) for e in replay] == [strip(e) for e in full]
-    assert replay[0][-1].tag == "prefill=replay" and full[0][-1].tag == "" and core.blocks.empty()
+    assert replay[0][-1].tag == "prefill=replay" and full[0][-1].tag == "" and core.pool_idle()
     longer, _ = batched(model, [GenerationRequest(prompt(8, 3 * window), 5)], arrivals=[0], prefill="replay")
     assert longer[0][-1].reason == "length"  # it runs; how close it stays is measured by bench/engine_cells.py
 
@@ -183,7 +183,7 @@ def test_expert_pruning_is_exact_at_full_mass_and_tagged(model, reference):
     assert [e[:-1] for e in keep_all] == [e[:-1] for e in reference[:2]]
     assert keep_all[0][-1].tag == "expert_topp=1,min_k=1"
     pruned, core = batched(model, REQUESTS[:2], arrivals=[0, 0], expert_topp=0.5, expert_min_k=1)
-    assert all(e[-1].reason == "length" for e in pruned) and core.blocks.empty()
+    assert all(e[-1].reason == "length" for e in pruned) and core.pool_idle()
 
 
 def test_replay_prefill_is_chunk_invariant(model):
@@ -254,7 +254,7 @@ def test_the_pool_on_cuda_gives_the_reference_engine_bits():
     want = asyncio.run(serial())
     for i, request in enumerate(REQUESTS):
         events, core = batched(model, [request], arrivals=[0])
-        assert core.executor.runner.pool.buffer.is_cuda and core.blocks.empty()
+        assert core.executor.runner.pool.buffer.is_cuda and core.pool_idle()
         assert events[0] == want[i], i
     together, _ = batched(model, REQUESTS, arrivals=[0, 0, 1, 3, 6])
     assert all(isinstance(e[-1], FinishEvent) for e in together)

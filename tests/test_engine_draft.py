@@ -56,7 +56,7 @@ def run(model, requests, *, setup=None, **opts):
         core.add(engine.make_sequence(r, events[i].append))
     while core.has_work():
         core.step()
-    assert core.blocks.empty()
+    assert core.pool_idle()
     return events, core
 
 

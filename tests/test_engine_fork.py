@@ -96,7 +96,7 @@ def test_fake_groups_equal_their_members_alone_and_share_the_prompt_pages():
     for k in range(6):
         for i in range(3):
             assert events[(k, i)] == alone(k, i, 3, prompt_len=10 + 7 * k, limit=5 + k), (k, i)
-    assert engine.blocks.empty() and engine.forks_total == 12
+    assert engine.pool_idle() and engine.forks_total == 12
     prefill = sum(len(r.token_ids) for b in runner.batches for r in b.rows if r.phase == "prefill")
     assert prefill == sum(10 + 7 * k - 1 + 3 for k in range(6))  # each prompt once, its last token per sibling
 
@@ -111,7 +111,7 @@ def test_fake_group_reserves_the_full_pages_once():
     assert group[1].pages[:3] == group[0].pages[:3] == group[2].pages[:3]
     assert len({p for s in group for p in s.pages[3:]}) == 6
     run(engine)
-    assert engine.blocks.empty()
+    assert engine.pool_idle()
 
 
 def test_fake_leader_cancelled_before_the_fork_hands_the_prefill_on():
@@ -126,7 +126,7 @@ def test_fake_leader_cancelled_before_the_fork_hands_the_prefill_on():
     assert events[(2, 0)][-1].reason == "cancelled"
     for i in (1, 2):
         assert events[(2, i)] == alone(2, i, 3, prompt_len=25, limit=6)
-    assert engine.blocks.empty()
+    assert engine.pool_idle()
 
 
 def test_fake_group_larger_than_the_slots_is_cut_and_unchanged():
@@ -135,7 +135,7 @@ def test_fake_group_larger_than_the_slots_is_cut_and_unchanged():
     engine.add_group(siblings(3, 5, events, prompt_len=17, limit=4))
     run(engine)
     assert all(events[(3, i)] == alone(3, i, 5, prompt_len=17, limit=4) for i in range(5))
-    assert engine.blocks.empty() and engine.forks_total == 2  # groups of 2, 2, 1
+    assert engine.pool_idle() and engine.forks_total == 2  # groups of 2, 2, 1
 
 
 def test_fake_random_cancellations_of_groups_leave_the_pool_empty():
@@ -152,7 +152,7 @@ def test_fake_random_cancellations_of_groups_leave_the_pool_empty():
             if live:
                 engine.abort(live.pop(rng.randrange(len(live))))
     run(engine)
-    assert engine.blocks.empty() and not engine.has_work()
+    assert engine.pool_idle() and not engine.has_work()
     for (k, i), evs in events.items():
         assert isinstance(evs[-1], FinishEvent)
 
@@ -184,7 +184,7 @@ def drive(model, groups, **opts):
     while core.has_work():
         core.step()
         peak = max(peak, core.blocks.num_used_pages)
-    assert core.blocks.empty()
+    assert core.pool_idle()
     return events, core, peak
 
 
@@ -212,7 +212,7 @@ def test_siblings_finishing_at_different_times_free_everything(model):
     requests = group_of(ids, 3, 12, 7, temperature=1.0, stop_token_ids=frozenset(range(5, 300)))
     events, core, _ = drive(model, [requests], page_tokens=16)
     lengths = [len(evs) for evs in events[0]]
-    assert len(set(lengths)) > 1 and core.blocks.empty()
+    assert len(set(lengths)) > 1 and core.pool_idle()
     singles = [drive(model, [[r]], page_tokens=16)[0][0][0] for r in requests]
     assert events[0] == singles
 
@@ -273,7 +273,7 @@ def test_groups_with_grammars_prompt_logprobs_and_replay_equal_alone(model):
             engine.core.add_group([engine.make_sequence(r, events[g][i].append) for i, r in enumerate(requests)])
         while engine.core.has_work():
             engine.core.step()
-        assert engine.core.blocks.empty()
+        assert engine.core.pool_idle()
         return events, engine.core
 
     events, core = run_groups(groups)

@@ -76,7 +76,7 @@ def tokens(events):
 def test_batched_equals_alone_equals_serial_with_adjustments_on(model):
     reference = serial(model, ADJUSTED)
     events, core = batched(model, ADJUSTED, arrivals=[0, 0, 1, 2])
-    assert events == reference and core.blocks.empty()
+    assert events == reference and core.pool_idle()
     assert batched(model, [ADJUSTED[1]], arrivals=[0])[0][0] == reference[1]
     plain = serial(model, [GenerationRequest(r.prompt_ids, r.max_tokens, SamplingParams(
         temperature=r.sampling.temperature, seed=r.sampling.seed), stop_token_ids=r.stop_token_ids)

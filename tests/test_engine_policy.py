@@ -91,7 +91,7 @@ def test_batched_requests_get_exactly_their_alone_replies_and_the_pool_empties()
     for k in range(12):
         assert events[k] == alone(k), k
         assert isinstance(events[k][-1], FinishEvent) and events[k][-1].reason == "length"
-    assert engine.blocks.empty() and max(len(b.rows) for b in runner.batches) == 3
+    assert engine.pool_idle() and max(len(b.rows) for b in runner.batches) == 3
 
 
 def test_pool_pressure_waits_never_refuses_never_changes():
@@ -103,7 +103,7 @@ def test_pool_pressure_waits_never_refuses_never_changes():
     assert engine.scheduler.num_waiting == 10
     run(engine)
     assert all(events[k] == alone(k) for k in range(10))
-    assert engine.blocks.empty()
+    assert engine.pool_idle()
 
 
 def test_prompt_logprobs_cover_every_prompt_token_across_chunks():
@@ -141,7 +141,7 @@ def test_prefill_is_chunked_and_bounded_while_others_decode():
     assert prefill_time <= 0.3 * total + 2 * 0.16 and steps > 300 // 16  # some steps were decode-only
     engine.abort(engine.scheduler.running[0])
     run(engine)
-    assert events[1][-1].reason == "length" and engine.blocks.empty()
+    assert events[1][-1].reason == "length" and engine.pool_idle()
 
 
 def test_fifo_with_a_background_class():
@@ -197,7 +197,7 @@ def test_a_thousand_random_cancellations_leave_the_pool_empty():
         engine.abort(seq)
     run(engine)
     assert stages == {"queued", "prefilling", "decoding"}
-    assert engine.blocks.empty() and not engine.has_work()
+    assert engine.pool_idle() and not engine.has_work()
     finishes = [e for evs in events.values() for e in evs if isinstance(e, FinishEvent)]
     assert len(finishes) == 1000  # every request ended exactly once
     later = {}

@@ -38,7 +38,7 @@ def run_engine(engine, reqs, arrivals):
         if not core.step() and step > max(arrivals):
             break
         step += 1
-    assert core.blocks.empty()
+    assert core.pool_idle()
     return [[repr(e) for e in evs] for evs in events]
 
 

@@ -51,7 +51,7 @@ def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, arrival
                 core.add(seq)
         if not core.step() and step > max(arrivals) and not core.has_work():
             break
-    assert core.blocks.empty()
+    assert core.pool_idle()
     if prompt_logprobs is not None:
         prompt_logprobs += [[lp for lp, _ in e.entries[1:]] for ev in events for e in ev
                             if isinstance(e, PromptLogprobsEvent)]

@@ -86,6 +86,12 @@ class Batch:
     # forks (a group's siblings, docs/ENGINE.md §3), made before this step's forward: [from slot, to slot, from
     # page, to page] each, the page pair -1 when the fork point ends a page (nothing partial to copy)
     copies: list[list[int]] = field(default_factory=list)
+    # sessions (engine/sessions.py), made before the forks and the forward, in this order: snapshots of ring slots
+    # taken as session entries [entry id, slot]; entries restored into a resuming sequence's slot [entry id, slot,
+    # entry's page, sequence's page] (the page pair -1 when the entry ends a page); snapshots let go [entry id]
+    saves: list[list[int]] = field(default_factory=list)
+    restores: list[list[int]] = field(default_factory=list)
+    drops: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

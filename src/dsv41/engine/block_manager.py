@@ -56,6 +56,20 @@ class BlockManager:
             self.ref_counts[p] = 1
         return slot, pages
 
+    def allocate_after(self, num_tokens: int, shared: list[int]) -> tuple[int, list[int]]:
+        """A ring slot and a page table for `num_tokens` positions whose first pages are `shared` (a session
+        entry's: one more reference each) and the rest its own."""
+        own = self.pages_for(num_tokens) - len(shared)
+        if not self.free_slots or own > len(self.free_pages):
+            raise RuntimeError(f"no room for {num_tokens} tokens after {len(shared)} shared pages: "
+                               f"{len(self.free_slots)} slots, {len(self.free_pages)} pages free")
+        self.share(shared)
+        slot = self.free_slots.popleft()
+        pages = [self.free_pages.popleft() for _ in range(own)]
+        for p in pages:
+            self.ref_counts[p] = 1
+        return slot, list(shared) + pages
+
     def group_pages(self, num_tokens: int, siblings: int, shared: int) -> int:
         """Pages a group of `siblings` sequences of `num_tokens` positions each needs when the first `shared` pages
         of their tables are one set of pages."""

@@ -36,6 +36,14 @@ def register_engine_args(parser) -> None:
                    help="admit nothing new while free memory (MemAvailable on unified memory) is below this")
     g.add_argument("--admit-timeout", type=float, default=30.0, metavar="S",
                    help="a request that cannot be admitted with nothing else running fails after this long")
+    g.add_argument("--sessions", choices=("on", "off"), default="on",
+                   help="session entries: a prompt that starts with an earlier prompt or reply resumes from its "
+                        "state instead of prefilling it again (exact; default on; full prefill only)")
+    g.add_argument("--session-ram-mib", type=float, default=256.0, metavar="MIB",
+                   help="RAM budget of the session entries' ring-slot snapshots (their pool pages yield to live "
+                        "requests; default 256)")
+    g.add_argument("--session-min-tokens", type=int, default=16, metavar="N",
+                   help="shortest state kept as a session entry (default 16)")
     g.add_argument("--expert-topp", type=float, default=None, metavar="P",
                    help="routed-expert pruning: keep the experts holding this much of the routing mass "
                         "(approximate, tagged; default off)")
@@ -74,6 +82,16 @@ def engine_defaults(**overrides) -> argparse.Namespace:
             raise TypeError(f"no engine option {key!r}")
         setattr(args, key, value)
     return args
+
+
+def session_config(args, pool):
+    """The engine's sessions (engine/sessions.py SessionConfig), None with --sessions off."""
+    from .sessions import SessionConfig
+
+    if getattr(args, "sessions", "on") == "off":
+        return None
+    return SessionConfig(ram_bytes=int(getattr(args, "session_ram_mib", 256.0) * (1 << 20)),
+                         min_tokens=getattr(args, "session_min_tokens", 16), slot_bytes=pool.bytes_per_slot)
 
 
 def knobs_tag(args) -> str:
@@ -232,7 +250,8 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
-        draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None))
+        draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None),
+        sessions=session_config(args, pool))
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,

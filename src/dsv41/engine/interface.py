@@ -75,7 +75,9 @@ class FinishEvent:
     reason: str  # "stop" (stop token or grammar end), "length", "cancelled"
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0
+    # prompt tokens resumed from a session entry instead of prefilled; not part of the reply (equality ignores it:
+    # a resumed reply equals the fresh one bit for bit)
+    cached_tokens: int = field(default=0, compare=False)
     tag: str = ""  # the approximate engine settings the reply was computed under ("" = exact; docs/ENGINE.md)
     # decode tokens per engine round (drafting: accepted drafts + 1); not part of the reply (equality ignores it)
     tokens_per_round: float | None = field(default=None, compare=False)

@@ -26,6 +26,7 @@ from .params import banned_ids
 from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from .request import Sequence, SequenceGroup, Status
 from .scheduler import Scheduler, SchedulerConfig
+from .sessions import SessionCache, SessionConfig, prompt_mark
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 # seconds: queue (arrival -> first scheduled), prefill (first scheduled -> prompt in), inter-token gaps
@@ -55,6 +56,7 @@ class EngineConfig:
     lookback: int = 0  # token ids before a chunk that the Engram n-grams need
     knobs_tag: str = ""  # every approximate setting in force ("" = exact)
     draft: DraftConfig = field(default_factory=DraftConfig)  # speculative drafting (engine/drafting.py)
+    sessions: SessionConfig | None = None  # session entries in RAM (engine/sessions.py); None: off
 
 
 class LLMEngine:
@@ -63,6 +65,10 @@ class LLMEngine:
             raise ValueError(f"prefill mode must be full or replay, got {config.prefill_mode!r}")
         self.executor, self.blocks, self.config, self.clock = executor, blocks, config, clock
         self.scheduler = Scheduler(config.scheduler, blocks, getattr(executor, "free_bytes", lambda: None), clock)
+        # sessions resume only in full prefill: a replayed state is not the one a fresh prefill has
+        self.sessions = SessionCache(config.sessions, blocks) \
+            if config.sessions is not None and config.prefill_mode == "full" else None
+        self.scheduler.sessions = self.sessions
         self._freed_slots: list[int] = []
         self._freed_pages: list[int] = []
         self._copies: list[tuple[Sequence, list[int]]] = []  # forks made, copied before the next step's forward
@@ -117,6 +123,8 @@ class LLMEngine:
     def _enqueue(self, seq: Sequence) -> None:
         if self.config.prefill_mode == "replay" and seq.prompt_logprobs is None:
             seq.replay_start = max(0, seq.prompt_len - self.config.window)
+        if self.sessions is not None and seq.group is None:
+            seq.mark_at = prompt_mark(seq.prompt_len, self.sessions.config.min_tokens)
         self._extend_forced(seq)  # text a grammar forces before the first sampled token
         self.scheduler.add(seq)
 
@@ -151,8 +159,12 @@ class LLMEngine:
             rows.append(self._row(seq, n, planned))
             planned += len(rows[-1].token_ids) if not seq.prefilling else 0
         copies = [entry for sib, entry in self._copies if sib.status is Status.RUNNING]
+        saves, restores, drops = [], [], []
+        if self.sessions is not None:
+            saves, restores, drops, evicted = self.sessions.batch_ops()
+            self._freed_pages += evicted
         batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag,
-                      copies=copies)
+                      copies=copies, saves=saves, restores=restores, drops=drops)
         self._freed_slots, self._freed_pages, self._copies = [], [], []
         self.step_no += 1
         started = self.clock()
@@ -267,6 +279,10 @@ class LLMEngine:
             seq.prompt_scores += [(lp, tuple(top)) for j, (lp, top) in sorted(scored.items()) if a + j + 1 < seq.prompt_len]
         if seq.hold_at is not None and seq.num_computed >= seq.hold_at:
             self._fork(seq)
+        if seq.mark_at is not None and seq.num_computed >= seq.mark_at:
+            if seq.num_computed == seq.mark_at:  # the prompt's entry: an identical resend resumes here
+                self.sessions.take(seq.tokens[:seq.num_computed], seq.pages, seq.slot)
+            seq.mark_at = None
         if a < seq.prompt_len <= seq.num_computed:
             if not seq.forked:  # a group's prompt counts once
                 self.prompt_tokens_total += seq.prompt_len
@@ -355,10 +371,14 @@ class LLMEngine:
         self._freed_pages += freed
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.sessions is not None and seq.slot is not None and not seq.awaiting_fork:
+            # the turn's end: the next turn's prompt starts with these ids (the slot is read before it is reused)
+            self.sessions.take(seq.tokens[:seq.num_computed], seq.pages, seq.slot)
         self._release(seq)  # the finish event goes out after the slot and pages are back
         per_round = round(seq.round_tokens / seq.decode_rounds, 3) if seq.decode_rounds else None
         seq.emit(FinishEvent(reason=reason, prompt_tokens=seq.prompt_len,
-                             completion_tokens=seq.produced - len(seq.unreported), tag=self.config.knobs_tag,
+                             completion_tokens=seq.produced - len(seq.unreported), cached_tokens=seq.cached,
+                             tag=self.config.knobs_tag,
                              tokens_per_round=per_round))
 
     def _fail(self, seq: Sequence, message: str, rejected: str = "") -> None:
@@ -373,6 +393,17 @@ class LLMEngine:
     def fail_all(self, message: str) -> None:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting) + list(self.scheduler.waiting_bg):
             self._fail(seq, message)
+
+    def pool_idle(self) -> bool:
+        """Nothing live holds a slot or a page: every page reference left is a session entry's (the engine's own
+        accounting of an idle pool)."""
+        b = self.blocks
+        held = [0] * b.num_pages
+        for entry in (self.sessions.index.entries.values() if self.sessions is not None else ()):
+            for p in entry.pages:
+                held[p] += 1
+        return (b.ref_counts == held and len(b.free_slots) == b.num_slots
+                and sorted(b.free_pages) == [p for p in range(b.num_pages) if not held[p]])
 
     # ------------------------------------------------------------------ figures
     def _account(self, rows: list[Row], prefill: int, seconds: float) -> None:
@@ -406,5 +437,6 @@ class LLMEngine:
             "prefilling": [{"seq": q.seq_id, "prompt_tokens": q.prompt_len, "prefilled": q.num_computed}
                            for q in list(s.running) if q.prefilling],
             "drafting": self._draft_figures(),
+            "sessions": self.sessions.figures() if self.sessions is not None else None,
             "seconds": {"bounds": list(TIME_BUCKETS), **{k: h.figures() for k, h in self.times.items()}},
         }

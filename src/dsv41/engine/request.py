@@ -62,6 +62,8 @@ class Sequence:
     confidence: list[float] = field(default_factory=list)
     lookup_drafted: int = 0  # this sequence's lookup drafts verified and accepted (its lookup confidence)
     lookup_accepted: int = 0
+    cached: int = 0  # prompt tokens resumed from a session entry instead of prefilled
+    mark_at: int | None = None  # where the prompt's session entry is taken (engine/sessions.py prompt_mark)
     decode_rounds: int = 0  # rounds that emitted sampled tokens, and those tokens (tokens per round)
     round_tokens: int = 0
 

@@ -46,6 +46,8 @@ class Scheduler:
         self._total_s = 0.0
         self._decode_step_s: float | None = None  # a decode-only step's time (moving average)
         self.starved_since: float | None = None  # nothing live, yet the head of the queue cannot be admitted
+        self.sessions = None  # engine/sessions.py SessionCache, when sessions are on
+        self._hit = None  # the entry the unit `_fits` just checked resumes from
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -88,11 +90,43 @@ class Scheduler:
             raise RuntimeError("a group's waiting members are not together at the head of the queue")
         return unit
 
+    def _resumable(self, unit: list[Sequence]):
+        """The session entry a lone request resumes from (None: it prefills from the start)."""
+        seq = unit[0]
+        if self.sessions is None or len(unit) > 1 or seq.prompt_logprobs is not None or seq.replay_start:
+            return None
+        return self.sessions.find(seq.prompt)
+
     def _fits(self, unit: list[Sequence]) -> bool:
-        shared = unit[0].group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
-        return self.blocks.can_allocate_group(unit[0].reserve_tokens, len(unit), shared) and self._memory_ok()
+        """Room for `unit` now; session entries (not the one it resumes from) give their pages back to a live
+        request that needs them, coldest first."""
+        hit = self._resumable(unit)
+        self._hit = hit
+        while True:
+            if len(unit) > 1:
+                shared = unit[0].group.shared_pages(self.blocks.page_tokens)
+                room = self.blocks.can_allocate_group(unit[0].reserve_tokens, len(unit), shared)
+            else:
+                shared = self.sessions.shared_pages(hit) if self.sessions is not None else 0
+                room = bool(self.blocks.free_slots) and \
+                    self.blocks.pages_for(unit[0].reserve_tokens) - shared <= self.blocks.num_free_pages
+            if room or self.sessions is None or not self.sessions.evict(keep=hit):
+                return room and self._memory_ok()
 
     def _start(self, unit: list[Sequence]) -> None:
+        hit, self._hit = self._hit, None
+        if self.sessions is not None and len(unit) == 1:
+            seq = unit[0]
+            if seq.prompt_logprobs is None and not seq.replay_start:
+                self.sessions.looked_up(seq.prompt_len)
+            if hit is not None:
+                k = self.sessions.shared_pages(hit)
+                seq.slot, seq.pages = self.blocks.allocate_after(seq.reserve_tokens, hit.pages[:k])
+                seq.num_computed = seq.cached = hit.length
+                self.sessions.resume(hit, seq.slot, seq.pages)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                return
         group = unit[0].group
         shared = group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
         for seq, (slot, pages) in zip(unit, self.blocks.allocate_group(unit[0].reserve_tokens, len(unit), shared)):
@@ -142,6 +176,8 @@ class Scheduler:
                 break
             if seq.prefilling and not seq.awaiting_fork:
                 end = seq.prompt_len if seq.hold_at is None else seq.hold_at  # a leader stops where its group forks
+                if seq.mark_at is not None and seq.num_computed < seq.mark_at:
+                    end = min(end, seq.mark_at)  # and every prompt where its session entry is taken
                 n = min(end - seq.num_computed, budget)
                 if seq.hold_at is None and n == seq.prompt_len - seq.num_computed:
                     n = seq.pending  # the prompt's last chunk takes any forced text after it along

@@ -135,6 +135,12 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               more="MemAvailable on unified memory. Empty = 0."),
     ServeKnob("DSV41_ADMIT_TIMEOUT_S", "--admit-timeout", "a request that cannot be admitted alone fails after this",
               more="Empty = 30."),
+    ServeKnob("DSV41_SESSIONS", "--sessions", "session entries: a prompt resumes from an earlier prompt's or "
+              "reply's state (exact): on or off", more="Empty = on."),
+    ServeKnob("DSV41_SESSION_RAM_MIB", "--session-ram-mib", "RAM budget of the session entries' slot snapshots",
+              more="Their pool pages yield to live requests. Empty = 256."),
+    ServeKnob("DSV41_SESSION_MIN_TOKENS", "--session-min-tokens", "shortest state kept as a session entry",
+              more="Empty = 16."),
     ServeKnob("DSV41_EXPERT_TOPP", "--expert-topp", "routed-expert pruning mass (approximate, tagged; empty = off)",
               more="Keeps the experts holding this much routing mass."),
     ServeKnob("DSV41_EXPERT_MIN_K", "--expert-min-k", "with expert pruning: never fewer experts than this",

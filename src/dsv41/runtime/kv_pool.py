@@ -281,6 +281,25 @@ class KVPool:
             if kind in ("window", "dspark", "open"):
                 store[dst].copy_(store[src])
 
+    def _slot_stores(self):
+        return [store for (kind, _), store in self.stores.items() if kind in ("window", "dspark", "open")]
+
+    def snapshot_slot(self, slot: int) -> torch.Tensor:
+        """A session entry's copy of ring slot `slot` (window rows, DSpark rings, open groups): uint8
+        [bytes_per_slot], on the pool's device."""
+        return torch.cat([store[slot].reshape(-1).view(torch.uint8) for store in self._slot_stores()])
+
+    def restore_slot(self, snapshot: torch.Tensor, slot: int) -> None:
+        """Ring slot `slot` becomes the snapshot's bytes (`snapshot_slot`'s layout)."""
+        if snapshot.numel() != self.bytes_per_slot:
+            raise ValueError(f"a slot snapshot of {snapshot.numel()} bytes, this pool's slots hold "
+                             f"{self.bytes_per_slot}")
+        at = 0
+        for store in self._slot_stores():
+            view = store[slot].reshape(-1).view(torch.uint8)
+            view.copy_(snapshot[at:at + view.numel()])
+            at += view.numel()
+
     def copy_page(self, src: int, dst: int) -> None:
         """A fork: page `dst` becomes a copy of `src` (every source's compressed entries and index keys)."""
         for (kind, _), store in self.stores.items():

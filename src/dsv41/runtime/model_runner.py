@@ -47,6 +47,7 @@ class ModelRunner:
         self.forward, self.pool, self.driver, self.knobs_tag = forward, pool, driver, knobs_tag
         self.device = getattr(pool, "device", torch.device("cpu"))
         self.drafter = drafter  # DSpark (runtime/draft_dspark.py) when loaded: rows with `propose` get drafts
+        self.snapshots: dict[int, torch.Tensor] = {}  # session entry id -> its ring slot's bytes (Batch.saves)
 
     def free_bytes(self) -> int:
         return free_bytes(self.device)
@@ -55,10 +56,22 @@ class ModelRunner:
         if batch.knobs_tag != self.knobs_tag:
             raise RuntimeError(f"step {batch.step} was planned under {batch.knobs_tag!r}, this runner runs "
                                f"{self.knobs_tag!r}")
+        for entry_id, slot in batch.saves:  # session entries: a slot is read before anything writes it again
+            self.snapshots[entry_id] = self.pool.snapshot_slot(slot)
         for src_slot, dst_slot, src_page, dst_page in batch.copies:  # forks: before anything reads the slots
             self.pool.copy_slot(src_slot, dst_slot)
             if src_page >= 0:
                 self.pool.copy_page(src_page, dst_page)
+        for entry_id, slot, src_page, dst_page in batch.restores:  # sequences resuming from a session entry
+            if entry_id not in self.snapshots:
+                raise RuntimeError(f"step {batch.step}: session entry {entry_id} has no slot snapshot here")
+            self.pool.restore_slot(self.snapshots[entry_id], slot)
+            if src_page >= 0:
+                self.pool.copy_page(src_page, dst_page)
+        for entry_id in batch.drops:
+            self.snapshots.pop(entry_id, None)
+        if not batch.rows:
+            return StepOutput(batch.step)
         logits = self.forward.execute(batch.rows, self.pool)
         proposing = self.drafter is not None and any(r.propose for r in batch.rows)
         if not self.driver and not proposing:

@@ -180,6 +180,8 @@ ENGINE_LIMITS = (
     ("prefill_share", "--prefill-share", float, 0, 1, True),
     ("mem_floor_gib", "--mem-floor-gib", float, 0, None, False),
     ("admit_timeout", "--admit-timeout", float, 0, None, True),
+    ("session_ram_mib", "--session-ram-mib", float, 0, None, False),
+    ("session_min_tokens", "--session-min-tokens", int, 1, None, False),
     ("expert_topp", "--expert-topp", float, 0, 1, True),
     ("expert_min_k", "--expert-min-k", int, 1, None, False),
     ("draft_depth", "--draft-depth", int, 0, 5, False),
