@@ -135,7 +135,7 @@ class LLMEngine:
         self._finish(seq, "cancelled")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.sessions is not None and self.sessions.pending)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
@@ -148,6 +148,9 @@ class LLMEngine:
         work = self.scheduler.schedule()
         self._drafter_of.clear()
         if not work:
+            if self.sessions is not None and self.sessions.pending:
+                self._housekeeping()
+                return True
             return False
         now = self.clock()
         for seq, _ in work:
@@ -181,6 +184,16 @@ class LLMEngine:
         for (seq, n), row, result in zip(work, rows, out.rows):
             self._postprocess(seq, n, row, result)
         return True
+
+    def _housekeeping(self) -> None:
+        """A batch without rows: the session snapshots, restores and drops an idle engine still owes the runtime
+        (so snapshots are taken and let go of promptly, and a drain can park every entry)."""
+        saves, restores, drops, evicted = self.sessions.batch_ops()
+        batch = Batch(self.step_no, [], self._freed_slots, self._freed_pages + evicted, self.config.knobs_tag,
+                      saves=saves, restores=restores, drops=drops)
+        self._freed_slots, self._freed_pages = [], []
+        self.step_no += 1
+        self.executor.execute(batch)
 
     def _sampling(self, seq: Sequence, drafts: list[int], mask: bytes | None) -> RowSampling:
         """The keyed draw after the sequence's tokens and `drafts` (its step, adjustments and grammar mask there:

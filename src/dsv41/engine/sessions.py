@@ -229,6 +229,11 @@ class SessionCache:
         while self.evict():
             pass
 
+    @property
+    def pending(self) -> bool:
+        """Pool operations waiting for a batch (an idle engine runs one without rows to make them)."""
+        return bool(self.saves or self.restores or self.drops)
+
     def batch_ops(self) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
         """(saves, restores, drops, freed pages) for the batch being built; they are the runtime's from now on."""
         out = ([[e, s] for e, s in self.saves.items()], self.restores, self.drops, self.freed_pages)

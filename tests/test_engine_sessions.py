@@ -1,0 +1,165 @@
+"""Session entries in RAM (issue 34, engine/sessions.py) on the real tiny model: a next turn resumes from the
+state the last turn left and its reply equals, bit for bit, the one an engine without sessions gives (tokens and
+logprobs, T = 0 and 0.7), with the page S falls inside copied (16- and 64-token pages) or not (S on a page
+boundary); an identical resend resumes at the prompt's 16-token mark; entries yield their pages to live requests
+and stay within their RAM budget; requests sharing a prefix resume together."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv41.engine import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
+from dsv41.engine.block_manager import BlockManager
+from dsv41.engine.build import build_engine, engine_defaults
+from dsv41.engine.sessions import SessionCache, SessionConfig, SessionIndex, prompt_mark
+
+
+def ids(k: int, n: int, first: int = 0) -> list[int]:
+    return [first] + [(i * 37 + 11 * k) % 500 + 5 for i in range(n - 1)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from dsv41.model.loader import load_model
+    from dsv41.tiny.model import default_model_dir
+
+    return load_model(default_model_dir(), dspark=False)
+
+
+def engine(model, **opts):
+    return build_engine(engine_defaults(**opts), model, max_model_len=512, log=lambda line: None)
+
+
+def run(eng, requests, together: bool = False):
+    """Events per request: one after the other, or all added before the first step."""
+    core, out = eng.core, []
+    seqs = []
+    for r in requests:
+        out.append([])
+        seqs.append(eng.make_sequence(r, out[-1].append))
+        if not together:
+            core.add(seqs[-1])
+            while core.has_work():
+                core.step()
+    if together:
+        for s in seqs:
+            core.add(s)
+        while core.has_work():
+            core.step()
+    return out
+
+
+def tokens(events) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenEvent)]
+
+
+def finish(events) -> FinishEvent:
+    assert isinstance(events[-1], FinishEvent)
+    return events[-1]
+
+
+# ---------------------------------------------------------------------------------------------------- the index
+def test_index_finds_the_longest_strict_prefix_through_the_page_chain():
+    blocks = BlockManager(num_pages=64, num_slots=2, page_tokens=4)
+    cache = SessionCache(SessionConfig(min_tokens=1, slot_bytes=10), blocks)
+    prompt = list(range(100, 140))
+    made = {}
+    for n in (3, 8, 13, 21):  # inside the first page, on a boundary, inside later pages
+        slot, pages = blocks.allocate(n)
+        made[n] = cache.take(prompt[:n], pages, slot)
+        blocks.free(slot, pages)  # the sequence lets go; the entry keeps its references
+    assert cache.find(prompt).length == 21
+    assert cache.find(prompt[:21]).length == 13  # strict: the last prompt token is always absorbed
+    assert cache.find(prompt[:13] + [1] + prompt[14:]).length == 13  # differs inside entry 21's tail page
+    assert cache.find(prompt[:5] + [1] + prompt[6:]).length == 3  # differs inside the second page
+    assert cache.find([7] + prompt[1:]) is None
+    assert cache.take(prompt[:8], made[8].pages, slot=1) is None  # the same ids: kept once
+    cache.evict()  # the coldest: 3 (8 was touched by the repeat)
+    assert cache.find(prompt[:7]) is None and cache.find(prompt[:12]).length == 8
+    cache.clear()
+    assert blocks.empty() and cache.stats.made == 4 and cache.stats.evicted == 4
+    saves, restores, drops, freed = cache.batch_ops()
+    assert saves == restores == drops == [] and sorted(freed) == list(range(13))  # never saved: no drops
+
+
+def test_prompt_mark_is_on_the_grid_below_the_end():
+    assert prompt_mark(17, 16) == 16 and prompt_mark(16, 16) is None and prompt_mark(33, 16) == 32
+    assert prompt_mark(48, 16) == 32 and prompt_mark(10, 1) is None  # (10 - 1) // 16 == 0
+
+
+def test_the_index_walks_only_the_chains_it_holds():
+    index = SessionIndex(SessionConfig(min_tokens=1), page_tokens=2)
+    a = index.add([1, 2, 3, 4, 5], [0, 1, 2])
+    index.add([1, 2, 9], [0, 3])
+    assert index.find([1, 2, 3, 4, 5, 6], 5) is a and index.find([1, 2, 3, 4, 5, 6], 4) is None
+    assert index.find([1, 2, 9, 9], 3).ids == [1, 2, 9]
+    index.remove(a)
+    assert index.find([1, 2, 3, 4, 5, 6], 6) is None and not index._through.get(b"x")
+
+
+# ---------------------------------------------------------------------------------------------------- resumed == fresh
+@pytest.mark.parametrize("page_tokens", [16, 64])
+def test_the_next_turn_resumes_and_equals_a_fresh_prefill(model, page_tokens):
+    first = GenerationRequest(ids(1, 61), 9, SamplingParams(temperature=0.0), logprobs=2)
+    eng = engine(model, page_tokens=page_tokens)
+    (turn1,) = run(eng, [first])
+    # turn 2: the history (prompt + reply) and a new message; at T = 0 and at T = 0.7 (seeded)
+    history = first.prompt_ids + tokens(turn1)
+    second = [GenerationRequest(history + [7, 8, 9, 10, 11], 8, SamplingParams(temperature=t, seed=3), logprobs=3)
+              for t in (0.0, 0.7)]
+    resumed = run(eng, second)
+    fresh = run(engine(model, page_tokens=page_tokens, sessions="off"), second)
+    assert resumed == fresh
+    # turn 1 ended with 61 + 9 - 1 ids in the cache: both resume there (the first's own entries: its mark at 64,
+    # shorter, and its end, which holds its reply, no prefix of the second's prompt)
+    assert [finish(r).cached_tokens for r in resumed] == [69, 69] and finish(fresh[0]).cached_tokens == 0
+    assert eng.core.pool_idle() and eng.core.stats()["sessions"]["hits"] == 2
+
+
+def test_an_identical_resend_resumes_at_the_prompts_mark(model):
+    req = GenerationRequest(ids(2, 40), 6, SamplingParams(temperature=0.7, seed=1), logprobs=1)
+    eng = engine(model)
+    once, again = run(eng, [req, req])
+    assert once == again and finish(again).cached_tokens == 32 and finish(once).cached_tokens == 0
+
+
+def test_requests_sharing_a_prefix_resume_together_and_equal_fresh(model):
+    base = GenerationRequest(ids(3, 50), 4, SamplingParams(temperature=0.0))
+    eng = engine(model, page_tokens=16)
+    run(eng, [base])
+    branches = [GenerationRequest(base.prompt_ids + [20 + k] * (k + 1), 6, SamplingParams(temperature=0.7, seed=k),
+                                  logprobs=1) for k in range(3)]
+    resumed = run(eng, branches, together=True)
+    assert resumed == run(engine(model, page_tokens=16, sessions="off"), branches, together=True)
+    assert all(finish(r).cached_tokens == 48 for r in resumed)  # base's mark (its end, 53, is no prefix)
+    assert eng.core.pool_idle()
+
+
+def test_prompt_logprobs_prefill_from_the_start(model):
+    req = GenerationRequest(ids(4, 30), 3, SamplingParams(temperature=0.0), prompt_logprobs=1)
+    eng = engine(model)
+    a, b = run(eng, [req, req])
+    assert a == b and finish(b).cached_tokens == 0
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def test_entries_yield_their_pages_to_live_requests(model):
+    # a pool of 8 pages of 64: every request needs 2; entries of earlier prompts hold pages until a request needs them
+    eng = engine(model, page_tokens=64, pool_tokens=512, parallel=2)
+    reqs = [GenerationRequest(ids(10 + k, 70), 20, SamplingParams(temperature=0.0)) for k in range(8)]
+    events = run(eng, reqs) + run(eng, reqs[:3], together=True)
+    assert all(finish(e).reason == "length" for e in events)
+    figures = eng.core.stats()["sessions"]
+    assert figures["evicted"] > 0 and figures["pages"] <= 8 and eng.core.pool_idle()
+    fresh = run(engine(model, page_tokens=64, sessions="off"), reqs[:3])
+    assert events[8:] == fresh
+
+
+def test_the_ram_budget_keeps_the_most_recent_entries(model):
+    eng = engine(model)
+    slot = eng.core.sessions.config.slot_bytes
+    eng = engine(model, session_ram_mib=2.5 * slot / (1 << 20))  # two snapshots
+    run(eng, [GenerationRequest(ids(20 + k, 40), 3, SamplingParams(temperature=0.0)) for k in range(3)])
+    figures = eng.core.stats()["sessions"]
+    assert figures["entries"] == 2 and figures["snapshot_bytes"] <= 2.5 * slot and figures["made"] == 6
+    assert len(eng.core.executor.runner.snapshots) == 2  # the runtime let go of the evicted ones
