@@ -450,6 +450,11 @@ class SessionFiles:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def keys(self) -> list[str]:
+        """This tag's keys, least recently used first (e.g. for the ranks to agree on the entries all of them hold)."""
+        with self._lock:
+            return list(self._entries)
+
     def stats(self) -> dict:
         with self._lock:
             return dict(entries=len(self._entries), bytes=self._bytes, budget_bytes=self.budget_bytes,
