@@ -155,6 +155,10 @@ def test_budget_evicts_the_least_recently_used_and_the_order_survives_a_restart(
     assert again.keys() == ["d", "c", "e"] and not entry_path(tmp_path / "s", "a").exists()
     assert again.stats()["evictions"] == 1 and again.stats()["bytes"] == 3 * size
 
+    lowered = store(tmp_path / "s", budget=2 * size)  # a smaller budget holds from the start
+    assert lowered.keys() == ["c", "e"] and lowered.stats()["bytes"] == 2 * size
+    assert len(list((tmp_path / "s").iterdir())) == 2
+
 
 def test_an_entry_over_the_budget_or_under_min_tokens_is_not_written(tmp_path, caplog):
     s = store(tmp_path, budget=64 << 10, min_tokens=100)

@@ -172,7 +172,7 @@ class SessionFiles:
         self.log = log or logger
         self._lock = threading.Lock()  # guards the index and counters; file IO runs outside it
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
-        self._by_chain: dict[bytes, set[str]] = {}  # full-page digest -> keys of the entries that end past it
+        self._by_chain: dict[bytes, set[str]] = {}  # chain digest of an entry's full pages -> keys
         self._foreign: dict[Path, int] = {}  # other tags' / versions' files -> bytes, oldest first (evicted first)
         self._writing: set[str] = set()
         self._bytes = 0  # every indexed file plus the writes in flight
@@ -189,7 +189,9 @@ class SessionFiles:
         except OSError as e:
             self.log.warning("session directory %s is not usable (%s): the NVMe session tier is off", directory, e)
             self.disabled = True
-            self._entries.clear(), self._by_chain.clear(), self._foreign.clear()
+            self._entries.clear()
+            self._by_chain.clear()
+            self._foreign.clear()
             self._bytes = 0
 
     # ---- start: the index from the files' headers ----
@@ -224,6 +226,8 @@ class SessionFiles:
             else:
                 self._index(_Entry(header["key"], path, size, header["length"], bytes.fromhex(header["chain"]),
                                    tuple(header["tail"])))
+        with self._lock:
+            self._make_room(0)  # a budget lowered since the last run holds from the start
         for name, why in dropped[:START_LOG_LINES]:
             self.log.warning("session file %s removed at start: %s", name, why)
         if len(dropped) > START_LOG_LINES:
