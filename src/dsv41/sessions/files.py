@@ -454,6 +454,11 @@ class SessionFiles:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def length(self, key: str) -> int | None:
+        """How many ids the entry `key` holds (None when there is no such entry)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.length
+
     def keys(self) -> list[str]:
         """This tag's keys, least recently used first (e.g. for the ranks to agree on the entries all of them hold)."""
         with self._lock:
