@@ -1,7 +1,7 @@
 """Session entries in RAM (issue 34, engine/sessions.py) on the real tiny model: a next turn resumes from the
 state the last turn left and its reply equals, bit for bit, the one an engine without sessions gives (tokens and
 logprobs, T = 0 and 0.7), with the page S falls inside copied (16- and 64-token pages) or not (S on a page
-boundary); an identical resend resumes at the prompt's 16-token mark; entries yield their pages to live requests
+boundary); an identical resend resumes just before its last token (the prompt's mark); entries yield their pages to live requests
 and stay within their RAM budget; requests sharing a prefix resume together."""
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def test_index_finds_the_longest_strict_prefix_through_the_page_chain():
     assert not any(ops.values()) and sorted(freed) == list(range(13))  # never saved: no drops
 
 
-def test_prompt_mark_is_on_the_grid_below_the_end():
-    assert prompt_mark(17, 16) == 16 and prompt_mark(16, 16) is None and prompt_mark(33, 16) == 32
-    assert prompt_mark(48, 16) == 32 and prompt_mark(10, 1) is None  # (10 - 1) // 16 == 0
+def test_prompt_mark_is_just_before_the_last_token():
+    assert prompt_mark(17, 16) == 16 and prompt_mark(16, 16) is None and prompt_mark(48, 16) == 47
+    assert prompt_mark(2, 1) == 1 and prompt_mark(1, 1) is None
 
 
 def test_the_index_walks_only_the_chains_it_holds():
@@ -110,9 +110,9 @@ def test_the_next_turn_resumes_and_equals_a_fresh_prefill(model, page_tokens):
     resumed = run(eng, second)
     fresh = run(engine(model, page_tokens=page_tokens, sessions="off"), second)
     assert resumed == fresh
-    # turn 1 ended with 61 + 9 - 1 ids in the cache: both resume there (the first's own entries: its mark at 64,
-    # shorter, and its end, which holds its reply, no prefix of the second's prompt)
-    assert [finish(r).cached_tokens for r in resumed] == [69, 69] and finish(fresh[0]).cached_tokens == 0
+    # turn 1 ended with 61 + 9 - 1 ids in the cache: the first resumes there; the second, the same prompt, from the
+    # first's mark just before its last token
+    assert [finish(r).cached_tokens for r in resumed] == [69, 74] and finish(fresh[0]).cached_tokens == 0
     assert eng.core.pool_idle() and eng.core.stats()["sessions"]["hits"] == 2
 
 
@@ -120,7 +120,7 @@ def test_an_identical_resend_resumes_at_the_prompts_mark(model):
     req = GenerationRequest(ids(2, 40), 6, SamplingParams(temperature=0.7, seed=1), logprobs=1)
     eng = engine(model)
     once, again = run(eng, [req, req])
-    assert once == again and finish(again).cached_tokens == 32 and finish(once).cached_tokens == 0
+    assert once == again and finish(again).cached_tokens == 39 and finish(once).cached_tokens == 0
 
 
 def test_requests_sharing_a_prefix_resume_together_and_equal_fresh(model):
@@ -131,7 +131,7 @@ def test_requests_sharing_a_prefix_resume_together_and_equal_fresh(model):
                                   logprobs=1) for k in range(3)]
     resumed = run(eng, branches, together=True)
     assert resumed == run(engine(model, page_tokens=16, sessions="off"), branches, together=True)
-    assert all(finish(r).cached_tokens == 48 for r in resumed)  # base's mark (its end, 53, is no prefix)
+    assert all(finish(r).cached_tokens == 49 for r in resumed)  # base's mark (its end, 53, is no prefix)
     assert eng.core.pool_idle()
 
 
@@ -199,9 +199,14 @@ def test_a_damaged_parked_entry_is_dropped_and_the_reply_is_the_fresh_one(model,
     eng = parked_engine(model, tmp_path)
     run(eng, [req])
     stop(eng)
-    for path in (tmp_path / "rank0").glob("*.ses"):  # one byte inside every file's blocks
+    from dsv41.sessions.files import read_header
+
+    for path in (tmp_path / "rank0").glob("*.ses"):  # one byte of every file's slot snapshot
+        with open(path, "rb") as f:
+            header, start = read_header(f)
+        at = start + next(b["offset"] for b in header["blocks"] if b["name"] == "slot") + 100
         raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
+        raw[at] ^= 0x10
         path.write_bytes(bytes(raw))
     again = parked_engine(model, tmp_path)
     (replied,) = run(again, [req])

@@ -10,8 +10,9 @@ An entry holds
   taken by the runtime from the slot (`Batch.saves`) and put back into the resuming sequence's slot
   (`Batch.restores`); dropped with `Batch.drops`. The Engram look-back ids are the entry's last ids.
 
-Entries are made where the next turn looks: at the prompt's mark (the last 16-token grid point before its end, so
-an identical resend resumes there) and at the end of a reply (S = every absorbed token). A prompt resumes from
+Entries are made where the next turn looks: at the prompt's mark (just before its last token: an identical resend
+resumes there, and so does a next turn whose history re-encodes that token) and at the end of a reply (S = every
+absorbed token). A prompt resumes from
 the longest entry whose ids are a strict prefix of it. Lookup walks a chain of digests, one per full page of ids
 (`page_tokens` ids each), and compares only the tail after the last full page exactly.
 """
@@ -23,9 +24,6 @@ import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-
-MARK_GRID = 16  # the prompt's entry sits on this grid, below the prompt's end
-
 
 def session_key(ids) -> str:
     """An entry's name on the NVMe tier: a digest of its ids (the tier's tag keeps other settings apart)."""
@@ -161,9 +159,11 @@ class SessionIndex:
 
 
 def prompt_mark(prompt_len: int, min_tokens: int) -> int | None:
-    """Where a prompt's entry is taken: the last grid point strictly before its end (an identical resend, which
-    must absorb at least its last token to sample, resumes there); None when that is under `min_tokens`."""
-    mark = (prompt_len - 1) // MARK_GRID * MARK_GRID
+    """Where a prompt's entry is taken: just before its last token. An identical resend (which must absorb at least
+    its last token to sample) resumes there, and so does the next turn in thinking mode without tools, whose
+    history turns this prompt's last token, `<think>`, into `</think>` (ENCODING.md, drop_thinking): the re-encoded
+    history and the ids agree up to here. None when that is under `min_tokens`."""
+    mark = prompt_len - 1
     return mark if mark >= max(min_tokens, 1) else None
 
 
