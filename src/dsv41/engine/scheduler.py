@@ -112,8 +112,12 @@ class Scheduler:
                 shared = self.sessions.shared_pages(hit) if self.sessions is not None else 0
                 room = bool(self.blocks.free_slots) and \
                     self.blocks.pages_for(unit[0].reserve_tokens) - shared <= self.blocks.num_free_pages
-            if room or self.sessions is None or not self.sessions.evict(keep=hit):
+            if room or self.sessions is None:
                 return room and self._memory_ok()
+            if not self.sessions.evict(keep=hit):
+                if hit is None:
+                    return False
+                hit = self._hit = None  # even the entry it would resume from yields: it prefills from the start
 
     def _start(self, unit: list[Sequence]) -> None:
         hit, self._hit = self._hit, None
