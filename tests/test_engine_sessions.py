@@ -26,8 +26,8 @@ def model():
     return load_model(default_model_dir(), dspark=False)
 
 
-def engine(model, **opts):
-    return build_engine(engine_defaults(**opts), model, max_model_len=512, log=lambda line: None)
+def engine(model, max_model_len: int = 512, **opts):
+    return build_engine(engine_defaults(**opts), model, max_model_len=max_model_len, log=lambda line: None)
 
 
 def run(eng, requests, together: bool = False):
@@ -153,6 +153,18 @@ def test_entries_yield_their_pages_to_live_requests(model):
     assert figures["evicted"] > 0 and figures["pages"] <= 8 and eng.core.pool_idle()
     fresh = run(engine(model, page_tokens=64, sessions="off"), reqs[:3])
     assert events[8:] == fresh
+
+
+def test_in_a_pool_of_one_context_even_the_entry_to_resume_from_yields(model):
+    # 2 pages of 64: turn 1's entries hold both; turn 2 needs both (its partial page is the entry's): it prefills
+    first = GenerationRequest(ids(30, 70), 5, SamplingParams(temperature=0.0))
+    eng = engine(model, max_model_len=127, page_tokens=64, parallel=1)
+    assert eng.core.blocks.num_pages == 2
+    (turn1,) = run(eng, [first])
+    second = GenerationRequest(first.prompt_ids + tokens(turn1) + [5, 6], 40, SamplingParams(temperature=0.0))
+    (replied,) = run(eng, [second])
+    assert finish(replied).reason == "length" and finish(replied).cached_tokens == 0
+    assert replied == run(engine(model, max_model_len=127, page_tokens=64, sessions="off"), [second])[0]
 
 
 def test_the_ram_budget_keeps_the_most_recent_entries(model):
