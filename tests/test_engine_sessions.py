@@ -135,6 +135,27 @@ def test_requests_sharing_a_prefix_resume_together_and_equal_fresh(model):
     assert eng.core.pool_idle()
 
 
+def run_group(eng, requests):
+    core, out = eng.core, [[] for _ in requests]
+    core.add_group([eng.make_sequence(r, out[i].append) for i, r in enumerate(requests)])
+    while core.has_work():
+        core.step()
+    return out
+
+
+@pytest.mark.parametrize("extra", [0, 9])  # the group's fork point is the entry's end, or past it
+def test_a_group_resumes_its_prompt_then_forks_and_equals_fresh(model, extra):
+    base = GenerationRequest(ids(8, 45), 4, SamplingParams(temperature=0.0))
+    eng = engine(model, page_tokens=16)
+    run(eng, [base])  # entries at 44 (the mark) and 47 (the end)
+    prompt = base.prompt_ids + [30 + i for i in range(extra)] if extra else base.prompt_ids
+    group = [GenerationRequest(prompt, 5, SamplingParams(temperature=0.7, seed=s), logprobs=1) for s in range(3)]
+    resumed = run_group(eng, group)
+    assert resumed == run_group(engine(model, page_tokens=16, sessions="off"), group)
+    assert [finish(r).cached_tokens for r in resumed] == [44] * 3 and eng.core.pool_idle()
+    assert eng.core.forks_total == 2
+
+
 def test_prompt_logprobs_prefill_from_the_start(model):
     req = GenerationRequest(ids(4, 30), 3, SamplingParams(temperature=0.0), prompt_logprobs=1)
     eng = engine(model)

@@ -87,10 +87,10 @@ class Batch:
     # page, to page] each, the page pair -1 when the fork point ends a page (nothing partial to copy)
     copies: list[list[int]] = field(default_factory=list)
     # sessions (engine/sessions.py), made before the forward in this order: snapshots of ring slots taken as
-    # session entries [entry id, slot]; entries parked on the NVMe tier [entry id, key, ids, pages]; (the forks);
-    # entries restored into a resuming sequence's slot [entry id, slot, entry's page, sequence's page] (the page
-    # pair -1 when the entry ends a page); parked entries loaded into a sequence's slot and first pages [seq id,
-    # key, slot, pages]; snapshots let go [entry id]
+    # session entries [entry id, slot]; entries parked on the NVMe tier [entry id, key, ids, pages]; entries
+    # restored into a resuming sequence's slot [entry id, slot, entry's page, sequence's page] (the page pair -1
+    # when the entry ends a page); parked entries loaded into a sequence's slot and first pages [seq id, key, slot,
+    # pages]; (then the forks: a resumed leader's siblings copy the restored slot); snapshots let go [entry id]
     saves: list[list[int]] = field(default_factory=list)
     parks: list[list] = field(default_factory=list)
     restores: list[list[int]] = field(default_factory=list)

@@ -82,13 +82,16 @@ class BlockManager:
         return len(self.free_slots) >= siblings and \
             self.group_pages(num_tokens, siblings, shared) <= len(self.free_pages)
 
-    def allocate_group(self, num_tokens: int, siblings: int, shared: int) -> list[tuple[int, list[int]]]:
+    def allocate_group(self, num_tokens: int, siblings: int, shared: int,
+                       first: list[int] = ()) -> list[tuple[int, list[int]]]:
         """(slot, page table) per sibling: the first `shared` pages of every table are the first sibling's (one
-        reference each), the rest are the sibling's own (check `can_allocate_group` first)."""
-        if not self.can_allocate_group(num_tokens, siblings, shared):
+        reference each), the rest are the sibling's own; the first sibling's table starts with `first` (a session
+        entry's pages: a reference each; check room first)."""
+        own = self.group_pages(num_tokens, siblings, shared) - len(first)
+        if len(self.free_slots) < siblings or own > len(self.free_pages):
             raise RuntimeError(f"no room for {siblings} x {num_tokens} tokens: {len(self.free_slots)} slots, "
                                f"{len(self.free_pages)} pages free")
-        first_slot, first_pages = self.allocate(num_tokens)
+        first_slot, first_pages = self.allocate_after(num_tokens, list(first))
         out = [(first_slot, first_pages)]
         for _ in range(siblings - 1):
             slot = self.free_slots.popleft()

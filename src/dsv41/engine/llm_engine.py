@@ -146,6 +146,9 @@ class LLMEngine:
             seq.emit(EngineRejected(f"cannot admit the request: free memory stays under the floor "
                                     f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running",
                                     code="insufficient_memory"))
+        for seq in self.scheduler.running:  # a group's leader resumed at its fork point: the siblings fork now
+            if seq.hold_at is not None and seq.num_computed >= seq.hold_at:
+                self._fork(seq)
         work = self.scheduler.schedule()
         self._drafter_of.clear()
         if not work:
@@ -194,7 +197,7 @@ class LLMEngine:
         batch = Batch(self.step_no, [], self._freed_slots, self._freed_pages + evicted, self.config.knobs_tag,
                       **ops)
         self._freed_slots, self._freed_pages = [], []
-        self.step_no += 1
+        # between two steps: it takes the next step's number and is no round (rounds count forwards)
         self._loaded(self.executor.execute(batch))
 
     def _loaded(self, out) -> None:

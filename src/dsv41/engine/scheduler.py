@@ -92,26 +92,30 @@ class Scheduler:
         return unit
 
     def _resumable(self, unit: list[Sequence]):
-        """The session entry a lone request resumes from (None: it prefills from the start)."""
+        """The session entry `unit` resumes from (None: it prefills from the start): a RAM entry or a parked one
+        for a lone request, a RAM entry for a group (its leader resumes, then the siblings fork as usual)."""
         seq = unit[0]
-        if self.sessions is None or len(unit) > 1 or seq.prompt_logprobs is not None or seq.replay_start:
+        if self.sessions is None or seq.prompt_logprobs is not None or seq.replay_start:
             return None
         hit = self.sessions.find(seq.prompt)
+        if len(unit) > 1:
+            return hit
         return self.sessions.find_disk(seq.prompt, hit.length if hit is not None else 0) or hit
+
+    def _room(self, unit: list[Sequence], hit) -> bool:
+        """A slot per sequence and the pages the unit needs beyond those of the entry it resumes from."""
+        resumed = self.sessions.shared_pages(hit) if self.sessions is not None else 0
+        shared = unit[0].group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
+        need = self.blocks.group_pages(unit[0].reserve_tokens, len(unit), shared) - resumed
+        return len(self.blocks.free_slots) >= len(unit) and need <= self.blocks.num_free_pages
 
     def _fits(self, unit: list[Sequence]) -> bool:
         """Room for `unit` now; session entries (not the one it resumes from) give their pages back to a live
-        request that needs them, coldest first."""
+        request that needs them, coldest first, and at last that one too."""
         hit = self._resumable(unit)
         self._hit = hit
         while True:
-            if len(unit) > 1:
-                shared = unit[0].group.shared_pages(self.blocks.page_tokens)
-                room = self.blocks.can_allocate_group(unit[0].reserve_tokens, len(unit), shared)
-            else:
-                shared = self.sessions.shared_pages(hit) if self.sessions is not None else 0
-                room = bool(self.blocks.free_slots) and \
-                    self.blocks.pages_for(unit[0].reserve_tokens) - shared <= self.blocks.num_free_pages
+            room = self._room(unit, hit)
             if room or self.sessions is None:
                 return room and self._memory_ok()
             if not self.sessions.evict(keep=hit):
@@ -121,34 +125,31 @@ class Scheduler:
 
     def _start(self, unit: list[Sequence]) -> None:
         hit, self._hit = self._hit, None
-        if self.sessions is not None and len(unit) == 1:
-            seq = unit[0]
-            if seq.prompt_logprobs is None and not seq.replay_start:
-                self.sessions.looked_up(seq.prompt_len)
-            if isinstance(hit, DiskHit):
-                seq.slot, seq.pages = self.blocks.allocate(seq.reserve_tokens)
-                self.sessions.load(seq, hit)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                return
-            if hit is not None:
-                k = self.sessions.shared_pages(hit)
-                seq.slot, seq.pages = self.blocks.allocate_after(seq.reserve_tokens, hit.pages[:k])
-                seq.num_computed = seq.cached = hit.length
-                self.sessions.resume(hit, seq.slot, seq.pages)
-                seq.status = Status.RUNNING
-                self.running.append(seq)
-                return
-        group = unit[0].group
-        shared = group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
-        for seq, (slot, pages) in zip(unit, self.blocks.allocate_group(unit[0].reserve_tokens, len(unit), shared)):
-            seq.slot, seq.pages = slot, pages
+        seq, group = unit[0], unit[0].group
+        if self.sessions is not None and seq.prompt_logprobs is None and not seq.replay_start:
+            self.sessions.looked_up(seq.prompt_len)
+        if isinstance(hit, DiskHit):
+            seq.slot, seq.pages = self.blocks.allocate(seq.reserve_tokens)
+            self.sessions.load(seq, hit)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            return
+        shared = group.shared_pages(self.blocks.page_tokens) if len(unit) > 1 else 0
+        resumed = hit.pages[:self.sessions.shared_pages(hit)] if hit is not None else []
+        for member, (slot, pages) in zip(unit, self.blocks.allocate_group(seq.reserve_tokens, len(unit), shared,
+                                                                          first=resumed)):
+            member.slot, member.pages = slot, pages
+            member.status = Status.RUNNING
+            self.running.append(member)
+        if hit is not None:  # the leader starts at the entry's length (its slot restored before the next forward)
+            seq.num_computed = hit.length
+            for member in unit:
+                member.cached = hit.length
+            self.sessions.resume(hit, seq.slot, seq.pages)
         if len(unit) > 1 and group.fork_at > 0:  # the leader prefills the shared part, then the others fork
-            unit[0].hold_at = group.fork_at
-            for seq in unit[1:]:
-                seq.awaiting_fork = True
+            seq.hold_at = group.fork_at
+            for member in unit[1:]:
+                member.awaiting_fork = True
 
     def admit(self) -> list[Sequence]:
         """Admit from the head of the queues while everything fits (a group: all its waiting members at once);

@@ -95,13 +95,14 @@ class SessionIndex:
     def __len__(self) -> int:
         return len(self.entries)
 
+    # read from the server's thread (/health, /metrics) while the engine thread changes the entries: over a copy
     @property
     def snapshot_bytes(self) -> int:
-        return sum(e.slot_bytes for e in self.entries.values())
+        return sum(e.slot_bytes for e in list(self.entries.values()))
 
     @property
     def pages_held(self) -> int:
-        return len({p for e in self.entries.values() for p in e.pages})
+        return len({p for e in list(self.entries.values()) for p in e.pages})
 
     def _chain(self, ids, pages: int) -> list[bytes]:
         out, h, pt = [], b"", self.page_tokens

@@ -62,10 +62,6 @@ class ModelRunner:
         for entry_id, key, ids, pages in batch.parks:  # and pages an eviction freed, before anything reuses them
             if self.session_disk is not None and entry_id in self.snapshots:
                 self.session_disk.park(key, ids, self.snapshots[entry_id], pages)
-        for src_slot, dst_slot, src_page, dst_page in batch.copies:  # forks: before anything reads the slots
-            self.pool.copy_slot(src_slot, dst_slot)
-            if src_page >= 0:
-                self.pool.copy_page(src_page, dst_page)
         for entry_id, slot, src_page, dst_page in batch.restores:  # sequences resuming from a session entry
             if entry_id not in self.snapshots:
                 raise RuntimeError(f"step {batch.step}: session entry {entry_id} has no slot snapshot here")
@@ -73,6 +69,10 @@ class ModelRunner:
             if src_page >= 0:
                 self.pool.copy_page(src_page, dst_page)
         loads = self._load(batch.loads)
+        for src_slot, dst_slot, src_page, dst_page in batch.copies:  # forks (after a resumed leader's restore)
+            self.pool.copy_slot(src_slot, dst_slot)
+            if src_page >= 0:
+                self.pool.copy_page(src_page, dst_page)
         for entry_id in batch.drops:
             self.snapshots.pop(entry_id, None)
         if not batch.rows:
