@@ -361,3 +361,47 @@ def test_metrics_and_health_count_the_hits(on, off):
     assert health_off["batching"]["sessions"] is None and health_off["cached_tokens_total"] == 0
     assert _value(families_off, "vllm:prefix_cache_queries") == _value(families_off, "vllm:prefix_cache_hits") == 0
     assert health_off["batching"]["pages_used"] == 0 and _value(families_off, "vllm:kv_cache_usage_perc") == 0
+
+
+# ---------------------------------------------------------------------------- reading the figures from the server
+def test_session_figures_read_while_the_engine_thread_changes_entries():
+    """/health and /metrics read `LLMEngine.stats()` on the server's thread while the engine's thread makes, touches
+    and evicts entries; the session figures (`pages_held`, `snapshot_bytes`: a walk over the entries) must not
+    raise "OrderedDict mutated during iteration" there (a 500 on /health). Fails today: engine/sessions.py walks
+    `index.entries` without a copy (the engine's `prefilling` figure copies its list for this reason)."""
+    import sys
+    import threading
+    import time
+
+    from dsv41.engine.sessions import SessionConfig, SessionIndex
+
+    index = SessionIndex(SessionConfig(), page_tokens=256)
+    for i in range(200):
+        index.add([i, 1, 2] * 10, [i])
+    done = threading.Event()
+
+    def engine_thread():
+        k = 1000
+        while not done.is_set():
+            entry = index.add([k, 5] * 10, [k % 50])
+            index.touch(next(iter(index.entries.values())))
+            index.remove(entry)
+            k += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: what a loaded server does now and then
+    worker = threading.Thread(target=engine_thread)
+    worker.start()
+    failure = None
+    try:
+        deadline = time.monotonic() + 0.5
+        while failure is None and time.monotonic() < deadline:
+            try:
+                index.pages_held, index.snapshot_bytes
+            except RuntimeError as exc:
+                failure = exc
+    finally:
+        done.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+    assert failure is None, f"reading the session figures while entries change: {failure}"
