@@ -200,6 +200,24 @@ def test_resumed_completion_equals_fresh(on, off, temperature, seed):
     assert turns[off][1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_concurrent_turns_resuming_one_entry_equal_fresh(on, off):
+    """Two follow-ups to one turn, sent together: both resume from the same entry (its pages shared, its snapshot
+    restored into two slots) and each equals the fresh reply of the server without sessions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = [(13 * i + 5) % 400 + 20 for i in range(45)]
+    replies = {}
+    for rec in (on, off):
+        one = _complete(rec, prompt, max_tokens=6, temperature=0)
+        follow = [prompt + one["ids"] + tail for tail in ([101, 102, 103], [201, 202])]
+        with ThreadPoolExecutor(2) as pool:
+            replies[rec] = list(pool.map(lambda p: _complete(rec, p, max_tokens=6, temperature=0.7, seed=8), follow))
+    for a, b in zip(replies[on], replies[off]):
+        assert a["ids"] == b["ids"] and a["logprobs"] == b["logprobs"]
+        assert a["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt) + 6 - 1
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 # ---------------------------------------------------------------------------- (b) conversations
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast of a city",
