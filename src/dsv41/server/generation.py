@@ -293,14 +293,13 @@ class Generation:
         if self.disconnected:
             ctx.metrics.disconnects.inc()
         ctx.metrics.finished_generation(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                                        cached_tokens=cached, ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason,
-                                        max_tokens=self.request.max_tokens, n=self.choices)
+                                        cached_tokens=cached, ttft_s=ttft, e2e_s=now - self.arrived,
+                                        finish_reason=reason, max_tokens=self.request.max_tokens, n=self.choices)
         ctx.request_log.write(
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
             prompt_tokens=self.prompt_tokens, cached_tokens=cached, completion_tokens=self.completion_tokens,
-            finish_reason=reason,
-            disconnected=self.disconnected, error=self.error, ttft_s=None if ttft is None else round(ttft, 4),
-            latency_s=round(now - self.arrived, 4),
+            finish_reason=reason, disconnected=self.disconnected, error=self.error,
+            ttft_s=None if ttft is None else round(ttft, 4), latency_s=round(now - self.arrived, 4),
             tokens_per_round=getattr(self.finish, "tokens_per_round", None))  # drafting: accepted drafts + 1
 
 
