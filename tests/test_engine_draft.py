@@ -194,7 +194,8 @@ def test_dspark_proposals_over_the_pool_are_the_reference_drafts(model):
     core, got = engine.core, []
     seq = engine.make_sequence(req, got.append)
     core.add(seq)
-    core.step()  # the prompt in one chunk, the first token chosen, DSpark proposes from it
+    while not tokens(got):  # the prompt (to its session mark, then the rest), the first token chosen, DSpark
+        core.step()  # proposes from it
     y = tokens(got)[0]
     state = model.new_state()
     model.forward(state, torch.tensor(req.prompt_ids))

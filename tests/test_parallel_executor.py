@@ -5,6 +5,7 @@ step and leaves on the stop batch. (The codec itself: tests/test_parallel_plan.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
@@ -27,6 +28,8 @@ def requests():
 
 
 def run_engine(engine, reqs, arrivals):
+    from dsv41.engine import FinishEvent
+
     core = engine.core
     events = [[] for _ in reqs]
     seqs = [engine.make_sequence(r, events[i].append) for i, r in enumerate(reqs)]
@@ -39,7 +42,9 @@ def run_engine(engine, reqs, arrivals):
             break
         step += 1
     assert core.pool_idle()
-    return [[repr(e) for e in evs] for evs in events]
+    # the reply's bits; how much of the prompt a session entry gave is kept apart (it differs by design)
+    return [[repr(dataclasses.replace(e, cached_tokens=0) if isinstance(e, FinishEvent) else e) for e in evs]
+            + [f"cached={evs[-1].cached_tokens}"] for evs in events]
 
 
 def worker(rank: int, master: str, model_dir: str, out: str) -> None:
@@ -84,7 +89,11 @@ def test_tp2_batched_equals_alone_bitwise(tmp_path, tiny_model_dir):
              for r in range(2)]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
     got = json.loads(out.read_text())
-    assert got["together"] == got["alone"]
+    assert [evs[:-1] for evs in got["together"]] == [evs[:-1] for evs in got["alone"]]
+    # sent again, the 26-token prompt resumes from the entry its first run left on both ranks just before its last
+    # token (the others are under --session-min-tokens 16, and the fourth asks prompt logprobs: they prefill afresh)
+    assert [evs[-1] for evs in got["together"]] == ["cached=0"] * 4
+    assert [evs[-1] for evs in got["alone"]] == ["cached=0", "cached=25", "cached=0", "cached=0"]
     assert all("TokenEvent" in evs[0] or "PromptLogprobsEvent" in evs[0] for evs in got["together"])
     assert got["followed"] == got["rounds"]  # rank 1 ran every step and left on the stop batch
     assert "logprob=-" in got["together"][0][0] and "PromptLogprobsEvent" in got["together"][3][0]

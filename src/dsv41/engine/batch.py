@@ -86,11 +86,15 @@ class Batch:
     # forks (a group's siblings, docs/ENGINE.md §3), made before this step's forward: [from slot, to slot, from
     # page, to page] each, the page pair -1 when the fork point ends a page (nothing partial to copy)
     copies: list[list[int]] = field(default_factory=list)
-    # sessions (engine/sessions.py), made before the forks and the forward, in this order: snapshots of ring slots
-    # taken as session entries [entry id, slot]; entries restored into a resuming sequence's slot [entry id, slot,
-    # entry's page, sequence's page] (the page pair -1 when the entry ends a page); snapshots let go [entry id]
+    # sessions (engine/sessions.py), made before the forward in this order: snapshots of ring slots taken as
+    # session entries [entry id, slot]; entries parked on the NVMe tier [entry id, key, ids, pages]; (the forks);
+    # entries restored into a resuming sequence's slot [entry id, slot, entry's page, sequence's page] (the page
+    # pair -1 when the entry ends a page); parked entries loaded into a sequence's slot and first pages [seq id,
+    # key, slot, pages]; snapshots let go [entry id]
     saves: list[list[int]] = field(default_factory=list)
+    parks: list[list] = field(default_factory=list)
     restores: list[list[int]] = field(default_factory=list)
+    loads: list[list] = field(default_factory=list)
     drops: list[int] = field(default_factory=list)
 
     @property
@@ -118,3 +122,4 @@ class StepOutput:
     step: int
     rows: list[RowOutput] = field(default_factory=list)
     free_bytes: int | None = None  # the device's (or host's) free memory after the step, for the memory floor
+    loads: list[list] = field(default_factory=list)  # [seq id, whether every rank loaded it] per Batch.loads

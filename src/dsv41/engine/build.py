@@ -44,6 +44,13 @@ def register_engine_args(parser) -> None:
                         "requests; default 256)")
     g.add_argument("--session-min-tokens", type=int, default=16, metavar="N",
                    help="shortest state kept as a session entry (default 16)")
+    g.add_argument("--session-dir", default=None, metavar="DIR",
+                   help="the NVMe tier of sessions: entries leaving RAM are parked here (one folder per rank) and "
+                        "a restarted server resumes them (default: none)")
+    g.add_argument("--session-disk-gib", type=float, default=64.0, metavar="GIB",
+                   help="byte budget of --session-dir (least recently used files go first; default 64)")
+    g.add_argument("--session-disk-min-tokens", type=int, default=1024, metavar="N",
+                   help="shortest entry parked on --session-dir (shorter ones are dropped; default 1024)")
     g.add_argument("--expert-topp", type=float, default=None, metavar="P",
                    help="routed-expert pruning: keep the experts holding this much of the routing mass "
                         "(approximate, tagged; default off)")
@@ -91,7 +98,8 @@ def session_config(args, pool):
     if getattr(args, "sessions", "on") == "off":
         return None
     return SessionConfig(ram_bytes=int(getattr(args, "session_ram_mib", 256.0) * (1 << 20)),
-                         min_tokens=getattr(args, "session_min_tokens", 16), slot_bytes=pool.bytes_per_slot)
+                         min_tokens=getattr(args, "session_min_tokens", 16), slot_bytes=pool.bytes_per_slot,
+                         disk_min_tokens=getattr(args, "session_disk_min_tokens", 1024))
 
 
 def knobs_tag(args) -> str:
@@ -219,7 +227,10 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         from ..runtime.draft_dspark import DSparkDrafter
 
         drafter = DSparkDrafter(model)
-    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args), drafter=drafter)
+    from ..runtime.session_disk import session_disk_for
+
+    disk = session_disk_for(args, pool, model, knobs=knobs_tag(args), log=log)
+    return ModelRunner(forward, pool, driver=driver, knobs_tag=knobs_tag(args), drafter=drafter, session_disk=disk)
 
 
 def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None):

@@ -66,7 +66,8 @@ class LLMEngine:
         self.executor, self.blocks, self.config, self.clock = executor, blocks, config, clock
         self.scheduler = Scheduler(config.scheduler, blocks, getattr(executor, "free_bytes", lambda: None), clock)
         # sessions resume only in full prefill: a replayed state is not the one a fresh prefill has
-        self.sessions = SessionCache(config.sessions, blocks) \
+        disk = getattr(getattr(getattr(executor, "runner", None), "session_disk", None), "files", None)
+        self.sessions = SessionCache(config.sessions, blocks, disk) \
             if config.sessions is not None and config.prefill_mode == "full" else None
         self.scheduler.sessions = self.sessions
         self._freed_slots: list[int] = []
@@ -135,7 +136,7 @@ class LLMEngine:
         self._finish(seq, "cancelled")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.sessions is not None and self.sessions.pending)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
@@ -148,6 +149,9 @@ class LLMEngine:
         work = self.scheduler.schedule()
         self._drafter_of.clear()
         if not work:
+            if self.sessions is not None and self.sessions.pending:
+                self._housekeeping()
+                return True
             return False
         now = self.clock()
         for seq, _ in work:
@@ -159,12 +163,12 @@ class LLMEngine:
             rows.append(self._row(seq, n, planned))
             planned += len(rows[-1].token_ids) if not seq.prefilling else 0
         copies = [entry for sib, entry in self._copies if sib.status is Status.RUNNING]
-        saves, restores, drops = [], [], []
+        ops = {}
         if self.sessions is not None:
-            saves, restores, drops, evicted = self.sessions.batch_ops()
+            ops, evicted = self.sessions.batch_ops()
             self._freed_pages += evicted
         batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag,
-                      copies=copies, saves=saves, restores=restores, drops=drops)
+                      copies=copies, **ops)
         self._freed_slots, self._freed_pages, self._copies = [], [], []
         self.step_no += 1
         started = self.clock()
@@ -175,12 +179,27 @@ class LLMEngine:
                 self._fail(seq, f"{type(exc).__name__}: {exc}")
             raise
         seconds = self.clock() - started
+        self._loaded(out)
         prefill = sum(len(r.token_ids) for r in rows if r.phase == PREFILL)
         self.scheduler.observe(prefill, len(rows) - sum(r.phase == PREFILL for r in rows), seconds)
         self._account(rows, prefill, seconds)
         for (seq, n), row, result in zip(work, rows, out.rows):
             self._postprocess(seq, n, row, result)
         return True
+
+    def _housekeeping(self) -> None:
+        """A batch without rows: the session snapshots, restores and drops an idle engine still owes the runtime
+        (so snapshots are taken and let go of promptly, and a drain can park every entry)."""
+        ops, evicted = self.sessions.batch_ops()
+        batch = Batch(self.step_no, [], self._freed_slots, self._freed_pages + evicted, self.config.knobs_tag,
+                      **ops)
+        self._freed_slots, self._freed_pages = [], []
+        self.step_no += 1
+        self._loaded(self.executor.execute(batch))
+
+    def _loaded(self, out) -> None:
+        for seq_id, ok in getattr(out, "loads", ()):
+            self.sessions.loaded(seq_id, bool(ok))
 
     def _sampling(self, seq: Sequence, drafts: list[int], mask: bytes | None) -> RowSampling:
         """The keyed draw after the sequence's tokens and `drafts` (its step, adjustments and grammar mask there:
@@ -356,6 +375,9 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ ending
     def _release(self, seq: Sequence, promote: bool = True) -> None:
+        if seq.loading:
+            self.sessions.cancel_load(seq)
+            seq.loading = False
         if seq.hold_at is not None and promote:  # a leader gone before its fork: the next sibling prefills
             waiting = seq.group.awaiting()
             if waiting:
@@ -371,7 +393,7 @@ class LLMEngine:
         self._freed_pages += freed
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if self.sessions is not None and seq.slot is not None and not seq.awaiting_fork:
+        if self.sessions is not None and seq.slot is not None and not seq.awaiting_fork and not seq.loading:
             # the turn's end: the next turn's prompt starts with these ids (the slot is read before it is reused)
             self.sessions.take(seq.tokens[:seq.num_computed], seq.pages, seq.slot)
         self._release(seq)  # the finish event goes out after the slot and pages are back

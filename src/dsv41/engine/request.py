@@ -63,6 +63,7 @@ class Sequence:
     lookup_drafted: int = 0  # this sequence's lookup drafts verified and accepted (its lookup confidence)
     lookup_accepted: int = 0
     cached: int = 0  # prompt tokens resumed from a session entry instead of prefilled
+    loading: bool = False  # a parked session entry is being loaded into its slot and pages (no rows meanwhile)
     mark_at: int | None = None  # where the prompt's session entry is taken (engine/sessions.py prompt_mark)
     decode_rounds: int = 0  # rounds that emitted sampled tokens, and those tokens (tokens per round)
     round_tokens: int = 0

@@ -21,6 +21,7 @@ from typing import Callable
 
 from .block_manager import BlockManager
 from .request import Sequence, Status
+from .sessions import DiskHit
 
 
 @dataclass
@@ -95,7 +96,8 @@ class Scheduler:
         seq = unit[0]
         if self.sessions is None or len(unit) > 1 or seq.prompt_logprobs is not None or seq.replay_start:
             return None
-        return self.sessions.find(seq.prompt)
+        hit = self.sessions.find(seq.prompt)
+        return self.sessions.find_disk(seq.prompt, hit.length if hit is not None else 0) or hit
 
     def _fits(self, unit: list[Sequence]) -> bool:
         """Room for `unit` now; session entries (not the one it resumes from) give their pages back to a live
@@ -110,8 +112,12 @@ class Scheduler:
                 shared = self.sessions.shared_pages(hit) if self.sessions is not None else 0
                 room = bool(self.blocks.free_slots) and \
                     self.blocks.pages_for(unit[0].reserve_tokens) - shared <= self.blocks.num_free_pages
-            if room or self.sessions is None or not self.sessions.evict(keep=hit):
+            if room or self.sessions is None:
                 return room and self._memory_ok()
+            if not self.sessions.evict(keep=hit):
+                if hit is None:
+                    return False
+                hit = self._hit = None  # even the entry it would resume from yields: it prefills from the start
 
     def _start(self, unit: list[Sequence]) -> None:
         hit, self._hit = self._hit, None
@@ -119,6 +125,12 @@ class Scheduler:
             seq = unit[0]
             if seq.prompt_logprobs is None and not seq.replay_start:
                 self.sessions.looked_up(seq.prompt_len)
+            if isinstance(hit, DiskHit):
+                seq.slot, seq.pages = self.blocks.allocate(seq.reserve_tokens)
+                self.sessions.load(seq, hit)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+                return
             if hit is not None:
                 k = self.sessions.shared_pages(hit)
                 seq.slot, seq.pages = self.blocks.allocate_after(seq.reserve_tokens, hit.pages[:k])
@@ -174,7 +186,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.prefilling and not seq.awaiting_fork:
+            if seq.prefilling and not seq.awaiting_fork and not seq.loading:
                 end = seq.prompt_len if seq.hold_at is None else seq.hold_at  # a leader stops where its group forks
                 if seq.mark_at is not None and seq.num_computed < seq.mark_at:
                     end = min(end, seq.mark_at)  # and every prompt where its session entry is taken

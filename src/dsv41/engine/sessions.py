@@ -10,8 +10,9 @@ An entry holds
   taken by the runtime from the slot (`Batch.saves`) and put back into the resuming sequence's slot
   (`Batch.restores`); dropped with `Batch.drops`. The Engram look-back ids are the entry's last ids.
 
-Entries are made where the next turn looks: at the prompt's mark (the last 16-token grid point before its end, so
-an identical resend resumes there) and at the end of a reply (S = every absorbed token). A prompt resumes from
+Entries are made where the next turn looks: at the prompt's mark (just before its last token: an identical resend
+resumes there, and so does a next turn whose history re-encodes that token) and at the end of a reply (S = every
+absorbed token). A prompt resumes from
 the longest entry whose ids are a strict prefix of it. Lookup walks a chain of digests, one per full page of ids
 (`page_tokens` ids each), and compares only the tail after the last full page exactly.
 """
@@ -24,7 +25,16 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-MARK_GRID = 16  # the prompt's entry sits on this grid, below the prompt's end
+def session_key(ids) -> str:
+    """An entry's name on the NVMe tier: a digest of its ids (the tier's tag keeps other settings apart)."""
+    return hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class DiskHit:
+    """A prompt's longest prefix parked on the NVMe tier (loaded into the sequence's own slot and pages)."""
+    key: str
+    length: int
 
 
 def chain_digest(previous: bytes, ids) -> bytes:
@@ -51,6 +61,8 @@ class SessionConfig:
     ram_bytes: int = 256 << 20  # slot snapshots kept in RAM (the pages they hold yield to live requests)
     min_tokens: int = 16  # shorter states are not worth an entry
     slot_bytes: int = 0  # one ring slot's bytes (the snapshot's size), from the pool
+    disk_min_tokens: int = 1024  # an entry leaving RAM is parked on the NVMe tier from this length on
+    disk_gain: int = 64  # a parked entry is loaded only where it resumes this many tokens more than RAM does
 
 
 @dataclass
@@ -61,6 +73,10 @@ class SessionStats:
     hit_tokens: int = 0
     made: int = 0
     evicted: int = 0
+    parked: int = 0  # entries written to the NVMe tier (asked; a failed write is the store's figure)
+    disk_hits: int = 0  # resumed from the NVMe tier, and loads that failed there (damaged, missing on a rank)
+    disk_hit_tokens: int = 0
+    disk_failed: int = 0
 
     def figures(self) -> dict:
         return dict(vars(self))
@@ -143,9 +159,11 @@ class SessionIndex:
 
 
 def prompt_mark(prompt_len: int, min_tokens: int) -> int | None:
-    """Where a prompt's entry is taken: the last grid point strictly before its end (an identical resend, which
-    must absorb at least its last token to sample, resumes there); None when that is under `min_tokens`."""
-    mark = (prompt_len - 1) // MARK_GRID * MARK_GRID
+    """Where a prompt's entry is taken: just before its last token. An identical resend (which must absorb at least
+    its last token to sample) resumes there, and so does the next turn in thinking mode without tools, whose
+    history turns this prompt's last token, `<think>`, into `</think>` (ENCODING.md, drop_thinking): the re-encoded
+    history and the ids agree up to here. None when that is under `min_tokens`."""
+    mark = prompt_len - 1
     return mark if mark >= max(min_tokens, 1) else None
 
 
@@ -154,8 +172,12 @@ class SessionCache:
     operations the next `Batch` carries (saves, restores, drops; the runtime makes them before the step's
     forward, saves first, so a slot freed by a finished sequence is read before anything writes it again)."""
 
-    def __init__(self, config: SessionConfig, blocks):
+    def __init__(self, config: SessionConfig, blocks, disk=None):
         self.config, self.blocks = config, blocks
+        self.disk = disk  # rank 0's parked entries (sessions/files.py SessionFiles), None without an NVMe tier
+        self.parks: list[list] = []  # [entry id, key, ids, pages]: written before the pages can be reused
+        self.loads: list[list] = []  # [seq id, key, slot, pages]: the sequence's first pages
+        self.loading: dict[int, tuple] = {}  # seq id -> (sequence, length) while its load is on its way
         self.index = SessionIndex(config, blocks.page_tokens)
         self.saves: dict[int, int] = {}  # entry id -> slot, snapshot taken at the start of the next batch
         self.restores: list[list[int]] = []  # [entry id, slot, entry's page, sequence's page] (-1, -1: none)
@@ -173,8 +195,43 @@ class SessionCache:
         absorbed, so the first token is sampled from fresh logits)."""
         return self.index.find(prompt, len(prompt) - 1)
 
-    def shared_pages(self, entry: SessionEntry | None) -> int:
-        return 0 if entry is None else entry.length // self.blocks.page_tokens
+    def find_disk(self, prompt: list[int], have: int) -> DiskHit | None:
+        """A parked entry that resumes at least `disk_gain` tokens more than `have` (the RAM tier's hit)."""
+        if self.disk is None:
+            return None
+        key = self.disk.longest_prefix(prompt, len(prompt) - 1)
+        length = self.disk.length(key) if key is not None else None
+        if length is None or length < have + self.config.disk_gain:
+            return None
+        return DiskHit(key, length)
+
+    def shared_pages(self, entry) -> int:
+        return entry.length // self.blocks.page_tokens if isinstance(entry, SessionEntry) else 0
+
+    def load(self, seq, hit: DiskHit) -> None:
+        """The next batch loads the parked entry into the sequence's slot and first pages; it runs no row until
+        the load is reported (`loaded`)."""
+        self.loads.append([seq.seq_id, hit.key, seq.slot, seq.pages[:self.blocks.pages_for(hit.length)]])
+        self.loading[seq.seq_id] = (seq, hit.length)
+        seq.loading = True
+
+    def loaded(self, seq_id: int, ok: bool):
+        """The runtime's word on a load: the sequence starts at the entry's length, or from the start."""
+        seq, length = self.loading.pop(seq_id, (None, 0))
+        if seq is None:
+            return
+        seq.loading = False
+        if ok:
+            seq.num_computed = seq.cached = length
+            self.stats.disk_hits += 1
+            self.stats.disk_hit_tokens += length
+        else:
+            self.stats.disk_failed += 1
+
+    def cancel_load(self, seq) -> None:
+        """A sequence gone before its load ran: nothing may write its freed slot and pages."""
+        self.loads = [op for op in self.loads if op[0] != seq.seq_id]
+        self.loading.pop(seq.seq_id, None)
 
     def resume(self, entry: SessionEntry, slot: int, pages: list[int]) -> None:
         """A sequence in `slot` with page table `pages` (its first `shared_pages` are the entry's, referenced)
@@ -219,7 +276,14 @@ class SessionCache:
         if entry is None:
             return False
         self.index.remove(entry)
-        if self.saves.pop(entry.entry_id, None) is None:  # its snapshot exists: the runtime drops it
+        parks = self.disk is not None and entry.length >= self.config.disk_min_tokens
+        if parks:  # written from the snapshot and pages before anything reuses them (the runtime's order)
+            key = session_key(entry.ids)
+            if key not in self.disk:
+                self.parks.append([entry.entry_id, key, entry.ids, entry.pages])
+                self.stats.parked += 1
+            self.drops.append(entry.entry_id)
+        elif self.saves.pop(entry.entry_id, None) is None:  # its snapshot exists: the runtime drops it
             self.drops.append(entry.entry_id)
         self.freed_pages += self.blocks.free(None, entry.pages)
         self.stats.evicted += 1
@@ -229,14 +293,27 @@ class SessionCache:
         while self.evict():
             pass
 
-    def batch_ops(self) -> tuple[list[list[int]], list[list[int]], list[int], list[int]]:
-        """(saves, restores, drops, freed pages) for the batch being built; they are the runtime's from now on."""
-        out = ([[e, s] for e, s in self.saves.items()], self.restores, self.drops, self.freed_pages)
-        self.saves, self.restores, self.drops, self.freed_pages = {}, [], [], []
+    @property
+    def pending(self) -> bool:
+        """Pool operations waiting for a batch (an idle engine runs one without rows to make them)."""
+        return bool(self.saves or self.restores or self.drops or self.parks or self.loads)
+
+    def batch_ops(self) -> dict:
+        """The Batch's session fields and the pages evictions freed, for the batch being built: they are the
+        runtime's from now on."""
+        out = {"saves": [[e, s] for e, s in self.saves.items()], "parks": self.parks, "restores": self.restores,
+               "loads": self.loads, "drops": self.drops}
+        freed = self.freed_pages
+        self.saves, self.parks, self.restores, self.loads, self.drops, self.freed_pages = {}, [], [], [], [], []
         self._pinned.clear()
-        return out
+        return out, freed
+
+    def park_all(self) -> None:
+        """A graceful stop: every entry leaves RAM (parked where it is long enough and a tier exists)."""
+        self.clear()
 
     def figures(self) -> dict:
         return {"entries": len(self.index), "pages": self.index.pages_held,
                 "snapshot_bytes": self.index.snapshot_bytes, "ram_bytes": self.config.ram_bytes,
-                "min_tokens": self.config.min_tokens, **self.stats.figures()}
+                "min_tokens": self.config.min_tokens, **self.stats.figures(),
+                "disk": self.disk.stats() if self.disk is not None else None}

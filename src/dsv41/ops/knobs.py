@@ -141,6 +141,13 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               more="Their pool pages yield to live requests. Empty = 256."),
     ServeKnob("DSV41_SESSION_MIN_TOKENS", "--session-min-tokens", "shortest state kept as a session entry",
               more="Empty = 16."),
+    ServeKnob("DSV41_SESSION_DIR", "--session-dir", "the NVMe tier of sessions: entries leaving RAM are parked here",
+              example="/var/lib/dsv41/sessions", more="One folder per rank; a restarted server resumes them. Must "
+              "lie under /var/lib/dsv41 (the only place the sandboxed unit writes). Empty = no NVMe tier."),
+    ServeKnob("DSV41_SESSION_DISK_GIB", "--session-disk-gib", "byte budget of the session directory",
+              more="Least recently used files go first. Empty = 64."),
+    ServeKnob("DSV41_SESSION_DISK_MIN_TOKENS", "--session-disk-min-tokens", "shortest entry parked on the NVMe "
+              "tier", more="Shorter ones are dropped when they leave RAM. Empty = 1024."),
     ServeKnob("DSV41_EXPERT_TOPP", "--expert-topp", "routed-expert pruning mass (approximate, tagged; empty = off)",
               more="Keeps the experts holding this much routing mass."),
     ServeKnob("DSV41_EXPERT_MIN_K", "--expert-min-k", "with expert pruning: never fewer experts than this",

@@ -300,6 +300,24 @@ class KVPool:
             view.copy_(snapshot[at:at + view.numel()])
             at += view.numel()
 
+    def _page_stores(self):
+        return [store for (kind, _), store in self.stores.items() if kind in ("kv", "index_k")]
+
+    def page_bytes(self, page: int) -> torch.Tensor:
+        """Page `page`'s bytes in every store (compressed entries and index keys of every source): uint8
+        [bytes_per_page] (a parked session entry's block)."""
+        return torch.cat([store[page].reshape(-1) for store in self._page_stores()])
+
+    def load_page(self, data: torch.Tensor, page: int) -> None:
+        """Page `page` becomes `page_bytes`' layout of `data`."""
+        if data.numel() != self.bytes_per_page:
+            raise ValueError(f"a page of {data.numel()} bytes, this pool's pages hold {self.bytes_per_page}")
+        at = 0
+        for store in self._page_stores():
+            view = store[page].reshape(-1)
+            view.copy_(data[at:at + view.numel()])
+            at += view.numel()
+
     def copy_page(self, src: int, dst: int) -> None:
         """A fork: page `dst` becomes a copy of `src` (every source's compressed entries and index keys)."""
         for (kind, _), store in self.stores.items():

@@ -43,11 +43,12 @@ def allowed_ids(mask: bytes, vocab: int, device) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, forward, pool, *, driver: bool = True, knobs_tag: str = "", drafter=None):
+    def __init__(self, forward, pool, *, driver: bool = True, knobs_tag: str = "", drafter=None, session_disk=None):
         self.forward, self.pool, self.driver, self.knobs_tag = forward, pool, driver, knobs_tag
         self.device = getattr(pool, "device", torch.device("cpu"))
         self.drafter = drafter  # DSpark (runtime/draft_dspark.py) when loaded: rows with `propose` get drafts
         self.snapshots: dict[int, torch.Tensor] = {}  # session entry id -> its ring slot's bytes (Batch.saves)
+        self.session_disk = session_disk  # runtime/session_disk.py: this rank's NVMe tier (--session-dir)
 
     def free_bytes(self) -> int:
         return free_bytes(self.device)
@@ -58,6 +59,9 @@ class ModelRunner:
                                f"{self.knobs_tag!r}")
         for entry_id, slot in batch.saves:  # session entries: a slot is read before anything writes it again
             self.snapshots[entry_id] = self.pool.snapshot_slot(slot)
+        for entry_id, key, ids, pages in batch.parks:  # and pages an eviction freed, before anything reuses them
+            if self.session_disk is not None and entry_id in self.snapshots:
+                self.session_disk.park(key, ids, self.snapshots[entry_id], pages)
         for src_slot, dst_slot, src_page, dst_page in batch.copies:  # forks: before anything reads the slots
             self.pool.copy_slot(src_slot, dst_slot)
             if src_page >= 0:
@@ -68,10 +72,11 @@ class ModelRunner:
             self.pool.restore_slot(self.snapshots[entry_id], slot)
             if src_page >= 0:
                 self.pool.copy_page(src_page, dst_page)
+        loads = self._load(batch.loads)
         for entry_id in batch.drops:
             self.snapshots.pop(entry_id, None)
         if not batch.rows:
-            return StepOutput(batch.step)
+            return StepOutput(batch.step, loads=loads)
         logits = self.forward.execute(batch.rows, self.pool)
         proposing = self.drafter is not None and any(r.propose for r in batch.rows)
         if not self.driver and not proposing:
@@ -84,7 +89,20 @@ class ModelRunner:
         outs = [self._row(row, lg, greedy.get(i)) for i, (row, lg) in enumerate(pairs)]
         if proposing:
             self._propose(rows, outs)
-        return StepOutput(batch.step, outs) if self.driver else StepOutput(batch.step)
+        return StepOutput(batch.step, outs, loads=loads) if self.driver else StepOutput(batch.step)
+
+    def _load(self, loads: list[list]) -> list[list[int]]:
+        """Parked session entries into the sequences' slots and pages: [seq id, 1 if every rank loaded its file
+        whole else 0] each (a rank that lacks it or finds it damaged makes the request prefill fresh everywhere)."""
+        if not loads:
+            return []
+        got = [self.session_disk is not None and self.session_disk.load(key, slot, pages)
+               for _, key, slot, pages in loads]
+        comm = getattr(getattr(self.forward, "model", None), "comm", None)
+        missing = torch.tensor([0.0 if ok else 1.0 for ok in got], device=self.device)
+        if comm is not None and comm.world > 1:
+            missing = comm.sum_partials(missing)
+        return [[seq_id, int(m == 0)] for (seq_id, *_), m in zip(loads, missing.tolist())]
 
     def _propose(self, rows: list[Row], outs: list[RowOutput]) -> None:
         """The DSpark pass for the rows that ask it, from each row's last kept position and its last token."""

@@ -182,6 +182,8 @@ ENGINE_LIMITS = (
     ("admit_timeout", "--admit-timeout", float, 0, None, True),
     ("session_ram_mib", "--session-ram-mib", float, 0, None, False),
     ("session_min_tokens", "--session-min-tokens", int, 1, None, False),
+    ("session_disk_gib", "--session-disk-gib", float, 0, None, False),
+    ("session_disk_min_tokens", "--session-disk-min-tokens", int, 1, None, False),
     ("expert_topp", "--expert-topp", float, 0, 1, True),
     ("expert_min_k", "--expert-min-k", int, 1, None, False),
     ("draft_depth", "--draft-depth", int, 0, 5, False),
