@@ -6,8 +6,8 @@
 Two real servers on the tiny model: one with sessions (the default) and one with `--sessions off`. A resumed
 second turn equals the fresh one token for token and logprob for logprob, at T = 0 and seeded T = 0.7. The
 `cached_tokens` a reply reports is checked against the engine's rule (engine/sessions.py): the longest entry
-that is a strict prefix of the prompt, where entries are every earlier prompt's 16-token grid mark and every
-earlier turn's end (prompt + reply ids, the last sampled token not absorbed). The per-turn fraction reused is
+that is a strict prefix of the prompt, where entries are every earlier prompt's mark (all but its last token) and
+every earlier turn's end (prompt + reply ids, the last sampled token not absorbed). The per-turn fraction reused is
 printed (`pytest -s`); docs/SERVER.md "Sessions" quotes it, and where the next turn's prompt stops agreeing
 with the ids generated so far.
 """
@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from server_harness import API_KEY, SERVED_NAME, ServerProcess, model_dir
 
-MARK_GRID, MIN_TOKENS = 16, 16  # engine/sessions.py: the prompt's entry grid, the default --session-min-tokens
+MIN_TOKENS = 16  # the default --session-min-tokens
 
 
 class Recorder:
@@ -46,7 +46,7 @@ class Recorder:
         self.cached_seen += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
         if not self.sessions:
             return
-        mark = (len(prompt) - 1) // MARK_GRID * MARK_GRID
+        mark = len(prompt) - 1  # engine/sessions.py prompt_mark: just before the prompt's last token
         if mark >= MIN_TOKENS:
             self.entries.append(prompt[:mark])
         end = prompt + generated[:-1]  # the turn's end: the last sampled token is not absorbed
@@ -183,7 +183,7 @@ def test_resumed_chat_turn_equals_fresh(on, off, temperature, seed):
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (0.7, 99)], ids=["greedy", "T0.7"])
 def test_resumed_completion_equals_fresh(on, off, temperature, seed):
     """Token ids: turn 2 = turn 1's prompt + its reply + more ids, resumed from turn 1's end (an entry that ends
-    inside a page, off the 16-token grid). Streamed at T = 0 (the final usage chunk)."""
+    inside a page, past the prompt's own mark). Streamed at T = 0 (the final usage chunk)."""
     prompt = [(7 * i + 11 + int(temperature * 10)) % 400 + 20 for i in range(37)]
     turns = {}
     for rec in (on, off):
@@ -242,7 +242,7 @@ def _report(kind: str, turn: int, prev: dict, reply: dict, tokenizer) -> None:
 def test_three_turn_thinking_chat_reuses_every_turn(on, tokenizer):
     """Thinking on (the default), no tools: the encoder drops the reasoning of earlier turns, rendering the answered
     turn as `<｜Assistant｜></think>answer` where the prompt ended in `<｜Assistant｜><think>`; the ids agree up
-    to that last prompt token only, so each turn resumes from the previous prompt's grid mark."""
+    to that last prompt token only, so each turn resumes from the previous prompt's mark, just before it."""
     think, end_think = tokenizer.special("<think>"), tokenizer.special("</think>")
     messages = [{"role": "system", "content": "You are a concise travel guide for northern Europe."},
                 {"role": "user", "content": "Plan one day in Bergen for me."}]
@@ -257,7 +257,7 @@ def test_three_turn_thinking_chat_reuses_every_turn(on, tokenizer):
             n = len(prev["prompt"])
             assert prev["prompt"][-1] == think and reply["prompt"][n - 1] == end_think
             assert _agreement(prev["prompt"], reply["prompt"]) == n - 1
-            assert cached == reply["expected"] == (n - 1) // MARK_GRID * MARK_GRID > 0
+            assert cached == reply["expected"] == n - 1
         prev = reply
         messages = _history(messages, reply, f"Thanks. Now turn {turn + 1}: what about the evening?")
 
@@ -346,7 +346,7 @@ def test_responses_and_groups_report_cached_tokens(on):
                                        reasoning={"effort": "none"})
     assert first.usage.input_tokens_details.cached_tokens == 0
     cached = again.usage.input_tokens_details.cached_tokens
-    assert cached == (again.usage.input_tokens - 1) // MARK_GRID * MARK_GRID > 0  # the first one's prompt mark
+    assert cached == again.usage.input_tokens - 1  # the first one's prompt mark
     on.cached_seen += cached
     group = on.client.chat.completions.create(model=SERVED_NAME, n=2, max_tokens=2, seed=5,
                                               messages=[{"role": "user", "content": text}])

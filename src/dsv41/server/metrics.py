@@ -9,8 +9,9 @@ As vLLM (v1) exports them: every `vllm:*` series carries the labels `model_name`
 index; dsv41 has one, "0"); `vllm:request_success_total` counts every finished request by the engine's finish
 reason, `stop`, `length`, `abort` (the client left) or `error` — an API-level `tool_calls` is the engine's `stop`,
 as vLLM's parser-level tool calls are. The prefix-cache counters are the engine's session figures (prompt tokens
-looked up, and those resumed from a session entry: engine/sessions.py), read at scrape time like the pool's, so
-nothing is counted twice; zero without sessions (--sessions off, the serial engine), present from the first scrape.
+looked up, and those resumed from a session entry of either tier: engine/sessions.py), read at scrape time like
+the pool's, so nothing is counted twice; zero without sessions (--sessions off, the serial engine), present from
+the first scrape.
 """
 
 from __future__ import annotations
@@ -191,13 +192,22 @@ class EngineCollector:
     @staticmethod
     def _prefix_cache(sessions: dict, m: list[str]):
         """vLLM's prefix-cache counters (tokens) from the engine's sessions: every prompt looked up at admission,
-        and the tokens it resumed from a session entry (a group's siblings and prompt-logprob requests are not
-        looked up). Zero without sessions."""
-        for name, key, text in (("queries", "query_tokens", "Prompt tokens looked up in the session entries"),
-                                ("hits", "hit_tokens", "Prompt tokens resumed from a session entry")):
-            family = CounterMetricFamily(f"vllm:prefix_cache_{name}", text, labels=VLLM_LABELS)
-            family.add_metric(m, sessions.get(key, 0))
-            yield family
+        and the tokens resumed from a session entry, RAM or NVMe tier (a group's siblings and prompt-logprob requests
+        are not looked up); per tier under dsv41's name. Zero without sessions."""
+        ram, nvme = sessions.get("hit_tokens", 0), sessions.get("disk_hit_tokens", 0)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the session entries",
+                                      labels=VLLM_LABELS)
+        queries.add_metric(m, sessions.get("query_tokens", 0))
+        yield queries
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens resumed from a session entry (RAM or "
+                                   "NVMe tier)", labels=VLLM_LABELS)
+        hits.add_metric(m, ram + nvme)
+        yield hits
+        tiers = CounterMetricFamily("dsv41_session_hit_tokens", "Prompt tokens resumed from a session entry, by "
+                                    "tier (ram, nvme)", labels=["tier"])
+        tiers.add_metric(["ram"], ram)
+        tiers.add_metric(["nvme"], nvme)
+        yield tiers
 
     @staticmethod
     def _spec_decode(drafting: dict, m: list[str]):
