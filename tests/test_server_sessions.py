@@ -218,6 +218,36 @@ def test_concurrent_turns_resuming_one_entry_equal_fresh(on, off):
         assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+def test_nvme_tier_after_a_restart_reports_the_resumed_tokens(off, tmp_path):
+    """A conversation parked by the SIGTERM drain resumes on the restarted server from the NVMe tier: the reply is
+    the fresh one, `cached_tokens` counts the loaded entry, and /health and /metrics put the hit in the nvme tier."""
+    sessions = ("--session-dir", str(tmp_path / "parked"), "--session-disk-min-tokens", "16")
+    prompt = [(11 * i + 3) % 400 + 20 for i in range(90)]  # a load must gain 64 tokens over RAM (disk_gain)
+    before = ServerProcess(tmp_path / "before", *sessions)
+    try:
+        one = _complete(Recorder(before, sessions=True), prompt, max_tokens=6, temperature=0)
+    finally:
+        assert before.terminate() == 0  # the drain parks every RAM entry
+    after = ServerProcess(tmp_path / "after", *sessions)
+    try:
+        rec = Recorder(after, sessions=True)
+        follow = prompt + one["ids"] + [7, 8, 9]
+        two = _complete(rec, follow, max_tokens=6, temperature=0.7, seed=3)
+        health, families = rec.health(), rec.scrape()
+    finally:
+        after.terminate()
+    fresh = _complete(off, follow, max_tokens=6, temperature=0.7, seed=3)
+    assert two["ids"] == fresh["ids"] and two["logprobs"] == fresh["logprobs"]
+    cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == len(prompt) + 6 - 1  # turn 1's end, parked and loaded
+    figures = health["batching"]["sessions"]
+    assert (figures["disk_hits"], figures["disk_hit_tokens"], figures["hit_tokens"]) == (1, cached, 0)
+    assert health["cached_tokens_total"] == cached
+    assert _value(families, "vllm:prefix_cache_hits") == cached
+    tiers = {s.labels["tier"]: s.value for s in families["dsv41_session_hit_tokens"].samples}
+    assert tiers == {"ram": 0, "nvme": cached}
+
+
 # ---------------------------------------------------------------------------- (b) conversations
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather forecast of a city",
