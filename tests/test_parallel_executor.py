@@ -60,7 +60,9 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     failfast = FailFast(group, peer_timeout_s=30.0).start()
     channel = PlanChannel(group.store, rank, failfast.aborted)
     model = load_model(model_dir, torch.float32, "cpu", rank=rank, world=2, comm=group.comm, dspark=False)
-    args = engine_defaults(prefill_chunk=11)  # the 26-token prompt is prefilled in three chunks
+    # the 26-token prompt is prefilled in three chunks; entries leaving RAM are parked per rank under sessions/
+    args = engine_defaults(prefill_chunk=11, session_dir=str(Path(out).parent / "sessions"),
+                           session_disk_min_tokens=16)
     runner = build_runner(args, model, 256, driver=rank == 0, log=lambda line: None)
     if rank == 1:
         rounds = follow_batches(runner, channel, failfast)
@@ -71,11 +73,19 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
         reqs = requests()
         together = run_engine(engine, reqs, arrivals=[0, 0, 2, 5])
         alone = [run_engine(engine, [r], arrivals=[0])[0] for r in reqs]
+        # every RAM entry parked (each rank writes its shards), then the 26-token prompt again: loaded on both
+        core = engine.core
+        core.sessions.config.disk_gain = 1
+        core.sessions.park_all()
+        while core.has_work():
+            core.step()
+        parked = run_engine(engine, [reqs[1]], arrivals=[0])[0]
+        disk_hits = core.stats()["sessions"]["disk_hits"]
         rounds = leader.rounds
         leader.close()
         followed = int(group.store.get("test/bye"))
         Path(out).write_text(json.dumps({"together": together, "alone": alone, "rounds": rounds,
-                                         "followed": followed}))
+                                         "followed": followed, "parked": parked, "disk_hits": disk_hits}))
     failfast.stop()
     group.close()
 
@@ -95,6 +105,9 @@ def test_tp2_batched_equals_alone_bitwise(tmp_path, tiny_model_dir):
     assert [evs[-1] for evs in got["together"]] == ["cached=0"] * 4
     assert [evs[-1] for evs in got["alone"]] == ["cached=0", "cached=25", "cached=0", "cached=0"]
     assert all("TokenEvent" in evs[0] or "PromptLogprobsEvent" in evs[0] for evs in got["together"])
+    assert got["parked"] == got["alone"][1] and got["disk_hits"] == 1  # from the files of both ranks
+    files = [len(list((tmp_path / "sessions" / f"rank{r}").glob("*.ses"))) for r in range(2)]
+    assert files[0] == files[1] >= 1, files  # each rank parked its own shards of every entry
     assert got["followed"] == got["rounds"]  # rank 1 ran every step and left on the stop batch
     assert "logprob=-" in got["together"][0][0] and "PromptLogprobsEvent" in got["together"][3][0]
 

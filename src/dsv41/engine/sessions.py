@@ -39,13 +39,14 @@ class DiskHit:
 
 def chain_digest(previous: bytes, ids) -> bytes:
     """The digest of one full page of ids after the chain `previous` (b"" before the first page)."""
-    return hashlib.blake2b(previous + array("q", ids).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(previous + (ids if isinstance(ids, array) else array("q", ids)).tobytes(),
+                           digest_size=16).digest()
 
 
 @dataclass(eq=False)
 class SessionEntry:
     entry_id: int
-    ids: list[int]
+    ids: array  # int64 ids: 8 bytes an id (a list of ints costs ~36 at 300K-token contexts)
     pages: list[int]  # the pages covering [0, S): a reference each
     chain: list[bytes]  # digest after each full page of ids
     slot_bytes: int
@@ -115,7 +116,7 @@ class SessionIndex:
         while True:
             for e in self._ends.get(h, ()):
                 if e.length <= max_len and (best is None or e.length > best.length) and \
-                        e.ids[k * pt:] == prompt[k * pt:e.length]:
+                        e.ids[k * pt:].tolist() == prompt[k * pt:e.length]:
                     best = e
             if (k + 1) * pt > min(max_len, len(prompt)):
                 break
@@ -132,7 +133,8 @@ class SessionIndex:
     def add(self, ids: list[int], pages: list[int]) -> SessionEntry:
         """A new entry over `ids` holding `pages` (the caller took a reference on each)."""
         full = len(ids) // self.page_tokens
-        entry = SessionEntry(next(self._ids), list(ids), list(pages), self._chain(ids, full), self.config.slot_bytes)
+        entry = SessionEntry(next(self._ids), array("q", ids), list(pages), self._chain(ids, full),
+                             self.config.slot_bytes)
         self.entries[entry.entry_id] = entry
         self._ends.setdefault(entry.chain[-1] if full else b"", []).append(entry)
         for h in entry.chain:
@@ -280,7 +282,7 @@ class SessionCache:
         if parks:  # written from the snapshot and pages before anything reuses them (the runtime's order)
             key = session_key(entry.ids)
             if key not in self.disk:
-                self.parks.append([entry.entry_id, key, entry.ids, entry.pages])
+                self.parks.append([entry.entry_id, key, entry.ids.tolist(), entry.pages])
                 self.stats.parked += 1
             self.drops.append(entry.entry_id)
         elif self.saves.pop(entry.entry_id, None) is None:  # its snapshot exists: the runtime drops it
