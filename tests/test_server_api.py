@@ -56,7 +56,9 @@ def test_chat_non_stream_thinking_default(client):
     assert reasoning
     assert resp.usage.completion_tokens == 12 or choice.finish_reason == "stop"
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
-    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    # resumed from a session entry when an earlier test sent this prompt (never all of it: the last prompt token is
+    # always computed, so the first token is sampled from fresh logits); tests/test_server_sessions.py tests it
+    assert 0 <= resp.usage.prompt_tokens_details.cached_tokens < resp.usage.prompt_tokens
 
 
 def test_chat_thinking_off_puts_everything_in_content(client):

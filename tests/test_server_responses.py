@@ -39,8 +39,11 @@ def _plain(dump):
 
 
 def _without_ids(response: dict) -> dict:
-    """A response object with what differs between two runs (ids, timestamps) blanked."""
+    """A response object with what differs between two runs (ids, timestamps, the prompt tokens resumed from a
+    session entry: the second run of a prompt resumes from the first's) blanked."""
     out = dict(_plain(response), id=None, created_at=None, completed_at=None)
+    if out.get("usage"):
+        out["usage"] = dict(out["usage"], input_tokens_details=None)
     out["output"] = [dict(item, id=None, **({"call_id": None} if "call_id" in item else {}))
                      for item in response["output"]]
     return out

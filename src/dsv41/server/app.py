@@ -328,6 +328,7 @@ async def health(ctx: ServerContext, request: Request) -> Response:
         "requests_total": ctx.requests_total,
         "errors_total": ctx.errors_total,
         "prompt_tokens_total": ctx.prompt_tokens_total,
+        "cached_tokens_total": ctx.cached_tokens_total,
         "completion_tokens_total": ctx.completion_tokens_total,
         "max_model_len": ctx.config.max_model_len,
         "engine": {"state": stats.state, "running": stats.running, "waiting": stats.waiting,

@@ -40,7 +40,6 @@ from .generation import (
     sampling_params,
     stop_ids,
     truncate_prompt,
-    usage,
     with_reasoning_budget,
 )
 from .reply_text import reply_text
@@ -245,7 +244,7 @@ class _ChatReply(StreamedReply):
         if include_usage:
             chunk = self._chunk({}, None, None)
             chunk["choices"] = []
-            chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            chunk["usage"] = self.gen.usage()
             yield chunk
 
     async def complete(self) -> dict:
@@ -287,7 +286,7 @@ class _ChatReply(StreamedReply):
             choice["token_ids"] = token_ids
         body = {"id": self.gen.request.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "seed": self.gen.request.sampling.seed, "choices": [choice],
-                "usage": usage(self.gen.prompt_tokens, self.gen.completion_tokens)}
+                "usage": self.gen.usage()}
         if self.req.return_token_ids:
             body["prompt_token_ids"] = self.gen.request.prompt_ids
         if self.req.prompt_logprobs is not None:

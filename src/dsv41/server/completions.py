@@ -25,7 +25,6 @@ from .generation import (
     stop_ids,
     submit_generations,
     truncate_prompt,
-    usage,
 )
 from .reply_text import reply_text
 from .protocol import CompletionRequest
@@ -199,7 +198,7 @@ class _Reply(StreamedReply):
         if include_usage:
             chunk = self._chunk("", None, None)
             chunk["choices"] = []
-            chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+            chunk["usage"] = self.gen.usage()
             yield chunk
 
     async def complete(self) -> dict:
@@ -223,5 +222,5 @@ class _Reply(StreamedReply):
             choice["prompt_token_ids"] = self.gen.request.prompt_ids
         if self.req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs
-        body["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+        body["usage"] = self.gen.usage()
         return body

@@ -71,6 +71,7 @@ class ServerContext:
         self.requests_total = 0
         self.errors_total = 0
         self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0  # of those, resumed from a session entry instead of prefilled
         self.completion_tokens_total = 0
         self.active: set = set()  # the live server.generation.Generation objects
         self.metrics = Metrics(config.served_name)

@@ -235,6 +235,14 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.request.prompt_ids)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens resumed from a session entry instead of prefilled: the FinishEvent's count, and before it
+        the engine's (known from admission on, before the first token; 0 while queued or without sessions)."""
+        if self.finish is not None:
+            return self.finish.cached_tokens
+        return resumed_tokens(self.engine_stream)
+
     async def events(self):
         """Token and finish events; EngineFailure / ServerDraining propagate to the caller."""
         async for event in self.engine_stream:
@@ -258,6 +266,10 @@ class Generation:
         if not self.engine_stream.finished:
             self.engine_stream.cancel()
 
+    def usage(self) -> dict:
+        """OpenAI's usage of this generation so far (the final figures once the engine finished)."""
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
     def fail(self, error: APIError) -> None:
         self.status = error.status
         self.error = error.message
@@ -274,22 +286,32 @@ class Generation:
         ttft = self.first_token_at - self.arrived if self.first_token_at is not None else None
         reason = self.final_reason or ("abort" if self.disconnected else "error")
         ctx = self.ctx
+        cached = self.cached_tokens
         ctx.prompt_tokens_total += self.prompt_tokens
+        ctx.cached_tokens_total += cached
         ctx.completion_tokens_total += self.completion_tokens
         if self.disconnected:
             ctx.metrics.disconnects.inc()
         ctx.metrics.finished_generation(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-                                        ttft_s=ttft, e2e_s=now - self.arrived, finish_reason=reason,
-                                        max_tokens=self.request.max_tokens, n=self.choices)
+                                        cached_tokens=cached, ttft_s=ttft, e2e_s=now - self.arrived,
+                                        finish_reason=reason, max_tokens=self.request.max_tokens, n=self.choices)
         ctx.request_log.write(
             id=self.request.request_id, endpoint=self.endpoint, stream=self.is_stream, status=self.status,
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, finish_reason=reason,
-            disconnected=self.disconnected, error=self.error, ttft_s=None if ttft is None else round(ttft, 4),
-            latency_s=round(now - self.arrived, 4),
+            prompt_tokens=self.prompt_tokens, cached_tokens=cached, completion_tokens=self.completion_tokens,
+            finish_reason=reason, disconnected=self.disconnected, error=self.error,
+            ttft_s=None if ttft is None else round(ttft, 4), latency_s=round(now - self.arrived, 4),
             tokens_per_round=getattr(self.finish, "tokens_per_round", None))  # drafting: accepted drafts + 1
 
 
+def resumed_tokens(stream: RequestStream) -> int:
+    """The prompt tokens the engine resumed for `stream` from a session entry so far. The batched engine sets its
+    sequence's `cached` when it admits it (engine/scheduler.py), before any token event goes out; an engine
+    without sessions (serial) has none."""
+    return getattr(getattr(stream, "seq", None), "cached", 0) or 0
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens resumed from a session entry (docs/SERVER.md, Sessions)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -307,7 +329,7 @@ class StreamedReply:
         continuous = bool(options and options.continuous_usage_stats)
         async for chunk in self._chunks():
             if continuous and chunk["choices"]:
-                chunk["usage"] = usage(self.gen.prompt_tokens, self.gen.completion_tokens)
+                chunk["usage"] = self.gen.usage()
             yield chunk
 
 
@@ -405,7 +427,19 @@ class MultiReply:
         self.kept = list(range(len(replies)))
 
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(self.replies[k].gen.completion_tokens for k in self.kept))
+        return usage(self.prompt_tokens, sum(self.replies[k].gen.completion_tokens for k in self.kept),
+                     self._cached())
+
+    def _cached(self) -> int:
+        """The prompt's cached tokens, counted once per prompt as the prompt is: those of each prompt's first
+        sequence (choice seed + 0, the group's leader, which prefills the shared prompt). The siblings of a group
+        share the leader's prompt pages and never resume from a session entry themselves (their count is 0)."""
+        cached, k = 0, 0
+        while k < len(self.replies):
+            gen = self.replies[k].gen
+            cached += gen.cached_tokens
+            k += max(gen.choices, 1)
+        return cached
 
     def _ranked(self) -> list[int]:
         per, n = self.rank

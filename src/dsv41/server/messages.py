@@ -135,16 +135,27 @@ class _Reply:
                 out.append(self._delta({"type": "input_json_delta", "partial_json": ev.fragment}))
         return out
 
+    def _usage(self, output_tokens: int) -> dict:
+        """Anthropic's usage: `input_tokens` are the prompt tokens prefilled, `cache_read_input_tokens` those resumed
+        from a session entry (their sum is the prompt, as Anthropic counts a cache hit); nothing is charged for
+        making an entry (`cache_creation_input_tokens` 0)."""
+        cached = self.gen.cached_tokens
+        return {"input_tokens": self.gen.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": cached, "output_tokens": output_tokens}
+
     def _message(self, content: list) -> dict:
         return {"id": self.gen.request.request_id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": self.gen.prompt_tokens, "output_tokens": 0}}
+                "content": content, "stop_reason": None, "stop_sequence": None, "usage": self._usage(0)}
 
     async def events(self):
-        """Every Anthropic stream event, message_start to message_stop."""
-        yield {"type": "message_start", "message": self._message([])}
+        """Every Anthropic stream event, message_start to message_stop. message_start goes out with the engine's
+        first event, when the request is admitted and its cached tokens are known (as Anthropic's carries them)."""
         finish = "stop"
+        started = False
         async for event in self.gen.events():
+            if not started:
+                started = True
+                yield {"type": "message_start", "message": self._message([])}
             if isinstance(event, TokenEvent):
                 for out in self._events(self.parser.feed(self.text.feed(event.token_id))):
                     yield out
@@ -168,8 +179,9 @@ class _Reply:
             yield out
         self.gen.done(finish)
         reason = "stop_sequence" if self.stop.matched is not None else STOP_REASONS[finish]
+        # the usage so far, cumulative (Anthropic's message_delta): the input and cache figures again, the output
         yield {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": self.stop.matched},
-               "usage": {"output_tokens": self.gen.completion_tokens}}
+               "usage": self._usage(self.gen.completion_tokens)}
         yield {"type": "message_stop"}
 
     async def complete(self) -> dict:
@@ -191,7 +203,7 @@ class _Reply:
                 message = ev["message"]
             elif kind == "message_delta":
                 message.update(ev["delta"])
-                message["usage"]["output_tokens"] = ev["usage"]["output_tokens"]
+                message["usage"] = ev["usage"]
         for block in blocks:
             raw = block.pop("_json")
             if block["type"] == "tool_use":

@@ -8,7 +8,10 @@ come from `EngineStats.detail` at scrape time (`EngineCollector` here for vLLM's
 As vLLM (v1) exports them: every `vllm:*` series carries the labels `model_name` and `engine` (the engine core's
 index; dsv41 has one, "0"); `vllm:request_success_total` counts every finished request by the engine's finish
 reason, `stop`, `length`, `abort` (the client left) or `error` — an API-level `tool_calls` is the engine's `stop`,
-as vLLM's parser-level tool calls are; the prefix-cache counters are there (zero: no prefix cache yet).
+as vLLM's parser-level tool calls are. The prefix-cache counters are the engine's session figures (prompt tokens
+looked up, and those resumed from a session entry of either tier: engine/sessions.py), read at scrape time like
+the pool's, so nothing is counted twice; zero without sessions (--sessions off, the serial engine), present from
+the first scrape.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ class Metrics:
                               ["endpoint", "status"], registry=r)
         self.disconnects = Counter("dsv41_client_disconnects", "Requests cancelled because the client left",
                                    registry=r)
-        self.prompt_tokens = Counter("dsv41_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("dsv41_prompt_tokens", "Prompt tokens (prefilled or resumed from a session "
+                                     "entry)", registry=r)
+        self.cached_tokens = Counter("dsv41_cached_tokens", "Prompt tokens resumed from a session entry instead of "
+                                     "prefilled (usage.prompt_tokens_details.cached_tokens)", registry=r)
         self.generation_tokens = Counter("dsv41_generation_tokens", "Tokens generated", registry=r)
         self.inflight = Gauge("dsv41_requests_inflight", "Requests being handled now", registry=r)
         self.latency = Histogram("dsv41_request_latency_seconds", "Request latency, arrival to last byte",
@@ -99,12 +105,7 @@ class Metrics:
         self.v_params_max_tokens = Histogram("vllm:request_params_max_tokens", "The max_tokens of each finished "
                                              "request", labels, buckets=(1, 16, 64, 256, 1024, 4096, 16384, 65536,
                                                                          262144), registry=r)
-        self.v_prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
-                                        "(0: dsv41 has no prefix cache yet)", labels, registry=r)
-        self.v_prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
-                                     registry=r)
-        for family in (self.v_running, self.v_waiting, self.v_prompt, self.v_generation, self.v_prefix_queries,
-                       self.v_prefix_hits):
+        for family in (self.v_running, self.v_waiting, self.v_prompt, self.v_generation):
             family.labels(model_name, ENGINE_INDEX)  # present (at zero) from the first scrape, as vLLM's are
         for reason in ("stop", "length", "abort", "error"):
             self.v_success.labels(model_name, ENGINE_INDEX, reason)
@@ -118,11 +119,13 @@ class Metrics:
         self.engine.detail = dict(detail or {})
 
     def finished_generation(self, *, prompt_tokens: int, completion_tokens: int, ttft_s: float | None,
-                            e2e_s: float, finish_reason: str, max_tokens: int | None = None, n: int = 1) -> None:
+                            e2e_s: float, finish_reason: str, max_tokens: int | None = None, n: int = 1,
+                            cached_tokens: int = 0) -> None:
         """One generation ended: `finish_reason` as the API sent it (stop, length, tool_calls, ...), or abort / error
         when it did not finish."""
         m = (self.model_name, ENGINE_INDEX)
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.v_prompt.labels(*m).inc(prompt_tokens)
         self.v_generation.labels(*m).inc(completion_tokens)
@@ -146,11 +149,6 @@ class Metrics:
                 self.v_tpot.labels(*m).observe(per_token)
                 self.v_request_tpot.labels(*m).observe(per_token)
 
-    def prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
-        """For the session store's prefix reuse (when it lands): prompt tokens looked up, and found."""
-        self.v_prefix_queries.labels(self.model_name, ENGINE_INDEX).inc(queried_tokens)
-        self.v_prefix_hits.labels(self.model_name, ENGINE_INDEX).inc(hit_tokens)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -169,6 +167,7 @@ class EngineCollector:
 
     def collect(self):
         d, m = self.detail, [self.model_name, ENGINE_INDEX]
+        yield from self._prefix_cache(d.get("sessions") or {}, m)
         if "pages_total" not in d:
             return
         used, total = d["pages_used"], d["pages_total"]
@@ -189,6 +188,26 @@ class EngineCollector:
                                     ("inter_token", "inter_token_latency_seconds", "Between two output tokens")):
                 yield self._timing(f"vllm:{name}", text, seconds["bounds"], seconds[key], m)
         yield from self._spec_decode(d.get("drafting") or {}, m)
+
+    @staticmethod
+    def _prefix_cache(sessions: dict, m: list[str]):
+        """vLLM's prefix-cache counters (tokens) from the engine's sessions: every prompt looked up at admission,
+        and the tokens resumed from a session entry, RAM or NVMe tier (a group's siblings and prompt-logprob requests
+        are not looked up); per tier under dsv41's name. Zero without sessions."""
+        ram, nvme = sessions.get("hit_tokens", 0), sessions.get("disk_hit_tokens", 0)
+        queries = CounterMetricFamily("vllm:prefix_cache_queries", "Prompt tokens looked up in the session entries",
+                                      labels=VLLM_LABELS)
+        queries.add_metric(m, sessions.get("query_tokens", 0))
+        yield queries
+        hits = CounterMetricFamily("vllm:prefix_cache_hits", "Prompt tokens resumed from a session entry (RAM or "
+                                   "NVMe tier)", labels=VLLM_LABELS)
+        hits.add_metric(m, ram + nvme)
+        yield hits
+        tiers = CounterMetricFamily("dsv41_session_hit_tokens", "Prompt tokens resumed from a session entry, by "
+                                    "tier (ram, nvme)", labels=["tier"])
+        tiers.add_metric(["ram"], ram)
+        tiers.add_metric(["nvme"], nvme)
+        yield tiers
 
     @staticmethod
     def _spec_decode(drafting: dict, m: list[str]):

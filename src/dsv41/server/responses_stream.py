@@ -74,8 +74,8 @@ class ResponseEvents:
             body["completed_at"] = int(time.time())
             if status == "incomplete":
                 body["incomplete_details"] = {"reason": "max_output_tokens"}
-            prompt, generated = self.gen.prompt_tokens, self.gen.completion_tokens
-            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": 0},
+            prompt, generated, cached = self.gen.prompt_tokens, self.gen.completion_tokens, self.gen.cached_tokens
+            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
                              "output_tokens": generated,
                              "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                              "total_tokens": prompt + generated}
