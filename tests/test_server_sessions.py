@@ -338,6 +338,39 @@ def test_agent_loop_resumes_at_the_reply_end(on, tokenizer):
             *[{"role": "tool", "tool_call_id": c["id"], "content": f"sunny, {18 + turn} C"} for c in calls]]
 
 
+def test_agent_loop_with_thinking_restores_the_dropped_reasoning(on, tokenizer):
+    """Thinking on and tools declared (drop_thinking off: earlier turns keep their reasoning), the client resending
+    each reply WITHOUT its reasoning_content (as most agent clients do): the server's reasoning memory puts it
+    back by tool-call id, so the prompt is the one a client sending the reasoning gets (an explicit empty
+    reasoning is the client's word, kept). On a real model that prompt extends the previous prompt and reply to
+    its end; the random tiny model's reasoning can hold bytes that are no text (U+FFFD on the way back), so here
+    the reuse is reported, and asserted to reach past the previous prompt's mark."""
+    messages = [{"role": "user", "content": "Check the weather where I am going next week."}]
+    prev = None
+    for turn in (1, 2):
+        reply = _chat(on, messages, max_tokens=120, temperature=0, tools=[WEATHER], tool_choice="required",
+                      parallel_tool_calls=False, extra_body={"thinking_token_budget": 12})
+        calls, reasoning = reply["message"]["tool_calls"], reply["message"]["reasoning_content"]
+        assert calls and reasoning, "the reply reasons, then calls"
+        if prev is not None:
+            _report("agent loop, thinking, reasoning dropped by the client", turn, prev, reply, tokenizer)
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(prev["prompt"]) - 1
+        prev = reply
+        history = [{"role": "assistant", "content": reply["message"]["content"], "tool_calls": [
+            {"id": c["id"], "type": "function", "function": c["function"]} for c in calls]},
+            *[{"role": "tool", "tool_call_id": c["id"], "content": f"sunny, {18 + turn} C"} for c in calls]]
+
+        def tokens(assistant_extra: dict) -> list[int]:
+            body = {"model": SERVED_NAME, "tools": [WEATHER],
+                    "messages": messages + [{**history[0], **assistant_extra}, *history[1:]]}
+            return on.client.post("/tokenize", cast_to=object, body=body)["tokens"]
+
+        restored, explicit, empty = tokens({}), tokens({"reasoning_content": reasoning}), \
+            tokens({"reasoning_content": ""})
+        assert restored == explicit and restored != empty
+        messages = messages + history
+
+
 # ---------------------------------------------------------------------------- (c) the Anthropic client
 def test_anthropic_cache_read_input_tokens(on):
     claude = anthropic.Anthropic(base_url=on.proc.url, api_key=API_KEY, max_retries=0, timeout=120)

@@ -71,6 +71,7 @@ def render_chat(ctx: ServerContext, body: dict):
     Blocking work (a long conversation): run it through `ctx.run_cpu`. Message content is tokenized as plain
     text, so a control token spelled in it cannot forge a turn (Tokenizer.encode_pieces)."""
     _refuse_images(body)
+    body = ctx.reasoning_memory.restore(body)  # a reply's reasoning the client dropped from the history
     try:
         prompt = build_chat_prompt(body)
     except RequestError as exc:
@@ -149,6 +150,10 @@ class _ChatReply(StreamedReply):
         self.calls_seen = 0
         self.echo = _echo_text(prompt) if req.echo else ""
         self.prompt_logprobs = None  # vLLM's prompt_logprobs, from the engine's first event when asked for
+        # what the reasoning memory keeps of the reply: all its reasoning (shown or not), call ids, content
+        self.reasoning_seen: list[str] = []
+        self.call_ids: list[str] = []
+        self.content_sent: list[str] = []
 
     def _logprob_entries(self, event: TokenEvent) -> list[dict]:
         if not self.req.logprobs:
@@ -167,16 +172,19 @@ class _ChatReply(StreamedReply):
         deltas: list[dict] = []
         for ev in events:
             if isinstance(ev, ReasoningDelta):
+                self.reasoning_seen.append(ev.text)
                 if self.req.include_reasoning:
                     deltas.append({"reasoning_content": ev.text, "reasoning": ev.text})
             elif isinstance(ev, ContentDelta):
                 visible = self.stop.feed(ev.text)
                 if visible:
                     deltas.append({"content": visible})
+                    self.content_sent.append(visible)
                 if self.stop.stopped:
                     break
             elif isinstance(ev, ToolCallStart):
                 self.calls_seen += 1
+                self.call_ids.append(ev.id)
                 deltas.append({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
                                                "function": {"name": ev.name, "arguments": ""}}]})
             elif isinstance(ev, ToolCallArgumentsDelta):
@@ -208,6 +216,9 @@ class _ChatReply(StreamedReply):
                     rest = self.stop.flush()
                     if rest:
                         tail.append({"content": rest})
+                        self.content_sent.append(rest)
+                self.ctx.reasoning_memory.remember("".join(self.reasoning_seen), self.call_ids,
+                                                   "".join(self.content_sent))
                 yield tail, [], self._finish_reason(event.reason), []
                 return
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..engine import Engine, EngineClosed, EngineOverloaded, GenerationRequest, RequestStream
 from .errors import overloaded, unavailable
 from .metrics import Metrics
+from .reasoning_memory import ReasoningMemory
 from .request_log import RequestLog
 
 
@@ -74,6 +75,7 @@ class ServerContext:
         self.cached_tokens_total = 0  # of those, resumed from a session entry instead of prefilled
         self.completion_tokens_total = 0
         self.active: set = set()  # the live server.generation.Generation objects
+        self.reasoning_memory = ReasoningMemory()  # replies' reasoning, restored where a client drops it
         self.metrics = Metrics(config.served_name)
         self.request_log = RequestLog(config.request_log)
         self.body_reads: set = set()  # asyncio.Timeout scopes of bodies being read (a drain expires them)
