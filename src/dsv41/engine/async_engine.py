@@ -22,8 +22,9 @@ from .request import Sequence
 
 class AsyncEngine(Engine):
     def __init__(self, core: LLMEngine, *, vocab_size: int, max_model_len: int, max_waiting: int = 64,
-                 encode_text=None, stall_s: float = 60.0, describe: dict | None = None):
+                 encode_text=None, stall_s: float = 60.0, describe: dict | None = None, park_s: float = 30.0):
         self.core = core
+        self.park_s = park_s  # a graceful stop parks session entries for at most about this long
         self.vocab_size, self.max_model_len, self.max_waiting = int(vocab_size), int(max_model_len), max_waiting
         self.encode_text = encode_text
         self.stall_s = stall_s
@@ -170,11 +171,17 @@ class AsyncEngine(Engine):
             return
         started = time.monotonic()
         try:
-            core.sessions.park_all()
-            while core.has_work():
-                core.step()
-            print(f"dsv41 engine: session entries parked in {time.monotonic() - started:.2f} s "
-                  f"({core.sessions.stats.parked} in all)", file=sys.stderr, flush=True)
+            parked, left = 0, 0
+            while core.sessions.park_recent():  # newest first, one a batch, within the time given
+                while core.has_work():
+                    core.step()
+                parked += 1
+                if time.monotonic() - started > self.park_s:
+                    left = len(core.sessions.index)
+                    break
+            print(f"dsv41 engine: session entries parked in {time.monotonic() - started:.2f} s ({parked} left "
+                  f"RAM{f'; {left} dropped: --session-park-s {self.park_s:g} is up' if left else ''})",
+                  file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - the stop must not hang on the cache
             print(f"dsv41 engine: parking session entries failed: {type(exc).__name__}: {exc}", file=sys.stderr,
                   flush=True)

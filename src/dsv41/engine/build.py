@@ -51,6 +51,9 @@ def register_engine_args(parser) -> None:
                    help="byte budget of --session-dir (least recently used files go first; default 64)")
     g.add_argument("--session-disk-min-tokens", type=int, default=1024, metavar="N",
                    help="shortest entry parked on --session-dir (shorter ones are dropped; default 1024)")
+    g.add_argument("--session-park-s", type=float, default=30.0, metavar="S",
+                   help="a graceful stop parks session entries on --session-dir, newest first, for about this long "
+                        "(default 30; keep the drain timeout plus this under the unit's TimeoutStopSec)")
     g.add_argument("--expert-topp", type=float, default=None, metavar="P",
                    help="routed-expert pruning: keep the experts holding this much of the routing mass "
                         "(approximate, tagged; default off)")
@@ -266,7 +269,7 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,
-                       describe={"pool": pool.describe()})
+                       describe={"pool": pool.describe()}, park_s=getattr(args, "session_park_s", 30.0))
 
 
 # ---------------------------------------------------------------------------------------------------- server

@@ -278,6 +278,11 @@ class SessionCache:
                       if e is not keep and e.entry_id not in self._pinned), None)
         if entry is None:
             return False
+        self._let_go(entry)
+        return True
+
+    def _let_go(self, entry: SessionEntry) -> None:
+        """The entry leaves RAM: parked (long enough, a tier there) or dropped; its pages' references go."""
         self.index.remove(entry)
         parks = self.disk is not None and entry.length >= self.config.disk_min_tokens
         if parks:  # written from the snapshot and pages before anything reuses them (the runtime's order)
@@ -290,7 +295,6 @@ class SessionCache:
             self.drops.append(entry.entry_id)
         self.freed_pages += self.blocks.free(None, entry.pages)
         self.stats.evicted += 1
-        return True
 
     def clear(self) -> None:
         while self.evict():
@@ -312,8 +316,18 @@ class SessionCache:
         return out, freed
 
     def park_all(self) -> None:
-        """A graceful stop: every entry leaves RAM (parked where it is long enough and a tier exists)."""
+        """Every entry leaves RAM (parked where it is long enough and a tier exists)."""
         self.clear()
+
+    def park_recent(self) -> bool:
+        """The most recently used entry leaves RAM (parked where it is long enough); False when none is left. A
+        graceful stop parks one a batch, newest first, until its time is up: the conversations most likely to
+        come back are on disk first."""
+        newest = next(reversed(self.index.entries.values()), None)
+        if newest is None:
+            return False
+        self._let_go(newest)
+        return True
 
     def figures(self) -> dict:
         return {"entries": len(self.index), "pages": self.index.pages_held,

@@ -148,6 +148,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               more="Least recently used files go first. Empty = 64."),
     ServeKnob("DSV41_SESSION_DISK_MIN_TOKENS", "--session-disk-min-tokens", "shortest entry parked on the NVMe "
               "tier", more="Shorter ones are dropped when they leave RAM. Empty = 1024."),
+    ServeKnob("DSV41_SESSION_PARK_S", "--session-park-s", "seconds a graceful stop parks session entries, newest "
+              "first", more="Keep DSV41_DRAIN_TIMEOUT_S plus this under the unit's TimeoutStopSec (120 s). Empty = 30."),
     ServeKnob("DSV41_EXPERT_TOPP", "--expert-topp", "routed-expert pruning mass (approximate, tagged; empty = off)",
               more="Keeps the experts holding this much routing mass."),
     ServeKnob("DSV41_EXPERT_MIN_K", "--expert-min-k", "with expert pruning: never fewer experts than this",

@@ -184,6 +184,7 @@ ENGINE_LIMITS = (
     ("session_min_tokens", "--session-min-tokens", int, 1, None, False),
     ("session_disk_gib", "--session-disk-gib", float, 0, None, False),
     ("session_disk_min_tokens", "--session-disk-min-tokens", int, 1, None, False),
+    ("session_park_s", "--session-park-s", float, 0, None, False),
     ("expert_topp", "--expert-topp", float, 0, 1, True),
     ("expert_min_k", "--expert-min-k", int, 1, None, False),
     ("draft_depth", "--draft-depth", int, 0, 5, False),
