@@ -26,11 +26,20 @@ $(BIN)/.installed: pyproject.toml $(LOCK)
 	$(BIN)/pip check
 	touch $@
 
-.PHONY: install run test lock
+.PHONY: install run test lock train-tiny
 install: $(BIN)/.installed
 
 run: $(BIN)/.installed
 	$(BIN)/dsv41 generate --prompt "$(PROMPT)" --max-tokens 32
+
+# Train the tiny model on a GPU (docs/TINY_MODEL.md): TRAIN_OUT is the run folder, continued by the next call;
+# each call stops, checkpointed, within TRAIN_CALL_MINUTES; the export lands in TRAIN_OUT/model when done.
+TRAIN_OUT          ?= runs/tiny
+TRAIN_MINUTES      ?= 16
+TRAIN_CALL_MINUTES ?= 9
+TRAIN_ARGS         ?=
+train-tiny: $(BIN)/.installed
+	$(BIN)/dsv41 train-tiny --out $(TRAIN_OUT) --total-minutes $(TRAIN_MINUTES) --max-minutes $(TRAIN_CALL_MINUTES) $(TRAIN_ARGS)
 
 # TEST_WORKERS=N runs the suite on N processes (pytest-xdist, from requirements/dev.in), whole files per worker
 # (--dist loadfile: each module-scoped fixture, several of which build tiny checkpoints, is made once), handed out

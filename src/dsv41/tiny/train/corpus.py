@@ -58,7 +58,8 @@ class PyFile:
 
 
 def stdlib_files(code_bytes: int = DEFAULT_CODE_BYTES, root: str | Path | None = None) -> list[PyFile]:
-    """The stdlib's *.py files in sorted order, stdlib proper before its `test` package, up to `code_bytes`."""
+    """The stdlib's *.py files in sorted order, stdlib proper before its `test` package, each while the total stays
+    within `code_bytes`."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     paths = [p for p in root.rglob("*.py") if p.is_file()]
     rels = sorted((p.relative_to(root).as_posix(), p) for p in paths)
@@ -73,7 +74,7 @@ def stdlib_files(code_bytes: int = DEFAULT_CODE_BYTES, root: str | Path | None =
         except (UnicodeDecodeError, OSError):
             continue
         if total + len(text) > code_bytes:
-            break
+            continue
         out.append(PyFile(rel, text))
         total += len(text)
     return out

@@ -64,7 +64,7 @@ class Losses:
     draft_acc: torch.Tensor
 
     def floats(self) -> dict[str, float]:
-        return {k: float(v) for k, v in self.__dict__.items()}
+        return {k: float(v.detach()) for k, v in self.__dict__.items()}
 
 
 class TinyNet(nn.Module):
