@@ -83,6 +83,10 @@ class TinyNet(nn.Module):
                          for r in self.roles}
         self._cache: dict[str, torch.Tensor] = {}
         self.loads: dict[str, torch.Tensor] = {}
+        self.fake_quant = True  # the activation quantisers (load_model's fake_quant; off only for checks)
+
+    def _fq(self, fn, x: torch.Tensor) -> torch.Tensor:
+        return fn(x) if self.fake_quant else x
 
     # ------------------------------------------------------------------ weights
     def raw(self, name: str) -> nn.Parameter:
@@ -165,7 +169,7 @@ class TinyNet(nn.Module):
 
     def _window_kv(self, role, a: str, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         kv = self._norm(self.lin(h, a + "wkv"), a + "kv_norm.weight")
-        return quant.kv_fp8(self._rope(role, kv, pos))
+        return self._fq(quant.kv_fp8, self._rope(role, kv, pos))
 
     def _output(self, role, a: str, o: torch.Tensor, pos: torch.Tensor, dtype) -> torch.Tensor:
         cfg = self.cfg
@@ -240,11 +244,11 @@ class TinyNet(nn.Module):
         C = latent.shape[1]
         entry_pos = (torch.arange(C, device=h.device) * r).repeat(B)
         flat = latent.reshape(B * C, -1)
-        src["kv"] = quant.compressed_fp4(self._rope(role, flat, entry_pos)).view(B, C, -1)
+        src["kv"] = self._fq(quant.compressed_fp4, self._rope(role, flat, entry_pos)).view(B, C, -1)
         src["ratio"] = r
         if role.scores:  # the index keys come from the pre-RoPE latent, detached: only the indexer loss trains them
             k = self._norm(self.lin(flat.detach(), a + "indexer.wk"), a + "indexer.k_norm.weight")
-            src["index_k"] = quant.index_fp4(self._rope(role, k, entry_pos)).view(B, C, -1)
+            src["index_k"] = self._fq(quant.index_fp4, self._rope(role, k, entry_pos)).view(B, C, -1)
 
     def _topk(self, L, h, qr, q, B, T, pos, src, ctx) -> torch.Tensor:
         cfg, role = self.cfg, self.roles[L]
@@ -255,7 +259,7 @@ class TinyNet(nn.Module):
             ctx["topk"][L] = ids
             return ids
         nh, ihd = cfg.index_n_heads, cfg.index_head_dim
-        iq = quant.index_fp4(self._rope(role, self.lin(qr.detach(), a + "wq_b").view(-1, nh, ihd), pos))
+        iq = self._fq(quant.index_fp4, self._rope(role, self.lin(qr.detach(), a + "wq_b").view(-1, nh, ihd), pos))
         wts = self.lin(h.detach(), a + "weights_proj").float() * (ihd ** -0.5) * (nh ** -0.5)
         per_head = torch.relu(torch.einsum("bthd,bcd->bthc", iq.view(B, T, nh, ihd).float(),
                                            src["index_k"].float()))

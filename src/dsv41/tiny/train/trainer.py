@@ -265,8 +265,8 @@ class Run:
                     self.say(f"step {self.step}/{s.steps} loss {last['total']:.4f} lm {last['lm']:.4f} "
                              f"acc {last['lm_acc']:.3f} draft {last['draft']:.3f}/{last['draft_acc']:.3f} "
                              f"idx {last['indexer']:.3f} {last['tok_s']:.0f} tok/s")
-                if not math.isfinite(float(losses.total)):
-                    raise DSV41Error(f"train-tiny: loss is {float(losses.total)} at step {self.step}")
+                if not math.isfinite(float(losses.total.detach())):
+                    raise DSV41Error(f"train-tiny: loss is {float(losses.total.detach())} at step {self.step}")
                 if self.step % s.eval_every == 0 or self.step == s.steps:
                     ev = self.evaluate()
                     log.write(json.dumps({"step": self.step, "eval": ev}) + "\n")
