@@ -20,6 +20,10 @@ def register(sub) -> None:
     p.add_argument("--lr", type=number(float, 0, above=True), default=None, help="peak learning rate (2e-3)")
     p.add_argument("--seed", type=number(int, 0), default=0)
     p.add_argument("--export", metavar="DIR", default=None, help="where the trained checkpoint goes (OUT/model)")
+    p.add_argument("--micro-batch", type=number(int, 1), default=None,
+                   help="sequences a forward, gradients accumulated (default: the whole batch; halved on OOM)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="write the skeleton and the tokenized corpus into OUT and stop (no device needed)")
     p.add_argument("--export-now", action="store_true", help="export the last checkpoint and stop")
     p.add_argument("--compile", action="store_true", help="torch.compile the training step (CUDA; optional)")
     p.add_argument("--tiny-batch", action="store_true",
@@ -32,7 +36,7 @@ def cmd_train_tiny(args) -> int:
     given = {k: v for k, v in {"steps": args.steps, "total_minutes": args.total_minutes,
                                "max_minutes": args.max_minutes, "device": args.device, "batch": args.batch,
                                "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed, "export": args.export,
-                               "compile": args.compile}.items() if v is not None}
+                               "compile": args.compile, "micro_batch": args.micro_batch}.items() if v is not None}
     settings = TrainSettings.smoke(args.out, **given) if args.tiny_batch else TrainSettings(out=args.out, **given)
-    print(json.dumps(train(settings, export_now=args.export_now)))
+    print(json.dumps(train(settings, export_now=args.export_now, prepare_only=args.prepare_only)))
     return 0

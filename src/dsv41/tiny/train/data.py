@@ -63,7 +63,7 @@ def save_streams(streams: dict[str, dict[str, Stream]], folder: str | Path, summ
         for src, s in by_source.items():
             arrays[f"{split}.{src}.ids"] = s.ids
             arrays[f"{split}.{src}.starts"] = s.starts
-    np.savez(folder / "tokens.npz", **arrays)
+    np.savez_compressed(folder / "tokens.npz", **arrays)
     counts = {f"{split}.{src}": len(s) for split, by in streams.items() for src, s in by.items()}
     (folder / "corpus.json").write_text(json.dumps({**summary, "tokens": counts}, indent=2) + "\n")
 

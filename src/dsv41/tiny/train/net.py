@@ -147,7 +147,8 @@ class TinyNet(nn.Module):
         weights = weights * cfg.routed_scaling_factor
         dense = torch.zeros(h.shape[0], n_experts, device=h.device, dtype=weights.dtype).scatter(1, ids, weights)
         if self.training:
-            self.loads[f"{f}gate.bias"] = torch.bincount(ids.flatten(), minlength=n_experts).float().detach()
+            key = f"{f}gate.bias"  # summed over a step's micro-batches
+            self.loads[key] = self.loads.get(key, 0) + torch.bincount(ids.flatten(), minlength=n_experts).float()
         y = torch.zeros(h.shape[0], h.shape[1], dtype=torch.float32, device=h.device)
         for e in range(n_experts):
             y = y + swiglu_clamped(h, self._expert(f"{f}experts.{e}."), cfg.swiglu_limit, dense[:, e])

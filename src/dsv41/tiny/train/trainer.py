@@ -31,7 +31,7 @@ from . import data as D
 from .corpus import DEFAULT_CHATS, DEFAULT_CODE_BYTES, build_corpus
 from .export import checkpoint_bytes, export_checkpoint
 from .layout import TRAINED_OVERRIDES, make_skeleton, read_layout
-from .net import TinyNet, init_weights
+from .net import Losses, TinyNet, init_weights
 
 # settings that shape the result: a continued run must use the same ones
 SHAPING = ("seed", "batch", "seq_len", "lr", "warmup", "min_lr_ratio", "weight_decay", "anchors", "code_bytes",
@@ -66,6 +66,7 @@ class TrainSettings:
     eval_docs: int = 32
     export: str | None = None  # default: OUT/model
     compile: bool = False
+    micro_batch: int | None = None  # sequences a forward (None: the whole batch); not part of the result
     overrides: dict = field(default_factory=dict)
 
     @classmethod
@@ -97,8 +98,6 @@ class Run:
         self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.device = torch.device(settings.device)
         self.t_start = time.time()  # --max-minutes counts from here (preparation included)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise DSV41Error("train-tiny: --device cuda but CUDA is not available (use --device cpu for a smoke run)")
 
     # ------------------------------------------------------------------ preparation
     def prepare(self) -> None:
@@ -163,6 +162,8 @@ class Run:
 
     # ------------------------------------------------------------------ model and optimizer
     def build(self) -> None:
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DSV41Error("train-tiny: --device cuda but CUDA is not available (use --device cpu for a smoke run)")
         self.net = TinyNet(self.cfg, self.specs).to(self.device)
         decay, plain = [], []
         for name in self.net.names():
@@ -186,6 +187,7 @@ class Run:
         else:
             init_weights(self.net, self.s.seed)
             self.net.to(self.device)
+        self.micro = self.s.micro_batch or self.s.batch
         self.loss_fn = self.net.losses
         if self.s.compile:
             self.loss_fn = torch.compile(self.net.losses, dynamic=False)
@@ -212,22 +214,46 @@ class Run:
 
     def train_step(self, batch: D.Batch, anchors: torch.Tensor, lr: float):
         """One optimizer step on `batch`: forward and losses under autocast, backward, clipped AdamW, router
-        balancing. Returns (losses, gradient norm before clipping)."""
+        balancing. Returns (losses, gradient norm before clipping). The batch runs in micro-batches of
+        `self.micro` sequences with gradients accumulated (the same step); a CUDA out-of-memory halves it."""
         s = self.s
-        batch = batch.to(self.device)
+        batch, anchors = batch.to(self.device), anchors.to(self.device)
         for g in self.opt.param_groups:
             g["lr"] = lr
         self.net.train()
-        with self._autocast():
-            losses = self.loss_fn(batch.ids, batch.engram, anchors.to(self.device), s.draft_weight,
-                                  s.confidence_weight, s.indexer_weight)
-        self.opt.zero_grad(set_to_none=True)
-        losses.total.backward()
+        while True:
+            try:
+                losses = self._accumulate(batch, anchors)
+                break
+            except torch.cuda.OutOfMemoryError:
+                if self.micro <= 1:
+                    raise
+                self.opt.zero_grad(set_to_none=True)
+                self.net.loads = {}
+                torch.cuda.empty_cache()
+                self.micro //= 2
+                self.say(f"train-tiny: out of GPU memory; micro-batches of {self.micro} sequences from now on")
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.net.parameters() if p.requires_grad],
                                                    s.grad_clip)
         self.opt.step()
         self.net.balance_router(s.router_rate)
         return losses, grad_norm
+
+    def _accumulate(self, batch: D.Batch, anchors: torch.Tensor) -> Losses:
+        s, n = self.s, batch.ids.shape[0]
+        self.opt.zero_grad(set_to_none=True)
+        self.net.loads = {}
+        total: dict[str, torch.Tensor] = {}
+        for i in range(0, n, self.micro):
+            part = slice(i, min(n, i + self.micro))
+            share = (part.stop - part.start) / n
+            with self._autocast():
+                losses = self.loss_fn(batch.ids[part], None if batch.engram is None else batch.engram[part],
+                                      anchors[part], s.draft_weight, s.confidence_weight, s.indexer_weight)
+            (losses.total * share).backward()
+            for k, v in losses.__dict__.items():
+                total[k] = total.get(k, 0) + v.detach() * share
+        return Losses(**total)
 
     def train(self) -> dict:
         s = self.s
@@ -291,8 +317,9 @@ class Run:
         """Held-out next-token loss and top-1 accuracy per source, and the DSpark draft agreement on them."""
         s = self.s
         out = {}
+        self.net.eval()
         batches = D.eval_batches(self.streams["heldout"], self.hasher, s.seq_len, s.eval_docs,
-                                 batch=max(1, s.batch // 2))
+                                 batch=max(1, self.micro // 2))
         for src, bs in batches.items():
             totals = np.zeros(3)
             for i, b in enumerate(bs):
@@ -305,7 +332,7 @@ class Run:
                 totals += [float(losses.lm), float(losses.lm_acc), float(losses.draft_acc)]
             lm, acc, dacc = totals / max(1, len(bs))
             out[src] = {"loss": round(lm, 4), "acc": round(acc, 4), "draft_acc": round(dacc, 4)}
-        self.net.loads = {}
+        self.net.train()
         return out
 
     def export(self, out: str | Path | None = None) -> Path:
@@ -318,9 +345,11 @@ class Run:
         return folder
 
 
-def train(settings: TrainSettings, log=None, export_now: bool = False) -> dict:
+def train(settings: TrainSettings, log=None, export_now: bool = False, prepare_only: bool = False) -> dict:
     run = Run(settings, log)
     run.prepare()
+    if prepare_only:
+        return {"prepared": str(run.dir), "corpus": run.corpus_info}
     run.build()
     if export_now:
         return {"step": run.step, "export": str(run.export())}
