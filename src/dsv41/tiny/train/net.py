@@ -95,10 +95,18 @@ class TinyNet(nn.Module):
     def names(self) -> list[str]:
         return list(self.kinds)
 
+    def refresh_weights(self) -> None:
+        """Every effective (stored-and-read-back) weight, computed once per forward, a storage kind at a time."""
+        by_kind: dict[str, list[str]] = {}
+        for name, kind in self.kinds.items():
+            by_kind.setdefault(kind, []).append(name)
+        self._cache = {}
+        for kind, names in by_kind.items():
+            self._cache.update(zip(names, quant.stored_all([self.raw(n) for n in names], kind)))
+
     def w(self, name: str) -> torch.Tensor:
-        """The effective (stored-and-read-back) weight, once per forward."""
         if name not in self._cache:
-            self._cache[name] = quant.stored(self.raw(name), self.kinds[name])
+            self.refresh_weights()
         return self._cache[name]
 
     def lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -306,7 +314,7 @@ class TinyNet(nn.Module):
     def backbone(self, ids: torch.Tensor, engram_rows: torch.Tensor | None, ctx: dict | None = None):
         """ids [B, T] -> (final-normed hidden [B*T, d], taps [B*T, n_taps*d])."""
         cfg = self.cfg
-        self._cache = {}
+        self.refresh_weights()
         B, T = ids.shape
         N = B * T
         ctx = ctx if ctx is not None else {}
