@@ -73,6 +73,8 @@ def stdlib_files(code_bytes: int = DEFAULT_CODE_BYTES, root: str | Path | None =
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+        if not text.strip():
+            continue  # empty package markers teach nothing and make degenerate held-out streams
         if total + len(text) > code_bytes:
             continue
         out.append(PyFile(rel, text))

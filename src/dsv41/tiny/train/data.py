@@ -128,6 +128,8 @@ def eval_batches(streams: dict[str, Stream], hasher, seq_len: int, per_source: i
     """Fixed held-out batches per source: the first `per_source` documents' starts (seed-free)."""
     out = {}
     for src, stream in sorted(streams.items()):
+        if len(stream) <= seq_len:
+            continue  # too little held-out text of this source for one sequence
         starts = stream.starts[:per_source]
         rows = np.stack([stream.ids[(int(s) + np.arange(seq_len + 1)) % len(stream)].astype(np.int64)
                          for s in starts])
