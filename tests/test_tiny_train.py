@@ -95,7 +95,7 @@ def run(run_dir):
 
 def test_smoke_run_writes_everything_a_later_call_needs(run_dir, run):
     for name in ("run.json", "state.pt", "log.jsonl", "corpus/tokens.npz", "skeleton/config.json",
-                 "model/config.json", "model/training.json"):
+                 "model/config.json", "model/training.json", "loss.svg"):
         assert (run_dir / name).is_file(), name
     logged = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert logged[0]["step"] == 1 and math.isfinite(logged[0]["total"])

@@ -6,6 +6,7 @@ A run folder holds everything a later call needs to continue:
   run.json       the settings the run started with (a later call must agree on what shapes the result)
   state.pt       weights, optimizer, step (written atomically every --ckpt-every steps and when time runs out)
   log.jsonl      one line per logged step (losses, accuracies, lr, tokens/s) and per evaluation
+  loss.svg       the loss curves so far (plot.py)
   model/         the exported checkpoint, written when the last step is done (or by --export-now)
 Batches and DSpark anchors are functions of (seed, step), so a run continued over several calls draws the same
 data as one that never stopped. `--max-minutes` ends a call cleanly (checkpoint, exit 0) before a device limit.
@@ -32,6 +33,7 @@ from .corpus import DEFAULT_CHATS, DEFAULT_CODE_BYTES, build_corpus
 from .export import checkpoint_bytes, export_checkpoint
 from .layout import TRAINED_OVERRIDES, make_skeleton, read_layout
 from .net import Losses, TinyNet, init_weights
+from .plot import loss_svg
 
 # settings that shape the result: a continued run must use the same ones
 SHAPING = ("seed", "batch", "seq_len", "lr", "warmup", "min_lr_ratio", "weight_decay", "anchors", "code_bytes",
@@ -164,6 +166,8 @@ class Run:
     def build(self) -> None:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DSV41Error("train-tiny: --device cuda but CUDA is not available (use --device cpu for a smoke run)")
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # the fp32 products (mHC mixing, router, head)
         self.net = TinyNet(self.cfg, self.specs).to(self.device)
         decay, plain = [], []
         for name in self.net.names():
@@ -304,6 +308,8 @@ class Run:
             pool.shutdown(wait=False, cancel_futures=True)
             log.close()
         self.save()
+        if last:
+            loss_svg(self.dir / "log.jsonl", self.dir / "loss.svg")
         done = s.steps is not None and self.step >= s.steps
         result = {"step": self.step, "steps": s.steps, "done": done, "last": last,
                   "call_seconds": round(time.time() - started, 1),
