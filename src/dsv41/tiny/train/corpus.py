@@ -108,10 +108,12 @@ def topic_texts(root: str | Path | None = None) -> list[str]:
     if not path.is_file():
         return []
     try:
-        topics = ast.literal_eval(path.read_text(encoding="utf-8").split("=", 1)[1])
-    except (SyntaxError, ValueError, IndexError):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        topics = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                      and any(isinstance(t, ast.Name) and t.id == "topics" for t in node.targets))
+    except (SyntaxError, ValueError, StopIteration):
         return []
-    return [f"{name}\n\n{text}" for name, text in sorted(topics.items())]
+    return [f"{name}\n\n{text}" for name, text in sorted(topics.items()) if isinstance(text, str)]
 
 
 # --------------------------------------------------------------------------------------------------- facts

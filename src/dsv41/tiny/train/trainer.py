@@ -337,7 +337,7 @@ class Run:
                     losses = self.net.losses(b.ids, b.engram, anchors.to(self.device))
                 totals += [float(losses.lm), float(losses.lm_acc), float(losses.draft_acc)]
             lm, acc, dacc = totals / max(1, len(bs))
-            out[src] = {"loss": round(lm, 4), "acc": round(acc, 4), "draft_acc": round(dacc, 4)}
+            out[src] = {"loss": round(float(lm), 4), "acc": round(float(acc), 4), "draft_acc": round(float(dacc), 4)}
         self.net.train()
         return out
 
