@@ -290,19 +290,18 @@ class TinyNet(nn.Module):
 
     @staticmethod
     def _indexer_kl(masked_scores, visible, q, comp, B, T) -> torch.Tensor:
-        """KL(main attention's head-summed distribution over visible entries || softmax of index scores)."""
+        """KL(main attention's head-summed distribution over visible entries || softmax of index scores), the
+        mean over the queries that see any entry (no data-dependent branch or indexing: no host sync)."""
         rows = visible.any(dim=-1)  # [B, T]
-        if not bool(rows.any()):
-            return masked_scores.sum() * 0
         with torch.no_grad():
             H = q.shape[1]
             logits = torch.einsum("bthd,bcd->bthc", q.view(B, T, H, -1).float(), comp.float())
             logits = logits.masked_fill(~visible[:, :, None, :], float("-inf"))
             target = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=2)
-            target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-20)
-        logq = torch.log_softmax(masked_scores.float()[rows], dim=-1)
-        t = target[rows]
-        return (torch.xlogy(t, t) - t * logq.masked_fill(t == 0, 0.0)).sum(dim=-1).mean()
+            target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-20)  # rows seeing nothing: all 0
+        logq = torch.log_softmax(torch.where(rows[..., None], masked_scores.float(), 0.0), dim=-1)
+        kl = (torch.xlogy(target, target) - target * logq.masked_fill(target == 0, 0.0)).sum(dim=-1)
+        return kl.sum() / rows.sum().clamp(min=1)
 
     # ------------------------------------------------------------------ whole model
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
