@@ -16,7 +16,7 @@ from dsv41.errors import DSV41Error
 from dsv41.model.loader import load_model
 from dsv41.tiny.train.corpus import build_corpus, fact_table, generate_chats, is_heldout
 from dsv41.tiny.train.export import checkpoint_bytes
-from dsv41.tiny.train.trainer import Run, TrainSettings
+from dsv41.tiny.train.trainer import Run, TrainSettings, lr_at
 
 SMALL = dict(code_bytes=150_000, n_chats=300)
 
@@ -189,3 +189,29 @@ def test_export_drafts_like_the_trainers_dspark_block(run, tmp_path):
     draft = model.dspark.draft(model, state, int(ids[p + 1]), choose=lambda row, i: int(ids[p + 2 + i]))
     assert float((draft.logits - logits[0, 0]).abs().max()) < 1e-3
     assert torch.allclose(draft.confidence, torch.sigmoid(conf[0, 0]), atol=1e-5)
+
+
+def test_total_minutes_fixes_the_step_count_from_measured_steps(run, run_dir):
+    """--total-minutes: after the timed warmup steps the count that fits is written to run.json and kept."""
+    saved = (run_dir / "run.json").read_text()
+    steps = run.s.steps
+    try:
+        run.s.steps, run.s.total_minutes, run.step = None, 1.0, 8
+        assert run.s.warmup <= 3 and lr_at(run.s, 3) == run.s.lr  # no step count yet: the peak after warmup
+        run._calibrate([9.0, 9.0, 0.5, 0.5, 0.5, 0.5, 0.5], minutes_used=0.1)
+        assert run.s.steps == 8 + int((60 * 0.95 - 6) / 0.5)
+        assert json.loads((run_dir / "run.json").read_text())["steps"] == run.s.steps
+        again = Run(TrainSettings.smoke(str(run_dir)), log=lambda m: None)
+        again._check_run_json()
+        assert again.s.steps == run.s.steps
+    finally:
+        (run_dir / "run.json").write_text(saved)
+        run.s.steps, run.s.total_minutes, run.step = steps, None, 1
+
+
+def test_learning_rate_warms_up_then_decays_to_its_floor():
+    s = TrainSettings(out="unused", steps=1000, warmup=100, lr=1e-3, min_lr_ratio=0.1)
+    assert lr_at(s, 0) == pytest.approx(1e-5) and lr_at(s, 99) == pytest.approx(1e-3)
+    assert lr_at(s, 100) == pytest.approx(1e-3)
+    assert lr_at(s, 550) == pytest.approx(0.55e-3)
+    assert lr_at(s, 1000) == pytest.approx(1e-4)
