@@ -140,14 +140,16 @@ class Run:
             raise DSV41Error(f"train-tiny: {self.dir} trains for {theirs['steps']} steps (its learning-rate "
                              f"schedule); --steps {self.s.steps} would change it. Leave --steps out to continue.")
         self.s.steps = self.s.steps if self.s.steps is not None else theirs["steps"]
+        self._write_run_json(mine)
+
+    def _check_step_count(self) -> None:
         if self.s.steps is None and self.s.total_minutes is None:
             raise DSV41Error("train-tiny: give --steps N or --total-minutes M (the step count is then measured)")
-        if self.s.steps is not None and self.s.warmup < 1:
+        if self.s.warmup < 1:
             raise DSV41Error("train-tiny: --warmup must be at least 1")
         if self.s.steps is None and self.s.warmup < CALIBRATION:
             raise DSV41Error(f"train-tiny: --total-minutes needs --warmup >= {CALIBRATION} (the timed steps must "
                              f"not depend on the step count)")
-        self._write_run_json(mine)
 
     def _write_run_json(self, shaping: dict) -> None:
         (self.dir / "run.json").write_text(json.dumps({**shaping, "steps": self.s.steps}, indent=2) + "\n")
@@ -164,6 +166,7 @@ class Run:
 
     # ------------------------------------------------------------------ model and optimizer
     def build(self) -> None:
+        self._check_step_count()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DSV41Error("train-tiny: --device cuda but CUDA is not available (use --device cpu for a smoke run)")
         if self.device.type == "cuda":
