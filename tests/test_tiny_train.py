@@ -99,6 +99,9 @@ def test_smoke_run_writes_everything_a_later_call_needs(run_dir, run):
         assert (run_dir / name).is_file(), name
     logged = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
     assert logged[0]["step"] == 1 and math.isfinite(logged[0]["total"])
+    evaluation = next(row["eval"] for row in logged if "eval" in row)
+    assert 0 <= evaluation["chat"]["answer_exact"] <= 1 and math.isfinite(evaluation["chat"]["loss"])
+    assert (run.streams["heldout"]["chat"].answers > 0).all()  # every held-out answer located in its chat's ids
     assert checkpoint_bytes(run_dir / "model") <= 20_000_000
     assert run.step == 1  # resumed
     state = torch.load(run_dir / "state.pt", weights_only=True)

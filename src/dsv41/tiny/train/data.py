@@ -28,6 +28,7 @@ SOURCE_WEIGHTS = {"chat": 0.45, "code": 0.35, "docs": 0.12, "facts": 0.08}
 class Stream:
     ids: np.ndarray  # uint16 [n]
     starts: np.ndarray  # int64 document starts
+    answers: np.ndarray | None = None  # chats: tokens of each one's final answer + EOS at its end (-1: unknown)
 
     def __len__(self) -> int:
         return int(self.ids.size)
@@ -45,7 +46,17 @@ def tokenize_corpus(corpus: Corpus, tok) -> dict[str, dict[str, Stream]]:
             "chat": [tok.encode_pieces(c.pieces()) for c in corpus.chats[split]],
         }
         out[split] = {src: _stream(d) for src, d in docs.items() if d}
+        if "chat" in out[split]:
+            out[split]["chat"].answers = np.array([_answer_tokens(tok, c.answer, d) for c, d in
+                                                   zip(corpus.chats[split], docs["chat"])], dtype=np.int64)
     return out
+
+
+def _answer_tokens(tok, answer: str, doc: list[int]) -> int:
+    """How many tokens at the end of a chat's ids are its final answer and EOS (-1 if they are not exactly the
+    answer's own tokens: then it is left out of the answer evaluation)."""
+    tail = [*tok.encode_literal(answer), tok.eos_id]
+    return len(tail) if doc[-len(tail):] == tail else -1
 
 
 def _stream(docs: list[list[int]]) -> Stream:
@@ -63,6 +74,8 @@ def save_streams(streams: dict[str, dict[str, Stream]], folder: str | Path, summ
         for src, s in by_source.items():
             arrays[f"{split}.{src}.ids"] = s.ids
             arrays[f"{split}.{src}.starts"] = s.starts
+            if s.answers is not None:
+                arrays[f"{split}.{src}.answers"] = s.answers
     np.savez_compressed(folder / "tokens.npz", **arrays)
     counts = {f"{split}.{src}": len(s) for split, by in streams.items() for src, s in by.items()}
     (folder / "corpus.json").write_text(json.dumps({**summary, "tokens": counts}, indent=2) + "\n")
@@ -74,7 +87,8 @@ def load_streams(folder: str | Path) -> dict[str, dict[str, Stream]]:
         for key in z.files:
             split, src, what = key.split(".")
             if what == "ids":
-                out.setdefault(split, {})[src] = Stream(z[key], z[f"{split}.{src}.starts"])
+                answers = z[f"{split}.{src}.answers"] if f"{split}.{src}.answers" in z.files else None
+                out.setdefault(split, {})[src] = Stream(z[key], z[f"{split}.{src}.starts"], answers)
     return out
 
 
@@ -136,3 +150,17 @@ def eval_batches(streams: dict[str, Stream], hasher, seq_len: int, per_source: i
         out[src] = [Batch(torch.from_numpy(rows[i:i + batch]), engram_rows(hasher, rows[i:i + batch, :-1]),
                           [src] * len(rows[i:i + batch])) for i in range(0, len(rows), batch)]
     return out
+
+
+def answer_batches(stream: Stream, hasher, seq_len: int, n_docs: int, batch: int = 8):
+    """The first `n_docs` chats that fit in seq_len+1 ids with a known answer: (batches, spans) where span i is
+    (row, first answer position, end) inside batch i // batch's ids (the rest of a row is the following text)."""
+    ends = np.append(stream.starts[1:], len(stream))
+    picked = [(int(s), int(e), int(a)) for s, e, a in zip(stream.starts, ends, stream.answers)
+              if a > 0 and e - s <= seq_len + 1][:n_docs]
+    rows = np.stack([stream.ids[(s + np.arange(seq_len + 1)) % len(stream)].astype(np.int64) for s, _, _ in picked]) \
+        if picked else np.zeros((0, seq_len + 1), dtype=np.int64)
+    batches = [Batch(torch.from_numpy(rows[i:i + batch]), engram_rows(hasher, rows[i:i + batch, :-1]), ["chat"])
+               for i in range(0, len(rows), batch)]
+    spans = [(e - s - a, e - s) for s, e, a in picked]
+    return batches, spans

@@ -341,8 +341,29 @@ class Run:
                 totals += [float(losses.lm), float(losses.lm_acc), float(losses.draft_acc)]
             lm, acc, dacc = totals / max(1, len(bs))
             out[src] = {"loss": round(float(lm), 4), "acc": round(float(acc), 4), "draft_acc": round(float(dacc), 4)}
+        chat = self.streams["heldout"].get("chat")
+        if chat is not None and chat.answers is not None and "chat" in out:
+            out["chat"]["answer_exact"] = self._answer_exact(chat)
         self.net.train()
         return out
+
+    def _answer_exact(self, chat: D.Stream) -> float:
+        """Held-out chats whose final answer (and EOS) is every token the model's argmax, the conversation before
+        it given (teacher-forced reasoning and tool results): a cheap signal, not the generation accuracy."""
+        s = self.s
+        batches, spans = D.answer_batches(chat, self.hasher, s.seq_len, s.eval_docs * 4, max(1, self.micro // 2))
+        hits, k = 0, 0
+        for b in batches:
+            b = b.to(self.device)
+            with self._autocast():
+                hidden, _ = self.net.backbone(b.inputs, b.engram)
+                pred = self.net.logits(hidden).argmax(-1).view(b.inputs.shape).cpu()
+            ids = b.ids.cpu()
+            for row in range(ids.shape[0]):
+                first, end = spans[k]
+                hits += bool((pred[row, first - 1:end - 1] == ids[row, first:end]).all())
+                k += 1
+        return round(hits / max(1, k), 4)
 
     def export(self, out: str | Path | None = None) -> Path:
         target = Path(out or self.s.export or self.dir / "model")
