@@ -95,6 +95,9 @@ def register(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("tools")
     g.add_argument("--tool-steps", type=number(int, 1), default=3, metavar="N", help="lookups of the key chain")
     g.add_argument("--tool-thinking", type=_modes, default=[False, True], metavar="off,on")
+    g.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
+                   help="auto: the model decides (default, what the figures mean); required: the grammar forces a "
+                        "call every turn (checks the harness and the server, not the model)")
     g.add_argument("--tool-max-tokens", type=number(int, 1), default=2048, metavar="N", help="per turn")
     g.add_argument("--server-timeout", type=number(float, 0, above=True), default=900.0, metavar="S",
                    help="seconds the started server gets to load (default 900)")
@@ -105,6 +108,15 @@ def register(subparsers) -> argparse.ArgumentParser:
     add_start_args(p)
     p.set_defaults(func=run_eval)
     return p
+
+
+def eval_args(argv: list[str]) -> argparse.Namespace:
+    """`dsv41 eval`'s options parsed from `argv` (scripts and tests that call the parts directly)."""
+    from ..cli import OneLineParser
+
+    parser = OneLineParser(prog="dsv41")
+    register(parser.add_subparsers())
+    return parser.parse_args(["eval", *argv])
 
 
 def _tokenizer(args):
@@ -205,7 +217,8 @@ def run_eval(args) -> int:
                 url = server.url
             try:
                 return tools.evaluate(url, api_key, steps=args.tool_steps, modes=args.tool_thinking,
-                                      max_tokens=args.tool_max_tokens, seed=args.seed)
+                                      max_tokens=args.tool_max_tokens, seed=args.seed,
+                                      tool_choice=args.tool_choice)
             finally:
                 if server is not None:
                     server.stop()

@@ -88,12 +88,13 @@ def evaluate(backend, tokenizer, questions: list[dict]) -> dict:
     queries = [Query(user_ids(tokenizer, prompt_text(q)), max_tokens=1, allowed_ids=allowed, draft=0)
                for q in questions]
     answers = backend.run(queries, "mmlu")
-    correct, errors, subjects, picked = 0, [], {}, {letter: 0 for letter in LETTERS}
+    correct, errors, subjects, picked, choices = 0, [], {}, {letter: 0 for letter in LETTERS}, []
     for i, (q, answer) in enumerate(zip(questions, answers)):
+        choice = None if answer.error else answer.text.strip()[:1].upper()
+        choices.append(choice)
         if answer.error:
             errors.append({"question": i, "error": answer.error})
             continue
-        choice = answer.text.strip()[:1].upper()
         if choice in picked:
             picked[choice] += 1
         right = choice == q["answer"]
@@ -105,4 +106,4 @@ def evaluate(backend, tokenizer, questions: list[dict]) -> dict:
     return {"questions": len(questions), "answered": answered, "correct": correct,
             "accuracy": correct / len(questions) if questions else None, "picked": picked,
             "prompt": "chat encoding, thinking off, 0-shot; answer = argmax over the letter tokens A-D",
-            "subjects": subjects, "errors": errors}
+            "subjects": subjects, "choices": choices, "errors": errors}

@@ -150,7 +150,9 @@ def matches(expected: tuple[str, dict], name: str, args: dict | None) -> bool:
 
 
 def run_chain(client, model: str, scenario: Scenario, *, thinking: bool, max_tokens: int,
-              extra_turns: int = 2) -> dict:
+              tool_choice: str = "auto", extra_turns: int = 2) -> dict:
+    """One chain: at most its expected calls + `extra_turns` turns. `tool_choice` "required" makes the server's
+    grammar force a call every turn: a check of the harness and the server, not of the model."""
     import openai
 
     offered = scenario.tools
@@ -163,7 +165,7 @@ def run_chain(client, model: str, scenario: Scenario, *, thinking: bool, max_tok
     for _ in range(len(scenario.expected) + extra_turns):
         try:
             reply = client.chat.completions.create(
-                model=model, messages=messages, tools=tools, tool_choice="auto", max_tokens=max_tokens,
+                model=model, messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=max_tokens,
                 temperature=0.0, extra_body={"chat_template_kwargs": {"thinking": thinking}})
         except openai.APIError as exc:
             out["error"] = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"
@@ -205,7 +207,7 @@ def run_chain(client, model: str, scenario: Scenario, *, thinking: bool, max_tok
 
 
 def evaluate(url: str, api_key: str | None, *, steps: int = 3, modes=(False, True), max_tokens: int = 2048,
-             seed: int = 0, timeout_s: float = 600.0) -> dict:
+             seed: int = 0, tool_choice: str = "auto", timeout_s: float = 600.0) -> dict:
     try:
         import openai
     except ImportError:
@@ -223,7 +225,8 @@ def evaluate(url: str, api_key: str | None, *, steps: int = 3, modes=(False, Tru
     plan = [(s, thinking) for thinking in modes for s in scenarios(steps, seed)]
     with progress(len(plan), "tools") as bar:
         for scenario, thinking in plan:
-            chains.append(run_chain(client, model, scenario, thinking=thinking, max_tokens=max_tokens))
+            chains.append(run_chain(client, model, scenario, thinking=thinking, max_tokens=max_tokens,
+                                    tool_choice=tool_choice))
             bar.update(1)
     by_mode = {}
     for c in chains:
@@ -234,7 +237,8 @@ def evaluate(url: str, api_key: str | None, *, steps: int = 3, modes=(False, Tru
         m["errors"] += "error" in c
         for k in ("calls", "well_formed", "steps", "steps_matched"):
             m[k] += c[k]
-    return {"server": url, "model": model, "steps": steps, "thinking": by_mode, "chains": chains}
+    return {"server": url, "model": model, "steps": steps, "tool_choice": tool_choice, "thinking": by_mode,
+            "chains": chains}
 
 
 # ------------------------------------------------------------------------------------------------ the server
