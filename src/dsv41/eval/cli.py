@@ -45,6 +45,16 @@ def _modes(text: str) -> list[bool]:
     return [n == "on" for n in dict.fromkeys(names)]
 
 
+def _names(text: str) -> list[str]:
+    from .tools import SCENARIOS
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"must name chains among {', '.join(SCENARIOS)}; got {text!r}")
+    return names
+
+
 def register(subparsers) -> argparse.ArgumentParser:
     from ..cli import add_cpu_threads, number
     from ..engine.build import register_engine_args
@@ -95,6 +105,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("tools")
     g.add_argument("--tool-steps", type=number(int, 1), default=3, metavar="N", help="lookups of the key chain")
     g.add_argument("--tool-thinking", type=_modes, default=[False, True], metavar="off,on")
+    g.add_argument("--tool-scenarios", type=_names, default=None, metavar="NAME,...",
+                   help="the chains to run (default all: key-chain, arithmetic, temperature)")
     g.add_argument("--tool-choice", choices=("auto", "required"), default="auto",
                    help="auto: the model decides (default, what the figures mean); required: the grammar forces a "
                         "call every turn (checks the harness and the server, not the model)")
@@ -218,7 +230,7 @@ def run_eval(args) -> int:
             try:
                 return tools.evaluate(url, api_key, steps=args.tool_steps, modes=args.tool_thinking,
                                       max_tokens=args.tool_max_tokens, seed=args.seed,
-                                      tool_choice=args.tool_choice)
+                                      tool_choice=args.tool_choice, only=args.tool_scenarios)
             finally:
                 if server is not None:
                     server.stop()

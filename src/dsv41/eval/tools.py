@@ -86,6 +86,9 @@ def _num(value) -> float:
     return int(number) if number == int(number) else number
 
 
+SCENARIOS = ("key-chain", "arithmetic", "temperature")
+
+
 def scenarios(steps: int, seed: int = 0) -> list[Scenario]:
     rng = random.Random(seed)
     names = [f"{rng.choice(WORDS)}-{rng.randrange(100, 1000)}" for _ in range(steps)]
@@ -149,36 +152,65 @@ def matches(expected: tuple[str, dict], name: str, args: dict | None) -> bool:
     return name in ("add", "multiply") and same(args.get("a"), want["b"]) and same(args.get("b"), want["a"])
 
 
+class Chain:
+    """The judging of one chain, fed the model's calls and its final answer as they come."""
+
+    def __init__(self, scenario: Scenario, thinking: bool):
+        self.scenario = scenario
+        self.step, self.in_order = 0, True
+        self.out = {"scenario": scenario.name, "thinking": thinking, "turns": 0, "calls": 0, "well_formed": 0,
+                    "steps": len(scenario.expected), "steps_matched": 0, "turns_without_call": 0,
+                    "answered": False, "answer_correct": False, "completed": False, "problems": []}
+
+    def take_call(self, name: str, arguments: str) -> dict:
+        """Judge one call; what the tool returns (an error object for a malformed call)."""
+        out, expected = self.out, self.scenario.expected
+        out["calls"] += 1
+        ok, args, why = well_formed(name, arguments, self.scenario.tools)
+        out["well_formed"] += ok
+        if not ok:
+            out["problems"].append(why)
+        if self.in_order and self.step < len(expected) and ok and matches(expected[self.step], name, args):
+            self.step += 1
+        else:
+            self.in_order = False
+        out["steps_matched"] = self.step
+        return self.scenario.call(name, args) if ok else {"error": why}
+
+    def take_answer(self, text: str) -> None:
+        self.out["turns_without_call"] += 1
+        self.out["answered"] = bool(text.strip())
+        self.out["answer_correct"] = self.scenario.answer in text.replace(",", "")
+        self.out["final"] = text[:300]
+
+    def result(self) -> dict:
+        self.out["completed"] = (self.in_order and self.step == len(self.scenario.expected)
+                                 and self.out["answer_correct"])
+        return self.out
+
+
 def run_chain(client, model: str, scenario: Scenario, *, thinking: bool, max_tokens: int,
               tool_choice: str = "auto", extra_turns: int = 2) -> dict:
     """One chain: at most its expected calls + `extra_turns` turns. `tool_choice` "required" makes the server's
     grammar force a call every turn: a check of the harness and the server, not of the model."""
     import openai
 
-    offered = scenario.tools
-    tools = [TOOLS[name] for name in offered]
+    tools = [TOOLS[name] for name in scenario.tools]
     messages: list[dict] = [{"role": "user", "content": scenario.prompt}]
-    out = {"scenario": scenario.name, "thinking": thinking, "turns": 0, "calls": 0, "well_formed": 0,
-           "steps": len(scenario.expected), "steps_matched": 0, "turns_without_call": 0, "answered": False,
-           "answer_correct": False, "completed": False, "problems": []}
-    step, in_order = 0, True
+    chain = Chain(scenario, thinking)
     for _ in range(len(scenario.expected) + extra_turns):
         try:
             reply = client.chat.completions.create(
                 model=model, messages=messages, tools=tools, tool_choice=tool_choice, max_tokens=max_tokens,
                 temperature=0.0, extra_body={"chat_template_kwargs": {"thinking": thinking}})
         except openai.APIError as exc:
-            out["error"] = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"
+            chain.out["error"] = f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"
             break
-        out["turns"] += 1
+        chain.out["turns"] += 1
         message = reply.choices[0].message
         calls = message.tool_calls or []
         if not calls:  # the model answered (or gave nothing usable): the chain ends here
-            out["turns_without_call"] += 1
-            text = message.content or ""
-            out["answered"] = bool(text.strip())
-            out["answer_correct"] = scenario.answer in text.replace(",", "")
-            out["final"] = text[:300]
+            chain.take_answer(message.content or "")
             break
         history = {"role": "assistant", "content": message.content or "",
                    "tool_calls": [{"id": c.id, "type": "function",
@@ -189,25 +221,15 @@ def run_chain(client, model: str, scenario: Scenario, *, thinking: bool, max_tok
             history["reasoning_content"] = reasoning  # V4.1 keeps a tool turn's reasoning in the history
         messages.append(history)
         for call in calls:
-            out["calls"] += 1
-            ok, args, why = well_formed(call.function.name, call.function.arguments, offered)
-            out["well_formed"] += ok
-            if not ok:
-                out["problems"].append(why)
-            if in_order and step < len(scenario.expected) and ok and matches(scenario.expected[step],
-                                                                            call.function.name, args):
-                step += 1
-            else:
-                in_order = False
-            result = scenario.call(call.function.name, args) if ok else {"error": why}
+            result = chain.take_call(call.function.name, call.function.arguments)
             messages.append({"role": "tool", "tool_call_id": call.id, "content": json.dumps(result)})
-    out["steps_matched"] = step
-    out["completed"] = in_order and step == len(scenario.expected) and out["answer_correct"]
-    return out
+    return chain.result()
 
 
 def evaluate(url: str, api_key: str | None, *, steps: int = 3, modes=(False, True), max_tokens: int = 2048,
-             seed: int = 0, tool_choice: str = "auto", timeout_s: float = 600.0) -> dict:
+             seed: int = 0, tool_choice: str = "auto", only: list[str] | None = None,
+             timeout_s: float = 600.0) -> dict:
+    """Every scenario (or those named in `only`) in every thinking mode of `modes`, one chain each."""
     try:
         import openai
     except ImportError:
@@ -222,7 +244,8 @@ def evaluate(url: str, api_key: str | None, *, steps: int = 3, modes=(False, Tru
     except (openai.APIError, IndexError) as exc:
         raise DSV41Error(f"tools: {url}: cannot list the served model ({exc})") from None
     chains = []
-    plan = [(s, thinking) for thinking in modes for s in scenarios(steps, seed)]
+    chosen = [s for s in scenarios(steps, seed) if only is None or s.name in only]
+    plan = [(s, thinking) for thinking in modes for s in chosen]
     with progress(len(plan), "tools") as bar:
         for scenario, thinking in plan:
             chains.append(run_chain(client, model, scenario, thinking=thinking, max_tokens=max_tokens,
@@ -237,7 +260,8 @@ def evaluate(url: str, api_key: str | None, *, steps: int = 3, modes=(False, Tru
         m["errors"] += "error" in c
         for k in ("calls", "well_formed", "steps", "steps_matched"):
             m[k] += c[k]
-    return {"server": url, "model": model, "steps": steps, "tool_choice": tool_choice, "thinking": by_mode,
+    return {"server": url, "model": model, "steps": steps, "tool_choice": tool_choice,
+            "scenarios": [s.name for s in chosen], "thinking": by_mode,
             "chains": chains}
 
 
