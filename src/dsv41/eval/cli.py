@@ -117,6 +117,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--draft-tokens", type=number(int, 1), default=384, metavar="N",
                    help="reply length per workload (default 384, as the recipe)")
     register_engine_args(p)
+    _range_checked(p)
     add_start_args(p)
     p.set_defaults(func=run_eval)
     return p
@@ -129,6 +130,19 @@ def eval_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="dsv41")
     register(parser.add_subparsers())
     return parser.parse_args(["eval", *argv])
+
+
+def _range_checked(p: argparse.ArgumentParser) -> None:
+    """The engine options range-checked as they parse (serve checks the same limits at its start)."""
+    from ..cli import number
+    from ..server.cli import ENGINE_LIMITS
+
+    limits = {flag: (kind, low, high, above) for _, flag, kind, low, high, above in ENGINE_LIMITS}
+    for action in p._actions:
+        for flag in action.option_strings:
+            if flag in limits:
+                kind, low, high, above = limits[flag]
+                action.type = number(kind, low, high, above=above)
 
 
 def _tokenizer(args):
