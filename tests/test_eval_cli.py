@@ -17,14 +17,21 @@ import pytest
 
 from dsv41.cli import main
 
+from server_harness import server  # noqa: F401  (the session's shared server)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_every_part_end_to_end(tmp_path):
-    questions = tmp_path / "facts_test.csv"
+def write_questions(folder: Path) -> Path:
+    questions = folder / "facts_test.csv"
     with questions.open("w", newline="") as f:
         csv.writer(f).writerows([["What is 1 + 1?", "1", "2", "3", "4", "B"], ["Sky colour?", "red", "green",
                                                                                "blue", "black", "C"]])
+    return questions
+
+
+def test_every_part_end_to_end(tmp_path):
+    questions = write_questions(tmp_path)
     out, ref = tmp_path / "results" / "eval.json", tmp_path / "ref.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO / "src") + os.pathsep
                + os.environ.get("PYTHONPATH", ""))
@@ -63,6 +70,8 @@ def test_every_part_end_to_end(tmp_path):
     (["eval", "drafting", "--url", "http://127.0.0.1:9"], "eval drafting: reads the batched engine's figures"),
     (["eval", "needle", "--needle-depths", "1.5"], "argument --needle-depths: must be comma-separated fractions"),
     (["eval", "tools", "--tool-scenarios", "chess"], "argument --tool-scenarios: must name chains among"),
+    (["eval", "--parallel", "0", "needle"], "argument --parallel: must be an integer >= 1, got 0"),
+    (["eval", "needle", "--url", "http://127.0.0.1:9"], "GET http://127.0.0.1:9/v1/models:"),  # nothing listens
 ])
 def test_refusals_are_one_line(capsys, argv, message):
     try:
@@ -71,3 +80,16 @@ def test_refusals_are_one_line(capsys, argv, message):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_a_failed_part_is_recorded_and_the_others_run(server, tmp_path, capsys):  # noqa: F811
+    key = tmp_path / "key"
+    key.write_text(server.api_key + "\n")
+    out = tmp_path / "eval.json"
+    code = main(["eval", "agreement", "mmlu", "--url", server.url, "--api-key-file", str(key), "--reference",
+                 str(tmp_path / "missing.jsonl"), "--mmlu", str(write_questions(tmp_path)), "--out", str(out)])
+    assert code == 1
+    parts = json.loads(out.read_text())["parts"]
+    assert parts["agreement"]["error"].startswith(f"--reference {tmp_path / 'missing.jsonl'}: No such file")
+    assert parts["mmlu"]["answered"] == 2 and parts["mmlu"]["errors"] == []  # through the server's completions
+    assert re.search(r"^agreement +error +--reference", capsys.readouterr().out, re.M)

@@ -20,8 +20,8 @@ def summary_rows(parts: dict) -> list[tuple[str, str, str]]:
     """(part, figure, value) rows: the headline numbers of each part that ran."""
     rows = []
     for name, result in parts.items():
-        if "error" in result and len(result) == 1 + ("seconds" in result):
-            rows.append((name, "error", result["error"]))
+        if "error" in result:  # the part did not run (a refusal, a server that would not start)
+            rows.append((name, "error", result["error"].splitlines()[0]))
             continue
         if name == "write-reference":
             rows.append((name, "file", f"{result['file']} ({result['prompts']} prompts, {result['positions']} "
@@ -48,8 +48,9 @@ def summary_rows(parts: dict) -> list[tuple[str, str, str]]:
             for kind, w in result["workloads"].items():
                 rows.append((name, f"{kind}: tokens/round", f"{_f(w['tokens_per_round'], 3)} ({w['tokens']} tokens, "
                                                            f"{_f(w['tok_s'], 2)} tok/s)"))
-        for error in (result.get("errors") or [])[:3] if isinstance(result.get("errors"), list) else []:
-            rows.append((name, "error", str(error)))
+        failed = result.get("errors") or []
+        if failed:  # items that failed (engine or HTTP errors): the figures above count them as wrong
+            rows.append((name, "failed items", f"{len(failed)}, first: {failed[0]['error']}"))
     return rows
 
 
