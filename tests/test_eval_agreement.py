@@ -125,3 +125,15 @@ def test_malformed_reference_names_line_and_field(tmp_path, line, message):
     with pytest.raises(DSV41Error) as err:
         agreement.read_reference(str(path), vocab_size=512)
     assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_a_prompt_beyond_the_context_is_reported_not_fatal(backend, reference, tmp_path):
+    first = reference.read_text().splitlines()[0]
+    n = backend.max_model_len
+    long = {"name": "long", "ids": [1] * n, "prompt_logprobs": [None] + [{"1": -0.1}] * (n - 1)}
+    path = tmp_path / "long.jsonl"
+    path.write_text(first + "\n" + json.dumps(long) + "\n")
+    result = agreement.evaluate(backend, agreement.read_reference(str(path)))
+    assert result["positions"] == TOKENS - 1 and result["top1"] == 1.0
+    assert result["errors"] == [{"prompt": "long", "error": f"a prompt of {n} tokens leaves no room for a reply "
+                                                            f"within --max-model-len {n}"}]

@@ -18,7 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import DSV41Error
@@ -104,6 +104,10 @@ class EngineBackend:
                                     sampling=sampling, stop_token_ids=frozenset({self.tokenizer.eos_id}),
                                     prompt_logprobs=query.prompt_logprobs, draft=query.draft)
         answer, tokens, start = Answer(), [], time.perf_counter()
+        if len(query.prompt_ids) >= self.max_model_len:  # what the server answers 400 for
+            answer.error = (f"a prompt of {len(query.prompt_ids)} tokens leaves no room for a reply within "
+                            f"--max-model-len {self.max_model_len}")
+            return answer
         try:
             stream = self.engine.submit(request)
             async for event in stream:
@@ -217,11 +221,3 @@ def logprob_row(row: dict) -> dict[int, float]:
         out[int(key)] = float(value["logprob"] if isinstance(value, dict) else value)
     return out
 
-
-@dataclass
-class Backends:
-    """The backend of a run and what every part needs besides it."""
-
-    backend: object
-    tokenizer: object
-    meta: dict = field(default_factory=dict)
