@@ -298,3 +298,32 @@ def test_kill_9_while_parking_leaves_no_entry_that_reads_back_wrong(model, tmp_p
     figures = again.core.stats()["sessions"]
     assert parked >= 1 and figures["disk_hits"] >= 1, figures  # some replies did resume from the parked files
     print(f"{parked} entries parked when killed; {figures['disk_hits']} of 6 requests resumed from them")
+
+
+@pytest.mark.gpu
+def test_the_fast_path_resumes_and_equals_a_fresh_prefill(tiny_model_dir, tmp_path):
+    """On CUDA over the FastModel (the serving path): the next turn from RAM and from the NVMe tier equals a fresh
+    prefill (tokens and logprobs at T = 0.7; the fast path's prefill is chunked == one-shot on the tiny shapes)."""
+    import torch
+
+    from dsv41.runtime.build import build_fast_model
+
+    fast = build_fast_model(tiny_model_dir, "cuda", torch.bfloat16)
+
+    def gpu_engine(**opts):
+        return build_engine(engine_defaults(forward="fast", page_tokens=16, **opts), fast, max_model_len=512,
+                            log=lambda line: None)
+
+    first = GenerationRequest(ids(9, 90), 6, SamplingParams(temperature=0.0))
+    eng = gpu_engine(session_dir=str(tmp_path), session_disk_min_tokens=16)
+    (turn1,) = run(eng, [first])
+    second = GenerationRequest(first.prompt_ids + tokens(turn1) + [4, 5, 6], 8,
+                               SamplingParams(temperature=0.7, seed=8), logprobs=2)
+    (resumed,) = run(eng, [second])
+    (fresh,) = run(gpu_engine(sessions="off"), [second])
+    assert resumed == fresh and finish(resumed).cached_tokens == 95
+    stop(eng)
+    again = gpu_engine(session_dir=str(tmp_path), session_disk_min_tokens=16)
+    again.core.sessions.config.disk_gain = 1
+    (parked,) = run(again, [second])
+    assert parked == fresh and again.core.stats()["sessions"]["disk_hits"] == 1

@@ -290,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=number(int, 0), default=0)
     p.set_defaults(func=cmd_make_tiny)
 
-    for module in ("server.cli", "ops.cli", "engram.cli", "prepared.cli", "hub.cli", "tiny.train.cli"):
+    for module in ("server.cli", "ops.cli", "engram.cli", "prepared.cli", "hub.cli", "eval.cli", "tiny.train.cli"):
         _register_optional(module, sub)
     return parser
 
