@@ -12,6 +12,7 @@ import torch
 from dsv41.chat.encoding import encode_messages
 from dsv41.chat.parser import parse_completion
 from dsv41.cli import main
+from dsv41.eval.tools import TOOLS as EVAL_TOOLS, Scenario, scenarios
 from dsv41.errors import DSV41Error
 from dsv41.model.loader import load_model
 from dsv41.tiny.train.corpus import build_corpus, fact_table, generate_chats, is_heldout
@@ -40,7 +41,9 @@ def test_generated_answers_are_right():
     countries = fact_table(0)
     by_name = {c.name: c for c in countries}
     chats = generate_chats(0, 400, countries)
-    assert {c.kind for c in chats} == {"arithmetic", "lookup", "tool", "json"}
+    assert {c.kind for c in chats} == {"arithmetic", "lookup", "tool", "chain", "json"}
+    world = Scenario("world", "", [], [], "")  # `dsv41 eval tools`' tool world: the chains' results are its results
+    eval_prompts = {sc.prompt for steps in range(1, 6) for sc in scenarios(steps, seed=0)}
     assert {c.mode for c in chats} == {"thinking", "chat"}
     for chat in chats:
         if chat.kind == "arithmetic":
@@ -52,6 +55,16 @@ def test_generated_answers_are_right():
         elif chat.kind == "json":
             record = json.loads(chat.answer)
             assert record == by_name[record["country"]].record()
+        elif chat.kind == "chain":
+            assert next(m for m in chat.messages if m["role"] == "user")["content"] not in eval_prompts
+            offered = {t["function"]["name"] for t in chat.messages[0]["tools"]}
+            assert all(EVAL_TOOLS[name] in chat.messages[0]["tools"] for name in offered)
+            calls = [(m["tool_calls"][0]["function"], json.loads(r["content"]))
+                     for m, r in zip(chat.messages, chat.messages[1:]) if m.get("tool_calls")]
+            for function, result in calls:
+                if function["name"] in ("add", "multiply", "celsius_to_fahrenheit"):
+                    assert world.call(function["name"], json.loads(function["arguments"])) == result
+            assert str(list(calls[-1][1].values())[-1]) in chat.answer  # the answer holds the last result
 
 
 def test_transcripts_parse_back_to_their_messages():

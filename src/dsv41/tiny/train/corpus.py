@@ -8,7 +8,8 @@ Three sources:
 - `facts`: the generated atlas of made-up countries, one short entry a country;
 - `chat`: generated conversations rendered with the project's V4.1 encoder (chat/encoding.py), each a list
   of OpenAI-style messages: arithmetic with column-wise reasoning, questions about a generated fact table,
-  DSML tool calls (weather, fact lookup, calculator) and their results, JSON answers; in thinking and chat mode.
+  DSML tool calls (weather, fact lookup, calculator) and their results, multi-step tool chains in the tool world of
+  `dsv41 eval tools`, JSON answers; in thinking and chat mode.
 
 Held-out splits: a Python file is held out when the SHA-256 of its relative path says so (about 1 in 32; its
 docstrings go with it); a generated question is held out by a hash of what it asks (operation and operands, or
@@ -189,7 +190,7 @@ SYSTEM_PROMPTS = ("", "You are a helpful assistant.", "You are a concise assista
 class Chat:
     """One generated conversation: what it asks (`key`, which decides its split) and the encoder's messages."""
 
-    kind: str  # arithmetic | lookup | tool | json
+    kind: str  # arithmetic | lookup | tool | chain | json
     key: str
     messages: list
     mode: str  # thinking | chat
@@ -349,13 +350,86 @@ def tool_chat(rng: random.Random, mode: str, countries: list[Country]) -> Chat:
     return Chat("tool", key, messages, mode, answer)
 
 
-CHAT_KINDS = (("arithmetic", 0.35), ("lookup", 0.25), ("tool", 0.25), ("json", 0.15))
+# The tool world of `dsv41 eval tools` (eval/tools.py): its tool schemas, prompts and result objects, with other
+# keys, numbers and cities drawn here, so the model learns the procedure (call, read the result, call again with
+# it, answer); the harness's own instances (its default seed, 1-5 steps) are never generated.
+CHAIN_WORDS = ("apple", "river", "stone", "cloud", "maple", "ember", "harbor", "quartz", "willow", "falcon", "cedar",
+               "comet", "delta", "frost", "glade", "heron")
+
+
+def _eval_prompts() -> set[str]:
+    from dsv41.eval.tools import scenarios
+    return {s.prompt for steps in range(1, 6) for s in scenarios(steps, seed=0)}
+
+
+def chain_chat(rng: random.Random, mode: str, countries: list[Country], avoid: set[str] = frozenset()) -> Chat:
+    """A multi-step tool chain: a key chain, arithmetic one operation a call, or a temperature conversion (drawn
+    again while its prompt is one of `avoid`)."""
+    while True:
+        chat = _chain_chat(rng, mode, countries)
+        if chat.messages[_first_user(chat.messages)]["content"] not in avoid:
+            return chat
+
+
+def _first_user(messages: list) -> int:
+    return next(i for i, m in enumerate(messages) if m["role"] == "user")
+
+
+def _chain_chat(rng: random.Random, mode: str, countries: list[Country]) -> Chat:
+    from dsv41.eval.tools import TOOLS
+    kind = rng.choice(("key-chain", "arithmetic", "temperature"))
+    steps: list[tuple[str, dict, dict, str]] = []  # (tool, arguments, result, why)
+    if kind == "key-chain":
+        names = [f"{rng.choice(CHAIN_WORDS)}-{rng.randrange(100, 1000)}" for _ in range(rng.randint(1, 4))]
+        value = str(rng.randrange(10000, 100000))
+        for i, k in enumerate(names):
+            result = {"next_key": names[i + 1]} if i + 1 < len(names) else {"value": value}
+            steps.append(("lookup", {"key": k}, result, f"Look up the key {k}."))
+        prompt = (f"Find the value stored under the key chain that starts at key '{names[0]}'. Call lookup with a "
+                  "key; a result with next_key names the key to look up next; keep going until a result has a "
+                  "value, then reply with that value.")
+        tools, answer, final, key = ["lookup"], value, f"The value is {value}.", f"chain:keys:{names[0]}"
+    elif kind == "arithmetic":
+        a, b, c, d = (rng.randint(1, 20) for _ in range(4))
+        steps = [("add", {"a": a, "b": b}, {"result": a + b}, f"First {a} + {b}."),
+                 ("multiply", {"a": a + b, "b": c}, {"result": (a + b) * c}, f"Then {a + b} * {c}."),
+                 ("add", {"a": (a + b) * c, "b": d}, {"result": (a + b) * c + d}, f"Then {(a + b) * c} + {d}.")]
+        prompt = (f"Using only the tools, one operation per call, compute ({a} + {b}) * {c} + {d} and reply with "
+                  "the result.")
+        answer = str((a + b) * c + d)
+        tools, final, key = ["add", "multiply"], f"({a} + {b}) * {c} + {d} = {answer}", f"chain:arith:{a}:{b}:{c}:{d}"
+    else:
+        city, celsius = rng.choice(countries).capital, rng.randint(-15, 40)
+        fahrenheit = round(celsius * 9 / 5 + 32, 1)
+        fahrenheit = int(fahrenheit) if fahrenheit == int(fahrenheit) else fahrenheit
+        steps = [("get_temperature", {"city": city}, {"city": city, "celsius": celsius},
+                  f"Get the temperature in {city}."),
+                 ("celsius_to_fahrenheit", {"celsius": celsius}, {"fahrenheit": fahrenheit},
+                  f"Convert {celsius} degrees Celsius.")]
+        prompt = f"What is the temperature in {city} right now, in degrees Fahrenheit? Use the tools."
+        tools, answer = ["get_temperature", "celsius_to_fahrenheit"], str(fahrenheit)
+        final, key = f"It is {fahrenheit} degrees Fahrenheit in {city}.", f"chain:temp:{city}:{celsius}"
+    think = mode == "thinking"
+    messages = _system(rng, [TOOLS[t] for t in tools]) + [{"role": "user", "content": prompt}]
+    for i, (tool, args, result, why) in enumerate(steps):
+        call_id = f"call_{rng.randrange(16**6):06x}"
+        messages += [{"role": "assistant", "content": "", "reasoning_content": why if think else "",
+                      "tool_calls": [{"id": call_id, "type": "function",
+                                      "function": {"name": tool, "arguments": json.dumps(args)}}]},
+                     {"role": "tool", "tool_call_id": call_id, "content": json.dumps(result)}]
+    messages.append({"role": "assistant", "content": final,
+                     "reasoning_content": f"The last result gives {answer}." if think else ""})
+    return Chat("chain", key, messages, mode, final)
+
+
+CHAT_KINDS = (("arithmetic", 0.3), ("lookup", 0.2), ("tool", 0.2), ("chain", 0.2), ("json", 0.1))
 
 
 def generate_chats(seed: int, n: int, countries: list[Country]) -> list[Chat]:
     """`n` conversations from `seed`: the kind by CHAT_KINDS' weights, thinking mode two times in three."""
     rng = random.Random(f"chats-{seed}")
     kinds, weights = zip(*CHAT_KINDS)
+    avoid = _eval_prompts()
     out = []
     for _ in range(n):
         kind = rng.choices(kinds, weights)[0]
@@ -366,6 +440,8 @@ def generate_chats(seed: int, n: int, countries: list[Country]) -> list[Chat]:
             out.append(lookup_chat(rng, mode, countries))
         elif kind == "tool":
             out.append(tool_chat(rng, mode, countries))
+        elif kind == "chain":
+            out.append(chain_chat(rng, mode, countries, avoid))
         else:
             out.append(json_chat(rng, mode, countries))
     return out
