@@ -15,8 +15,8 @@ def register(sub) -> None:
     p.add_argument("--max-minutes", type=number(float, 0, above=True), default=None,
                    help="end this call (checkpointed, exit 0) within this many minutes; run again to continue")
     p.add_argument("--device", default=None, help="cuda (default) or cpu (the default with --tiny-batch)")
-    p.add_argument("--batch", type=number(int, 1), default=None, help="sequences a step (default 32)")
-    p.add_argument("--seq-len", type=number(int, 2), default=None, help="tokens a sequence (default 1024)")
+    p.add_argument("--batch", type=number(int, 1), default=None, help="sequences a step (default 16)")
+    p.add_argument("--seq-len", type=number(int, 2), default=None, help="tokens a sequence (default 2048)")
     p.add_argument("--lr", type=number(float, 0, above=True), default=None, help="peak learning rate (2e-3)")
     p.add_argument("--seed", type=number(int, 0), default=0)
     p.add_argument("--export", metavar="DIR", default=None, help="where the trained checkpoint goes (OUT/model)")

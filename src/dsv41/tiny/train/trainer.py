@@ -45,13 +45,13 @@ class TrainSettings:
     out: str
     steps: int | None = None  # None: --total-minutes decides it after CALIBRATION steps (then fixed in run.json)
     total_minutes: float | None = None
-    batch: int = 32
-    seq_len: int = 1024
+    batch: int = 16  # 16 x 2048 tokens: a tool conversation (up to ~1,550 tokens) fits one sequence whole
+    seq_len: int = 2048
     lr: float = 2e-3
     warmup: int = 200
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
-    anchors: int = 64  # DSpark draft blocks per sequence per step
+    anchors: int = 128  # DSpark draft blocks per sequence per step
     seed: int = 0
     device: str = "cuda"
     code_bytes: int = DEFAULT_CODE_BYTES
