@@ -277,7 +277,7 @@ class Run:
                 if s.steps is None and self.step >= CALIBRATION:
                     self._calibrate(step_times, (t0 - started) / 60)
                 if budget is not None and step_times and \
-                        t0 - started + 2 * max(step_times[-20:]) + 30 > budget:
+                        t0 - started + 2 * max(step_times[-20:]) + 45 > budget:
                     self.say(f"train-tiny: time budget reached at step {self.step}; checkpointing")
                     break
                 batch, anchors = pending.pop(self.step).result()
