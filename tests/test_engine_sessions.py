@@ -10,7 +10,7 @@ import pytest
 
 from dsv41.engine import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 from dsv41.engine.block_manager import BlockManager
-from dsv41.engine.build import build_engine, engine_defaults
+from dsv41.compose.build import build_engine, engine_defaults
 from dsv41.engine.sessions import SessionCache, SessionConfig, SessionIndex, prompt_mark
 
 
@@ -253,7 +253,7 @@ CHILD = """
 import sys, torch
 torch.set_num_threads(1)
 from dsv41.engine import GenerationRequest, SamplingParams
-from dsv41.engine.build import build_engine, engine_defaults
+from dsv41.compose.build import build_engine, engine_defaults
 from dsv41.model.loader import load_model
 from dsv41.tiny.model import default_model_dir
 model = load_model(default_model_dir(), dspark=False)
