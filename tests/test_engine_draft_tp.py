@@ -33,7 +33,7 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     from dataclasses import replace
 
     from dsv41.engine import FinishEvent
-    from dsv41.engine.build import build_engine, build_runner, engine_defaults
+    from dsv41.compose.build import build_engine, build_runner, engine_defaults
     from dsv41.model.loader import load_model
     from dsv41.parallel.executor import LeaderExecutor, follow_batches
     from dsv41.parallel.failfast import FailFast

@@ -44,7 +44,7 @@ def worker(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def load(rank, world, comm):
-        from dsv41.engine.build import build_runner, engine_defaults
+        from dsv41.compose.build import build_runner, engine_defaults
         from dsv41.model.loader import load_model
 
         # no fake quantisation: TP's summation order must not flip an FP4/FP8 code (docs/MODEL_NOTES.md)
@@ -67,7 +67,7 @@ def worker(argv: list[str]) -> int:
 
 async def generate(leader, args) -> None:
     from dsv41.engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
-    from dsv41.engine.build import build_engine, engine_defaults
+    from dsv41.compose.build import build_engine, engine_defaults
 
     engine = build_engine(engine_defaults(sessions="off"), leader, max_model_len=4096)
     await engine.start()
