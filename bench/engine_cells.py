@@ -4,7 +4,7 @@ streams (1, 2, 4) of `--tokens` (384) each; T = 0 and 0.7; the median of `--reps
     python bench/engine_cells.py [--model DIR] [--tokens 384] [--streams 1 2 4] [--temps 0 0.7] [--reps 3]
                                  [--engine batched|reference] [--http] [--device cpu] [--out FILE]
 
-In-engine: the engine `dsv41 serve` would build (engine/build.py), driven through its async interface in this
+In-engine: the engine `dsv41 serve` would build (compose/build.py), driven through its async interface in this
 process. `--http` adds the same cells through a real `dsv41 serve` on loopback (streaming /v1/completions, one
 client thread per stream). Per cell: aggregate and per-stream tokens/s, time to first token, and (in-engine,
 batched) rows per round and mean round time — on a GPU, rows per round and round time are what the fast path
@@ -49,7 +49,7 @@ class InEngine:
     def __init__(self, args):
         import torch
 
-        from dsv41.engine.build import build_engine, engine_defaults
+        from dsv41.compose.build import build_engine, engine_defaults
         from dsv41.model.loader import load_model
         from dsv41.tokenizer import Tokenizer
 

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent  # noqa: E402
-from dsv41.engine.build import build_engine, engine_defaults  # noqa: E402
+from dsv41.compose.build import build_engine, engine_defaults  # noqa: E402
 
 
 def commit() -> str:

@@ -97,7 +97,7 @@ def child(args) -> None:
                               source=_source(args) if args.synthetic else None, **kw)
     if args.child != "prepare":
         if args.runner:
-            from dsv41.engine.build import build_runner, engine_defaults
+            from dsv41.compose.build import build_runner, engine_defaults
 
             build_runner(engine_defaults(parallel=1, forward="fast"), model, 4096, log=lambda line: None)
             phases.done("runner")

@@ -315,7 +315,7 @@ def test_example_maps_to_serve_flags():
         "--model", "/srv/dsv41/model", "--engram-dir", "/srv/dsv41/engram", "--host", "127.0.0.1", "--port", "8000",
         "--served-name", "DeepSeek-V4.1-Flash", "--alias", "deepseek-v4.1-flash",
         "--drain-timeout", "20", "--request-log", "/var/lib/dsv41/requests.jsonl",
-        "--tp", "2", "--master", "10.0.0.1:29571", "--tp-backend", "nccl", "--tp-deadline", "900",
+        "--session-dir", "/var/lib/dsv41/sessions", "--tp", "2", "--master", "10.0.0.1:29571", "--tp-backend", "nccl", "--tp-deadline", "900",
         "--rank", "1",
     ]
 
@@ -363,7 +363,8 @@ def test_serve_parser_accepts_the_flags():
                DSV41_DEVICE="cuda", DSV41_DTYPE="bfloat16", DSV41_ENGINE="reference", DSV41_PREFILL="replay",
                DSV41_PROMPT_SPECIAL_TOKENS="text", DSV41_PREFILL_SHARE="0.25", DSV41_EXPERT_TOPP="0.9",
                DSV41_FORWARD="reference", DSV41_DRAFT_DSPARK="off", DSV41_DRAFT_LOOKUP="on",
-               DSV41_DRAFT_COST="1:0.01", DSV41_PREPARED="/p", DSV41_PREPARED_FALLBACK="1")
+               DSV41_DRAFT_COST="1:0.01", DSV41_PREPARED="/p", DSV41_PREPARED_FALLBACK="1", DSV41_SESSIONS="on",
+               DSV41_SESSION_DIR="/var/lib/dsv41/sessions")
     args = parser.parse_args(["serve", *serve_argv(env, 1)])
     assert args.prepared_fallback is True and args.draft_lookup == "on" and args.draft_depth == 2
     assert args.rank == 1 and args.tp == 2 and args.alias == ["a", "b"] and args.master == "h:1"

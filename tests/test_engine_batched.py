@@ -13,7 +13,7 @@ import torch
 
 from dsv41.engine import FinishEvent, GenerationRequest, PromptLogprobsEvent, SamplingParams, TokenEvent
 from dsv41.engine.batch import Row
-from dsv41.engine.build import build_engine, build_runner, engine_defaults
+from dsv41.compose.build import build_engine, build_runner, engine_defaults
 
 
 def prompt(k: int, n: int) -> list[int]:
@@ -40,7 +40,7 @@ def model():
 @pytest.fixture(scope="module")
 def reference(model):
     """SerialEngine's events for every request of REQUESTS."""
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
 
     async def main():
         engine = SerialEngine(model, max_model_len=512)
@@ -134,7 +134,7 @@ def test_chunked_prefill_over_the_pool_equals_the_reference_one_shot(model):
 
 
 def test_grammar_forced_text_matches_the_reference_engine(model):
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
     from dsv41.structured.grammar import Grammars
     from dsv41.tokenizer import Tokenizer
     from dsv41.tiny.model import default_model_dir
@@ -214,7 +214,7 @@ def test_replay_prefill_is_chunk_invariant(model):
 def test_engine_figures_for_health_and_metrics(model):
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from dsv41.engine.build import EngineCollector, EngineDetail
+    from dsv41.compose.build import EngineCollector, EngineDetail
 
     engine = build_engine(engine_defaults(parallel=2), model, max_model_len=512, log=lambda line: None)
     seq = engine.make_sequence(REQUESTS[0], lambda event: None)
@@ -238,7 +238,7 @@ def test_the_pool_on_cuda_gives_the_reference_engine_bits():
     alone across row counts is a property of the fast path's kernels: torch's CUDA reductions (the norms' and
     mHC's means) may split a row differently for another row count, so the reference path on CUDA is exact per
     forward shape only."""
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
     from dsv41.model.loader import load_model
     from dsv41.tiny.model import default_model_dir
 

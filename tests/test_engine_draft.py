@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent
-from dsv41.engine.build import build_engine, engine_defaults
+from dsv41.compose.build import build_engine, engine_defaults
 from dsv41.engine.drafting import CostTable, choose_depth, expected_tokens, lookup_draft
-from dsv41.engine.sampling import sample_token
+from dsv41.runtime.sampling import sample_token
 
 
 def prompt(k: int, n: int) -> list[int]:

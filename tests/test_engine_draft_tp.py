@@ -33,7 +33,7 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     from dataclasses import replace
 
     from dsv41.engine import FinishEvent
-    from dsv41.engine.build import build_engine, build_runner, engine_defaults
+    from dsv41.compose.build import build_engine, build_runner, engine_defaults
     from dsv41.model.loader import load_model
     from dsv41.parallel.executor import LeaderExecutor, follow_batches
     from dsv41.parallel.failfast import FailFast
@@ -59,9 +59,10 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
                 core.add(engine.make_sequence(r, events[i].append))
             while core.has_work():
                 core.step()
-            # tokens_per_round is no part of the reply (FinishEvent's equality leaves it out; its repr does not)
-            result[draft] = [[repr(replace(e, tokens_per_round=None) if isinstance(e, FinishEvent) else e)
-                              for e in evs] for evs in events]
+            # tokens_per_round and cached_tokens are no part of the reply (FinishEvent's equality leaves them out;
+            # its repr does not): the drafted run resumes from the session entries the serial run left
+            result[draft] = [[repr(replace(e, tokens_per_round=None, cached_tokens=0)
+                                   if isinstance(e, FinishEvent) else e) for e in evs] for evs in events]
         result["drafting"] = core.stats()["drafting"]
         leader.close()
         Path(out).write_text(json.dumps(result))

@@ -173,7 +173,7 @@ def model():
 def drive(model, groups, **opts):
     """Each entry of `groups` (a list of requests) added as one group before the first step; run to the end.
     Returns (events per request, per group, the engine core, the most pages used at once)."""
-    from dsv41.engine.build import build_engine, engine_defaults
+    from dsv41.compose.build import build_engine, engine_defaults
 
     engine = build_engine(engine_defaults(**opts), model, max_model_len=512, log=lambda line: None)
     core = engine.core
@@ -228,7 +228,7 @@ def test_two_groups_and_a_single_batched_with_odd_chunks_equal_alone(model):
 
 
 def test_the_serial_engine_runs_a_group_one_by_one_with_the_same_results(model):
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
 
     requests = group_of(prompt(30), 3, 5, 21)
     batched_events = drive(model, [requests], page_tokens=16)[0][0]
@@ -261,7 +261,7 @@ def test_groups_with_grammars_prompt_logprobs_and_replay_equal_alone(model):
               group_of(prompt(37), 2, 4, 2, prompt_logprobs=1)]
 
     def engine_for(**opts):
-        from dsv41.engine.build import build_engine, engine_defaults
+        from dsv41.compose.build import build_engine, engine_defaults
 
         return build_engine(engine_defaults(page_tokens=16, **opts), model, max_model_len=512,
                             encode_text=tok.encode, log=lambda line: None)

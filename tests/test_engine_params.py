@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dsv41.engine import GenerationRequest, SamplingParams, TokenEvent
-from dsv41.engine.sampling import adjust_logits, banned_ids
+from dsv41.runtime.sampling import adjust_logits, banned_ids
 
 from test_engine_batched import batched, prompt
 
@@ -57,7 +57,7 @@ def model():
 
 
 def serial(model, requests):
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
 
     async def main():
         engine = SerialEngine(model, max_model_len=512)

@@ -208,7 +208,7 @@ def test_a_thousand_random_cancellations_leave_the_pool_empty():
 
 def test_engine_policy_imports_no_torch():
     code = ("import sys; import dsv41.engine, dsv41.engine.batch, dsv41.engine.block_manager, "
-            "dsv41.engine.request, dsv41.engine.scheduler, dsv41.engine.llm_engine, dsv41.engine.build; "
+            "dsv41.engine.request, dsv41.engine.scheduler, dsv41.engine.llm_engine, dsv41.compose.build; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -116,3 +116,25 @@ def test_no_file_is_too_long_to_read():
     long = {str(p.relative_to(REPO)): n for root in roots for p in root.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert long == {}
+
+
+def test_engine_is_torch_free_policy_and_runtime_takes_only_its_types():
+    """engine/ is policy: no torch, nothing of runtime/, parallel/, model/, kernels/ or the composition root;
+    runtime/ takes only the engine's step types (batch.py) and the request's sampling values (params.py); the
+    composition root (compose/) is where the two meet (issue 32 item 5)."""
+    graph = import_graph()
+    engine = {m: deps for m, deps in graph.items() if m.startswith("dsv41.engine")}
+    banned = ("dsv41.runtime", "dsv41.parallel", "dsv41.model", "dsv41.kernels", "dsv41.compose")
+    assert [(m, d) for m, deps in engine.items() for d in deps if d.startswith(banned)] == []
+    torch_users = []
+    for name, path in modules().items():
+        if name.startswith("dsv41.engine"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                torch_users += [(name, n) for n in names if n == "torch" or n.startswith("torch.")]
+    assert torch_users == []
+    allowed = {"dsv41.engine.batch", "dsv41.engine.params"}
+    runtime = [(m, d) for m, deps in graph.items() if m.startswith("dsv41.runtime") for d in deps
+               if d.startswith("dsv41.engine") and d not in allowed]
+    assert runtime == []

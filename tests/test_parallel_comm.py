@@ -39,7 +39,7 @@ def shard_bounds(world: int) -> list[tuple[int, int]]:
 
 
 def sampling_cases():
-    from dsv41.engine.sampling import SamplingParams
+    from dsv41.runtime.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(7)
     cases = []
@@ -95,7 +95,7 @@ def run_ranks(world: int, tmp_path: Path) -> list[dict]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_and_sharded_sampling(world, tmp_path):
-    from dsv41.engine.sampling import sample_token
+    from dsv41.runtime.sampling import sample_token
 
     results = run_ranks(world, tmp_path)
     inputs = [rank_inputs(r) for r in range(world)]

@@ -49,7 +49,7 @@ def run_engine(engine, reqs, arrivals):
 
 def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     torch.set_num_threads(1)
-    from dsv41.engine.build import build_engine, build_runner, engine_defaults
+    from dsv41.compose.build import build_engine, build_runner, engine_defaults
     from dsv41.model.loader import load_model
     from dsv41.parallel.executor import LeaderExecutor, follow_batches
     from dsv41.parallel.failfast import FailFast

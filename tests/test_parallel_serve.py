@@ -44,12 +44,13 @@ def worker(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     def load(rank, world, comm):
-        from dsv41.engine.build import build_runner, engine_defaults
+        from dsv41.compose.build import build_runner, engine_defaults
         from dsv41.model.loader import load_model
 
         # no fake quantisation: TP's summation order must not flip an FP4/FP8 code (docs/MODEL_NOTES.md)
         model = load_model(args.model, torch.float32, "cpu", rank=rank, world=world, comm=comm, fake_quant=False)
-        return build_runner(engine_defaults(), model, 4096, driver=rank == 0, log=lambda line: None)
+        # sessions off: the round counts below are a plain prefill's (a session mark adds a step per prompt)
+        return build_runner(engine_defaults(sessions="off"), model, 4096, driver=rank == 0, log=lambda line: None)
 
     def serve(model):
         if args.idle_s:
@@ -66,9 +67,9 @@ def worker(argv: list[str]) -> int:
 
 async def generate(leader, args) -> None:
     from dsv41.engine import EngineFailure, GenerationRequest, SamplingParams, TokenEvent
-    from dsv41.engine.build import build_engine, engine_defaults
+    from dsv41.compose.build import build_engine, engine_defaults
 
-    engine = build_engine(engine_defaults(), leader, max_model_len=4096)
+    engine = build_engine(engine_defaults(sessions="off"), leader, max_model_len=4096)
     await engine.start()
     record = {"tokens": [], "memory": None}
     out = Path(args.out)

@@ -35,7 +35,7 @@ def run_engine(model, requests_tokens: list[list[int]], max_tokens: int, arrival
     `model`. With `prompt_logprobs`, each prompt's logprobs (the first entry's None left out) are appended to
     `prompt_logprobs`."""
     from dsv41.engine import GenerationRequest, PromptLogprobsEvent, SamplingParams, TokenEvent
-    from dsv41.engine.build import build_engine, engine_defaults
+    from dsv41.compose.build import build_engine, engine_defaults
 
     engine = build_engine(engine_defaults(**opts), model, max_model_len=128, log=lambda line: None)
     core = engine.core
@@ -130,7 +130,7 @@ def test_fast_forward_engine_tokens_interpreted(lite_dir, tmp_path):
 
 def test_forward_option_on_the_cpu(lite_dir, monkeypatch):
     """--forward fast on the CPU without the interpreter is a one-line ConfigError; the default stays reference."""
-    from dsv41.engine.build import engine_defaults, serving_forward
+    from dsv41.compose.build import engine_defaults, serving_forward
     from dsv41.errors import ConfigError
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -139,7 +139,7 @@ def test_forward_option_on_the_cpu(lite_dir, monkeypatch):
     assert serving_forward(engine_defaults(), torch.device("cpu")) == "reference"
     assert serving_forward(engine_defaults(), torch.device("cuda")) == "fast"
     assert serving_forward(engine_defaults(forward="reference"), torch.device("cuda")) == "reference"
-    from dsv41.engine.build import build_runner
+    from dsv41.compose.build import build_runner
     from dsv41.model.loader import load_model
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")

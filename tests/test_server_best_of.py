@@ -44,11 +44,11 @@ def test_n_three_equals_three_single_requests_token_for_token(client):
     assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
 
 
-def _pages_while_streaming(server, client, n: int) -> int:
+def _pages_while_streaming(server, client, n: int, prompt: list[int]) -> int:
     """The pages the request takes while all its sequences decode (beyond those session entries hold already)."""
     server.wait_idle()
     held = batching(server)["pages_used"]
-    stream = complete(client, prompt=LONG, n=n, seed=3, max_tokens=40, stream=True,
+    stream = complete(client, prompt=prompt, n=n, seed=3, max_tokens=40, stream=True,
                       extra_body={"ignore_eos": True})
     seen = set()
     for chunk in stream:
@@ -65,8 +65,9 @@ def test_a_group_holds_the_prompt_pages_once_and_a_disconnect_frees_everything(s
     server.wait_idle()
     before = batching(server)
     assert before["page_tokens"] == 256
-    single = _pages_while_streaming(server, client, 1)
-    group = _pages_while_streaming(server, client, 3)
+    # two prompts with nothing in common, so neither resumes from a session entry of the other
+    single = _pages_while_streaming(server, client, 1, [8] + LONG[1:])
+    group = _pages_while_streaming(server, client, 3, [7] + LONG[1:])
     assert single == 2 and group == 2 + 2 * 1 < 3 * single  # 340 positions: the first page shared by all three
     early = complete(client, prompt=LONG, n=3, seed=4, max_tokens=40, stream=True)
     early.close()  # gone at once: the group queued or its leader prefilling

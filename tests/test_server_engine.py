@@ -76,7 +76,7 @@ def _run(engine, request, cancel_after=None):
 
 
 def test_forced_text_is_one_forward(parts):
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
 
     model, tokenizer, grammars = parts
     text = "the lighthouse keeper wrote the time"
@@ -95,7 +95,7 @@ def test_forced_text_is_one_forward(parts):
 
 
 def test_cancel_frees_the_sequence(parts):
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
 
     model, tokenizer, _ = parts
     engine = SerialEngine(model, max_model_len=4096)
@@ -107,7 +107,7 @@ def test_cancel_frees_the_sequence(parts):
 
 
 def test_engine_refuses_requests_it_cannot_serve(parts):
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.serial import SerialEngine
 
     model, tokenizer, _ = parts
     engine = SerialEngine(model, max_model_len=256)

@@ -68,8 +68,8 @@ def test_budget_then_grammar(tokenizer):  # noqa: F811
 
 
 def _run(engine_kind: str, model, requests, tok):
-    from dsv41.engine.build import build_engine, engine_defaults
-    from dsv41.engine.serial import SerialEngine
+    from dsv41.compose.build import build_engine, engine_defaults
+    from dsv41.compose.serial import SerialEngine
 
     if engine_kind == "serial":
         async def main():

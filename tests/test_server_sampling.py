@@ -2,7 +2,7 @@
 
 import torch
 
-from dsv41.engine.sampling import (
+from dsv41.runtime.sampling import (
     SamplingParams,
     derive_seed,
     filter_logits,

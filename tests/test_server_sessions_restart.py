@@ -1,8 +1,8 @@
 """Sessions across server processes, for real (issue 34): `dsv41 serve --session-dir` is killed with SIGKILL while it
 parks entry after entry (a RAM tier of one snapshot parks the previous entry at every new one); a server restarted on
 the folder resumes from the files that survived and replies exactly what the first server replied fresh; a SIGTERM
-parks its RAM entries and the next server resumes them too. Replies compared: text and logprobs at T = 0.7
-(seeded), through the official client."""
+then parks its RAM entries (a restart resuming those: tests/test_server_sessions.py). Replies compared: text and
+logprobs at T = 0.7 (seeded), through the official client."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def sessions(server) -> dict:
     return server.health().json()["batching"]["sessions"]
 
 
-def test_kill_9_while_parking_then_restart_resumes_exactly_and_sigterm_parks(tmp_path):
+def test_kill_9_while_parking_then_a_restart_resumes_exactly(tmp_path):
     folder = tmp_path / "sessions"
     first = ServerProcess(tmp_path / "a", "--session-dir", str(folder), *SESSION_ARGS)
     try:
@@ -68,10 +68,3 @@ def test_kill_9_while_parking_then_restart_resumes_exactly_and_sigterm_parks(tmp
         assert "session entries parked" in second.output(), second.output()[-2000:]
     finally:
         second.kill()
-
-    third = ServerProcess(tmp_path / "c", "--session-dir", str(folder), *SESSION_ARGS)
-    try:
-        assert [ask(third, k) for k in range(4)] == fresh
-        assert sessions(third)["disk_hits"] >= 1
-    finally:
-        third.kill()

@@ -134,7 +134,7 @@ def _model_args(p: argparse.ArgumentParser, model_required: bool = False) -> Non
 def cmd_generate(args) -> int:
     import torch
 
-    from .engine.sampling import sample_token
+    from .runtime.sampling import sample_token
     from .prepared.start import generate_fast, wants_fast
     if wants_fast(args):  # the serving forward: from a prepared folder (--prepared) or built (--forward fast)
         return generate_fast(args, _model_dir(args.model), resolve_device(args.device), LoadBar().update)

@@ -8,7 +8,7 @@ from .errors import DSV41Error
 
 def generation_inputs(args, model, model_dir):
     """`generate`'s (tokenizer, prompt ids with BOS first, sampling params, seed) for a loaded model."""
-    from .engine.sampling import SamplingParams, derive_seed
+    from .engine.params import SamplingParams, derive_seed
 
     tok = model.tokenizer
     if tok is None:

@@ -26,7 +26,7 @@ class RowSampling:
     step: int  # the request's generation step: the keyed noise of token v is a function of (seed, step, v)
     logprobs: int | None = None  # None: no logprob; k: the chosen token's and the k most likely
     mask: bytes | None = None  # allowed ids: int32 words, bit v % 32 of word v // 32 (xgrammar's bitmask)
-    # logit adjustments (engine/sampling.py adjust_logits), None when the request asks none; one plain list so
+    # logit adjustments (runtime/sampling.py adjust_logits), None when the request asks none; one plain list so
     # the step message carries it as is: [presence, frequency, repetition, [[id, bias]...], allowed ids or None,
     # this step's banned ids (stop ids before min_tokens, bad words), the output so far, the prompt] (the last
     # two only when a penalty needs them)

@@ -3,7 +3,7 @@
 A request goes in as token ids plus sampling/stopping rules; what comes back is a `RequestStream`, an async
 iterator of `TokenEvent`s ending with one `FinishEvent`. The consumer may `cancel()` at any time (client gone,
 stop string matched); the engine then frees the request's state. Engine failures surface as `EngineFailure`
-raised from the iterator. `SerialEngine` (engine/serial.py) runs one request at a time over the reference model;
+raised from the iterator. `SerialEngine` (compose/serial.py) runs one request at a time over the reference model;
 `AsyncEngine` (engine/async_engine.py) batches requests over the paged KV pool behind the same class, so the
 server does not change (docs/ENGINE.md).
 """

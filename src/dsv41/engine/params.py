@@ -1,6 +1,6 @@
 """What a request asks of the sampler, torch-free: `SamplingParams` and the seed of a request that gave none.
 
-The keyed sampler itself (tensors) is `engine/sampling.py`; the policy side (scheduler, block manager, LLM
+The keyed sampler itself (tensors) is `runtime/sampling.py`; the policy side (scheduler, block manager, LLM
 engine) only carries these values into each `Row`.
 """
 
@@ -21,7 +21,7 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: off
     min_p: float = 0.0
     seed: int | None = None
-    # logit adjustments before the draw (engine/sampling.py `adjust_logits`): pure functions of the request and
+    # logit adjustments before the draw (runtime/sampling.py `adjust_logits`): pure functions of the request and
     # its own tokens, so batched == alone holds with them on
     presence_penalty: float = 0.0  # minus this once for every id already in the output
     frequency_penalty: float = 0.0  # minus this times the id's count in the output

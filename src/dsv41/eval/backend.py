@@ -58,7 +58,7 @@ class EngineBackend:
     kind = "engine"
 
     def __init__(self, args, folder: Path, tokenizer, log=None):
-        from ..engine.build import build_engine
+        from ..compose.build import build_engine
         from ..server.cli import Startup, check_engine_limits, load_serving_model, serving_max_model_len
 
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))

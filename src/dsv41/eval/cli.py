@@ -57,7 +57,7 @@ def _names(text: str) -> list[str]:
 
 def register(subparsers) -> argparse.ArgumentParser:
     from ..cli import add_cpu_threads, number
-    from ..engine.build import register_engine_args
+    from ..compose.build import register_engine_args
     from ..prepared.start import add_start_args
 
     p = subparsers.add_parser(
@@ -164,7 +164,7 @@ def _api_key(args) -> str | None:
 
 def _serve_argv(args, folder: Path) -> list[str]:
     """`dsv41 serve`'s flags for the same model and engine as this run (only the options not at their default)."""
-    from ..engine.build import register_engine_args
+    from ..compose.build import register_engine_args
     from ..prepared.start import add_start_args
 
     argv = ["--model", str(folder), "--device", args.device, "--dtype", args.dtype]

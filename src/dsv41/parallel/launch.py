@@ -133,7 +133,7 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
              grace_s: float = 1.0, on_ready=None, watchdog=None) -> int:
     """Run this process as one rank of `dsv41 serve --tp N`; returns the exit status.
 
-    `load(rank, world, comm)` builds this rank's `ModelRunner` (e.g. `engine.build.build_runner` over
+    `load(rank, world, comm)` builds this rank's `ModelRunner` (e.g. `compose.build.build_runner` over
     `load_model(path, ..., rank=rank, world=world, comm=comm)`); rank 0's `serve(leader)` gets a `LeaderExecutor`
     over it, serves HTTP and returns at shutdown, the others run `follow_batches`. In local mode (no
     `--rank`) `argv` (default `sys.argv[1:]`) is handed to the children, run as `child_cmd` (default: the dsv41

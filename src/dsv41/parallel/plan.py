@@ -125,7 +125,17 @@ def _wire(obj):
 
 
 def encode_batch(number: int, batch) -> bytes:
-    return BATCH_MAGIC + encode_value([number, _wire(batch)])
+    """The Batch's fields, the trailing ones that hold their defaults left out (a decode step carries no forks or
+    session operations: the receiver's dataclass fills them in)."""
+    fields = dataclasses.fields(batch)
+    wire = _wire(batch)
+    while len(wire) > 2 and wire[-1] == _default(fields[len(wire) - 1]):
+        wire.pop()
+    return BATCH_MAGIC + encode_value([number, wire])
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def decode_batch(data: bytes):

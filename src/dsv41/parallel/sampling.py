@@ -1,6 +1,6 @@
 """Keyed sampling when each rank holds only a vocabulary shard of the logits.
 
-`sample_token_sharded` picks the same token as `dsv41.engine.sampling.sample_token` applied to the full row, and
+`sample_token_sharded` picks the same token as `dsv41.runtime.sampling.sample_token` applied to the full row, and
 every rank gets the same answer, while only a few numbers per rank cross the link instead of the whole row:
 
 - the keyed Gumbel noise of token v depends only on (seed, step, v), so each rank computes its own slice of it;
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv41.engine.sampling import GREEDY_BELOW, SamplingParams, keyed_gumbel
+from dsv41.runtime.sampling import GREEDY_BELOW, SamplingParams, keyed_gumbel
 from dsv41.parallel.comm import Comm
 
 NEG_INF = float("-inf")

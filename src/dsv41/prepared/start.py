@@ -72,7 +72,7 @@ def generate_fast(args, model_dir: Path, device, progress=None) -> int:
 
     import torch
 
-    from dsv41.engine.sampling import sample_token
+    from dsv41.runtime.sampling import sample_token
 
     model = load_fast_model(args, model_dir, device=device, dtype=getattr(torch, args.dtype),
                             engram_dir=getattr(args, "engram_dir", None), progress=progress)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.batch import Row
-from ..engine.sampling import SamplingParams, sample_token
+from .sampling import SamplingParams, sample_token
 from .pool_forward import PoolSequence, decoder_start
 
 

@@ -14,7 +14,7 @@ than the ring's spare rows) load their state from the pool and store it back.
 
 Prefill calls ask `logits="last"` when no prefill row of the step wants more than its last row, else "all"; the
 decode and verify calls return every row's logits. CED bounded replay, expert pruning and DSpark are not built on
-this path (`engine/build.py` refuses those options with `--forward fast`).
+this path (`compose/build.py` refuses those options with `--forward fast`).
 
 `pool_layout(model)` presents a FastModel as `kv_pool.pool_for_model` reads a model (its layers' roles, whether
 a compressor keeps index keys, the fake quantisers, dtype and device; no DSpark stages).

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.batch import Batch, Row, RowOutput, RowSampling, StepOutput
-from ..engine.sampling import SamplingParams, adjust_logits, sample_token, token_logprobs
+from .sampling import SamplingParams, adjust_logits, sample_token, token_logprobs
 
 
 def free_bytes(device: torch.device) -> int:

@@ -157,7 +157,7 @@ class StepTables:
                 # the open-group store is a ring over positions (KVPool.open_modulus): without verify rows a row's
                 # place in its group. The rows still open at the step's end are stored (what the load-and-store
                 # path stores); a verify window's rows of groups it closes are not yet (drafting is refused on this
-                # path: engine/build.py)
+                # path: compose/build.py)
                 M, R = (pool.open_modulus(r), pool.open_rows(r)) if hasattr(pool, "open_modulus") else (r, r - 1)
                 kept = pos_t >= end_t // r * r
                 open_row = slot_t * R + np.minimum(pos_t % M, R - 1)

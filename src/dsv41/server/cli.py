@@ -69,7 +69,7 @@ def register(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--engram-dir", metavar="DIR",
                    help="folder of this rank's packed Engram shards engram-l{L}-r{R}of{W}.bin (default: "
                         "$DSV41_ENGRAM_DIR, as preflight reads it; unset: the tables in the model folder)")
-    from dsv41.engine.build import register_engine_args  # argparse only: no torch import here
+    from dsv41.compose.build import register_engine_args  # argparse only: no torch import here
     from dsv41.parallel.args import register_tp_args
 
     from dsv41.prepared.start import add_start_args
@@ -171,7 +171,7 @@ def check_limits(args, folder: Path) -> None:
                          f"({folder / 'config.json'}: max_position_embeddings)")
 
 
-# The engine's numeric flags (engine/build.py registers them): (dest, flag, kind, low, high, low excluded).
+# The engine's numeric flags (compose/build.py registers them): (dest, flag, kind, low, high, low excluded).
 ENGINE_LIMITS = (
     ("parallel", "--parallel", int, 1, None, False),
     ("pool_tokens", "--pool-tokens", int, 1, None, False),
@@ -269,7 +269,7 @@ def _status_line(line: str) -> None:
 def load_serving_model(args, startup: Startup, progress, **tp):
     """This rank's model (`tp`: rank, world, comm under tensor parallelism). The DSpark drafter is loaded when the
     batched engine drafts with it (--draft-dspark on, --draft-depth > 0) and the checkpoint has it."""
-    from ..engine.build import dspark_wanted, serving_forward
+    from ..compose.build import dspark_wanted, serving_forward
     from ..model.loader import load_model
 
     from ..cli import set_cpu_threads
@@ -300,7 +300,7 @@ def serving_max_model_len(args, model) -> int:
 def build_server(args, startup: Startup, model):
     """The ServerContext around a loaded model (the folder's, or the TP leader on rank 0)."""
     from dsv41.structured.grammar import Grammars
-    from ..engine.build import attach_server_stats, build_engine
+    from ..compose.build import attach_server_stats, build_engine
     from ..tokenizer import Tokenizer
     from .context import ServerConfig, ServerContext
 
@@ -338,7 +338,7 @@ def run_serve(args) -> int:
 
     def load(rank: int, world: int, comm):
         model = load_serving_model(args, startup, progress, rank=rank, world=world, comm=comm)
-        from ..engine.build import build_runner
+        from ..compose.build import build_runner
 
         return build_runner(args, model, serving_max_model_len(args, model), driver=rank == 0)
 

@@ -2,7 +2,7 @@
 
 Each app owns a private CollectorRegistry, so several servers in one process (tests) never collide. No
 `_created` series (vLLM exports none either). The engine's own figures (KV pool pages, rows per round, rounds)
-come from `EngineStats.detail` at scrape time (`EngineCollector` here for vLLM's names, engine/build.py's for
+come from `EngineStats.detail` at scrape time (`EngineCollector` here for vLLM's names, compose/build.py's for
 `dsv41_engine_*`); an engine without them (serial) leaves them out.
 
 As vLLM (v1) exports them: every `vllm:*` series carries the labels `model_name` and `engine` (the engine core's
@@ -156,7 +156,7 @@ class Metrics:
 class EngineCollector:
     """The batched engine's figures under vLLM's names (`EngineStats.detail` as of the last `engine_gauges`);
     the same figures under dsv41's own names (`dsv41_engine_*`: slots, pages, queue, rounds, rows per round)
-    come from engine/build.py's collector."""
+    come from compose/build.py's collector."""
 
     def __init__(self, model_name: str):
         self.model_name = model_name

@@ -48,7 +48,7 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
-    # logit adjustments (engine/sampling.py adjust_logits); OpenAI's ranges for the two OpenAI penalties
+    # logit adjustments (runtime/sampling.py adjust_logits); OpenAI's ranges for the two OpenAI penalties
     frequency_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
     presence_penalty: Annotated[Number, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[Number, Field(gt=0.0, le=10.0)] | None = None

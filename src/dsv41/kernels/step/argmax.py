@@ -1,6 +1,6 @@
 """Greedy picks: each row's argmax over its logits in two launches, the rule of `torch.argmax`.
 
-Reference: `torch.argmax(logits, dim=-1)` (what `engine.sampling.sample_token` does for a greedy row): the index
+Reference: `torch.argmax(logits, dim=-1)` (what `runtime.sampling.sample_token` does for a greedy row): the index
 of the first maximum, a NaN counting above every number (the first NaN wins). torch runs it as one reduction per
 row: at one row of the head's 129,280 logits a single program reads them all (41 µs on the H200, outside the
 step's graph). Here the first launch has a program per (row, chunk of CHUNK logits) and writes each chunk's first

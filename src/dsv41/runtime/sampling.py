@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .params import GREEDY_BELOW, SamplingParams, banned_ids, derive_seed
+from ..engine.params import GREEDY_BELOW, SamplingParams, banned_ids, derive_seed
 
 __all__ = ["GREEDY_BELOW", "SamplingParams", "adjust_logits", "banned_ids", "derive_seed", "keyed_uniform",
            "keyed_gumbel", "filter_logits", "sample_token", "token_logprobs"]

@@ -96,7 +96,7 @@ def engine_defaults(**overrides) -> argparse.Namespace:
 
 def session_config(args, pool):
     """The engine's sessions (engine/sessions.py SessionConfig), None with --sessions off."""
-    from .sessions import SessionConfig
+    from ..engine.sessions import SessionConfig
 
     if getattr(args, "sessions", "on") == "off":
         return None
@@ -119,7 +119,7 @@ def draft_config(args, model, executor=None, log=None, *, drafter: bool = False)
     """The engine's drafting (`engine/drafting.py`) from the options: DSpark when the runner has the drafter,
     lookup when asked; the step cost table given, or measured through `executor` before serving (every rank runs
     the scratch steps), and logged."""
-    from .drafting import CostTable, DraftConfig
+    from ..engine.drafting import CostTable, DraftConfig
 
     depth = max(0, min(int(getattr(args, "draft_depth", 0) or 0), 5))
     dspark = drafter
@@ -131,7 +131,7 @@ def draft_config(args, model, executor=None, log=None, *, drafter: bool = False)
         if getattr(args, "draft_cost", None):
             config.cost = CostTable.parse(args.draft_cost)
         elif executor is not None:
-            from .drafting import measure_step_costs
+            from ..engine.drafting import measure_step_costs
 
             pool = executor.runner.pool
             config.cost = CostTable(measure_step_costs(
@@ -245,10 +245,10 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
             raise ValueError("--engine reference runs at --tp 1 only")
         return SerialEngine(model, max_model_len=max_model_len, max_waiting=args.max_waiting,
                             encode_text=encode_text)
-    from .async_engine import AsyncEngine
-    from .block_manager import BlockManager
-    from .llm_engine import EngineConfig, LLMEngine
-    from .scheduler import SchedulerConfig
+    from ..engine.async_engine import AsyncEngine
+    from ..engine.block_manager import BlockManager
+    from ..engine.llm_engine import EngineConfig, LLMEngine
+    from ..engine.scheduler import SchedulerConfig
 
     if hasattr(model, "execute"):
         executor = model

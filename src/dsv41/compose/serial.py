@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .interface import (
+from ..engine.interface import (
     Engine,
     EngineFailure,
     EngineRejected,
@@ -31,8 +31,8 @@ from .interface import (
     TokenEvent,
     check_submittable,
 )
-from .constraint import GrammarConstraint
-from .sampling import adjust_logits, banned_ids, derive_seed, sample_token, token_logprobs
+from ..engine.constraint import GrammarConstraint
+from ..runtime.sampling import adjust_logits, banned_ids, derive_seed, sample_token, token_logprobs
 
 
 class SerialEngine(Engine):
