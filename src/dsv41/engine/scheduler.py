@@ -112,6 +112,8 @@ class Scheduler:
     def _fits(self, unit: list[Sequence]) -> bool:
         """Room for `unit` now; session entries (not the one it resumes from) give their pages back to a live
         request that needs them, coldest first, and at last that one too."""
+        if len(self.blocks.free_slots) < len(unit):  # entries hold no slot: no lookup (a prompt's pages hashed)
+            return False  # while the head of the queue waits for one
         hit = self._resumable(unit)
         self._hit = hit
         while True:
