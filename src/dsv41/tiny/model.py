@@ -123,11 +123,17 @@ def make_tiny(out_dir: str | Path, fmt: str = DEFAULT_FORMAT, seed: int = 0, ove
     `overrides` replaces fields of the text config, None removes one (tests build other layouts with it)."""
     if fmt not in FORMATS:
         raise DSV41Error(f"make-tiny: unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    return write_folder_atomically(out_dir, lambda tmp: _write(tmp, fmt, seed, overrides or {}))
+
+
+def write_folder_atomically(out_dir: str | Path, fill) -> Path:
+    """`fill(tmp)` writes a checkpoint folder beside `out_dir`, which then replaces `out_dir` in one rename (a
+    reader never sees half a folder; a failure leaves no trace)."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write(tmp, fmt, seed, overrides or {})
+        fill(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be read by other users (services)
         if out_dir.exists():
             shutil.rmtree(out_dir)

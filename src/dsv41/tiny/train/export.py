@@ -10,13 +10,12 @@ weights were made. Written beside the target and renamed into place, as make-tin
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
 from dsv41.engram.shards import quantize_rows_fp8
+from dsv41.tiny.model import write_folder_atomically
 from dsv41.weights.writer import ShardedWriter, write_linear
 
 from .layout import BF16, FP8, FP32, MXFP4, ROWS_FP8, copy_skeleton_files
@@ -26,23 +25,14 @@ MAX_SHARD_BYTES = 8 * 1024**2
 
 
 def export_checkpoint(net: TinyNet, skeleton: str | Path, out_dir: str | Path, info: dict | None = None) -> Path:
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    def fill(tmp: Path) -> None:
         copy_skeleton_files(skeleton, tmp)
         with ShardedWriter(tmp, max_shard_bytes=MAX_SHARD_BYTES) as w:
             for name in net.names():
                 _write(w, name, net.raw(name).detach().float().cpu(), net.kinds[name])
         (tmp / "training.json").write_text(json.dumps(info or {}, indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o755)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out_dir
+
+    return write_folder_atomically(out_dir, fill)
 
 
 def _write(w: ShardedWriter, name: str, value: torch.Tensor, kind: str) -> None:
