@@ -79,6 +79,14 @@ def _interp_worker(out_path: str) -> None:
         x, gate, bias, k, scale, renorm, temp = _case(name)
         ids, w, logits, select = route_rows_tiles(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp)
         out["tiles_" + name] = {"ids": ids, "weights": w, "logits": logits, "select": select}
+    # a native matrix's prefill product (the indexer's weights_proj): x [B, d] @ W.T, a tile's fp32 sums
+    from dsv41.kernels.step.router_tiles import rows_product_tiles
+
+    gen = torch.Generator().manual_seed(11)
+    xp, wp = torch.randn(70, 96, generator=gen).bfloat16(), torch.randn(40, 96, generator=gen).bfloat16()
+    out["rows_product"] = {"x": xp, "w": wp, "full": rows_product_tiles(xp, wp.t()),
+                           "slice": rows_product_tiles(xp[5:9], wp.t()),
+                           "fp32": rows_product_tiles(xp.float(), wp.float().t())}
     for name in ("tiny", "nobias"):
         x, gate, bias, k, scale, renorm, temp = _case(name)
         out["knobs_" + name] = route_rows(x, gate.t(), bias, k, scale=scale, renorm=renorm, temp=temp, **KNOBS)
@@ -329,6 +337,45 @@ def test_gpu_router_real_shapes_vs_reference_and_row_invariance(d, E):
         torch.cuda.synchronize()
         for a, b in zip(captured, route_rows(rows, gate.t(), bias, 6, scale=1.5, renorm=True, fold=False)):
             assert torch.equal(a, b)
+
+
+def test_interpreted_rows_product_is_the_exact_products_summed_in_fp32(interp):
+    """The prefill product of a native matrix: within fp32 rounding of the fp64 product of the same bf16 values,
+    in every row slice, and the bf16 operands' tensor-core form equal to their fp32 values' IEEE dot."""
+    r = interp["rows_product"]
+    want = r["x"].double() @ r["w"].double().t()
+    tol = 1e-5 * (r["x"].double().abs() @ r["w"].double().abs().t())
+    for got in (r["full"], r["fp32"]):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert bool(((got.double() - want).abs() <= tol).all())
+    assert bool(((r["slice"].double() - want[5:9]).abs() <= tol[5:9]).all())
+
+
+def test_rows_product_refuses_operands_that_do_not_multiply():
+    from dsv41.kernels.step.router_tiles import rows_product_tiles
+
+    with pytest.raises(ValueError, match="do not multiply"):
+        rows_product_tiles(torch.zeros(3, 8), torch.zeros(7, 2))
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_native_linear_rows_alone():
+    """The indexer's weights_proj ([32, 5120] native bf16) on prefill rows: a row's bits the same in any chunk (the
+    chunking bug of issue 31: cuBLAS chose its kernel by the row count), within bf16 rounding of fp64."""
+    need_compiled_cuda()
+    from dsv41.runtime.layers.linear import DequantLinear
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(4096, 5120, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(32, 5120, generator=gen, device="cuda") * 5120 ** -0.5).bfloat16()
+    lin = DequantLinear("native", {"weight": w}, 5120, 32, "attn.indexer.weights_proj")
+    full = lin(x, 4096, "prefill")
+    assert full.dtype == torch.bfloat16
+    for rows in (slice(0, 1), slice(0, 2048), slice(1348, 1414), slice(2048, 4096), torch.randperm(4096, device="cuda")):
+        part = lin(x[rows], x[rows].shape[0], "prefill")
+        assert torch.equal(part, full[rows]), rows
+    want = x.double() @ w.double().t()
+    assert float((full.double() - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
 
 
 @pytest.mark.gpu

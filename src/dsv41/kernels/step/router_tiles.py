@@ -75,3 +75,27 @@ def route_rows_tiles(x: torch.Tensor, gate_t: torch.Tensor, bias: torch.Tensor |
                                 EP=triton.next_power_of_2(E), TOPK=k, KP=triton.next_power_of_2(k),
                                 HAS_BIAS=bias is not None, RENORM=bool(renorm and k > 1), num_warps=4)
     return ids, weights, logits, select
+
+
+def rows_product_tiles(x: torch.Tensor, mat_t: torch.Tensor) -> torch.Tensor:
+    """x [B, d] @ mat_t [d, N] in fp32 [B, N], each output element one dot over the whole d in the tile kernel's
+    fixed order: a row's bits never depend on B or the other rows (cuBLAS picks its kernel, split-K among them, by
+    the row count, so its bits do). bf16 x and bf16 mat_t go on the tensor cores (exact products, fp32 sums); other
+    float dtypes take an IEEE fp32 dot of their values. For the prefill rows of native matrices (the indexer's
+    weights_proj [32, 5120]): chunked == one-shot."""
+    if x.dim() != 2 or mat_t.dim() != 2 or x.shape[1] != mat_t.shape[0]:
+        raise ValueError(f"x {list(x.shape)} and mat_t {list(mat_t.shape)} do not multiply")
+    if not (x.is_floating_point() and mat_t.is_floating_point()):
+        raise ValueError(f"float operands only, got {x.dtype} and {mat_t.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    B, d = x.shape
+    N = mat_t.shape[1]
+    out = torch.empty(B, N, dtype=torch.float32, device=x.device)
+    if B == 0 or N == 0:
+        return out
+    bf16 = x.dtype == torch.bfloat16 and mat_t.dtype == torch.bfloat16
+    _logits_tile_kernel[(triton.cdiv(B, BM), triton.cdiv(N, BE))](
+        x, x.stride(0), mat_t, mat_t.stride(0), mat_t.stride(1), out, B, d, N, BM=BM, BE=BE, BK=BK, BF16=bf16,
+        num_warps=4)
+    return out

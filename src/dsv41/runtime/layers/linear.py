@@ -275,9 +275,17 @@ class DequantLinear:
     def __call__(self, x: torch.Tensor, n: int | None = None, phase: str = "decode",
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
         # on the fused path x is the whole decode bucket: one fixed-shape product, so a row's bits stand alone
-        is_fused(phase)
+        fused = is_fused(phase)
         with section("dense"):
-            y = x @ self.dense(x.dtype).T
+            if not fused and x.is_cuda and prefill_tiles_enabled():
+                # prefill rows: cuBLAS would pick its kernel (split-K among them) by the chunk's row count, so a row's
+                # bits would depend on the chunking (layer 2's index top-k did: weights_proj is native bf16). The
+                # tile product's order is fixed; rounded to x's dtype as the matmul rounds its output.
+                from dsv41.kernels.step.router_tiles import rows_product_tiles
+
+                y = rows_product_tiles(x, self.dense(x.dtype).T).to(x.dtype)
+            else:
+                y = x @ self.dense(x.dtype).T
             return y if out_dtype is None else y.to(out_dtype)
 
 
