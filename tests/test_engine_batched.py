@@ -106,6 +106,38 @@ def test_random_cancellations_then_the_next_reply_is_unchanged(model, reference)
     assert batched(model, [REQUESTS[2]], arrivals=[0])[0][0] == reference[2]
 
 
+def test_a_step_whose_requests_all_left_stops_between_layers_and_keeps_nothing(model, reference):
+    """A client that leaves during a long prefill chunk (issue 31, item 7): the forward stops before the next layer
+    (runtime/abort.py), the request ends as cancelled with its slot and pages back, and the engine's next replies
+    keep their bits (nothing of the cut step was stored)."""
+    engine = build_engine(engine_defaults(prefill_chunk=16), model, max_model_len=512, log=lambda line: None)
+    core, watch = engine.core, engine.core.executor.runner.abort_watch
+    events = []
+    seq = engine.make_sequence(REQUESTS[2], events.append)
+    core.add(seq)
+    core.step()  # the first 16 rows, whole
+    check = watch.check
+
+    def leaves_during_layer_2(i, device=None):
+        if i == 3:
+            seq.cancel_requested = True  # what the server's event loop sets when the client goes
+        check(i, device)
+
+    watch.check = leaves_during_layer_2
+    core.step()
+    watch.check = check
+    assert (watch.stopped_at, core.aborted_steps) == (3, 1)
+    assert isinstance(events[-1], FinishEvent) and events[-1].reason == "cancelled" and core.pool_idle()
+    for i in (2, 0):  # the same prompt again (its 16 rows may resume from the entry its finish left), another
+        evs = []
+        again = engine.make_sequence(REQUESTS[i], evs.append)
+        core.add(again)
+        while core.has_work():
+            core.step()
+        assert [e for e in evs if not isinstance(e, FinishEvent)] == reference[i][:-1]
+    assert not engine.core.executor.runner.abort_watch.probe() and core.pool_idle()
+
+
 SCHEMES = {"one shot (2048)": [2048], "128": [128], "7": [7], "1": [1], "odd cuts in ratio-2 groups": [1, 4, 3, 8, 5, 2048]}
 
 

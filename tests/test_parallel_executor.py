@@ -66,6 +66,7 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     runner = build_runner(args, model, 256, driver=rank == 0, log=lambda line: None)
     if rank == 1:
         rounds = follow_batches(runner, channel, failfast)
+        group.store.set("test/stopped1", str(runner.abort_watch.stopped_at))
         group.store.set("test/bye", str(rounds))
     else:
         leader = LeaderExecutor(runner, channel, failfast)
@@ -81,11 +82,27 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
             core.step()
         parked = run_engine(engine, [reqs[1]], arrivals=[0])[0]
         disk_hits = core.stats()["sessions"]["disk_hits"]
+        # a client that leaves during its prompt's second chunk: both ranks stop between the same layers
+        # (runtime/abort.py: rank 0's answer, issued before layer 1, read before layer 2) and stay in step
+        from dsv41.engine import GenerationRequest, SamplingParams
+
+        left = []
+        leaving = engine.make_sequence(GenerationRequest([0] + [(i * 29) % 400 + 9 for i in range(30)], 4,
+                                                         SamplingParams(temperature=0.0)), left.append)
+        core.add(leaving)
+        core.step()  # the first 11 rows, whole
+        leaving.cancel_requested = True  # what the server's event loop sets when the client goes
+        core.step()
+        cut = {"stopped0": runner.abort_watch.stopped_at, "aborted": core.aborted_steps,
+               "reason": left[-1].reason, "idle": core.pool_idle()}
+        cut["after"] = run_engine(engine, [reqs[0]], arrivals=[0])[0]
         rounds = leader.rounds
         leader.close()
         followed = int(group.store.get("test/bye"))
+        cut["stopped1"] = int(group.store.get("test/stopped1"))
         Path(out).write_text(json.dumps({"together": together, "alone": alone, "rounds": rounds,
-                                         "followed": followed, "parked": parked, "disk_hits": disk_hits}))
+                                         "followed": followed, "parked": parked, "disk_hits": disk_hits,
+                                         "cut": cut}))
     failfast.stop()
     group.close()
 
@@ -109,6 +126,9 @@ def test_tp2_batched_equals_alone_bitwise(tmp_path, tiny_model_dir):
     files = [len(list((tmp_path / "sessions" / f"rank{r}").glob("*.ses"))) for r in range(2)]
     assert files[0] == files[1] >= 1, files  # each rank parked its own shards of every entry
     assert got["followed"] == got["rounds"]  # rank 1 ran every step and left on the stop batch
+    cut = got["cut"]
+    assert (cut["stopped0"], cut["stopped1"], cut["aborted"], cut["reason"], cut["idle"]) == (2, 2, 1, "cancelled", True)
+    assert cut["after"][:-1] == got["alone"][0][:-1]  # the group goes on in step, with the same bits
     assert "logprob=-" in got["together"][0][0] and "PromptLogprobsEvent" in got["together"][3][0]
 
 

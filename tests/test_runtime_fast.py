@@ -302,6 +302,33 @@ def test_fp8_release_layout_takes_the_dequant_path(tmp_path):
     assert not any(c[3] for c in res["router"] + res["index"])
 
 
+def test_a_prefill_forward_cut_between_layers_leaves_its_states_as_they_were(tmp_path):
+    """FastModel's layer loop asks its abort watch before each layer (runtime/abort.py): a prefill whose step was
+    abandoned stops there with StepAborted before its states advance (the engine's states are views of the pool,
+    stored back only after the last layer: it drops them), the model holds nothing of the cut forward (the next
+    prefill gives the bits of one never cut), and decode rows (fused) are never cut."""
+    from dsv41.engine.batch import StepAborted
+    from dsv41.runtime.abort import AbortWatch
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.tiny.model import make_tiny
+
+    model = build_fast_model(make_tiny(tmp_path / "fp8", "fp8", seed=1, overrides=LITE), "cpu", torch.float32,
+                             fake_quant=False)
+    ids = [0] + [(i * 31) % 500 + 5 for i in range(20)]
+    layers = len(model.blocks)
+    asked = []
+    watch = AbortWatch(probe=lambda: len(asked) >= 2 or bool(asked.append(1)), layers=layers)
+    cut = model.new_state()
+    with pytest.raises(StepAborted):
+        model.forward([(cut, ids)], "prefill", watch=watch)
+    assert watch.stopped_at == 3 and cut.pos == 0 and not cut.ids
+    whole, again = model.new_state(), model.new_state()
+    want = model.forward([(whole, ids)], "prefill")
+    assert torch.equal(model.forward([(again, ids)], "prefill"), want)
+    decode = model.forward([(again, [7])], "decode", watch=AbortWatch(probe=lambda: True, layers=layers))
+    assert torch.equal(decode, model.forward([(whole, [7])], "decode"))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class AsyncEngine(Engine):
         return seq
 
     def _cancel(self, stream: RequestStream) -> None:
+        stream.seq.cancel_requested = True  # read by a running step between its layers (LLMEngine.step_abandoned)
         self._commands.put(("abort", stream.seq))
         self._wake.set()
 

@@ -123,3 +123,9 @@ class StepOutput:
     rows: list[RowOutput] = field(default_factory=list)
     free_bytes: int | None = None  # the device's (or host's) free memory after the step, for the memory floor
     loads: list[list] = field(default_factory=list)  # [seq id, whether every rank loaded it] per Batch.loads
+
+
+class StepAborted(Exception):
+    """Raised by a forward that stopped between layers because every request with rows in its step was cancelled
+    while it ran (a client that left during a long prefill chunk: runtime/abort.py). Nothing of the step is kept:
+    its sequences are being freed. Every rank raises it at the same layer (the decision is one collective)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .batch import DECODE, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling
+from .batch import DECODE, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling, StepAborted
 from .block_manager import BlockManager
 from .drafting import DRAFTERS, DraftConfig, DrafterStats, choose_depth, lookup_draft
 from .params import banned_ids
@@ -70,11 +70,16 @@ class LLMEngine:
         self.sessions = SessionCache(config.sessions, blocks, disk) \
             if config.sessions is not None and config.prefill_mode == "full" else None
         self.scheduler.sessions = self.sessions
+        self._step_seqs: list[Sequence] = []  # the sequences with rows in the step now running
+        watch = getattr(executor, "watch_aborts", None)
+        if watch is not None:  # a long forward asks between its layers whether its step is still wanted
+            watch(self.step_abandoned)
         self._freed_slots: list[int] = []
         self._freed_pages: list[int] = []
         self._copies: list[tuple[Sequence, list[int]]] = []  # forks made, copied before the next step's forward
         self.forks_total = 0
         self.step_no = 0
+        self.aborted_steps = 0  # steps whose forward stopped early: every request in them had left
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.prefill_rows_total = 0
@@ -135,6 +140,15 @@ class LLMEngine:
             return
         self._finish(seq, "cancelled")
 
+    def step_abandoned(self) -> bool:
+        """Whether every sequence with rows in the running step was cancelled since it began (read from the forward's
+        thread between layers: runtime/abort.py). A group's member counts only with its whole group cancelled (its
+        siblings may wait for this prefill)."""
+        seqs = self._step_seqs
+        return bool(seqs) and all(s.cancel_requested and (s.group is None
+                                                          or all(m.cancel_requested for m in s.group.members))
+                                  for s in seqs)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or (self.sessions is not None and self.sessions.pending)
 
@@ -175,12 +189,24 @@ class LLMEngine:
         self._freed_slots, self._freed_pages, self._copies = [], [], []
         self.step_no += 1
         started = self.clock()
+        self._step_seqs = [seq for seq, _ in work]
         try:
             out = self.executor.execute(batch)
+        except StepAborted:
+            # every request of the step left while it ran: the forward stopped between layers and kept nothing
+            # (the states are stored back only after the last layer), so each ends as cancelled from the state
+            # before this step
+            self.aborted_steps += 1
+            for seq, _ in work:
+                if seq.status is not Status.FINISHED:
+                    self._finish(seq, "cancelled")
+            return True
         except BaseException as exc:
             for seq, _ in work:
                 self._fail(seq, f"{type(exc).__name__}: {exc}")
             raise
+        finally:
+            self._step_seqs = []
         seconds = self.clock() - started
         self._loaded(out)
         prefill = sum(len(r.token_ids) for r in rows if r.phase == PREFILL)

@@ -65,6 +65,9 @@ class Sequence:
     cached: int = 0  # prompt tokens resumed from a session entry instead of prefilled
     loading: bool = False  # a parked session entry is being loaded into its slot and pages (no rows meanwhile)
     mark_at: int | None = None  # where the prompt's session entry is taken (engine/sessions.py prompt_mark)
+    # set from the server's event loop the moment the client leaves (the abort command follows, between steps):
+    # a forward whose every row is such a sequence stops between layers (runtime/abort.py)
+    cancel_requested: bool = False
     decode_rounds: int = 0  # rounds that emitted sampled tokens, and those tokens (tokens per round)
     round_tokens: int = 0
 

@@ -20,6 +20,7 @@ import traceback
 
 import torch
 
+from dsv41.engine.batch import StepAborted
 from dsv41.parallel.failfast import FailureInjector, TPAborted
 from dsv41.parallel.plan import PlanChannel, decode_batch, encode_batch
 
@@ -81,6 +82,9 @@ class LocalExecutor:
     def execute(self, batch):
         return self.runner.execute(batch)
 
+    def watch_aborts(self, probe) -> None:
+        self.runner.watch_aborts(probe)
+
     def free_bytes(self) -> int | None:
         return self.runner.free_bytes()
 
@@ -122,11 +126,14 @@ class LeaderExecutor:
 
             try:
                 return self._worker.run(work, self._failfast)
-            except TPAborted:
+            except (TPAborted, StepAborted):  # StepAborted: every rank stopped at the same layer, still in step
                 raise
             except BaseException as exc:
                 self._failfast.abort(f"round {round_no} failed: {describe(exc)}")
                 raise TPAborted(f"round {round_no} failed on rank 0: {describe(exc)}") from exc
+
+    def watch_aborts(self, probe) -> None:
+        self.runner.watch_aborts(probe)
 
     def free_bytes(self) -> int | None:
         """The tightest rank's free memory (every rank's monitor reports it about once a second)."""
@@ -165,7 +172,10 @@ def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=No
                 if batch.stop:
                     return number
                 injector.at_round(number)
-                runner.execute(batch)
+                try:
+                    runner.execute(batch)
+                except StepAborted:  # rank 0 stopped at the same layer (runtime/abort.py): the group is in step
+                    pass
                 number += 1
     except TPAborted:
         failfast.aborted.wait()

@@ -53,6 +53,8 @@ def pool_layout(model) -> SimpleNamespace:
 
 
 class FastForward:
+    abort_watch = None  # runtime/abort.py: set by the ModelRunner; checked between layers of unfused forwards
+
     def __init__(self, model, *, in_place: bool = True):
         """`in_place=False` keeps every chunk on the load-and-store path (the comparison the in-place path is
         tested against)."""
@@ -110,7 +112,7 @@ class FastForward:
                                                  for i, o in zip(members, wanted))
             mode = "last" if last_only else "all"
             logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode,
-                               pool=pool if in_place else None)
+                               pool=pool if in_place else None, watch=self.abort_watch)
             at = 0
             for i, offsets in zip(members, wanted):
                 n = 1 if mode == "last" else len(rows[i].token_ids)

@@ -207,7 +207,8 @@ class FastModel:
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
-                logits: str = "last", trace: dict | None = None, pool=None, writes: bool = True) -> torch.Tensor:
+                logits: str = "last", trace: dict | None = None, pool=None, writes: bool = True,
+                watch=None) -> torch.Tensor:
         """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
         row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row).
 
@@ -216,14 +217,16 @@ class FastModel:
         place (`FastAttention.attend_pool`), the whole bucket one CUDA graph (`_pool_step`); nothing of the
         sequences is loaded into the states, and nothing is left to store back. `writes=False` (over a pool): the
         step's tables write nothing, so the pool is left as it was (what the graphs captured before serving run on:
-        `FastForward.capture_graphs`)."""
+        `FastForward.capture_graphs`). `watch` (runtime/abort.py, prefill): asked between layers whether the step is
+        still wanted; raises StepAborted before the states advance, their caches partly written (the engine's are
+        views of the pool, stored back only after the last layer: it drops them)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
         if len({id(s) for s, _ in chunks}) != len(chunks):
             raise ValueError("one chunk per sequence per forward")
         if not is_fused(phase):
-            return self._forward(chunks, phase, logits, trace)
+            return self._forward(chunks, phase, logits, trace, watch=watch)
         most = STEP_ROWS if pool is not None and self.pool_runs(phase, trace) else BUCKET
         out, group, rows = [], [], 0
         for state, ids in chunks:
@@ -250,8 +253,8 @@ class FastModel:
         step kernels run: CUDA, or the interpreter)."""
         return is_fused(phase) and trace is None and step_kernels_run(self.device)
 
-    def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None, writes: bool = True
-                 ) -> torch.Tensor:
+    def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None, writes: bool = True,
+                 watch=None) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
         segs, at = [], 0
         for state, ids in chunks:
@@ -289,7 +292,8 @@ class FastModel:
                 trace.setdefault(block.index, []).append(layer_trace)
             return out
 
-        x, pre, pending = self._layers(sites, x, pre, n, phase, rows, live, run_block)
+        x, pre, pending = self._layers(sites, x, pre, n, phase, rows, live, run_block,
+                                       None if is_fused(phase) else watch)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
@@ -346,12 +350,17 @@ class FastModel:
                                                        pool=(t, pool)))
         return self._final(sites, n, phase, x, pending, pre)
 
-    def _layers(self, sites: MhcSites, x, pre, n: int, phase: str, rows, live, run_block):
+    def _layers(self, sites: MhcSites, x, pre, n: int, phase: str, rows, live, run_block, watch=None):
         """The blocks in order (`run_block(block, x, pre, pending) -> (x, pre, pending)`), each Engram layer before
         its block with the pending FFN expand applied first. `pending`: the last FFN site's (y, post, comb), whose
-        expand runs fused with the next attention site. Returns the last `(x, pre, pending)`."""
+        expand runs fused with the next attention site. Returns the last `(x, pre, pending)`. `watch`
+        (runtime/abort.py): checked before each block (StepAborted)."""
         pending = None
-        for block in self.blocks:
+        if watch is not None:
+            watch.start()
+        for i, block in enumerate(self.blocks):
+            if watch is not None:
+                watch.check(i)
             if block.index in self.engram:
                 with section("mhc"):
                     x, pending = sites.expanded(x, pending), None

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..engine.batch import Batch, Row, RowOutput, RowSampling, StepOutput
+from .abort import AbortWatch
 from .sampling import SamplingParams, adjust_logits, sample_token, token_logprobs
 
 
@@ -49,6 +50,16 @@ class ModelRunner:
         self.drafter = drafter  # DSpark (runtime/draft_dspark.py) when loaded: rows with `propose` get drafts
         self.snapshots: dict[int, torch.Tensor] = {}  # session entry id -> its ring slot's bytes (Batch.saves)
         self.session_disk = session_disk  # runtime/session_disk.py: this rank's NVMe tier (--session-dir)
+        # between layers of a long forward: whether its step is still wanted (rank 0 asks the engine; every rank
+        # stops at the same layer: runtime/abort.py)
+        model = getattr(forward, "model", None)
+        self.abort_watch = AbortWatch(getattr(model, "comm", None),
+                                      layers=getattr(getattr(model, "cfg", None), "num_hidden_layers", 40))
+        forward.abort_watch = self.abort_watch
+
+    def watch_aborts(self, probe) -> None:
+        """The engine's `step_abandoned` (rank 0's runner only; the other ranks follow its answer)."""
+        self.abort_watch.probe = probe
 
     def free_bytes(self) -> int:
         return free_bytes(self.device)

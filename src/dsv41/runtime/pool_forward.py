@@ -157,6 +157,8 @@ class PrunedMoE:
 
 
 class PoolForward:
+    abort_watch = None  # runtime/abort.py: set by the ModelRunner; checked between layers of unfused forwards
+
     def __init__(self, model, *, replay: bool = False, expert_topp: float | None = None, expert_min_k: int = 1,
                  prune_prefill: bool = False):
         self.model, self.cfg = model, model.cfg
@@ -191,7 +193,12 @@ class PoolForward:
         owner = torch.cat([torch.full((v.end - v.start,), i, device=dev) for i, v in enumerate(views)])
         shared = [Shared() for _ in rows]
         taps = []
-        for block in self.blocks:
+        watch = self.abort_watch
+        if watch is not None:
+            watch.start()
+        for i, block in enumerate(self.blocks):
+            if watch is not None:  # a long step nobody wants any more stops here (runtime/abort.py)
+                watch.check(i)
             L = block.index
             if self.replay and L == self.decoder_from:
                 keep = positions >= torch.tensor([r.replay_start for r in rows], device=dev)[owner]
