@@ -1,4 +1,4 @@
-"""The attention core of decode / verify rows: one softmax per (row, head) over the row's key slots, with the sink.
+"""The attention core of every row: one softmax per (row, head) over the row's key slots, with the sink.
 
 Reference: `dsv41.model.attention.Attention._core` (MODEL.md §7.6). Per row t and head h, over the key slots
 keys[t] [S, hd] (window ring rows, then the selected compressed entries; K = V, one latent shared by every head)
@@ -36,6 +36,16 @@ A row's bits depend only on that row: no program reads another row, and the prog
 fixed, so the grid's row count changes nothing. They do not depend on padding S either: extra slots past a row's own
 ones (dead) add exact zeros at the end of a block, extra blocks and splits change nothing, so rows of different
 sequences padded to one S can share a launch.
+
+`attention_indexed` (prefill rows, `FastAttention._core_indexed`): the same core with each slot's key row read in
+place through an int32 slot index [T, S] into two sources, the window rows [W, hd] (index r < W) and the
+compressed entries [C, hd] (index W + entry id), a dead slot -1 (`prefill_slots.prefill_slot_index` builds it
+for a segment in one launch). Against the gathered call on keys = cat(window, entries)[index], ok = index >= 0: no
+[T, S, hd] copy (1.3 GB at 2,048 rows x 640 slots x 512 bf16), no concatenation of the entries, all the rows in one
+launch pair. Bitwise the gathered call for the same reason as `attention_pool` (the constexpr INDEXED picks where a
+block's keys and live flags come from; one load of the same row, converted alike) and one more: the live flag is
+read as an 8-bit load (the index's sign byte), so the products compile to the gathered core's operand layout
+(tests/test_kernels_step_attention_layout.py).
 
 `attention_pool`: the same core with the keys read from the KV pool in place (runtime/kv_pool.py), no gathered
 copy. Row b's slots are those `FastAttention._slots` gathers: window slots j = 0..window-1 hold key position

@@ -9,9 +9,11 @@ The index keys of every group closed in the step are projected in one launch (th
 Decode and verify rows, where the Triton step kernels run (`step_kernels_run`: a CUDA device, or the interpreter),
 take the core softmax of every sequence in one launch (`kernels.step.attention`): each sequence's key slots are
 gathered as the reference lays them out, padded with dead slots to a common length (the kernel's bits ignore such
-padding and the other rows). Prefill rows there take the same kernel per sequence, `PREFILL_CORE_ROWS` rows per
-launch, each block's key slots gathered just before its launch (the gathered keys [rows, S, hd] and the kernel's
-split scratch stay bounded whatever the chunk's length). Plain CPU without the interpreter keeps the reference's
+padding and the other rows). Prefill rows there take the same kernel per sequence reading the slots in place
+(`_core_indexed`: the segment's int32 slot index into the window rows and the source's entries, one launch pair for
+up to `PREFILL_INDEXED_ROWS` rows, the split scratch bounded by it); `DSV41_PREFILL_CORE_INDEXED=0` keeps the
+gathered form (the same bits: `PREFILL_CORE_ROWS` rows per launch, each block's key slots gathered just before its
+launch). Plain CPU without the interpreter keeps the reference's
 `_core` in every phase. Where the step kernels run, the indexer of every phase (scores, candidate blocks, top-k) runs
 for the rows of all sequences together (`_index_kernels`, `kernels.step.indexer`); plain CPU keeps the per-sequence
 reference math (`_topk`).
