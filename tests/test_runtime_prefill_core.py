@@ -117,7 +117,38 @@ def _check(device: str, heads: int, hd: int, window: int, topk: int, T: int, spl
                      "chunked": bool(torch.equal(one, chunked)),
                      "others zero": bool(one[:start].eq(0).all() and one[start + T:].eq(0).all()),
                      "rel": _rel(one[rows], ref), "finite": bool(torch.isfinite(one).all())}
+    out["direct"] = _direct(q[start:start + T], full, kv, ids, layer, pos, window, topk)
     return out
+
+
+def _direct(q, win, kv, ids, layer, pos: int, window: int, topk: int) -> dict:
+    """The slot index against the gathered path's (`_core_blocked`'s torch form: window rows clamped, live iff the
+    key position >= 0; entry W + id, dead -1), and `attention_indexed` over it: rows no live slot names (NaN here)
+    and indices past the entries (dead) change no bit."""
+    from dsv41.kernels.step.attention import attention_indexed
+    from dsv41.kernels.step.prefill_slots import prefill_slot_index
+    from dsv41.runtime.layers.attention import PREFILL_TILING
+
+    T, W, C, dev = q.shape[0], win.shape[0], kv.shape[0], q.device
+    slots = prefill_slot_index(T, pos, W, window, width=topk, ids=ids, entries=C)
+    key_pos = torch.arange(pos, pos + T, device=dev)[:, None] + torch.arange(1 - window, 1, device=dev)[None, :]
+    sel = torch.cat((torch.full((T, topk - ids.shape[1]), -1, dtype=ids.dtype, device=dev), ids), dim=1)
+    want = torch.cat((torch.where(key_pos >= 0, (key_pos - (pos + T - W)).clamp(min=0), -1),
+                      torch.where(sel >= 0, W + sel, -1)), dim=1)
+    run = partial(attention_indexed, sink=layer.sink, scale=q.shape[2] ** -0.5, **PREFILL_TILING)
+    plain = run(q, win, kv, slots)
+    named = torch.zeros(W + C, dtype=torch.bool, device=dev)
+    named[slots[slots >= 0].long()] = True
+    bad_win, bad_kv = win.clone(), kv.clone()
+    bad_win[~named[:W]] = float("nan")
+    bad_kv[~named[W:]] = float("nan")
+    past = torch.where(slots < 0, W + C + torch.arange(slots.shape[1], device=dev, dtype=slots.dtype), slots)
+    into = torch.full((T + 1,) + tuple(q.shape[1:]), float("nan"), device=dev)[1:]
+    return {"slot index": bool(torch.equal(slots.long(), want)) and slots.dtype == torch.int32,
+            "unnamed rows": _same_bits(run(q, bad_win, bad_kv, slots), plain),
+            "past the entries": _same_bits(run(q, win, kv, past), plain),
+            "out": _same_bits(run(q, win, kv, slots, out=into), plain) and _same_bits(into, plain),
+            "some unnamed": bool((~named).any())}
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -125,6 +156,9 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _assert(results: dict, tol: float = 1e-5) -> None:
+    direct = results.pop("direct")
+    for name, ok in direct.items():
+        assert ok, f"indexed core: {name}"
     for name, r in results.items():
         assert r["blocks"], f"{name}: a row's bits depend on the block"
         assert r["indexed == gathered"], f"{name}: the indexed core differs from the gathered one"
