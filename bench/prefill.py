@@ -3,7 +3,8 @@
 One call measures, in this order (results saved after each stage, so a run cut short keeps what it measured):
 - the ceilings: the bf16 GEMM rate on random data;
 - the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
-  (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer;
+  (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer; the
+  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`);
 - per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
   tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position);
 - the per-section table of one profiled chunk at position 0 and one at the longest prompt's last chunk;
@@ -92,7 +93,61 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
     log(f"kernels at {chunk} rows: experts {ms:.2f} ms ({out['experts']['tflops']:.0f} TFLOP/s, "
         f"{out['experts']['weights_per_s'] / 1e12:.2f} T weights/s once each), dense {out['dense_ms']:.2f} ms over "
         f"{len(dense)} matrices")
+    try:  # a failure here must not cost the rest of the run
+        out["attention_core"] = attention_core_alone(block.attn, chunk)
+    except Exception as exc:  # noqa: BLE001
+        out["attention_core"] = {"error": repr(exc)}
+        log(f"attention core alone failed: {exc!r}")
     return out
+
+
+def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000, device: str = "cuda",
+                         timer=cuda_ms) -> dict:
+    """One layer's prefill attention core (`FastAttention._core_blocked`) over a `chunk`-row segment at `pos`:
+    window + top-k slots over `entries` compressed entries, the pool's FP8 / FP4 values in bf16; gathered
+    (DSV41_PREFILL_CORE_INDEXED=0: the slots' torch index ops, cat(window, entries), one gather per 256-row block)
+    against indexed (one slot-index launch, one core launch pair). Whole-call device time, index building included;
+    reports whether the two give the same bits. (`device` / `timer`: a CPU dry run under the interpreter.)"""
+    from types import SimpleNamespace
+
+    from dsv41.model.quant import fp4_block_e4m3, fp8_block_ue8m0
+    from dsv41.runtime.layers.attention import INDEXED_ENV, Segment
+
+    dev = torch.device(device)
+    cfg, H = attn.cfg, attn.heads
+    hd, window, topk = cfg.head_dim, cfg.sliding_window, cfg.index_topk
+    g = torch.Generator(device=dev).manual_seed(2)
+    W = chunk + window - 1
+    win = fp8_block_ue8m0(torch.randn(W, hd, generator=g, device=dev).bfloat16(), 32, True)
+    kv = fp4_block_e4m3(torch.randn(entries, hd, generator=g, device=dev).bfloat16(), 16, True)
+    ids = torch.rand(chunk, entries, generator=g, device=dev).topk(topk, dim=1).indices.sort(dim=1).values
+    q = torch.randn(chunk, H, hd, generator=g, device=dev).bfloat16()
+    seg = Segment(state=None, start=0, T=chunk, pos=pos)
+    src = SimpleNamespace(kv=kv)
+    o = torch.zeros(chunk, H, hd, dtype=torch.float32, device=dev)
+
+    def run():
+        attn._core_blocked(q, o, seg, win, ids, src)
+
+    res = {"rows": chunk, "heads": H, "head_dim": hd, "slots": window + topk, "entries": entries}
+    outs = {}
+    before = os.environ.get(INDEXED_ENV)
+    for name, flag in (("gathered", "0"), ("indexed", "1")):
+        os.environ[INDEXED_ENV] = flag
+        try:
+            res[f"{name}_ms"] = timer(run, reps=5)
+            run()
+            outs[name] = o.clone()
+        finally:
+            os.environ.pop(INDEXED_ENV)
+            if before is not None:
+                os.environ[INDEXED_ENV] = before
+    res["same_bits"] = bool(torch.equal(outs["gathered"].view(torch.int32), outs["indexed"].view(torch.int32)))
+    res["gathered_key_bytes"] = chunk * (window + topk) * hd * 2  # written by the gathers, then read by the core
+    res["cat_bytes"] = (W + entries) * hd * 2
+    log(f"attention core, one layer, {chunk} rows x {H} heads x {window + topk} slots over {entries} entries: "
+        f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}")
+    return res
 
 
 def prefill_prompt(model, length: int, chunk: int, seed: int = 0) -> dict:

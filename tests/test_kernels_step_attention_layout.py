@@ -21,10 +21,15 @@ _PTRS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "ok_ptr": "*u8", "sink_ptr": "*fp32
 # the decode tiling (DECODE_SPLIT_KEYS / KEY_BLOCK blocks a split), bf16 queries, keys holding bf16 values
 _SHAPE = dict(HB=16, BS=16, BLOCKS=2, HDP=512, QP=1, KP=1, FOLD=False)
 # every constexpr of the kernel is given (one left out would compile as a runtime argument: both sides of its `if`)
-_DEFAULTS = dict(POOL=False, WCODEC=0, ECODEC=-1, ALIGNED=False)
+_DEFAULTS = dict(POOL=False, WCODEC=0, ECODEC=-1, ALIGNED=False, INDEXED=False)
+# the prefill tiling (runtime/layers/attention.py PREFILL_TILING: 32 heads a program, 64-key blocks, 128-key splits)
+_PREFILL = dict(HB=32, BS=64, BLOCKS=2, HDP=512, QP=1, KP=1, FOLD=False)
+# the indexed variant's pointers: the int32 slot index where ok is, window rows and entries of one dtype
+_INDEXED_PTRS = {**_PTRS, "ok_ptr": "*i32", "e_ptr": "*bf16"}
 
 
-def _dot_layouts(arch: int, **variant) -> set[str]:
+def _dot_layouts(arch: int, shape: dict = _SHAPE, ptrs: dict = _PTRS, num_warps: int | None = None,
+                 **variant) -> set[str]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -32,17 +37,17 @@ def _dot_layouts(arch: int, **variant) -> set[str]:
     from dsv41.kernels.step import attention as A
 
     fn = A._core_split_kernel
-    const = {**_SHAPE, **_DEFAULTS, **variant, "PDL": arch >= 90}
+    const = {**shape, **_DEFAULTS, **variant, "PDL": arch >= 90}
     missing = {a for a, p in zip(fn.arg_names, fn.params) if p.is_constexpr} - set(const)
     assert not missing, f"constexprs not given: {missing}"
-    sig = {a: "constexpr" if a in const else _PTRS.get(a, "fp32" if a == "scale" else "i32") for a in fn.arg_names}
+    sig = {a: "constexpr" if a in const else ptrs.get(a, "fp32" if a == "scale" else "i32") for a in fn.arg_names}
     try:
         compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                   target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=A.DECODE_WARPS, enable_fp_fusion=False))
+                                  options=dict(num_warps=num_warps or A.DECODE_WARPS, enable_fp_fusion=False))
     except RuntimeError as exc:  # no ptxas for this target in this Triton
         pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
-    layouts = set(re.findall(r"kWidth = ([0-9]+)", compiled.asm["ttgir"]))
+    layouts = set(re.findall(r"kWidth = ([0-9]+)|(nvidia_mma<[^>]*>)", compiled.asm["ttgir"]))
     assert layouts, "no dot operand layout in the TTGIR (the products did not compile to tensor-core dots)"
     return layouts
 
@@ -61,3 +66,19 @@ def test_pool_paths_compile_to_the_gathered_cores_product_layout(arch):
                           "pool, one-store loops": dict(POOL=True, WCODEC=fp8, ECODEC=fp4, ALIGNED=True),
                           "window only": dict(POOL=True, WCODEC=fp8, ECODEC=-1)}.items():
         assert _dot_layouts(arch, **variant) == core, name
+
+
+@pytest.mark.parametrize("arch", [90, 121])
+def test_indexed_prefill_core_compiles_to_the_gathered_cores_product_layout(arch):
+    """The indexed core of prefill rows (INDEXED: keys read through an int32 slot index, its live flag the index's
+    sign byte as an 8-bit load) at the prefill tiling: the gathered core's kWidth and MMA layout (an int32 and bf16
+    loads alone would give kWidth 2: other bits)."""
+    from triton.runtime.jit import JITFunction
+
+    from dsv41.kernels.step import attention as A
+
+    if not isinstance(A._core_split_kernel, JITFunction):
+        pytest.skip("kernels decorated for the interpreter in this process")
+    core = _dot_layouts(arch, _PREFILL, num_warps=8)
+    assert ("4", "") in core, core
+    assert _dot_layouts(arch, _PREFILL, _INDEXED_PTRS, 8, INDEXED=True) == core

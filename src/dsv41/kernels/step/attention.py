@@ -1,4 +1,4 @@
-"""The attention core of decode / verify rows: one softmax per (row, head) over the row's key slots, with the sink.
+"""The attention core of every row: one softmax per (row, head) over the row's key slots, with the sink.
 
 Reference: `dsv41.model.attention.Attention._core` (MODEL.md §7.6). Per row t and head h, over the key slots
 keys[t] [S, hd] (window ring rows, then the selected compressed entries; K = V, one latent shared by every head)
@@ -36,6 +36,16 @@ A row's bits depend only on that row: no program reads another row, and the prog
 fixed, so the grid's row count changes nothing. They do not depend on padding S either: extra slots past a row's own
 ones (dead) add exact zeros at the end of a block, extra blocks and splits change nothing, so rows of different
 sequences padded to one S can share a launch.
+
+`attention_indexed` (prefill rows, `FastAttention._core_indexed`): the same core with each slot's key row read in
+place through an int32 slot index [T, S] into two sources, the window rows [W, hd] (index r < W) and the
+compressed entries [C, hd] (index W + entry id), a dead slot -1 (`prefill_slots.prefill_slot_index` builds it
+for a segment in one launch). Against the gathered call on keys = cat(window, entries)[index], ok = index >= 0: no
+[T, S, hd] copy (1.3 GB at 2,048 rows x 640 slots x 512 bf16), no concatenation of the entries, all the rows in one
+launch pair. Bitwise the gathered call for the same reason as `attention_pool` (the constexpr INDEXED picks where a
+block's keys and live flags come from; one load of the same row, converted alike) and one more: the live flag is
+read as an 8-bit load (the index's sign byte), so the products compile to the gathered core's operand layout
+(tests/test_kernels_step_attention_layout.py).
 
 `attention_pool`: the same core with the keys read from the KV pool in place (runtime/kv_pool.py), no gathered
 copy. Row b's slots are those `FastAttention._slots` gathers: window slots j = 0..window-1 hold key position
@@ -155,7 +165,13 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                        HB: tl.constexpr, BS: tl.constexpr, BLOCKS: tl.constexpr, HDP: tl.constexpr,
                        QP: tl.constexpr, KP: tl.constexpr,
                        POOL: tl.constexpr = False, WCODEC: tl.constexpr = 0, ECODEC: tl.constexpr = -1,
-                       ALIGNED: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False):
+                       ALIGNED: tl.constexpr = False, FOLD: tl.constexpr = False, PDL: tl.constexpr = False,
+                       INDEXED: tl.constexpr = False):
+    """One (row, head block, split) of the core. Where a block's keys and live flags come from: gathered (keys
+    [T, S, hd] at k_ptr, ok [T, S] at ok_ptr), POOL (the KV pool in place: `_pool_block`), or INDEXED (`_indexed_block`:
+    the int32 slot index [T, S] at ok_ptr into window rows at k_ptr, row stride skj, `window` of them, then the
+    entries at e_ptr, row stride ser; `width` = window rows + entries). Everything from the scores on is one code
+    path."""
     wait_previous(PDL)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -196,6 +212,8 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
                 live, k = _pool_block(t64, j, col, col_ok, HD, w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr,
                                       window, e_ptr, sep, ser, pages_ptr, spb, n_pages, per_page, ids_ptr, sib,
                                       n_ids, width, WCODEC, ECODEC)
+            elif INDEXED:
+                live, k = _indexed_block(t64, j, col, col_ok, S, ok_ptr, sot, k_ptr, skj, window, e_ptr, ser, width)
             else:
                 live = tl.load(ok_ptr + t64 * sot + j, mask=j < S, other=0) != 0
                 k = tl.load(k_ptr + t64 * skt + j[:, None].to(tl.int64) * skj + col[None, :],
@@ -229,6 +247,27 @@ def _online_block(q, k, live, m, l, acc, scale, HB: tl.constexpr, HDP: tl.conste
     l = l * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), 3, KP)
     return m_new, l, acc
+
+
+@triton.jit
+def _indexed_block(t64, j, col, col_ok, S, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, ser, n_rows):
+    """(live [BS], keys [BS, HDP] fp32) of slots j of row t through the slot index: r = idx[t, j] (int32) reads
+    window row r when 0 <= r < n_win, entry r - n_win when n_win <= r < n_rows; r < 0 is a dead slot (not read,
+    0.0). What the gathered variant loads from keys = cat(window, entries)[idx] and ok = idx >= 0 for the same
+    slots: one load of the same row, converted alike. r >= n_rows is dead too (memory safety only: the index
+    builder never makes one). The live flag is r's sign read as its own 8-bit load (the int32's high byte,
+    little-endian), as the gathered core's comes from its uint8 ok: Triton takes the products' operand layout
+    (kWidth) from the narrowest load the keys depend on (8 bits: kWidth 4; int32 and bf16 alone: 2), and another
+    layout sums the tensor-core products in another order: other bits (tests/test_kernels_step_attention_layout.py)."""
+    at = t64 * sit + j
+    r = tl.load(idx_ptr + at, mask=j < S, other=-1)
+    sign = tl.load(idx_ptr.to(tl.pointer_type(tl.uint8)) + at * 4 + 3, mask=j < S, other=255)
+    live = (sign < 128) & (r < n_rows)
+    r = tl.where(live, r, 0).to(tl.int64)
+    win = r < n_win
+    row = tl.where(win, w_ptr + r * swr, e_ptr + tl.where(win, 0, r - n_win) * ser)
+    k = tl.load(row[:, None] + col[None, :], mask=live[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    return live, k
 
 
 @triton.jit
@@ -400,30 +439,80 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     S = keys.shape[1]
     if ok.shape != (T, S):
         raise ValueError(f"ok {list(ok.shape)} must be [T={T}, S={S}]")
-    if sink.shape != (H,):
-        raise ValueError(f"sink {list(sink.shape)} must be [H={H}]")
-    sink = sink.float().contiguous()
-    if q.stride(2) != 1:
-        q = q.contiguous()
     if keys.stride(2) != 1:
         keys = keys.contiguous()
     if ok.dtype == torch.bool:
         ok = ok.view(torch.uint8)
     if ok.stride(1) != 1:
         ok = ok.contiguous()
-    out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
+    return _rows_launch(q, sink, scale, S, (keys, keys.stride(0), keys.stride(1), ok, ok.stride(0)), _no_pool(ok),
+                        {}, keys.dtype == torch.bfloat16 if keys_bf16 is None else keys_bf16, split_keys, key_block,
+                        num_warps, head_block, None)
+
+
+def attention_indexed(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None, slots: torch.Tensor,
+                      sink: torch.Tensor, scale: float, *, keys_bf16: bool | None = None,
+                      split_keys: int = SPLIT_KEYS, key_block: int = KEY_BLOCK, num_warps: int = 8,
+                      head_block: int = HEAD_BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention_core` over key slots read in place through an index, bit for bit the gathered call on
+    keys = cat(window_rows, entries)[slots.clamp(min=0)], ok = slots >= 0 (same tiling arguments).
+
+    q [T, H, hd]; window_rows [W, hd] and entries [C, hd] (None: C = 0) of one dtype, their rows contiguous
+    (bf16 / fp16 / fp32, read as fp32); slots [T, S] int32: slot j of row t reads window row r = slots[t, j] when
+    0 <= r < W, entry r - W when W <= r < W + C, and is dead when r < 0 (r >= W + C: dead too, never made by
+    `prefill_slots.prefill_slot_index`). Why one index into two sources rather than a concatenation or one index
+    per source: no [W + C, hd] copy of the entries, one int32 load a slot with the live flag in its sign, and the
+    same slot layout as the gathered keys (so the same splits and blocks: the bits follow). `keys_bf16` as
+    attention_core's (default: the rows' dtype is bf16). Returns o [T, H, hd] fp32 (written into `out` when given:
+    contiguous fp32 [T, H, hd], e.g. the segment's rows of the layer's o: no copy); no host sync, one split launch
+    and one combine launch whatever T (their scratch: T x splits x H x hd fp32)."""
+    T, H, hd = q.shape
+    if slots.dim() != 2 or slots.shape[0] != T or slots.dtype != torch.int32:
+        raise ValueError(f"slots must be int32 [T={T}, S], got {slots.dtype} {list(slots.shape)}")
+    for name, x in (("window_rows", window_rows), ("entries", entries)):
+        if x is None:
+            continue
+        if x.dim() != 2 or x.shape[1] != hd or x.device != q.device or x.dtype != window_rows.dtype:
+            raise ValueError(f"{name} must be [rows, {hd}] of window_rows' dtype on {q.device}, got {x.dtype} "
+                             f"{list(x.shape)} on {x.device}")
+    window_rows = window_rows if window_rows.stride(1) == 1 else window_rows.contiguous()
+    ents = window_rows if entries is None else entries if entries.stride(1) == 1 else entries.contiguous()
+    W, C = window_rows.shape[0], 0 if entries is None else entries.shape[0]
+    if slots.stride(1) != 1:
+        slots = slots.contiguous()
+    t = slots
+    pool = (t, 0, 0, 1, t, t, W, ents, 0, ents.stride(0), t, 0, 0, 1, t, 0, 0, W + C)
+    return _rows_launch(q, sink, scale, slots.shape[1],
+                        (window_rows, 0, window_rows.stride(0), slots, slots.stride(0)), pool, dict(INDEXED=True),
+                        window_rows.dtype == torch.bfloat16 if keys_bf16 is None else keys_bf16, split_keys,
+                        key_block, num_warps, head_block, out)
+
+
+def _rows_launch(q: torch.Tensor, sink: torch.Tensor, scale: float, S: int, keys: tuple, pool: tuple,
+                 variant: dict, keys_bf16: bool, split_keys: int, key_block: int, num_warps: int, head_block: int,
+                 out: torch.Tensor | None) -> torch.Tensor:
+    """The split + combine launches of `attention_core` / `attention_indexed` over q's rows: `keys` (k_ptr, skt,
+    skj, ok_ptr, sot) and `pool` (the pool arguments) as the variant reads them."""
+    T, H, hd = q.shape
+    if sink.shape != (H,):
+        raise ValueError(f"sink {list(sink.shape)} must be [H={H}]")
+    sink = sink.float().contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
+    elif out.shape != (T, H, hd) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"out must be contiguous fp32 [{T}, {H}, {hd}] on {q.device}, got {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
     if T == 0:
         return out
-    if keys_bf16 is None:
-        keys_bf16 = keys.dtype == torch.bfloat16
-    n_splits, m, l, acc, hdp = _split_scratch(T, S, H, hd, split_keys, key_block, q.device)
     if head_block < 16 or head_block & (head_block - 1):
         raise ValueError(f"head_block must be a power of two >= 16, got {head_block}")
+    n_splits, m, l, acc, hdp = _split_scratch(T, S, H, hd, split_keys, key_block, q.device)
     _launch((T, triton.cdiv(H, head_block), n_splits),
-            (q, q.stride(0), q.stride(1), keys, keys.stride(0), keys.stride(1), ok, ok.stride(0), sink, m, l, acc,
-             H, S, hd, float(scale), *_no_pool(ok)),
+            (q, q.stride(0), q.stride(1), *keys, sink, m, l, acc, H, S, hd, float(scale), *pool),
             dict(HB=head_block, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
-                 QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps),
+                 QP=_parts(q.dtype == torch.bfloat16), KP=_parts(bool(keys_bf16)), num_warps=num_warps, **variant),
             m, l, acc, sink, out, H, hd, n_splits, hdp)
     return out
 

@@ -9,9 +9,11 @@ The index keys of every group closed in the step are projected in one launch (th
 Decode and verify rows, where the Triton step kernels run (`step_kernels_run`: a CUDA device, or the interpreter),
 take the core softmax of every sequence in one launch (`kernels.step.attention`): each sequence's key slots are
 gathered as the reference lays them out, padded with dead slots to a common length (the kernel's bits ignore such
-padding and the other rows). Prefill rows there take the same kernel per sequence, `PREFILL_CORE_ROWS` rows per
-launch, each block's key slots gathered just before its launch (the gathered keys [rows, S, hd] and the kernel's
-split scratch stay bounded whatever the chunk's length). Plain CPU without the interpreter keeps the reference's
+padding and the other rows). Prefill rows there take the same kernel per sequence reading the slots in place
+(`_core_indexed`: the segment's int32 slot index into the window rows and the source's entries, one launch pair for
+up to `PREFILL_INDEXED_ROWS` rows, the split scratch bounded by it); `DSV41_PREFILL_CORE_INDEXED=0` keeps the
+gathered form (the same bits: `PREFILL_CORE_ROWS` rows per launch, each block's key slots gathered just before its
+launch). Plain CPU without the interpreter keeps the reference's
 `_core` in every phase. Where the step kernels run, the indexer of every phase (scores, candidate blocks, top-k) runs
 for the rows of all sequences together (`_index_kernels`, `kernels.step.indexer`); plain CPU keeps the per-sequence
 reference math (`_topk`).
@@ -19,6 +21,7 @@ reference math (`_topk`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,6 +49,19 @@ PREFILL_CORE_ROWS = 256
 # slots: 814 -> 401 us against the decode-era 16 heads x 16 keys): all 32 local heads per program (the keys read
 # once per row), 64-key blocks, 128-slot splits. Fixed for the phase, so a row's bits never follow the chunk.
 PREFILL_TILING = dict(head_block=32, key_block=64, split_keys=128, num_warps=8)
+# The indexed core (`FastAttention._core_indexed`, the default): rows of one prefill segment per launch. Only the
+# split scratch grows with it (rows x 5 splits x local heads x hd fp32: 671 MB at 2,048 rows and 32 heads, 1.3 GB at
+# 64), so a 2,048-row chunk is one launch a segment and a longer one stays bounded. Any value gives the same bits.
+PREFILL_INDEXED_ROWS = 2048
+# 0 / off: prefill rows take the gathered core (each block's slots copied out of cat(window, entries) first) instead
+# of the indexed one (the slots read in place through an int32 index); the same bits (A/B runs, a fallback)
+INDEXED_ENV = "DSV41_PREFILL_CORE_INDEXED"
+
+
+def indexed_core_enabled() -> bool:
+    """Whether prefill rows take the indexed core (`INDEXED_ENV`, on unless set to an off spelling); read at each
+    call, so an A/B run needs no restart."""
+    return os.environ.get(INDEXED_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 @dataclass
 class Segment:
@@ -289,6 +305,9 @@ class FastAttention(InPlaceAttention, FastIndexer):
         place. The kernel runs one program per (row, head block, split) and reads nothing of another row
         (`kernels.step.attention`), so a row's bits do not depend on the block it is in nor on the chunk: chunked ==
         one-shot holds for the core bitwise (tests/test_runtime_prefill_core.py)."""
+        if indexed_core_enabled():
+            self._core_indexed(q, o, s, win, ids, src, block)
+            return
         from dsv41.kernels.step.attention import attention_core
 
         block = block or PREFILL_CORE_ROWS
@@ -314,6 +333,31 @@ class FastAttention(InPlaceAttention, FastIndexer):
             at = slice(s.start + rows.start, s.start + rows.stop)
             o[at] = attention_core(q[at], keys, ok, self.sink, self.cfg.head_dim ** -0.5,
                                    keys_bf16=self._keys_bf16(keys), **PREFILL_TILING)
+
+    def _core_indexed(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
+                      ids: torch.Tensor | None, src, block: int | None = None) -> None:
+        """`_core_blocked`'s core without the gathered copy: the segment's slot index (int32 [T, S], one launch:
+        `kernels.step.prefill_slots`) into the window rows and the source's entries where they are, and the core
+        reading each slot's row through it (`attention_indexed`), `block` (default PREFILL_INDEXED_ROWS) rows a
+        launch, straight into o's rows. The same slots, values, tiling and keys_bf16 rule as the gathered path, so
+        the same bits (tests/test_runtime_prefill_core.py); a row's bits again depend only on that row."""
+        from dsv41.kernels.step.attention import attention_indexed
+        from dsv41.kernels.step.prefill_slots import prefill_slot_index
+
+        cfg = self.cfg
+        entries = None if src is None else src.kv
+        if entries is not None and entries.dtype != win.dtype:
+            entries = entries.to(win.dtype)  # the gathered path's rounding (the fast path's are one dtype: no copy)
+        slots = prefill_slot_index(s.T, s.pos, win.shape[0], cfg.sliding_window,
+                                   width=0 if src is None else cfg.index_topk, ids=ids,
+                                   entries=0 if entries is None else entries.shape[0], device=win.device)
+        block = block or PREFILL_INDEXED_ROWS
+        exact = self._keys_bf16(win)
+        for start in range(0, s.T, block):
+            stop = min(start + block, s.T)
+            at = slice(s.start + start, s.start + stop)
+            attention_indexed(q[at], win, entries, slots[start:stop], self.sink, cfg.head_dim ** -0.5,
+                              keys_bf16=exact, out=o[at], **PREFILL_TILING)
 
     def _core_batched(self, q: torch.Tensor, gathered, o: torch.Tensor) -> None:
         """The core of every segment's rows in one launch: their key slots [T, S, hd] stacked in row order (dead

@@ -1,0 +1,63 @@
+"""The key-slot index of a prefill segment's rows for `attention.attention_indexed`: one launch for all its rows.
+
+The reference's slot layout (`model.attention.window_slots` / `compressed_slots`, `FastAttention._slots`) for rows
+t = 0..T-1 of one sequence at positions pos + t, over the window rows `win` [W, hd] (consecutive positions ending
+at the segment's last one: row i holds position first + i, first = pos + T - W) and the source's entries:
+- window slot j < window: key position kp = pos + t - window + 1 + j, live iff kp >= 0, window row
+  max(kp - first, 0) (`FastAttention._core_blocked`'s clamp: a live slot before `first` reads row 0, as the
+  gathered path does);
+- compressed slot c = j - window < width: the top-k ids [T, K] (-1 first) left-padded with dead slots to `width`
+  (the index top-k): slot c reads ids[t, c - (width - K)] when c >= width - K; id >= 0 is entry id, index W + id.
+  With no entries (the source has none yet) every compressed slot is dead.
+A dead slot is -1. The result is int32 [T, window + width] (or [T, window] for a window-only layer): 2,048 x 640 x
+4 B = 5 MB at the full shape, against the gathered keys' 2,048 x 640 x 512 x 2 B = 1.3 GB.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SLOT_BLOCK = 128  # slots per program
+
+
+@triton.jit
+def _slot_index_kernel(ids_ptr, sit, sic, n_ids, out_ptr, S, pos, first, window, width, W,
+                       ENTRIES: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    kp = pos + t - window + 1 + j
+    idx = tl.where(kp >= 0, tl.maximum(kp - first, 0), -1)
+    if ENTRIES:
+        at = j - window - (width - n_ids)
+        has = (j >= window) & (j < window + width) & (at >= 0)
+        eid = tl.load(ids_ptr + t * sit + tl.where(has, at, 0) * sic, mask=has, other=-1)
+        idx = tl.where(j < window, idx, tl.where(eid >= 0, W + eid, -1))
+    else:
+        idx = tl.where(j < window, idx, -1)
+    tl.store(out_ptr + t * S + j, idx.to(tl.int32), mask=j < S)
+
+
+def prefill_slot_index(T: int, pos: int, W: int, window: int, *, width: int = 0, ids: torch.Tensor | None = None,
+                       entries: int = 0, device=None) -> torch.Tensor:
+    """The slot index [T, window + width] int32 of a segment's T rows at positions pos.. (module docstring): W
+    window rows, `width` compressed slots (0: a window-only layer) filled from `ids` [T, K] (K <= width, any
+    integer dtype; None: no selection) when the source holds `entries` > 0 entries. One launch, no host sync."""
+    if window < 1 or W < 1:
+        raise ValueError(f"window ({window}) and the window rows ({W}) must be >= 1")
+    device = ids.device if ids is not None else device
+    S = window + width
+    out = torch.empty(T, S, dtype=torch.int32, device=device)
+    if W + entries >= 2 ** 31:
+        raise ValueError(f"{W} window rows + {entries} entries do not fit an int32 index")
+    use = ids is not None and entries > 0 and width > 0 and ids.shape[1] > 0
+    if use and (ids.dim() != 2 or ids.shape[0] != T or ids.shape[1] > width):
+        raise ValueError(f"ids must be [T={T}, K <= {width}], got {list(ids.shape)}")
+    if T == 0:
+        return out
+    src = ids if use else out
+    _slot_index_kernel[(T, triton.cdiv(S, SLOT_BLOCK))](
+        src, src.stride(0) if use else 0, src.stride(1) if use else 0, ids.shape[1] if use else 0, out, S, int(pos),
+        int(pos + T - W), window, width, W, ENTRIES=use, BLOCK=SLOT_BLOCK)
+    return out
