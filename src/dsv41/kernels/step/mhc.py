@@ -15,6 +15,11 @@ compiles for sm_80..sm_121 and runs in Triton's interpreter.
   site in one pass: X' is written once and never read back).
 - `hc_expand`: X' alone (the FFN site's expand); `collapse_norm`: the final collapse + norm.
 
+These launches are the decode / verify rows' (a few rows: fn read once per row from L2, split 32 ways so that a row
+does not wait on one SM). Prefill rows' sites take `mhc_tiles.py` (16 rows a program, fn read once per tile, one
+tl.dot chain over d; other bits, row-invariant too); their lone expand and final collapse + norm read no fn and
+stay these launches. `site_args` checks both kinds' arguments.
+
 Live rows (`rows=`, every launcher): the decode path lays its rows out in a fixed bucket (runtime/model.py, BUCKET),
 real rows first, the rest padding. With `rows=k` the programs of rows [k, B) skip the work (Sinkhorn included)
 and write +0.0 to every output of their row, in the same launch (no memset beside it, no host sync, no
