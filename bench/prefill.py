@@ -137,23 +137,24 @@ def mhc_sites_alone(model, chunk: int) -> dict:
     res["fn_l2_bytes_per_site"] = {"row_kernels": chunk * fn_bytes, "tiles": -(-chunk // tiles_k.TILE_ROWS) * fn_bytes}
     res["stream_bytes_per_site"] = stream_bytes
     res["speedup"] = res["row_kernels_ms"] / res["tiles_ms"]
-    # the tile's constants (rows a program, warps): timings only, to choose them; a constant is never chosen from B
-    sweep, kept = [], (tiles_k.TILE_ROWS, tiles_k.TILE_WARPS)
+    # the tile's constants (rows a program, warps, columns a step): timings only, to choose them; a constant is never chosen from B
+    sweep, kept = [], (tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK)
     try:
-        for rows, warps in ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8)):
-            tiles_k.TILE_ROWS, tiles_k.TILE_WARPS = rows, warps
-            sweep.append({"tile_rows": rows, "warps": warps,
+        for rows, warps, cols in ((16, 4, 32), (16, 8, 16), (16, 16, 32), (32, 8, 32), (32, 16, 32), (64, 16, 16)):
+            tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK = rows, warps, cols
+            sweep.append({"tile_rows": rows, "warps": warps, "block": cols,
                           "ms": cuda_ms(lambda: layer(tiles_k.hc_expand_site_tiles), reps=5)})
     except Exception as exc:  # noqa: BLE001
         sweep.append({"error": f"{type(exc).__name__}: {exc}"})
     finally:
-        tiles_k.TILE_ROWS, tiles_k.TILE_WARPS = kept
+        tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK = kept
     res["tile_sweep"] = sweep
     log(f"mhc sites of one layer at {chunk} rows: row kernels {res['row_kernels_ms']:.3f} ms, tiles "
         f"{res['tiles_ms']:.3f} ms ({res['speedup']:.1f}x; coefficients within {res['coeff_max_abs_diff']:.1e}); "
         f"fn from L2 a site {res['fn_l2_bytes_per_site']['row_kernels'] / 1e9:.2f} -> "
         f"{res['fn_l2_bytes_per_site']['tiles'] / 1e9:.3f} GB, streams {stream_bytes / 1e6:.0f} MB; tile sweep "
-        + ", ".join(f"{v['tile_rows']}x{v['warps']}w {v['ms']:.3f}" for v in sweep if "ms" in v))
+        + ", ".join(f"{v['tile_rows']} rows {v['warps']} warps {v['block']} cols {v['ms']:.3f}" for v in sweep
+                    if "ms" in v))
     return res
 
 

@@ -43,7 +43,9 @@ from .pdl import launch as pdl_launch, wait_previous
 TILE_ROWS = 16  # rows a program (the dot's M: 16 at least on the GPU); a constant, never chosen from B
 TILE_BLOCK = 32  # columns of d per step: the dot's K is hc * TILE_BLOCK (128 at hc 4)
 TILE_NORM = 256  # columns per step of the norm pass ([TILE_ROWS, TILE_NORM] values)
-TILE_WARPS = 4
+# 2,048 rows are 128 tiles: about one program an SM, so its latency is hidden by its own warps (8: 204 registers a
+# thread with the expand at sm_90, no spills; 4 spilled). The fp32 dot runs on the FMA units, a chain per element.
+TILE_WARPS = 8
 
 
 def tiles_on() -> bool:
@@ -60,7 +62,7 @@ def _div(a, b):
 
 @triton.jit
 def _coefficients_tile(mix, sq, rows, r_in, r_live, K, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, norm_eps,
-                       hc_eps, iters, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr):
+                       hc_eps, iters, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
     """`mhc._coefficients` for the rows of a tile: mix [BM, NP] (the mixing products, lanes >= (2 + hc) hc
     ignored), sq [BM] (Σx²) -> pre, post, comb stored (rows not live: +0.0; rows past B: nothing)."""
     NMIX: tl.constexpr = (2 + HC) * HC
@@ -78,12 +80,16 @@ def _coefficients_tile(mix, sq, rows, r_in, r_live, K, base_ptr, scale_ptr, pre_
     tl.store(pre_ptr + at + n[None, :], tl.where(live, sig + hc_eps, 0.0), mask=r_in[:, None] & (n < HC)[None, :])
     tl.store(post_ptr + at + (n[None, :] - HC), tl.where(live, 2 * sig, 0.0),
              mask=r_in[:, None] & ((n >= HC) & (n < 2 * HC))[None, :])
-    # comb logits as [BM, HCP, HCP]: select z[2 hc + j hc + k] (a sum of one term and zeros: exact)
+    # comb logits as [BM, HCP, HCP]: row j selects z[2 hc + j hc + k] (a sum of one term and zeros: exact), one
+    # row at a time ([BM, HCP, NP] values live, not [BM, HCP, HCP, NP])
     j = tl.arange(0, HCP)
     k = tl.arange(0, HCP)
     jk = (j[:, None] < HC) & (k[None, :] < HC)
-    pick = (2 * HC + j[:, None] * HC + k[None, :])[:, :, None] == n[None, None, :]
-    logits = tl.sum(tl.where(pick[None, :, :, :], z[:, None, None, :], 0.0), axis=3)
+    logits = tl.zeros((BM, HCP, HCP), tl.float32)
+    for jj in tl.static_range(HC):
+        pick = (2 * HC + jj * HC + k[:, None]) == n[None, :]  # [k, NP]
+        row = tl.sum(tl.where(pick[None, :, :], z[:, None, :], 0.0), axis=2)  # [BM, k]
+        logits = tl.where((j == jj)[None, :, None], row[:, None, :], logits)
     # Sinkhorn (model/mhc.py:sinkhorn): softmax over k, + eps, column; then (iters - 1) x {row, column}
     ok = jk[None, :, :]
     logits = tl.where(ok, logits, -1e30)  # finite: a padded row (hc < HCP) stays free of inf - inf
@@ -119,11 +125,8 @@ def _site_tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, st
     rc = r_live[:, None] & c_ok[None, :]
     pre_in = tl.load(pre_in_ptr + rows[:, None] * HC + c[None, :], mask=rc, other=0.0)  # [BM, HCP]
     post_in = pre_in
-    comb_in = tl.zeros((BM, HCP, HCP), tl.float32)
     if EXPAND:
         post_in = tl.load(post_in_ptr + rows[:, None] * HC + c[None, :], mask=rc, other=0.0)
-        comb_in = tl.load(comb_in_ptr + rows[:, None, None] * HC * HC + (c[:, None] * HC + c[None, :])[None, :, :],
-                          mask=rc[:, :, None] & c_ok[None, None, :], other=0.0)  # [BM, j, k]
     # fn's rows of one step: the dot's k = c BLOCK + i is fn row c d + d0 + i (the streams' [BM, HCP, BLOCK] tile
     # reshaped row-major)
     kk = tl.arange(0, KB)
@@ -137,17 +140,23 @@ def _site_tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, st
         col_ok = cols < d
         at = rows64[:, None, None] * HC * d + (c[:, None] * d + cols[None, :])[None, :, :]  # [BM, HCP, BLOCK]
         live = r_live[:, None, None] & (c_ok[:, None] & col_ok[None, :])[None, :, :]
-        xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
         if EXPAND:
-            y = tl.load(y_ptr + rows64[:, None] * d + cols[None, :], mask=r_live[:, None] & col_ok[None, :],
-                        other=0.0)
+            rl = r_live[:, None] & col_ok[None, :]
+            y = tl.load(y_ptr + rows64[:, None] * d + cols[None, :], mask=rl, other=0.0)
             # an fp32 y (a reduced partial) is rounded to the stream dtype first, as its `.to(dtype)` would
             y = _cast(y.to(tl.float32), xo_ptr.dtype.element_ty).to(tl.float32)
-            mixed = tl.sum(comb_in[:, :, :, None] * xs[:, :, None, :], axis=1)  # Σ_j comb[j, k] X[j]: [BM, k, BLOCK]
+            # Σ_j comb[j, k] X[j] in j order, one stream j's [BM, BLOCK] at a time (no [BM, j, k, BLOCK] product)
+            mixed = tl.zeros((BM, HCP, BLOCK), tl.float32)
+            for jj in tl.static_range(HC):
+                xj = tl.load(x_ptr + rows64[:, None] * HC * d + jj * d + cols[None, :], mask=rl, other=0.0)
+                cj = tl.load(comb_in_ptr + rows[:, None] * HC * HC + jj * HC + c[None, :], mask=rc, other=0.0)
+                mixed += cj[:, :, None] * xj.to(tl.float32)[:, None, :]  # [BM, k, BLOCK]
             xn = _cast(post_in[:, :, None] * y[:, None, :] + mixed, xo_ptr.dtype.element_ty)
             xs = tl.where(live, xn.to(tl.float32), 0.0)
             tl.store(xo_ptr + at, xs.to(xo_ptr.dtype.element_ty),  # exact: xs holds xn's values; dead rows +0.0
                      mask=r_in[:, None, None] & (c_ok[:, None] & col_ok[None, :])[None, :, :])
+        else:
+            xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
         f = tl.load(fn_ptr + (kc[:, None] * d + d0 + ki[:, None]).to(tl.int64) * stride_fk + n[None, :] * stride_fn,
                     mask=((kc < HC) & (d0 + ki < d))[:, None] & (n < NMIX)[None, :], other=0.0)  # [KB, NP]
         acc = tl.dot(tl.reshape(xs, (BM, KB)), f, acc, input_precision="ieee")
@@ -157,7 +166,7 @@ def _site_tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, st
         u32 = u.to(tl.float32)
         usq += u32 * u32
     _coefficients_tile(acc, tl.sum(sq, axis=1), rows, r_in, r_live, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr,
-                       comb_ptr, norm_eps, hc_eps, iters, HC, HCP, NP)
+                       comb_ptr, norm_eps, hc_eps, iters, HC, HCP, NP, BM)
     tl.debug_barrier()  # the collapse was stored by other threads of this program
     r = _rsqrt64(_div(tl.sum(usq, axis=1), (d + 0.0).to(tl.float32)) + rms_eps)  # `mhc._rms_inv` per row
     for d0 in range(0, d, BLOCK_N):
