@@ -137,7 +137,8 @@ def mhc_sites_alone(model, chunk: int) -> dict:
     res["fn_l2_bytes_per_site"] = {"row_kernels": chunk * fn_bytes, "tiles": -(-chunk // tiles_k.TILE_ROWS) * fn_bytes}
     res["stream_bytes_per_site"] = stream_bytes
     res["speedup"] = res["row_kernels_ms"] / res["tiles_ms"]
-    # the tile's constants (rows a program, warps, columns a step): timings only, to choose them; a constant is never chosen from B
+    # the tile's constants (rows a program, warps, columns a step): timings only, to choose them (a constant, never
+    # chosen from B)
     sweep, kept = [], (tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK)
     try:
         for rows, warps, cols in ((16, 4, 32), (16, 8, 16), (16, 16, 32), (32, 8, 32), (32, 16, 32), (64, 16, 16)):

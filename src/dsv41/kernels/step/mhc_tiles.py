@@ -32,7 +32,6 @@ collapse rounded to the stream dtype before the norm and X' before its coefficie
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
