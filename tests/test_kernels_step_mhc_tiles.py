@@ -31,6 +31,7 @@ NOT_ROWS = ("fn", "base", "scale", "w")  # the inputs that are not per row
 CPU_CASES = [(4, 128, 5, 20, "bfloat16"), (4, 144, 21, 20, "float32"), (3, 160, 33, 20, "bfloat16"),
              (2, 128, 16, 3, "float32")]
 CPU_ROWS_CASE = (4, 128, 21, 20, "bfloat16")
+CPU_FULL_D_CASE = (4, 5120, 16, 20, "bfloat16")  # one tile at the release's d: the sum over 20,480 terms (errors only)
 GPU_CASE = (4, 5120, 2048, 20, "bfloat16")
 GPU_ALONE = (0, 1, 15, 16, 17, 1000, 2047)
 GPU_SLICES = ((0, 1), (0, 100), (100, 2048), (7, 39), (1009, 1025), (2040, 2048))
@@ -111,6 +112,12 @@ def sites_both_ways(seed: int = 7) -> dict:
                 count=len(outs[True]), picks=picks)
 
 
+def full_d_errors(seed: int = 3) -> dict:
+    hc, d, B, iters, dtype = CPU_FULL_D_CASE
+    t = _inputs(hc, d, B, getattr(torch, dtype), "cpu", seed)
+    return errors(t, run_tiles(t, iters), hc, iters)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CPU: the interpreted child
 # ---------------------------------------------------------------------------------------------------------------
@@ -124,7 +131,8 @@ def _interp_worker(out_path: str) -> None:
             return {"error": f"{type(exc).__name__}: {exc}"}
 
     res = {str(case): caught(measure_tiles, case, "cpu", seed=i) for i, case in enumerate(CPU_CASES)}
-    res.update(live=caught(measure_live_rows, CPU_ROWS_CASE, "cpu", seed=11), sites=caught(sites_both_ways))
+    res.update(live=caught(measure_live_rows, CPU_ROWS_CASE, "cpu", seed=11), sites=caught(sites_both_ways),
+               full_d=caught(full_d_errors))
     torch.save(res, out_path)
 
 
@@ -139,6 +147,14 @@ def test_interpreted_tiles_match_the_reference_and_are_row_invariant(interp, cas
     assert "error" not in res, res.get("error")
     assert res["rows"]["slices"], f"{case}: a slice of the rows gives other bits than the full launch: {res['rows']}"
     check(case, res)
+
+
+def test_interpreted_tile_at_the_release_d_matches_the_reference(interp):
+    """d 5120: the mixing product's sum over hc * d = 20,480 terms (128-term dots, summed over 160 steps) within the
+    row kernels' tolerances (measured: coefficients within 1.9e-6 of the reference, h and X' within an ulp)."""
+    res = interp["full_d"]
+    assert "error" not in res, res.get("error")
+    check(CPU_FULL_D_CASE, res)
 
 
 def test_interpreted_tiles_live_rows_are_the_full_launch_and_the_rest_zero(interp):

@@ -3,21 +3,21 @@
 `dsv41.model.norm.rms_norm`; the decode rows' launches are `mhc.py`'s).
 
 `mhc.hc_site` / `hc_expand_site` run 32 programs per row, each streaming 1/32 of the mixing matrix fn
-[hc * d, (2 + hc) * hc] (2 MB fp32 at d 5120, hc 4): right for a few decode rows, but a 2,048-row prefill chunk
-reads fn 2,048 times from L2 (~4 GB a site, 38 ms of a 324 ms chunk over 26 layers). Here a program owns TILE_ROWS
-rows and runs the whole d loop in TILE_BLOCK-column steps: [X' = expand(y, X, post_in, comb_in), stored;] the
-mixing product as one `tl.dot` of the tile's [rows, hc * TILE_BLOCK] streams by fn's [hc * TILE_BLOCK, 32] rows
-(IEEE fp32: `input_precision="ieee"`, fn's values are not bf16 ones; the 24 columns padded to 32), Σx², the
-collapse u = Σ_c pre_in[c] X[c] rounded to the stream dtype and stored in h, Σu²; then per row of the tile the
-tail of the row kernels: rsqrt of the mean square, sigmoids, softmax + Sinkhorn (all rows of the tile at once, as
-[rows, hc, hc] tiles), and h = rms_norm(u) * w over h's columns again (the tile's own stores, from L2). fn is read
-once per TILE_ROWS rows (16: 128 tiles and 256 MB of L2 reads a site at 2,048 rows, against 4 GB).
+[hc * d, (2 + hc) * hc] (2 MB fp32 at d 5120, hc 4): right for a few decode rows, but a 2,048-row prefill chunk reads fn 2,048
+times from L2 (~4 GB a site, 38 ms of a 324 ms chunk over 26 layers). Here a program owns TILE_ROWS rows and runs
+the whole d loop in TILE_BLOCK-column steps: [X' = expand(y, X, post_in, comb_in), stored;] the mixing product as
+one `tl.dot` of the tile's [rows, hc * TILE_BLOCK] streams by fn's [hc * TILE_BLOCK, 32] rows (IEEE fp32:
+`input_precision="ieee"`, fn's values are not bf16 ones; the 24 columns padded to 32) added to the sum over the
+steps, Σx², the collapse u = Σ_c pre_in[c] X[c] rounded to the stream dtype and stored in h, Σu²; then per row of
+the tile the tail of the row kernels: rsqrt of the mean square, sigmoids, softmax + Sinkhorn (all rows of the tile
+at once, as [rows, hc, hc] tiles), and h = rms_norm(u) * w over h's columns again (the tile's own stores, from L2).
+fn is read once per TILE_ROWS rows (16: 128 tiles and 256 MB of L2 reads a site at 2,048 rows, against 4 GB).
 
-Row invariance: the tile shape, the column steps and the reduction order over d (the dot's accumulation over the
-whole hc * d in one chain, the blocked sums of squares) are constants, never chosen from B; a row's values meet
-the other rows' only as other rows of the dot's operands (each output element its own accumulation chain). A
-partial last tile's rows past B load nothing and store nothing. So a row's bits are the same alone, in any slice
-of the chunk and at any position of its tile (chunked == one-shot). They are not bitwise the decode kernels'
+Row invariance: the tile shape, the column steps and the reduction order over d (each step's dot one chain over its
+hc * TILE_BLOCK terms, the steps summed in order; the blocked sums of squares) are constants, never chosen from B; a
+row's values meet the other rows' only as other rows of the dot's operands (each output element its own accumulation
+chain). A partial last tile's rows past B load nothing and store nothing. So a row's bits are the same alone, in any
+slice of the chunk and at any position of its tile (chunked == one-shot). They are not bitwise the decode kernels'
 (another sum order over d): prefill rows take their own kernels, as the EXL3 tiles do; against the reference the
 same tolerances as the row kernels (tests/test_kernels_step_mhc_tiles.py).
 
@@ -158,7 +158,9 @@ def _site_tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, st
             xs = tl.load(x_ptr + at, mask=live, other=0.0).to(tl.float32)
         f = tl.load(fn_ptr + (kc[:, None] * d + d0 + ki[:, None]).to(tl.int64) * stride_fk + n[None, :] * stride_fn,
                     mask=((kc < HC) & (d0 + ki < d))[:, None] & (n < NMIX)[None, :], other=0.0)  # [KB, NP]
-        acc = tl.dot(tl.reshape(xs, (BM, KB)), f, acc, input_precision="ieee")
+        # a step's hc * BLOCK products in one chain from zero, then added to the sum over the steps: two chains of
+        # 128 and d / BLOCK (160) terms, not one of hc * d (20,480): ~6x less fp32 rounding in the mixing product
+        acc += tl.dot(tl.reshape(xs, (BM, KB)), f, input_precision="ieee")
         sq += tl.sum(xs * xs, axis=1)
         u = _cast(tl.sum(pre_in[:, :, None] * xs, axis=1), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
         tl.store(h_ptr + rows64[:, None] * d + cols[None, :], u, mask=r_in[:, None] & col_ok[None, :])
