@@ -129,6 +129,9 @@ def _direct(q, win, kv, ids, layer, pos: int, window: int, topk: int) -> dict:
     from dsv41.kernels.step.prefill_slots import prefill_slot_index
     from dsv41.runtime.layers.attention import PREFILL_TILING
 
+    # one entry past those the ids can name: the NaN check always has an unnamed row (at the full shape every
+    # window row and every entry is named otherwise)
+    kv = torch.cat((kv, torch.zeros_like(kv[:1])))
     T, W, C, dev = q.shape[0], win.shape[0], kv.shape[0], q.device
     slots = prefill_slot_index(T, pos, W, window, width=topk, ids=ids, entries=C)
     key_pos = torch.arange(pos, pos + T, device=dev)[:, None] + torch.arange(1 - window, 1, device=dev)[None, :]

@@ -62,6 +62,8 @@ class FastForward:
         self.in_place = in_place
         self.decoder_from = decoder_start(model.cfg)
 
+    @torch.inference_mode()  # as `execute` replays them: a second engine over the same model replays pieces whose
+    # statics an earlier engine's steps made as inference tensors (copying into one outside inference mode fails)
     def capture_graphs(self, pool, *, max_rows: int, max_len: int, budget_s: float,
                        clock=time.perf_counter) -> dict:
         """Capture the decode step's graphs before serving (ENGINE.md §5: at start, within a time budget, on real
