@@ -4,8 +4,7 @@ One call measures, in this order (results saved after each stage, so a run cut s
 - the ceilings: the bf16 GEMM rate on random data;
 - the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer; the
-  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); one layer's two mHC sites
-  at one chunk, the decode rows' launches against the prefill tiles (`mhc_sites_alone`);
+  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`);
 - per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
   tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position);
 - the per-section table of one profiled chunk at position 0 and one at the longest prompt's last chunk;
@@ -99,11 +98,6 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["attention_core"] = {"error": repr(exc)}
         log(f"attention core alone failed: {exc!r}")
-    try:
-        out["mhc"] = mhc_sites_alone(model, chunk)
-    except Exception as exc:  # noqa: BLE001 - a bench stage that fails is reported, the run goes on
-        out["mhc"] = {"error": f"{type(exc).__name__}: {exc}"}
-        log(f"mhc sites alone failed: {out['mhc']['error']}")
     return out
 
 
@@ -153,64 +147,6 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     res["cat_bytes"] = (W + entries) * hd * 2
     log(f"attention core, one layer, {chunk} rows x {H} heads x {window + topk} slots over {entries} entries: "
         f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}")
-    return res
-
-
-def mhc_sites_alone(model, chunk: int) -> dict:
-    """One layer's two mHC sites (the attention's and the FFN's, each fused with the expand before it, as a
-    prefill chunk runs them) at `chunk` rows on layer 0's parameters: the decode rows' launches (one program set per
-    row, `kernels/step/mhc.py`) against the prefill tiles (`kernels/step/mhc_tiles.py`); ms a layer each, the
-    tiles' max difference from the row kernels (another sum order: a few fp32 ulp), and the bytes they move."""
-    from dsv41.kernels.step import mhc as rows_k, mhc_tiles as tiles_k
-
-    block, cfg = model.blocks[0], model.cfg
-    dev = block.attn_norm.device
-    hc, d = cfg.hc_mult, block.attn_norm.numel()
-    g = torch.Generator(device=dev).manual_seed(2)
-    x = torch.randn(chunk, hc, d, generator=g, device=dev).bfloat16()
-    y = torch.randn(chunk, d, generator=g, device=dev)  # the reduced partial: fp32, as the runtime passes it
-    pre = torch.rand(chunk, hc, generator=g, device=dev) + 1e-6
-    post = 2 * torch.rand(chunk, hc, generator=g, device=dev)
-    comb = torch.softmax(torch.randn(chunk, hc, hc, generator=g, device=dev), dim=-1)
-    k = dict(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_norm_eps)
-
-    def layer(site):
-        outs = []
-        for p, norm in ((block.hc_attn, block.attn_norm), (block.hc_ffn, block.ffn_norm)):
-            outs.append(site(y, x, post, comb, p.fn_t, p.base, p.scale, pre, norm, **k))
-        return outs
-
-    res = {"rows": chunk, "hc": hc, "d": d}
-    outs = {}
-    for name, site in (("row_kernels", rows_k.hc_expand_site), ("tiles", tiles_k.hc_expand_site_tiles)):
-        res[f"{name}_ms"] = cuda_ms(lambda: layer(site), reps=5)
-        outs[name] = layer(site)
-    res["coeff_max_abs_diff"] = max(float((a - b).abs().max()) for sa, sb in zip(outs["row_kernels"], outs["tiles"])
-                                    for a, b in zip(sa[2:], sb[2:]))
-    fn_bytes = block.hc_attn.fn_t.numel() * 4
-    stream_bytes = chunk * (hc * d * 2 * 2 + d * 4 + d * 2 * 2)  # X in, X' out, y (fp32) in, h out and back
-    res["fn_l2_bytes_per_site"] = {"row_kernels": chunk * fn_bytes, "tiles": -(-chunk // tiles_k.TILE_ROWS) * fn_bytes}
-    res["stream_bytes_per_site"] = stream_bytes
-    res["speedup"] = res["row_kernels_ms"] / res["tiles_ms"]
-    # the tile's constants (rows a program, warps, columns a step): timings only, to choose them (a constant, never
-    # chosen from B)
-    sweep, kept = [], (tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK)
-    try:
-        for rows, warps, cols in ((16, 4, 32), (16, 8, 16), (16, 16, 32), (32, 8, 32), (32, 16, 32), (64, 16, 16)):
-            tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK = rows, warps, cols
-            sweep.append({"tile_rows": rows, "warps": warps, "block": cols,
-                          "ms": cuda_ms(lambda: layer(tiles_k.hc_expand_site_tiles), reps=5)})
-    except Exception as exc:  # noqa: BLE001
-        sweep.append({"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        tiles_k.TILE_ROWS, tiles_k.TILE_WARPS, tiles_k.TILE_BLOCK = kept
-    res["tile_sweep"] = sweep
-    log(f"mhc sites of one layer at {chunk} rows: row kernels {res['row_kernels_ms']:.3f} ms, tiles "
-        f"{res['tiles_ms']:.3f} ms ({res['speedup']:.1f}x; coefficients within {res['coeff_max_abs_diff']:.1e}); "
-        f"fn from L2 a site {res['fn_l2_bytes_per_site']['row_kernels'] / 1e9:.2f} -> "
-        f"{res['fn_l2_bytes_per_site']['tiles'] / 1e9:.3f} GB, streams {stream_bytes / 1e6:.0f} MB; tile sweep "
-        + ", ".join(f"{v['tile_rows']} rows {v['warps']} warps {v['block']} cols {v['ms']:.3f}" for v in sweep
-                    if "ms" in v))
     return res
 
 

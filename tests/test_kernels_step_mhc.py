@@ -140,8 +140,12 @@ def _reference(t, out, hc, iters):
                 final=rms_norm(ref.collapse(t["x"], t["pre_in"]), t["w"], re))
 
 
-def errors(t, out, hc, iters) -> dict:
-    """Per output of `out` (named as `_run`'s, any subset), its error against the reference on input set t."""
+def measure(case, device: str, seed: int = 0) -> dict:
+    """Errors of every output against the reference, and whether each row's bits are the same alone and among the
+    other rows (shuffled)."""
+    hc, d, B, iters, dtype, splits = case
+    t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
+    out = _run(t, iters, splits)
     ref = _reference(t, out, hc, iters)
     res = {}
     for name, v in out.items():
@@ -154,16 +158,6 @@ def errors(t, out, hc, iters) -> dict:
         else:
             u = _ulps(v, r)
             res[name] = dict(finite=finite, max_ulps=float(u.max()), flips=float((u > 0).double().mean()))
-    return res
-
-
-def measure(case, device: str, seed: int = 0) -> dict:
-    """Errors of every output against the reference, and whether each row's bits are the same alone and among the
-    other rows (shuffled)."""
-    hc, d, B, iters, dtype, splits = case
-    t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
-    out = _run(t, iters, splits)
-    res = errors(t, out, hc, iters)
     order = torch.randperm(B, generator=torch.Generator().manual_seed(seed + 1)).tolist()
     shuffled = _run({k: (v[order] if v.dim() and v.shape[0] == B and k not in ("fn", "base", "scale", "w") else v)
                      for k, v in t.items()}, iters, splits)

@@ -15,8 +15,7 @@ The head takes the fused kernel in every phase: its rows are sampling rows (`log
 
 mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: two
 launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
-final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math; prefill rows'
-sites as tiles of 16 rows (kernels/step/mhc_tiles.py, `DSV41_MHC_TILES=0`: the row launches). The rest of the
+final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the
 forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
 `SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its drafter
 absorb/draft stays the reference's for now); taps are not collected.
@@ -46,7 +45,6 @@ from dsv41.engram.hashing import EngramHasher
 from dsv41.engram.shards import decode_row_bytes
 from dsv41.kernels.step import engram as step_engram
 from dsv41.kernels.step import mhc as step_mhc
-from dsv41.kernels.step import mhc_tiles as step_mhc_tiles
 from dsv41.model import mhc
 from dsv41.model.engram import engram_mix, engram_project
 from dsv41.model.norm import rms_norm
@@ -99,9 +97,7 @@ def hc_coefficients(x: torch.Tensor, p: HC, hc: int, norm_eps: float, hc_eps: fl
 class MhcSites:
     """The mHC work of a forward: each site in one launch of the step kernels (kernels/step/mhc.py: coefficients,
     Sinkhorn, collapse and norm, fused with the expand before the site) wherever Triton runs them (CUDA, or the
-    interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`. Prefill rows take the sites'
-    tile launches (kernels/step/mhc_tiles.py: the mixing matrix read once per 16 rows, not once per row;
-    `DSV41_MHC_TILES=0` keeps the row launches, A/B)."""
+    interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`."""
 
     hc: int
     eps: float  # the norms' and the mixing rsqrt's
@@ -109,14 +105,11 @@ class MhcSites:
     iters: int
     kernels: bool
     rows: int | None = None  # the kernels run the first `rows` rows (the real ones); the others come out zero
-    tiles: bool = False  # the sites as tiles of rows (prefill)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None,
-           phase: str = "decode") -> "MhcSites":
-        kernels = step_kernels_run(device)
-        return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, kernels, rows,
-                   kernels and not is_fused(phase) and step_mhc_tiles.tiles_on())
+    def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None) -> "MhcSites":
+        return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                   step_kernels_run(device), rows)
 
     def _k(self) -> dict:
         return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps, rows=self.rows)
@@ -124,16 +117,14 @@ class MhcSites:
     def site(self, x, p: HC, pre_in, norm):
         """(h = rms_norm(collapse(x, pre_in)), pre, post, comb = H(x))."""
         if self.kernels:
-            launch = step_mhc_tiles.hc_site_tiles if self.tiles else step_mhc.hc_site
-            return launch(x, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
+            return step_mhc.hc_site(x, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
         pre, post, comb = hc_coefficients(x, p, self.hc, self.eps, self.hc_eps, self.iters)
         return rms_norm(mhc.collapse(x, pre_in), norm, self.eps), pre, post, comb
 
     def expand_site(self, y, x, post, comb, p: HC, pre_in, norm):
         """x' = expand(y, x, post, comb), then `site(x', p, pre_in, norm)`: (x', h, pre', post', comb')."""
         if self.kernels:
-            launch = step_mhc_tiles.hc_expand_site_tiles if self.tiles else step_mhc.hc_expand_site
-            return launch(y, x, post, comb, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
+            return step_mhc.hc_expand_site(y, x, post, comb, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
         x = mhc.expand(y, x, post, comb)
         return (x, *self.site(x, p, pre_in, norm))
 
@@ -292,7 +283,7 @@ class FastModel:
                 live = self.engram_hasher.live(ids_b).to(dev)
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
-        sites = MhcSites.of(cfg, dev, rows=n, phase=phase)
+        sites = MhcSites.of(cfg, dev, rows=n)
 
         def run_block(block, x, pre, pending):
             layer_trace = {} if trace is not None else None

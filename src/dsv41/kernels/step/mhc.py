@@ -15,11 +15,6 @@ compiles for sm_80..sm_121 and runs in Triton's interpreter.
   site in one pass: X' is written once and never read back).
 - `hc_expand`: X' alone (the FFN site's expand); `collapse_norm`: the final collapse + norm.
 
-These launches are the decode / verify rows' (a few rows: fn read once per row from L2, split 32 ways so that a row
-does not wait on one SM). Prefill rows' sites take `mhc_tiles.py` (16 rows a program, fn read once per tile, one
-tl.dot chain over d; other bits, row-invariant too); their lone expand and final collapse + norm read no fn and
-stay these launches. `site_args` checks both kinds' arguments.
-
 Live rows (`rows=`, every launcher): the decode path lays its rows out in a fixed bucket (runtime/model.py, BUCKET),
 real rows first, the rest padding. With `rows=k` the programs of rows [k, B) skip the work (Sinkhorn included)
 and write +0.0 to every output of their row, in the same launch (no memset beside it, no host sync, no
@@ -34,8 +29,6 @@ before the norm, and X' before its coefficients, as the reference does.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -427,32 +420,8 @@ def _coeff(t: torch.Tensor, shape: tuple, name: str) -> torch.Tensor:
     return t.contiguous()
 
 
-@dataclass
-class SiteArgs:
-    """A site launch's checked inputs and its fresh outputs (`site_args`): the row and the tile launchers' both."""
-
-    B: int
-    hc: int
-    d: int
-    rows: int  # the live rows
-    expand: bool
-    y: torch.Tensor  # x (unused) without the expand
-    post_in: torch.Tensor
-    comb_in: torch.Tensor
-    pre_in: torch.Tensor
-    xo: torch.Tensor  # X' (x itself without the expand: not written)
-    h: torch.Tensor
-    pre: torch.Tensor
-    post: torch.Tensor
-    comb: torch.Tensor
-
-    def outputs(self) -> tuple:
-        return (self.xo, self.h, self.pre, self.post, self.comb) if self.expand else (self.h, self.pre, self.post,
-                                                                                      self.comb)
-
-
-def site_args(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, iters, rows) -> SiteArgs:
-    """The arguments of `hc_site` / `hc_expand_site` (y None: no expand) checked, and the outputs allocated."""
+def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
+          splits, rows, num_warps=None):
     B, hc, d = _streams(x)
     rows = _live_rows(rows, B)
     nmix = (2 + hc) * hc
@@ -469,17 +438,10 @@ def site_args(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, it
         y, post_in, comb_in = y.contiguous(), _coeff(post_in, (B, hc), "post"), _coeff(comb_in, (B, hc, hc), "comb")
     else:
         y, post_in, comb_in = x, pre_in, pre_in  # unused (EXPAND off)
+    h = torch.empty(B, d, dtype=x.dtype, device=x.device)
     pre = torch.empty(B, hc, dtype=torch.float32, device=x.device)
-    return SiteArgs(B, hc, d, rows, expand, y, post_in, comb_in, pre_in, xo,
-                    torch.empty(B, d, dtype=x.dtype, device=x.device), pre, torch.empty_like(pre),
-                    torch.empty(B, hc, hc, dtype=torch.float32, device=x.device))
-
-
-def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-          splits, rows, num_warps=None):
-    a = site_args(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, iters, rows)
-    B, hc, d, rows, expand = a.B, a.hc, a.d, a.rows, a.expand
-    nmix = (2 + hc) * hc
+    post = torch.empty_like(pre)
+    comb = torch.empty(B, hc, hc, dtype=torch.float32, device=x.device)
     splits = default_splits(d) if splits is None else int(splits)
     block = min(BLOCK_D, triton.next_power_of_2(d))
     chunk = triton.cdiv(triton.cdiv(d, splits), block) * block
@@ -488,15 +450,15 @@ def _site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_e
     if B:  # the padding rows' programs write the zeros: no memset launches beside the kernel
         part = torch.empty(max(rows, 1), splits, np_, dtype=torch.float32, device=x.device)
         _site_kernel[(B, splits)](
-            x, a.y, a.post_in, a.comb_in, a.xo, fn_t, fn_t.stride(0), fn_t.stride(1), base.float().contiguous(),
-            scale.float().contiguous(), a.pre_in, norm_weight.contiguous(), a.h, a.pre, a.post, a.comb, part,
+            x, y, post_in, comb_in, xo, fn_t, fn_t.stride(0), fn_t.stride(1), base.float().contiguous(),
+            scale.float().contiguous(), pre_in, norm_weight.contiguous(), h, pre, post, comb, part,
             _COUNTERS.get(x.device, rows), d, chunk, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), rows,
             HC=hc,
             HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits, EXPAND=expand, BLOCK=block,
             BLOCK_N=min(BLOCK_H, triton.next_power_of_2(d)), num_warps=num_warps or NUM_WARPS,
             PIPELINE=pipe, NORM_ALL=triton.next_power_of_2(d) if pipe and d <= NORM_ALL_MAX else 0,
             **pdl_launch(x.device))
-    return a.outputs()
+    return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
 
 def hc_site(x, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float, iters: int,
