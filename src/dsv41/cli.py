@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=number(int, 0), default=0, help="0 = off (default)")
     p.add_argument("--seed", type=number(int, 0), default=None, help="sampling seed (default: derived from the prompt)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sentence token")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user turn in the V4.1 chat encoding (thinking off) and print the reply")
+    p.add_argument("--think", action="store_true", help="with --chat: thinking on (the reply starts with reasoning)")
     p.add_argument("--forward", choices=("reference", "fast"), default="reference",
                    help="reference (model/, default) or fast (runtime/ FastModel, as serve on CUDA; implied by "
                         "--prepared)")
