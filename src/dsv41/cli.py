@@ -61,8 +61,8 @@ def set_cpu_threads(threads: int | None) -> None:
 def _model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from dsv41.tiny.model import default_model_dir
-    return default_model_dir()
+    from dsv41.tiny.builtin import builtin_model_dir
+    return builtin_model_dir()
 
 
 def resolve_device(name: str):
