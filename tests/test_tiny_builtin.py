@@ -144,3 +144,15 @@ def test_makes_a_well_formed_tool_call_through_the_server(tmp_path_factory):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in system["tools"]}
     assert call.name == expected["name"], (call.name, call.arguments)
     jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+def test_make_run_prints_the_answer(capsys):
+    """`make run`'s command (README: what to expect): a fact of the atlas it was asked about in training, reasoned
+    and answered in the chat format, through `generate --chat --think` on the built-in model."""
+    from dsv41.cli import main
+
+    assert main(["generate", "--chat", "--think", "--prompt", "What is the capital of Olvello?", "--max-tokens", "64",
+                 "--cpu-threads", "1"]) == 0
+    out = capsys.readouterr().out
+    reasoning, _, answer = out.strip().partition("</think>")
+    assert answer == "Brifen" and "Olvello" in reasoning and "<｜" not in out, out
