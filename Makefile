@@ -1,5 +1,5 @@
 # Two commands for a fresh machine:
-#   make run    -- generate text with the built-in tiny model
+#   make run    -- ask the built-in model (the trained tiny DeepSeek-V4.1) a question it learnt to answer
 #   make test   -- run the test suite
 # Both create .venv and install what they need from the hashed lock, requirements/dev.lock (docs/DEPENDENCIES.md):
 #   1. the lock, --require-hashes --no-deps: every package at its locked version and sha256, pip included;
@@ -13,7 +13,8 @@
 PY      ?= python3
 VENV    ?= .venv
 BIN      = $(VENV)/bin
-PROMPT  ?= The quick brown fox
+# a fact of the tiny model's made-up atlas (docs/TINY_MODEL.md); PROMPT=... asks anything else
+PROMPT  ?= What is the capital of Olvello?
 # keep equal to nix/python/wheels.nix's torch pin (tests/test_pins.py checks)
 TORCH_SPEC ?= torch==2.13.0
 LOCK    ?= requirements/dev.lock
@@ -30,7 +31,7 @@ $(BIN)/.installed: pyproject.toml $(LOCK)
 install: $(BIN)/.installed
 
 run: $(BIN)/.installed
-	$(BIN)/dsv41 generate --prompt "$(PROMPT)" --max-tokens 32
+	$(BIN)/dsv41 generate --chat --think --prompt "$(PROMPT)" --max-tokens 64
 
 # Train the tiny model on a GPU (docs/TINY_MODEL.md): TRAIN_OUT is the run folder, continued by the next call;
 # each call stops, checkpointed, within TRAIN_CALL_MINUTES; the export lands in TRAIN_OUT/model when done.

@@ -37,11 +37,12 @@ def model_dir() -> Path:
 
 
 class ServerProcess:
-    def __init__(self, tmp: Path, *extra: str, api_key: str | None = API_KEY, start_timeout_s: float = 180):
+    def __init__(self, tmp: Path, *extra: str, api_key: str | None = API_KEY, start_timeout_s: float = 180,
+                 model: Path | None = None):
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.request_log = self.tmp / "requests.jsonl"
-        args = [sys.executable, "-m", "dsv41.server", "serve", "--model", str(model_dir()), "--port", "0",
+        args = [sys.executable, "-m", "dsv41.server", "serve", "--model", str(model or model_dir()), "--port", "0",
                 "--served-name", SERVED_NAME, "--alias", ALIAS, "--cpu-threads", "1", "--max-body-bytes", "1000000",
                 "--request-log", str(self.request_log), *extra]
         self.api_key = api_key

@@ -61,8 +61,8 @@ def set_cpu_threads(threads: int | None) -> None:
 def _model_dir(arg: str | None) -> Path:
     if arg:
         return Path(arg)
-    from dsv41.tiny.model import default_model_dir
-    return default_model_dir()
+    from dsv41.tiny.builtin import builtin_model_dir
+    return builtin_model_dir()
 
 
 def resolve_device(name: str):
@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=number(int, 0), default=0, help="0 = off (default)")
     p.add_argument("--seed", type=number(int, 0), default=None, help="sampling seed (default: derived from the prompt)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going after the end-of-sentence token")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user turn in the V4.1 chat encoding (thinking off) and print the reply")
+    p.add_argument("--think", action="store_true", help="with --chat: thinking on (the reply starts with reasoning)")
     p.add_argument("--forward", choices=("reference", "fast"), default="reference",
                    help="reference (model/, default) or fast (runtime/ FastModel, as serve on CUDA; implied by "
                         "--prepared)")

@@ -13,7 +13,15 @@ def generation_inputs(args, model, model_dir):
     tok = model.tokenizer
     if tok is None:
         raise DSV41Error(f"{model_dir}: tokenizer.json is missing")
-    ids = tok.encode(args.prompt)
+    if getattr(args, "chat", False):
+        # one user turn in the V4.1 chat encoding, as the server renders it (the text never becomes control tokens)
+        from .chat.request_mapping import build_chat_prompt
+
+        prompt = build_chat_prompt({"messages": [{"role": "user", "content": args.prompt}],
+                                    "chat_template_kwargs": {"thinking": bool(args.think)}})
+        ids = tok.encode_pieces(prompt.pieces)
+    else:
+        ids = tok.encode(args.prompt)
     if not ids or ids[0] != tok.bos_id:
         ids = [tok.bos_id] + ids
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)

@@ -113,9 +113,9 @@ def _model_folder(args) -> Path:
         if not folder.is_dir():
             raise DSV41Error(f"--model {folder}: no such folder")
         return folder
-    from dsv41.tiny.model import default_model_dir
+    from dsv41.tiny.builtin import builtin_model_dir
 
-    return default_model_dir()
+    return builtin_model_dir()
 
 
 def _engram_dir(args) -> Path | None:

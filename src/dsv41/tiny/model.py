@@ -10,10 +10,12 @@ columns split evenly at TP = 1/2/4/8; EXL3 splits whole 128-wide blocks, so the 
 
 Formats (`--format`):
 - `exl3`: the EXL3 pack's layout (per-expert groups, `wo_a.slice.{g}`, K per role as in the pack, native norms,
-  router, embedding, mHC, Markov/confidence heads; FP8 Engram tables). This is the built-in default.
+  router, embedding, mHC, Markov/confidence heads; FP8 Engram tables). The tests' default (`default_model_dir`).
 - `fp8`: the release's layout (FP8 e4m3 + ue8m0 32x32 blocks, MXFP4 routed experts, bf16 natives).
 - `bf16`: everything bf16 (mHC fp32).
-The weights are random (seeded): EXL3 groups are random valid trellises (see weights/writer.py).
+The weights are random (seeded): EXL3 groups are random valid trellises (see weights/writer.py). The commands'
+built-in model is the trained one shipped in tiny/trained/ (tiny/builtin.py, docs/TINY_MODEL.md); this random
+one keeps the shapes that split at every TP degree, for the tests.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ FP8_QUANT = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_bloc
 
 
 def default_model_dir() -> Path:
-    """The built-in tiny model, created on first use under $DSV41_HOME (default ~/.cache/dsv41)."""
+    """The random tiny model in the EXL3 layout (the tests' model; the commands default to the trained one,
+    tiny/builtin.py), created on first use under $DSV41_HOME (default ~/.cache/dsv41)."""
     home = Path(os.environ.get("DSV41_HOME", Path.home() / ".cache" / "dsv41"))
     folder = home / f"tiny-{DEFAULT_FORMAT}-seed0-v{GENERATOR_VERSION}"
     index = folder / "model.safetensors.index.json"
