@@ -107,7 +107,8 @@ class FastForward:
         replay its window reaches no position before the replay segment (the in-place kernels read the ring
         from position 0 on; the loaded views stop at the floor). The engine's replay segment is one window long,
         so decode and verify rows after a replayed prompt always fit."""
-        return len(row.token_ids) <= fits and row.start_pos - self.cfg.sliding_window + 1 >= row.replay_start
+        return len(row.token_ids) <= fits and (not row.replay_start
+                                               or row.start_pos - self.cfg.sliding_window + 1 >= row.replay_start)
 
     @torch.inference_mode()
     def execute(self, rows: list[Row], pool) -> list[torch.Tensor | None]:
