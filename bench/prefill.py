@@ -6,7 +6,9 @@ One call measures, in this order (results saved after each stage, so a run cut s
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer; the
   attention core of one layer's chunk, gathered against indexed (`attention_core_alone`);
 - per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
-  tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position);
+  tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position); then
+  the same prompt under CED bounded replay (`--prefill replay`: the decoder layers over the last window only;
+  `--no-replay` skips it), reported beside it (`replay`: seconds, tokens/s, speed-up over exact);
 - the per-section table of one profiled chunk at position 0 and one at the longest prompt's last chunk;
 - A/B in the same process: the 2K chunk on the reconstruct + cuBLAS path (`DSV41_PREFILL_TILES=0`);
 - the floors per chunk: the weight-decode floor (the rank's EXL3 weights that the chunk touches, once, at the
@@ -150,17 +152,19 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     return res
 
 
-def prefill_prompt(model, length: int, chunk: int, seed: int = 0) -> dict:
-    """One prompt of `length` tokens prefilled in `chunk`-row chunks into a new sequence."""
+def prefill_prompt(model, length: int, chunk: int, seed: int = 0, replay: bool = False) -> dict:
+    """One prompt of `length` tokens prefilled in `chunk`-row chunks into a new sequence; `replay`: under CED
+    bounded replay (the decoder layers run the last `sliding_window` rows only, MODEL.md §11)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab_size, (length,), generator=g)
     st = model.new_state()
     chunk_s = []
+    replay_from = [max(0, length - model.cfg.sliding_window)] if replay else None
     sync(torch.device("cuda"))
     t0 = time.perf_counter()
     for start in range(0, length, chunk):
         c0 = time.perf_counter()
-        model.forward([(st, ids[start:start + chunk])], "prefill")
+        model.forward([(st, ids[start:start + chunk])], "prefill", replay_from=replay_from)
         sync(torch.device("cuda"))
         chunk_s.append(time.perf_counter() - c0)
     seconds = time.perf_counter() - t0
@@ -198,6 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--ab", action="store_true", help="the 2K chunk on the reconstruct path too (DSV41_PREFILL_TILES=0)")
     p.add_argument("--budget-s", type=float, default=None, help="skip the longer prompts past this many seconds")
     p.add_argument("--kernels-only", action="store_true", help="stop after the kernels alone (A/B of kernel options)")
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
+                   help="each prompt also under CED bounded replay (--prefill replay), reported beside it (default on)")
     args = p.parse_args(argv)
     started = time.perf_counter()
     dev = torch.device("cuda")
@@ -248,6 +254,9 @@ def main(argv=None) -> int:
             f"last {r['last_chunk_s'] * 1e3:.0f} ms")
         res["prompts"] = runs
         save()
+        if args.replay:
+            r["replay"] = replay_run(model, length, args.chunk, r)
+            save()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.cfg.vocab_size, (args.chunk,), generator=g)
     trace = {}
@@ -284,11 +293,45 @@ def main(argv=None) -> int:
         res["reconstruct_path"] = r
         log(f"reconstruct path, {args.chunk} rows: {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tok/s")
         save()
-    log("\nlength  seconds  tok/s(N layers)  tok/s(scaled 40)")
+    log("\nlength  seconds  tok/s(N layers)  tok/s(scaled 40)  replay tok/s(N)  replay tok/s(scaled 40)")
     for r in runs:
         if "seconds" in r:
-            log(f"{r['length']:6} {r['seconds']:8.2f} {r['tokens_per_s']:15.0f} {r['scaled_40_tokens_per_s']:16.0f}")
+            rp = r.get("replay", {})
+            tail = (f" {rp['tokens_per_s']:16.0f} {rp['scaled_40_tokens_per_s']:23.0f}" if "seconds" in rp
+                    else f"  replay: {rp.get('skipped') or rp.get('error', 'not run')}")
+            log(f"{r['length']:6} {r['seconds']:8.2f} {r['tokens_per_s']:15.0f} {r['scaled_40_tokens_per_s']:16.0f}"
+                + tail)
     return 0
+
+
+def replay_run(model, length: int, chunk: int, exact: dict) -> dict:
+    """The prompt of `exact` again under CED bounded replay: seconds, tokens/s and the speed-up over exact. With
+    N < 40 layers built, `scaled_40` adds the missing decoder layers at the cost of a `sliding_window`-row chunk's
+    layer (what each of them runs under replay), measured here. A failure is reported and the run goes on."""
+    from dsv41.runtime.pool_forward import decoder_start
+
+    n_layers, W = len(model.blocks), model.cfg.sliding_window
+    if decoder_start(model.cfg) not in [b.index for b in model.blocks]:
+        return {"skipped": f"the first decoder layer ({decoder_start(model.cfg)}) is not among the {n_layers} built"}
+    try:
+        r, _, _ = prefill_prompt(model, length, chunk, replay=True)
+        ids = torch.randint(0, model.cfg.vocab_size, (W,), generator=torch.Generator().manual_seed(3))
+        sync(torch.device("cuda"))
+        t0 = time.perf_counter()
+        model.forward([(model.new_state(), ids)], "prefill")
+        sync(torch.device("cuda"))
+        layer_w = (time.perf_counter() - t0) / n_layers
+        scaled = r["seconds"] + (model.cfg.num_hidden_layers - n_layers) * layer_w
+        r.update(speedup=exact["seconds"] / r["seconds"], window_layer_s=layer_w,
+                 scaled_40_tokens_per_s=length / scaled,
+                 scaled_40_speedup=(length / exact["scaled_40_tokens_per_s"]) / scaled)
+        log(f"prompt {length} under replay: {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tok/s "
+            f"({r['speedup']:.2f}x exact; {r['scaled_40_tokens_per_s']:.0f} scaled to 40, "
+            f"{r['scaled_40_speedup']:.2f}x)")
+        return r
+    except Exception as exc:  # noqa: BLE001 - a bench stage that fails is reported, the run goes on
+        log(f"prompt {length} under replay failed: {exc!r}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 if __name__ == "__main__":

@@ -188,8 +188,8 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         forward_kind = "reference"
     if forward_kind == "reference" and fast:
         raise ConfigError("--forward reference needs the reference model (model/loader.py); a FastModel was built")
-    if fast and (args.prefill == "replay" or args.expert_topp is not None):
-        raise ConfigError("--forward fast runs neither --prefill replay nor --expert-topp (use --forward reference)")
+    if fast and args.expert_topp is not None:
+        raise ConfigError("--forward fast does not run --expert-topp (use --forward reference)")
     if fast and getattr(args, "draft_lookup", "off") == "on" and getattr(args, "draft_depth", 0) > 0:
         # its in-place verify rows do not yet keep the rows of groups a rejected draft closed (step_tables.py)
         raise ConfigError("--forward fast does not draft yet: --draft-lookup needs --forward reference")

@@ -13,8 +13,11 @@ loaded into their views, the forward writes the pool itself. Other chunks (prefi
 than the ring's spare rows) load their state from the pool and store it back.
 
 Prefill calls ask `logits="last"` when no prefill row of the step wants more than its last row, else "all"; the
-decode and verify calls return every row's logits. CED bounded replay, expert pruning and DSpark are not built on
-this path (`compose/build.py` refuses those options with `--forward fast`).
+decode and verify calls return every row's logits. CED bounded replay (MODEL.md §11): a prefill row's tokens before
+its `replay_start` run the encoder layers and the first decoder layer's compressor only (`FastModel._replay_cut`,
+the reference's `PoolForward._encoder_only_rows`); the views' windows of the decoder layers start at the replay
+segment (`PoolSequence.floor`), and rows whose window would reach before it never run in place. Expert pruning and
+DSpark are not built on this path (`compose/build.py` refuses those options with `--forward fast`).
 
 `pool_layout(model)` presents a FastModel as `kv_pool.pool_for_model` reads a model (its layers' roles, whether
 a compressor keeps index keys, the fake quantisers, dtype and device; no DSpark stages).
@@ -96,30 +99,49 @@ class FastForward:
             return PREFILL
         return row.phase
 
+    def replay_cut(self, row: Row) -> int:
+        """The row's leading tokens before its replay segment (CED bounded replay): they stop after the encoder
+        half (`FastModel.forward(replay_from=)`), so no logits of theirs exist."""
+        return min(max(row.replay_start - row.start_pos, 0), len(row.token_ids))
+
+    def in_place_fits(self, row: Row, fits: int) -> bool:
+        """Whether the row may run over the pool in place: its chunk fits the ring beside the window, and under
+        replay its window reaches no position before the replay segment (the in-place kernels read the ring
+        from position 0 on; the loaded views stop at the floor). The engine's replay segment is one window long,
+        so decode and verify rows after a replayed prompt always fit."""
+        return len(row.token_ids) <= fits and (not row.replay_start
+                                               or row.start_pos - self.cfg.sliding_window + 1 >= row.replay_start)
+
     @torch.inference_mode()
     def execute(self, rows: list[Row], pool) -> list[torch.Tensor | None]:
         m = self.model
-        if any(r.replay_start for r in rows):
-            raise ValueError("the fast forward does not run CED bounded replay (--prefill replay)")
         views = load_sequences(pool, rows, self.cfg, self.decoder_from, m.engram_hasher)
         out: list[torch.Tensor | None] = [None] * len(rows)
         fits = ring_chunk_rows(pool, self.cfg.sliding_window)
         for phase, in_place in ((PREFILL, False), (DECODE, True), (DECODE, False), (VERIFY, True), (VERIFY, False)):
             members = [i for i, r in enumerate(rows) if self.phase_of(r) == phase
-                       and in_place == (self.in_place and m.pool_runs(phase) and len(r.token_ids) <= fits)]
+                       and in_place == (self.in_place and m.pool_runs(phase) and self.in_place_fits(r, fits))]
             if not members:
                 continue
+            cuts = [self.replay_cut(rows[i]) for i in members]
+            if any(cuts) and phase != PREFILL:
+                raise ValueError(f"{phase} rows before their replay segment: only prefill rows are replayed")
             wanted = [rows[i].logit_offsets() for i in members]
+            for i, c, offsets in zip(members, cuts, wanted):
+                if offsets and offsets[0] < c:
+                    raise ValueError(f"sequence {rows[i].seq_id}: logits asked for rows that replay leaves out")
             last_only = phase == PREFILL and all(o in ([], [len(rows[i].token_ids) - 1])
                                                  for i, o in zip(members, wanted))
             mode = "last" if last_only else "all"
             logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode,
-                               pool=pool if in_place else None, watch=self.abort_watch)
+                               pool=pool if in_place else None, watch=self.abort_watch,
+                               replay_from=[rows[i].replay_start for i in members] if any(cuts) else None)
             at = 0
-            for i, offsets in zip(members, wanted):
-                n = 1 if mode == "last" else len(rows[i].token_ids)
+            for i, c, offsets in zip(members, cuts, wanted):
+                left = len(rows[i].token_ids) - c  # the rows the decoder layers ran (all but replay's cut)
+                n = min(left, 1) if mode == "last" else left
                 if offsets:
-                    pick = [0] if mode == "last" else offsets
+                    pick = [0] if mode == "last" else [o - c for o in offsets]
                     out[i] = logits[at + torch.tensor(pick, dtype=torch.long, device=logits.device)]
                 at += n
             if at != logits.shape[0]:

@@ -56,6 +56,7 @@ from .graphs import PieceGraphs
 from .layers.attention import FastAttention, Segment, step_kernels_run
 from .layers.linear import PrefillWorkspace, is_fused
 from .layers.moe import FusedMoE
+from .pool_forward import decoder_start
 from .sections import section
 
 _NOT_HELD = ("cfg", "workspace", "ref", "rope", "constants", "launch")
@@ -142,6 +143,19 @@ class MhcSites:
 
 
 @dataclass
+class Rows:
+    """What a forward's blocks run on: the mHC sites, the n real rows, the segments, the positions P and the
+    Engram rows; CED bounded replay (`FastModel._replay_cut`) replaces them with the rows it keeps."""
+
+    sites: MhcSites
+    n: int
+    segs: list | None
+    P: torch.Tensor
+    engram_rows: dict | None = None
+    live: torch.Tensor | None = None
+
+
+@dataclass
 class FastBlock:
     index: int
     attn_norm: torch.Tensor
@@ -208,7 +222,7 @@ class FastModel:
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
                 logits: str = "last", trace: dict | None = None, pool=None, writes: bool = True,
-                watch=None) -> torch.Tensor:
+                watch=None, replay_from: Sequence[int] | None = None) -> torch.Tensor:
         """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
         row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row).
 
@@ -219,14 +233,26 @@ class FastModel:
         step's tables write nothing, so the pool is left as it was (what the graphs captured before serving run on:
         `FastForward.capture_graphs`). `watch` (runtime/abort.py, prefill): asked between layers whether the step is
         still wanted; raises StepAborted before the states advance, their caches partly written (the engine's are
-        views of the pool, stored back only after the last layer: it drops them)."""
+        views of the pool, stored back only after the last layer: it drops them).
+
+        `replay_from` (prefill; CED bounded replay, MODEL.md §11): per chunk, the replay segment's start. A chunk's
+        rows before it run the encoder layers, then only the first decoder layer's compressor and index keys
+        (`_replay_cut`); the logits are those of the rows that remain (a chunk with none gives none: "last" then
+        returns one row per chunk that has rows left)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
         if len({id(s) for s, _ in chunks}) != len(chunks):
             raise ValueError("one chunk per sequence per forward")
+        if replay_from is not None:
+            if len(replay_from) != len(chunks):
+                raise ValueError(f"replay_from names {len(replay_from)} chunks, the forward has {len(chunks)}")
+            cuts = [min(max(int(r) - s.pos, 0), ids.numel()) for (s, ids), r in zip(chunks, replay_from)]
+            if any(cuts) and (is_fused(phase) or trace is not None):
+                raise ValueError("CED bounded replay cuts prefill rows only (untraced)")
+            replay_from = cuts if any(cuts) else None
         if not is_fused(phase):
-            return self._forward(chunks, phase, logits, trace, watch=watch)
+            return self._forward(chunks, phase, logits, trace, watch=watch, cuts=replay_from)
         most = STEP_ROWS if pool is not None and self.pool_runs(phase, trace) else BUCKET
         out, group, rows = [], [], 0
         for state, ids in chunks:
@@ -254,7 +280,7 @@ class FastModel:
         return is_fused(phase) and trace is None and step_kernels_run(self.device)
 
     def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None, writes: bool = True,
-                 watch=None) -> torch.Tensor:
+                 watch=None, cuts: list[int] | None = None) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
         segs, at = [], 0
         for state, ids in chunks:
@@ -283,29 +309,69 @@ class FastModel:
                 live = self.engram_hasher.live(ids_b).to(dev)
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
-        sites = MhcSites.of(cfg, dev, rows=n)
+        # what the blocks run on: the replay cut (`_replay_cut`) leaves fewer rows, segments and positions
+        at = Rows(MhcSites.of(cfg, dev, rows=n), n, segs, P, rows, live)
 
         def run_block(block, x, pre, pending):
             layer_trace = {} if trace is not None else None
-            out = self._block(block, sites, x, pre, pending, n, P, segs, phase, layer_trace, piece)
+            out = self._block(block, at.sites, x, pre, pending, at.n, at.P, at.segs, phase, layer_trace, piece)
             if trace is not None:
                 trace.setdefault(block.index, []).append(layer_trace)
             return out
 
-        x, pre, pending = self._layers(sites, x, pre, n, phase, rows, live, run_block,
-                                       None if is_fused(phase) else watch)
+        cut = None if cuts is None else partial(self._replay_cut, at, cuts, phase)
+        x, pre, pending = self._layers(at, x, pre, phase, run_block, None if is_fused(phase) else watch, cut)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
+        sites, n, segs = at.sites, at.n, at.segs
         if is_fused(phase):  # every row is a sampling row (`forward` copies them out of the piece's buffer)
             local = piece("final", partial(self._final, sites, n, phase), x, pending, pre)
             with section("comm"):
                 return self.comm.gather_cat(local, dim=-1)
+        if n == 0:  # every row stopped after the encoder half (replay)
+            return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=dev)
         out = self._final_norm(sites, x, pending, pre)
         if logits == "all":
             return self._logits(out, n, phase)
         last = torch.tensor([s.start + s.T - 1 for s in segs], device=dev)
         return self._logits(out[last], len(segs), phase)
+
+    def _replay_cut(self, at: "Rows", cuts: list[int], phase: str, block: FastBlock, x, pre, pending):
+        """CED bounded replay at the first decoder layer (MODEL.md §11; `PoolForward._encoder_only_rows`): each
+        segment's first `cuts[i]` rows (before its replay segment) feed this layer's KV source — the attention
+        site's normed input (the pending FFN expand applied), the compressor's projections, entries and index keys
+        — and go no further. The remaining rows (a contiguous suffix of each segment) go on: `at`'s sites, n,
+        segments, positions and Engram rows rebuilt for them; returns their `(x, pre, pending)`. Every launch
+        here is row-wise, so a kept row's bits do not depend on the rows cut beside it (chunked == one-shot)."""
+        dev = x.device
+        drop = np.zeros(at.n, dtype=bool)
+        kept_segs, gone_segs, k, g = [], [], 0, 0
+        for s, c in zip(at.segs, cuts):
+            drop[s.start:s.start + c] = True
+            if c:
+                gone_segs.append(Segment(s.state, g, c, s.pos, s.shared))
+                g += c
+            if s.T > c:
+                kept_segs.append(Segment(s.state, k, s.T - c, s.pos + c, s.shared))
+                k += s.T - c
+        gone = torch.from_numpy(np.flatnonzero(drop)).to(dev)
+        keep = torch.from_numpy(np.flatnonzero(~drop)).to(dev)
+        sub = lambda t: None if t is None else tuple(v[gone] for v in t)  # noqa: E731
+        gone_sites = MhcSites.of(self.cfg, dev, rows=g)
+        with section("mhc"):
+            if pending is None:
+                h = gone_sites.site(x[gone], block.hc_attn, pre[gone], block.attn_norm)[0]
+            else:
+                y, post, comb = sub(pending)
+                h = gone_sites.expand_site(y, x[gone], post, comb, block.hc_attn, pre[gone], block.attn_norm)[1]
+        block.attn.compress_only(h, g, gone_segs, phase)
+        at.sites, at.n, at.segs, at.P = MhcSites.of(self.cfg, dev, rows=k), k, kept_segs, at.P[keep]
+        if at.engram_rows is not None:
+            at.engram_rows = {L: r[keep] for L, r in at.engram_rows.items()}
+            at.live = at.live[keep]
+        pending = None if pending is None else tuple(v[keep] for v in pending)
+        return x[keep], pre[keep], pending
 
     def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored, writes=True):
         """One bucket over the pool: the tables (one host-to-device copy, which also carries the step's token ids,
@@ -345,27 +411,35 @@ class FastModel:
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
         x, pre, P = self._streams(t["ids"], t["pos"])
         x, pre, pending = self._layers(
-            sites, x, pre, n, phase, rows, live,
+            Rows(sites, n, None, P, rows, live), x, pre, phase,
             lambda block, x, pre, pending: self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,
                                                        pool=(t, pool)))
         return self._final(sites, n, phase, x, pending, pre)
 
-    def _layers(self, sites: MhcSites, x, pre, n: int, phase: str, rows, live, run_block, watch=None):
+    def _layers(self, at: "Rows", x, pre, phase: str, run_block, watch=None, cut=None):
         """The blocks in order (`run_block(block, x, pre, pending) -> (x, pre, pending)`), each Engram layer before
-        its block with the pending FFN expand applied first. `pending`: the last FFN site's (y, post, comb), whose
-        expand runs fused with the next attention site. Returns the last `(x, pre, pending)`. `watch`
-        (runtime/abort.py): checked before each block (StepAborted)."""
+        its block with the pending FFN expand applied first (`at`: the sites, row count and Engram rows). `pending`:
+        the last FFN site's (y, post, comb), whose expand runs fused with the next attention site. Returns the last
+        `(x, pre, pending)`. `watch` (runtime/abort.py): checked before each block (StepAborted). `cut` (replay:
+        `_replay_cut`, which updates `at`): called before the first decoder layer; the loop ends once no row
+        remains."""
         pending = None
+        cut_at = None if cut is None else decoder_start(self.cfg)
         if watch is not None:
             watch.start()
         for i, block in enumerate(self.blocks):
             if watch is not None:
                 watch.check(i)
+            if block.index == cut_at:
+                x, pre, pending = cut(block, x, pre, pending)
+                if at.n == 0:  # every row of the step stopped after the encoder half
+                    break
             if block.index in self.engram:
                 with section("mhc"):
-                    x, pending = sites.expanded(x, pending), None
+                    x, pending = at.sites.expanded(x, pending), None
                 with section("engram"):
-                    x = self.engram[block.index](x, rows[block.index], live, n, phase, self.comm).contiguous()
+                    x = self.engram[block.index](x, at.engram_rows[block.index], at.live, at.n, phase,
+                                                 self.comm).contiguous()
             x, pre, pending = run_block(block, x, pre, pending)
         return x, pre, pending
 

@@ -3,7 +3,8 @@
 The reference's slot layout (`model.attention.window_slots` / `compressed_slots`, `FastAttention._slots`) for rows
 t = 0..T-1 of one sequence at positions pos + t, over the window rows `win` [W, hd] (consecutive positions ending
 at the segment's last one: row i holds position first + i, first = pos + T - W) and the source's entries:
-- window slot j < window: key position kp = pos + t - window + 1 + j, live iff kp >= 0, window row
+- window slot j < window: key position kp = pos + t - window + 1 + j, live iff kp >= floor (0, or under CED
+  bounded replay the replay segment's start for the decoder layers), window row
   max(kp - first, 0) (`FastAttention._core_blocked`'s clamp: a live slot before `first` reads row 0, as the
   gathered path does);
 - compressed slot c = j - window < width: the top-k ids [T, K] (-1 first) left-padded with dead slots to `width`
@@ -23,12 +24,12 @@ SLOT_BLOCK = 128  # slots per program
 
 
 @triton.jit
-def _slot_index_kernel(ids_ptr, sit, sic, n_ids, out_ptr, S, pos, first, window, width, W,
+def _slot_index_kernel(ids_ptr, sit, sic, n_ids, out_ptr, S, pos, first, floor, window, width, W,
                        ENTRIES: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     kp = pos + t - window + 1 + j
-    idx = tl.where(kp >= 0, tl.maximum(kp - first, 0), -1)
+    idx = tl.where(kp >= floor, tl.maximum(kp - first, 0), -1)
     if ENTRIES:
         at = j - window - (width - n_ids)
         has = (j >= window) & (j < window + width) & (at >= 0)
@@ -40,10 +41,11 @@ def _slot_index_kernel(ids_ptr, sit, sic, n_ids, out_ptr, S, pos, first, window,
 
 
 def prefill_slot_index(T: int, pos: int, W: int, window: int, *, width: int = 0, ids: torch.Tensor | None = None,
-                       entries: int = 0, device=None) -> torch.Tensor:
+                       entries: int = 0, device=None, floor: int = 0) -> torch.Tensor:
     """The slot index [T, window + width] int32 of a segment's T rows at positions pos.. (module docstring): W
     window rows, `width` compressed slots (0: a window-only layer) filled from `ids` [T, K] (K <= width, any
-    integer dtype; None: no selection) when the source holds `entries` > 0 entries. One launch, no host sync."""
+    integer dtype; None: no selection) when the source holds `entries` > 0 entries; window slots before position
+    `floor` are dead. One launch, no host sync."""
     if window < 1 or W < 1:
         raise ValueError(f"window ({window}) and the window rows ({W}) must be >= 1")
     device = ids.device if ids is not None else device
@@ -59,5 +61,5 @@ def prefill_slot_index(T: int, pos: int, W: int, window: int, *, width: int = 0,
     src = ids if use else out
     _slot_index_kernel[(T, triton.cdiv(S, SLOT_BLOCK))](
         src, src.stride(0) if use else 0, src.stride(1) if use else 0, ids.shape[1] if use else 0, out, S, int(pos),
-        int(pos + T - W), window, width, W, ENTRIES=use, BLOCK=SLOT_BLOCK)
+        int(pos + T - W), max(int(floor), 0), window, width, W, ENTRIES=use, BLOCK=SLOT_BLOCK)
     return out

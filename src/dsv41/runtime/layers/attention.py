@@ -87,12 +87,14 @@ def step_kernels_run(device: torch.device) -> bool:
 def window_slots(win: torch.Tensor, s: Segment, window: int,
                  rows: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`model.attention.window_slots` with the segment's positions known on the host (no device read); `rows`
-    (relative to the segment, default all) picks the query rows."""
+    (relative to the segment, default all) picks the query rows. Slots before the window's first position are
+    dead, as the reference's: a whole window starts at position 0 or covers every slot, a truncated one (CED
+    bounded replay: the decoder layers' windows start at the replay segment) stops there."""
     rows = slice(0, s.T) if rows is None else rows
     first = s.pos + s.T - win.shape[0]
     key_pos = (torch.arange(s.pos + rows.start, s.pos + rows.stop, device=win.device)[:, None]
                + torch.arange(1 - window, 1, device=win.device)[None, :])
-    return win[(key_pos - first).clamp(min=0)], key_pos >= 0
+    return win[(key_pos - first).clamp(min=0)], key_pos >= first
 
 
 class FastAttention(InPlaceAttention, FastIndexer):
@@ -318,7 +320,7 @@ class FastAttention(InPlaceAttention, FastIndexer):
             rows = slice(start, min(start + block, s.T))
             key_pos = (torch.arange(s.pos + rows.start, s.pos + rows.stop, device=win.device)[:, None]
                        + torch.arange(1 - cfg.sliding_window, 1, device=win.device)[None, :])
-            idx, ok = (key_pos - first).clamp(min=0), key_pos >= 0
+            idx, ok = (key_pos - first).clamp(min=0), key_pos >= first  # `window_slots`' rule
             if src is not None:
                 sel = None if ids is None else ids[rows]
                 n = rows.stop - rows.start
@@ -350,7 +352,8 @@ class FastAttention(InPlaceAttention, FastIndexer):
             entries = entries.to(win.dtype)  # the gathered path's rounding (the fast path's are one dtype: no copy)
         slots = prefill_slot_index(s.T, s.pos, win.shape[0], cfg.sliding_window,
                                    width=0 if src is None else cfg.index_topk, ids=ids,
-                                   entries=0 if entries is None else entries.shape[0], device=win.device)
+                                   entries=0 if entries is None else entries.shape[0], device=win.device,
+                                   floor=s.pos + s.T - win.shape[0])  # `window_slots`' rule
         block = block or PREFILL_INDEXED_ROWS
         exact = self._keys_bf16(win)
         for start in range(0, s.T, block):
@@ -380,16 +383,37 @@ class FastAttention(InPlaceAttention, FastIndexer):
     def _project_x(self, x, n, phase):
         """q_a, the window KV latent and the compressor's inputs: the projections of x, one group."""
         r = self.role.compress_ratio if self.role.compresses else 0
-        # ratio > 1 pools in fp32 (the reference feeds x.float(); the kernels round either to fp16 alike)
-        cmp_dtype = torch.float32 if r > 1 else x.dtype
-        dtypes = [x.dtype, x.dtype] + [cmp_dtype] * (len(self.x_group.linears) - 2)
+        dtypes = [x.dtype, x.dtype] + [self._compressor_dtype(x)] * (len(self.x_group.linears) - 2)
         qa, kva, *cmp = self.x_group([x] * len(dtypes), n, phase, dtypes)
-        if not r:
-            return qa, kva, {}
-        if r == 1:
+        return qa, kva, self._compressor_inputs(cmp) if r else {}
+
+    def _compressor_dtype(self, x: torch.Tensor) -> torch.dtype:
+        # ratio > 1 pools in fp32 (the reference feeds x.float(); the kernels round either to fp16 alike)
+        return torch.float32 if self.role.compress_ratio > 1 else x.dtype
+
+    def _compressor_inputs(self, cmp: list) -> dict:
+        """The compressor's projections as `_pool` takes them: ratio 1 the normed latent, else (value, gate)."""
+        if self.role.compress_ratio == 1:
             with section("norms"):
-                return qa, kva, {"latent": rms_norm(cmp[0], self.w.compressor.norm, self.cfg.rms_norm_eps)}
-        return qa, kva, {"v": cmp[0], "s": cmp[1]}
+                return {"latent": rms_norm(cmp[0], self.w.compressor.norm, self.cfg.rms_norm_eps)}
+        return {"v": cmp[0], "s": cmp[1]}
+
+    def compress_only(self, x: torch.Tensor, n: int, segs: Sequence[Segment], phase: str) -> None:
+        """CED bounded replay (MODEL.md §11): rows before their sequence's replay segment feed this layer's KV
+        source and go no further. x: their normed attention input [n, d]; the compressor's projections alone (each
+        member of `x_group` runs on its own for prefill rows: `_project_x`'s bits), the groups they close pooled,
+        the entries and index keys appended as `attend` appends them; no query, window or core."""
+        if not self.role.compresses:
+            raise ValueError(f"layer {self.role.index} has no compressor to feed")
+        if is_fused(phase):
+            raise ValueError("replayed-out rows are prefill rows")
+        dtype = self._compressor_dtype(x)
+        cmp = [lin(x, n, phase, dtype) for lin in self.x_group.linears[2:]]
+        proj = self._compressor_inputs(cmp)
+        with section("attention"):
+            closed = [self._pool(s, proj, x.dtype) for s in segs]
+        if any(c is not None for c in closed):
+            self._append_entries(segs, closed, phase)
 
     def _project_qr(self, qr, n, phase):
         """q (before RoPE) and the index queries (layers that score; else None): the projections of q_a's norm."""
