@@ -127,7 +127,8 @@ def test_tp2_batched_equals_alone_bitwise(tmp_path, tiny_model_dir):
     assert files[0] == files[1] >= 1, files  # each rank parked its own shards of every entry
     assert got["followed"] == got["rounds"]  # rank 1 ran every step and left on the stop batch
     cut = got["cut"]
-    assert (cut["stopped0"], cut["stopped1"], cut["aborted"], cut["reason"], cut["idle"]) == (2, 2, 1, "cancelled", True)
+    assert (cut["stopped0"], cut["stopped1"], cut["aborted"]) == (2, 2, 1)
+    assert cut["reason"] == "cancelled" and cut["idle"]
     assert cut["after"][:-1] == got["alone"][0][:-1]  # the group goes on in step, with the same bits
     assert "logprob=-" in got["together"][0][0] and "PromptLogprobsEvent" in got["together"][3][0]
 

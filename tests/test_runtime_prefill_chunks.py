@@ -55,8 +55,26 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
                                                                         8: torch.int64}[t.element_size()])
 
 
-@pytest.mark.gpu
-def test_gpu_full_shape_16k_prompt_in_2k_chunks_is_4k_chunks_bitwise():
+# chunk lengths in order, the last repeated: 2K chunks (the default), and the cuts a resumed session makes (a cut at
+# the prompt's mark S, anywhere: inside a ratio-2 group, one open row carried across it), against 4K chunks
+SCHEMES = {"2K chunks": [2048], "odd cuts inside ratio-2 groups": [2047, 1, 3, 2045, 2048]}
+
+
+def _prefill(model, ids, cuts: list[int]):
+    """The prompt in chunks of `cuts` (the last length repeated): the state, and a few rows' logits of each chunk."""
+    st, rows, a, i = model.new_state(), {}, 0, 0
+    while a < ids.numel():
+        n = min(cuts[min(i, len(cuts) - 1)], ids.numel() - a)
+        logits = model.forward([(st, ids[a:a + n])], "prefill", logits="all")
+        for r in {0, n // 2 + 1, n - 1} & set(range(n)):
+            rows[a + r] = logits[r].cpu()
+        a, i = a + n, i + 1
+    return st, rows
+
+
+@pytest.fixture(scope="module")
+def full_shape():
+    """The full-shape synthetic rank's first LAYERS layers, a 16K prompt and its prefill in 4K chunks."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (the full-shape synthetic rank)")
     from dsv41.runtime.synthetic import synthetic_rank
@@ -64,17 +82,14 @@ def test_gpu_full_shape_16k_prompt_in_2k_chunks_is_4k_chunks_bitwise():
     model = synthetic_rank(None, rank=0, world=2, device="cuda", dtype=torch.bfloat16, comm=_HalfOfTwo(),
                            layers=LAYERS)
     ids = torch.randint(0, model.cfg.vocab_size, (PROMPT,), generator=torch.Generator().manual_seed(16))
+    return model, ids, _prefill(model, ids, [4096])
 
-    def run(chunk: int):
-        st, last = model.new_state(), {}
-        for a in range(0, PROMPT, chunk):
-            logits = model.forward([(st, ids[a:a + chunk])], "prefill", logits="all")
-            for r in (0, chunk // 2 + 1, chunk - 1):  # a few rows of each chunk, both runs' 4K cuts among them
-                last[a + r] = logits[r].cpu()
-        return st, last
 
-    st2, lg2 = run(2048)
-    st4, lg4 = run(4096)
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpu_full_shape_16k_prompt_chunked_is_4k_chunks_bitwise(full_shape, scheme):
+    model, ids, (st4, lg4) = full_shape
+    st2, lg2 = _prefill(model, ids, SCHEMES[scheme])
     assert st2.pos == st4.pos == PROMPT
     a, b = dict(_tensors(st2)), dict(_tensors(st4))
     assert a.keys() == b.keys() and len(a) > LAYERS  # each layer's window, the sources' entries and keys
