@@ -192,11 +192,12 @@ class LLMEngine:
         self._step_seqs = [seq for seq, _ in work]
         try:
             out = self.executor.execute(batch)
-        except StepAborted:
+        except StepAborted as exc:
             # every request of the step left while it ran: the forward stopped between layers and kept nothing
             # (the states are stored back only after the last layer), so each ends as cancelled from the state
-            # before this step
+            # before this step; the session loads the runner made before the forward still report
             self.aborted_steps += 1
+            self._loaded(getattr(exc, "output", None))
             for seq, _ in work:
                 if seq.status is not Status.FINISHED:
                     self._finish(seq, "cancelled")

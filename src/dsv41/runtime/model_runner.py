@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.batch import Batch, Row, RowOutput, RowSampling, StepOutput
+from ..engine.batch import Batch, Row, RowOutput, RowSampling, StepAborted, StepOutput
 from .abort import AbortWatch
 from .sampling import SamplingParams, adjust_logits, sample_token, token_logprobs
 
@@ -88,7 +88,11 @@ class ModelRunner:
             self.snapshots.pop(entry_id, None)
         if not batch.rows:
             return StepOutput(batch.step, loads=loads)
-        logits = self.forward.execute(batch.rows, self.pool)
+        try:
+            logits = self.forward.execute(batch.rows, self.pool)
+        except StepAborted as exc:  # the step's requests all left: what ran before the forward still counts
+            exc.output = StepOutput(batch.step, loads=loads)
+            raise
         proposing = self.drafter is not None and any(r.propose for r in batch.rows)
         if not self.driver and not proposing:
             return StepOutput(batch.step)
