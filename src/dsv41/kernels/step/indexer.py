@@ -51,9 +51,11 @@ import triton.language as tl
 from .pdl import launch as pdl_launch, wait_previous
 
 from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
+from .knobs import switched_on
 
 BLOCK_C = 64  # entries per scores program
 TOPK_BLOCK = 1024  # entries per step of the top-k passes
+RADIX_ENV = "DSV41_TOPK_RADIX"  # 0: the top-k's k-th score by bisection (A/B)
 # key(-inf): the order-preserving int32 image of -inf's bits (negative floats: bits ^ 0x7fffffff)
 NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
 
@@ -114,17 +116,13 @@ def _keys(s_ptr, c, ncols):
 
 
 @triton.jit
-def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
-                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    wait_previous(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    row = s_ptr + r * sst
-    offs = tl.arange(0, BLOCK)
+def _kth_bisect(row, ncols, k, offs, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    """(k-th largest key, entries above it) by bisection: n_fin in one pass, then (when more than k are finite) the
+    key bit by bit on its unsigned image (key + 2^31), one counting pass a bit, and a pass counting those above it:
+    ~35 reads of the row. The A/B path of `_kth_radix` (DSV41_TOPK_RADIX=0)."""
     n_fin = 0
     for start in range(0, ncols, BLOCK):
         n_fin += tl.sum((_keys(row, start + offs, ncols) > NEG).to(tl.int32), axis=0)
-    # the k-th largest key, bit by bit on its unsigned image (key + 2^31): only when more than k are finite
     steps = tl.where(n_fin > k, 32, 0)
     prefix = tl.zeros((), dtype=tl.int64)
     bit = tl.full((), 2147483648, tl.int64)
@@ -140,6 +138,59 @@ def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
     n_gt = 0
     for start in range(0, ncols, BLOCK):
         n_gt += tl.sum((_keys(row, start + offs, ncols) > kth).to(tl.int32), axis=0)
+    return kth, n_gt
+
+
+@triton.jit
+def _kth_radix(row, ncols, k, offs, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    """(k-th largest key, entries above it) by radix select: the unsigned image u = key ^ 2^31 (key + 2^31 mod 2^32)
+    four 8-bit digits from the top, one pass each: a 256-bin histogram of the digit over the entries whose higher
+    digits are the prefix found so far, then the digit where the count from the top reaches the rank still wanted
+    (those above it are above the k-th: the rank drops by them). The first pass also counts the finite scores; when
+    at most k are, the other passes read nothing and the k-th is key(-inf) (every finite entry picked), as the
+    bisection's skip. 4 reads of the row; the same k-th key and count above it as `_kth_bisect`."""
+    bins = tl.arange(0, 256)
+    n_fin = 0
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for start in range(0, ncols, BLOCK):
+        c = start + offs
+        key = _keys(row, c, ncols)
+        n_fin += tl.sum((key > NEG).to(tl.int32), axis=0)
+        hist += tl.histogram(((key ^ -2147483648) >> 24) & 0xFF, 256, mask=c < ncols)
+    todo = tl.where(n_fin > k, ncols, 0)
+    want = k  # the k-th's rank among the entries that match the prefix
+    prefix = tl.zeros((), dtype=tl.int32)  # u's digits found so far (the rest 0)
+    for p in tl.static_range(4):
+        SHIFT = 24 - 8 * p  # constexpr: the pass is unrolled
+        if p > 0:
+            hist = tl.zeros((256,), dtype=tl.int32)
+            for start in range(0, todo, BLOCK):
+                c = start + offs
+                u = _keys(row, c, ncols) ^ -2147483648
+                match = (((u ^ prefix) >> (SHIFT + 8)) == 0) & (c < ncols)
+                hist += tl.histogram((u >> SHIFT) & 0xFF, 256, mask=match)
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # entries whose digit is >= the bin's
+        digit = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+        here = bins == digit
+        want -= tl.sum(tl.where(here, at_least - hist, 0), axis=0)  # minus those above the digit
+        prefix = prefix | (digit << SHIFT)
+    kth = tl.where(n_fin > k, prefix ^ -2147483648, NEG)
+    return kth, tl.where(n_fin > k, k - want, n_fin)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
+                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr,
+                 RADIX: tl.constexpr = True, PDL: tl.constexpr = False):
+    wait_previous(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    row = s_ptr + r * sst
+    offs = tl.arange(0, BLOCK)
+    # the k-th largest key (key(-inf) when at most k scores are finite) and the count of entries above it
+    if RADIX:
+        kth, n_gt = _kth_radix(row, ncols, k, offs, NEG, BLOCK)
+    else:
+        kth, n_gt = _kth_bisect(row, ncols, k, offs, NEG, BLOCK)
     ties = tl.where(kth == NEG, 0, k - n_gt)  # entries equal to the k-th taken, lowest ids first
     lead = k - n_gt - ties  # picks of -inf entries: -1, first after the ascending sort
     if WRITE_IDS:
@@ -274,9 +325,16 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
     return out
 
 
-def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False) -> torch.Tensor:
+def radix_on() -> bool:
+    """Whether the top-k finds its k-th score by radix select (read at each launch; `DSV41_TOPK_RADIX=0` takes the
+    bisection, for A/B runs). The same bits either way."""
+    return switched_on(RADIX_ENV)
+
+
+def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None) -> torch.Tensor:
     """`Attention._select(scores, k)` for scores [R, N] fp32: ids [R, k] int64 (ascending, -1 for picks of -inf
-    entries, first). With mask=True, the picked set as a bool mask [R, N] instead (-inf entries never in it)."""
+    entries, first). With mask=True, the picked set as a bool mask [R, N] instead (-inf entries never in it).
+    radix: how the k-th score is found (radix select, or the bisection: the same bits); None = `radix_on()`."""
     R, N = scores.shape
     if not 0 <= k <= N:
         raise ValueError(f"top-k {k} out of range for {N} entries")
@@ -292,7 +350,8 @@ def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False) -> torch.Te
             keep.zero_()
         else:
             _topk_kernel[(R,)](scores, scores.stride(0), ids, keep, max(keep.stride(0), 1), N, k, NEG=NEG_INF_KEY,
-                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask, num_warps=4,
+                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask,
+                               RADIX=radix_on() if radix is None else bool(radix), num_warps=4,
                                **pdl_launch(scores.device))
     return keep.view(torch.bool) if mask else ids
 
