@@ -22,12 +22,23 @@ the live entries costs a store of -inf per block.
 
 Top-k (`topk_select`): one program per row, the reference's rule exactly: the k largest scores, ties to the lower
 entry id (a stable descending sort's first k), picks of -inf entries -> -1, the ids sorted ascending (so the -1 come
-first). The program finds the k-th largest score by a 32-step bisection over an order-preserving int32 key of the
-fp32 bits (one counting pass over the row per step; skipped when the row has at most k finite scores: then every
-finite entry is picked), takes every entry above it and the lowest-id entries equal to it, and writes them in
-ascending id order after the leading -1 (a cumulative count per block: no sort). -0.0 counts as +0.0 (the sort
-compares them equal); NaN is not an input (a positive NaN would rank above +inf, a negative one below -inf).
-Optionally it writes the picked set as a mask instead (the candidate blocks).
+first). The program finds the k-th largest score's order-preserving int32 key of the fp32 bits (`_keys`) and the
+count of entries above it by RADIX SELECT (`_kth_radix`): the key's unsigned image as four 8-bit digits from the
+top, one pass over the row a digit, each a 256-bin histogram (`tl.histogram`) of the digit among the entries whose
+higher digits match the prefix found so far; the digit where the count from the top reaches the rank still wanted
+extends the prefix, and the entries of higher digits (all above the k-th) lower that rank. The first pass also
+counts the finite scores: when at most k are, the other passes read nothing (every finite entry is picked). Then
+one pass takes every entry above the k-th and the lowest-id entries equal to it and writes them in ascending id
+order after the leading -1 (a cumulative count per block: no sort): 5 reads of the row in all. `DSV41_TOPK_RADIX=0`
+(or `topk_select(radix=False)`) finds the same key by the old 32-step bisection (`_kth_bisect`: one counting pass a
+bit, plus a finite count and a count above: 35 reads); both give the one k-th key of the row (the largest key t
+with at least k keys >= t) and its exact count above, so the output is the same bits
+(tests/test_kernels_step_topk_radix.py). A 128K prompt's chunk of ratio-2 rows is 2,048 rows x ~64K entries
+(512 MB of scores, far beyond L2): 18 GB of reads by bisection, 2.7 GB by radix select (docs/perf/prefill.md).
+3 passes of 11 bits were not chosen: Triton's histogram is per-warp ballots of the bin bits, so its work per
+entry grows with the bins a lane owns (8 at 256 bins, 64 at 2,048), more than the pass it saves. -0.0 counts as
++0.0 (the sort compares them equal); NaN is not an input (a positive NaN would rank above +inf, a negative one
+below -inf). Optionally it writes the picked set as a mask instead (the candidate blocks).
 
 Padding: columns past a row's own entries hold -inf and are never picked. With k = min(index_topk, columns) the
 ids of a sequence of C entries are the last min(index_topk, C) columns of the row (every column before them -1), so
