@@ -338,7 +338,9 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
 
 def radix_on() -> bool:
     """Whether the top-k finds its k-th score by radix select (read at each launch; `DSV41_TOPK_RADIX=0` takes the
-    bisection, for A/B runs). The same bits either way."""
+    bisection, for A/B runs). The same bits either way. A switch, so that a whole prefill's launches (inside the
+    model, in captured graphs) flip without a code change, like the other kernel A/B switches; `topk_select`'s
+    `radix` argument beside it lets the tests and the bench run both in one process."""
     return switched_on(RADIX_ENV)
 
 
