@@ -4,7 +4,8 @@ One call measures, in this order (results saved after each stage, so a run cut s
 - the ceilings: the bf16 GEMM rate on random data;
 - the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer; the
-  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`);
+  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); the indexer's top-k
+  over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`);
 - per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
   tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position); then
   the same prompt under CED bounded replay (`--prefill replay`: the decoder layers over the last window only;
@@ -100,7 +101,39 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["attention_core"] = {"error": repr(exc)}
         log(f"attention core alone failed: {exc!r}")
+    try:
+        out["index_topk"] = topk_alone(k=block.attn.cfg.index_topk)
+    except Exception as exc:  # noqa: BLE001
+        out["index_topk"] = {"error": repr(exc)}
+        log(f"index top-k alone failed: {exc!r}")
     return out
+
+
+def topk_alone(rows: int = 2048, entries: int = 65536, k: int = 512, device: str = "cuda", timer=cuda_ms) -> dict:
+    """The indexer's top-k (`topk_select`) over one 128K prompt's ratio-2 chunk: `rows` rows of `entries` fp32
+    scores (row r sees entries - (rows - 1 - r) // 2 of them, -inf after: a causal chunk), k of them each; the
+    k-th score by radix select (4 histogram passes) against the bisection (DSV41_TOPK_RADIX=0: 32 counting passes),
+    whether the two give the same bits, and the bytes each reads (passes x the scores). The production launches
+    split the rows into slabs of 1,024 (`attention_index.py`); the kernel is one program per row, so one launch of
+    all rows costs what the slabs cost together. (`device` / `timer`: a CPU dry run under the interpreter.)"""
+    from dsv41.kernels.step.indexer import topk_select
+
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(3)
+    s = torch.randn(rows, entries, generator=g, device=dev)
+    vis = entries - (rows - 1 - torch.arange(rows, device=dev)) // 2
+    s[torch.arange(entries, device=dev)[None, :] >= vis[:, None]] = float("-inf")
+    res = {"rows": rows, "entries": entries, "k": k, "score_bytes": s.numel() * 4}
+    ids = {}
+    for name, radix in (("radix", True), ("bisect", False)):
+        res[f"{name}_ms"] = timer(lambda: topk_select(s, k, radix=radix), reps=5)
+        ids[name] = topk_select(s, k, radix=radix)
+    res["same_bits"] = bool(torch.equal(ids["radix"], ids["bisect"]))
+    res["passes"] = {"radix": 5, "bisect": 35}  # reads of the row: histograms + the write pass; n_fin + 32 + 2
+    res["speedup"] = res["bisect_ms"] / res["radix_ms"]
+    log(f"index top-k, {rows} rows x {entries} entries, k {k}: radix {res['radix_ms']:.2f} ms, bisection "
+        f"{res['bisect_ms']:.2f} ms ({res['speedup']:.1f}x), same bits {res['same_bits']}")
+    return res
 
 
 def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000, device: str = "cuda",

@@ -393,8 +393,9 @@ def test_indexer_kernels_compile_for_every_target(arch):
     kernels += [(k._scores_kernel, {**sc, "k_ptr": "*u8"}, dict(HP=32, HDP=128, BC=k.BLOCK_C, HAS_ALLOW=a, PAGED=True,
                                                                CODEC=cid))
                 for a, cid in ((False, codecs.FP4_UE8M0), (True, codecs.FP4_UE8M0), (False, codecs.RAW_BF16))]
-    kernels += [(k._topk_kernel, tk, dict(NEG=k.NEG_INF_KEY, BLOCK=k.TOPK_BLOCK, WRITE_IDS=not m, WRITE_MASK=m))
-                for m in (False, True)]
+    kernels += [(k._topk_kernel, tk, dict(NEG=k.NEG_INF_KEY, BLOCK=k.TOPK_BLOCK, WRITE_IDS=not m, WRITE_MASK=m,
+                                          RADIX=radix))
+                for m in (False, True) for radix in (True, False)]
     for fn, sig, const in kernels:
         const = {**const, "PDL": arch >= 90}  # dependent launch exists from sm_90 on (kernels/step/pdl.py)
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in const}}, constexprs=const)

@@ -246,7 +246,7 @@ DEVELOPER_SWITCHES = {  # A/B switches of the kernels for benches (docs/perf); t
         "DSV41_EXL3_GROUP", "DSV41_EXL3_BACKEND", "DSV41_EXL3_NO_ASM", "DSV41_EXL3_CLUSTER",
         "DSV41_EXL3_WARP_EPILOGUE", "DSV41_EXL3_PERSIST", "DSV41_EXL3_TUNING", "DSV41_NVCC", "DSV41_PDL",
         "DSV41_CUDA_PDL", "DSV41_ATTN_FOLD", "DSV41_ATTN_ALIGNED", "DSV41_MHC_PIPELINE", "DSV41_ROUTER_FOLD",
-        "DSV41_PREFILL_TILES", "DSV41_PREFILL_CORE_INDEXED")
+        "DSV41_PREFILL_TILES", "DSV41_PREFILL_CORE_INDEXED", "DSV41_TOPK_RADIX")
 }
 INTERNAL = {  # between processes of one run, or test hooks
     "DSV41_TP_LOCAL_CHILD": "set by `serve --tp N` for the ranks it starts itself",

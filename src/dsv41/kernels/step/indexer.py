@@ -22,12 +22,23 @@ the live entries costs a store of -inf per block.
 
 Top-k (`topk_select`): one program per row, the reference's rule exactly: the k largest scores, ties to the lower
 entry id (a stable descending sort's first k), picks of -inf entries -> -1, the ids sorted ascending (so the -1 come
-first). The program finds the k-th largest score by a 32-step bisection over an order-preserving int32 key of the
-fp32 bits (one counting pass over the row per step; skipped when the row has at most k finite scores: then every
-finite entry is picked), takes every entry above it and the lowest-id entries equal to it, and writes them in
-ascending id order after the leading -1 (a cumulative count per block: no sort). -0.0 counts as +0.0 (the sort
-compares them equal); NaN is not an input (a positive NaN would rank above +inf, a negative one below -inf).
-Optionally it writes the picked set as a mask instead (the candidate blocks).
+first). The program finds the k-th largest score's order-preserving int32 key of the fp32 bits (`_keys`) and the
+count of entries above it by RADIX SELECT (`_kth_radix`): the key's unsigned image as four 8-bit digits from the
+top, one pass over the row a digit, each a 256-bin histogram (`tl.histogram`) of the digit among the entries whose
+higher digits match the prefix found so far; the digit where the count from the top reaches the rank still wanted
+extends the prefix, and the entries of higher digits (all above the k-th) lower that rank. The first pass also
+counts the finite scores: when at most k are, the other passes read nothing (every finite entry is picked). Then
+one pass takes every entry above the k-th and the lowest-id entries equal to it and writes them in ascending id
+order after the leading -1 (a cumulative count per block: no sort): 5 reads of the row in all. `DSV41_TOPK_RADIX=0`
+(or `topk_select(radix=False)`) finds the same key by the old 32-step bisection (`_kth_bisect`: one counting pass a
+bit, plus a finite count and a count above: 35 reads); both give the one k-th key of the row (the largest key t
+with at least k keys >= t) and its exact count above, so the output is the same bits
+(tests/test_kernels_step_topk_radix.py). A 128K prompt's chunk of ratio-2 rows is 2,048 rows x ~64K entries
+(512 MB of scores, far beyond L2): 18 GB of reads by bisection, 2.7 GB by radix select (docs/perf/prefill.md).
+3 passes of 11 bits were not chosen: Triton's histogram is per-warp ballots of the bin bits, so its work per
+entry grows with the bins a lane owns (8 at 256 bins, 64 at 2,048), more than the pass it saves. -0.0 counts as
++0.0 (the sort compares them equal); NaN is not an input (a positive NaN would rank above +inf, a negative one
+below -inf). Optionally it writes the picked set as a mask instead (the candidate blocks).
 
 Padding: columns past a row's own entries hold -inf and are never picked. With k = min(index_topk, columns) the
 ids of a sequence of C entries are the last min(index_topk, C) columns of the row (every column before them -1), so
@@ -51,9 +62,11 @@ import triton.language as tl
 from .pdl import launch as pdl_launch, wait_previous
 
 from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
+from .knobs import switched_on
 
 BLOCK_C = 64  # entries per scores program
 TOPK_BLOCK = 1024  # entries per step of the top-k passes
+RADIX_ENV = "DSV41_TOPK_RADIX"  # 0: the top-k's k-th score by bisection (A/B)
 # key(-inf): the order-preserving int32 image of -inf's bits (negative floats: bits ^ 0x7fffffff)
 NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
 
@@ -114,17 +127,13 @@ def _keys(s_ptr, c, ncols):
 
 
 @triton.jit
-def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
-                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr,
-                 PDL: tl.constexpr = False):
-    wait_previous(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    row = s_ptr + r * sst
-    offs = tl.arange(0, BLOCK)
+def _kth_bisect(row, ncols, k, offs, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    """(k-th largest key, entries above it) by bisection: n_fin in one pass, then (when more than k are finite) the
+    key bit by bit on its unsigned image (key + 2^31), one counting pass a bit, and a pass counting those above it:
+    ~35 reads of the row. The A/B path of `_kth_radix` (DSV41_TOPK_RADIX=0)."""
     n_fin = 0
     for start in range(0, ncols, BLOCK):
         n_fin += tl.sum((_keys(row, start + offs, ncols) > NEG).to(tl.int32), axis=0)
-    # the k-th largest key, bit by bit on its unsigned image (key + 2^31): only when more than k are finite
     steps = tl.where(n_fin > k, 32, 0)
     prefix = tl.zeros((), dtype=tl.int64)
     bit = tl.full((), 2147483648, tl.int64)
@@ -140,6 +149,59 @@ def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
     n_gt = 0
     for start in range(0, ncols, BLOCK):
         n_gt += tl.sum((_keys(row, start + offs, ncols) > kth).to(tl.int32), axis=0)
+    return kth, n_gt
+
+
+@triton.jit
+def _kth_radix(row, ncols, k, offs, NEG: tl.constexpr, BLOCK: tl.constexpr):
+    """(k-th largest key, entries above it) by radix select: the unsigned image u = key ^ 2^31 (key + 2^31 mod 2^32)
+    four 8-bit digits from the top, one pass each: a 256-bin histogram of the digit over the entries whose higher
+    digits are the prefix found so far, then the digit where the count from the top reaches the rank still wanted
+    (those above it are above the k-th: the rank drops by them). The first pass also counts the finite scores; when
+    at most k are, the other passes read nothing and the k-th is key(-inf) (every finite entry picked), as the
+    bisection's skip. 4 reads of the row; the same k-th key and count above it as `_kth_bisect`."""
+    bins = tl.arange(0, 256)
+    n_fin = 0
+    hist = tl.zeros((256,), dtype=tl.int32)
+    for start in range(0, ncols, BLOCK):
+        c = start + offs
+        key = _keys(row, c, ncols)
+        n_fin += tl.sum((key > NEG).to(tl.int32), axis=0)
+        hist += tl.histogram(((key ^ -2147483648) >> 24) & 0xFF, 256, mask=c < ncols)
+    todo = tl.where(n_fin > k, ncols, 0)
+    want = k  # the k-th's rank among the entries that match the prefix
+    prefix = tl.zeros((), dtype=tl.int32)  # u's digits found so far (the rest 0)
+    for p in tl.static_range(4):
+        SHIFT = 24 - 8 * p  # constexpr: the pass is unrolled
+        if p > 0:
+            hist = tl.zeros((256,), dtype=tl.int32)
+            for start in range(0, todo, BLOCK):
+                c = start + offs
+                u = _keys(row, c, ncols) ^ -2147483648
+                match = (((u ^ prefix) >> (SHIFT + 8)) == 0) & (c < ncols)
+                hist += tl.histogram((u >> SHIFT) & 0xFF, 256, mask=match)
+        at_least = tl.cumsum(hist, axis=0, reverse=True)  # entries whose digit is >= the bin's
+        digit = tl.sum((at_least >= want).to(tl.int32), axis=0) - 1
+        here = bins == digit
+        want -= tl.sum(tl.where(here, at_least - hist, 0), axis=0)  # minus those above the digit
+        prefix = prefix | (digit << SHIFT)
+    kth = tl.where(n_fin > k, prefix ^ -2147483648, NEG)
+    return kth, tl.where(n_fin > k, k - want, n_fin)
+
+
+@triton.jit
+def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
+                 NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr,
+                 RADIX: tl.constexpr = True, PDL: tl.constexpr = False):
+    wait_previous(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    row = s_ptr + r * sst
+    offs = tl.arange(0, BLOCK)
+    # the k-th largest key (key(-inf) when at most k scores are finite) and the count of entries above it
+    if RADIX:
+        kth, n_gt = _kth_radix(row, ncols, k, offs, NEG, BLOCK)
+    else:
+        kth, n_gt = _kth_bisect(row, ncols, k, offs, NEG, BLOCK)
     ties = tl.where(kth == NEG, 0, k - n_gt)  # entries equal to the k-th taken, lowest ids first
     lead = k - n_gt - ties  # picks of -inf entries: -1, first after the ascending sort
     if WRITE_IDS:
@@ -274,9 +336,18 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
     return out
 
 
-def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False) -> torch.Tensor:
+def radix_on() -> bool:
+    """Whether the top-k finds its k-th score by radix select (read at each launch; `DSV41_TOPK_RADIX=0` takes the
+    bisection, for A/B runs). The same bits either way. A switch, so that a whole prefill's launches (inside the
+    model, in captured graphs) flip without a code change, like the other kernel A/B switches; `topk_select`'s
+    `radix` argument beside it lets the tests and the bench run both in one process."""
+    return switched_on(RADIX_ENV)
+
+
+def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None) -> torch.Tensor:
     """`Attention._select(scores, k)` for scores [R, N] fp32: ids [R, k] int64 (ascending, -1 for picks of -inf
-    entries, first). With mask=True, the picked set as a bool mask [R, N] instead (-inf entries never in it)."""
+    entries, first). With mask=True, the picked set as a bool mask [R, N] instead (-inf entries never in it).
+    radix: how the k-th score is found (radix select, or the bisection: the same bits); None = `radix_on()`."""
     R, N = scores.shape
     if not 0 <= k <= N:
         raise ValueError(f"top-k {k} out of range for {N} entries")
@@ -292,7 +363,8 @@ def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False) -> torch.Te
             keep.zero_()
         else:
             _topk_kernel[(R,)](scores, scores.stride(0), ids, keep, max(keep.stride(0), 1), N, k, NEG=NEG_INF_KEY,
-                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask, num_warps=4,
+                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask,
+                               RADIX=radix_on() if radix is None else bool(radix), num_warps=4,
                                **pdl_launch(scores.device))
     return keep.view(torch.bool) if mask else ids
 
