@@ -118,6 +118,8 @@ def test_topk_radix_switch_reads_the_environment(monkeypatch):
     from dsv41.kernels.step import indexer
 
     monkeypatch.delenv(indexer.RADIX_ENV, raising=False)
+    assert not indexer.radix_on()  # off until a GPU run has checked it
+    monkeypatch.setenv(indexer.RADIX_ENV, "1")
     assert indexer.radix_on()
     monkeypatch.setenv(indexer.RADIX_ENV, "0")
     assert not indexer.radix_on()

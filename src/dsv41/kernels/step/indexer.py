@@ -29,8 +29,9 @@ higher digits match the prefix found so far; the digit where the count from the 
 extends the prefix, and the entries of higher digits (all above the k-th) lower that rank. The first pass also
 counts the finite scores: when at most k are, the other passes read nothing (every finite entry is picked). Then
 one pass takes every entry above the k-th and the lowest-id entries equal to it and writes them in ascending id
-order after the leading -1 (a cumulative count per block: no sort): 5 reads of the row in all. `DSV41_TOPK_RADIX=0`
-(or `topk_select(radix=False)`) finds the same key by the old 32-step bisection (`_kth_bisect`: one counting pass a
+order after the leading -1 (a cumulative count per block: no sort): 5 reads of the row in all. The default is still
+the old 32-step bisection until a GPU run checks the radix path (`DSV41_TOPK_RADIX=1` or `topk_select(radix=True)`
+turns radix on); the bisection (`_kth_bisect`: one counting pass a
 bit, plus a finite count and a count above: 35 reads); both give the one k-th key of the row (the largest key t
 with at least k keys >= t) and its exact count above, so the output is the same bits
 (tests/test_kernels_step_topk_radix.py). A 128K prompt's chunk of ratio-2 rows is 2,048 rows x ~64K entries
@@ -53,6 +54,7 @@ expanded back to entries.
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
@@ -62,7 +64,6 @@ import triton.language as tl
 from .pdl import launch as pdl_launch, wait_previous
 
 from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
-from .knobs import switched_on
 
 BLOCK_C = 64  # entries per scores program
 TOPK_BLOCK = 1024  # entries per step of the top-k passes
@@ -337,11 +338,13 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
 
 
 def radix_on() -> bool:
-    """Whether the top-k finds its k-th score by radix select (read at each launch; `DSV41_TOPK_RADIX=0` takes the
-    bisection, for A/B runs). The same bits either way. A switch, so that a whole prefill's launches (inside the
+    """Whether the top-k finds its k-th score by radix select (read at each launch; `DSV41_TOPK_RADIX=1` turns it
+    on, off by default until measured on a GPU; off takes the bisection). The same bits either way. A switch, so that a whole prefill's launches (inside the
     model, in captured graphs) flip without a code change, like the other kernel A/B switches; `topk_select`'s
     `radix` argument beside it lets the tests and the bench run both in one process."""
-    return switched_on(RADIX_ENV)
+    # off until a GPU run has checked it (bits and time: tests/test_kernels_step_topk_radix.py's GPU test and
+    # bench/prefill.py's kernels.index_topk): the decode rows' top-k runs this kernel too
+    return os.environ.get(RADIX_ENV, "0").strip().lower() not in ("0", "", "off", "false", "no")
 
 
 def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None) -> torch.Tensor:
