@@ -247,7 +247,7 @@ def check(case, res: dict) -> None:
 def _sites_both_ways(seed: int = 7) -> dict:
     """runtime/model.py's MhcSites with the kernels and with the reference math (what plain CPU runs), each method
     on the same fp32 inputs: the largest difference in units of the reference output's rms."""
-    from dsv41.runtime.model import HC, MhcSites
+    from dsv41.runtime.mhc_sites import HC, MhcSites
 
     t = _inputs(4, 128, 5, torch.float32, "cpu", seed)
     p, pending = HC(t["fn"].t(), t["base"], t["scale"]), (t["y"], t["post"], t["comb"])

@@ -1,6 +1,6 @@
 """The attention core of prefill rows on the step kernel (`FastAttention._core_blocked`): chunked == one-shot bitwise.
 
-Prefill rows where the step kernels run take the indexed core (`kernels.step.attention.attention_indexed`: the key
+Prefill rows where the step kernels run take the indexed core (`kernels.step.prefill_slots.attention_indexed`: the key
 slots read in place through an int32 slot index, PREFILL_INDEXED_ROWS rows per launch) or, with
 DSV41_PREFILL_CORE_INDEXED=0, the gathered one (`attention_core`, PREFILL_CORE_ROWS rows per launch, each block's
 key slots gathered right before it): the same bits. The kernel is one program per row, so a row's bits do not
@@ -125,8 +125,7 @@ def _direct(q, win, kv, ids, layer, pos: int, window: int, topk: int) -> dict:
     """The slot index against the gathered path's (`_core_blocked`'s torch form: window rows clamped, live iff the
     key position >= 0; entry W + id, dead -1), and `attention_indexed` over it: rows no live slot names (NaN here)
     and indices past the entries (dead) change no bit."""
-    from dsv41.kernels.step.attention import attention_indexed
-    from dsv41.kernels.step.prefill_slots import prefill_slot_index
+    from dsv41.kernels.step.prefill_slots import attention_indexed, prefill_slot_index
     from dsv41.runtime.layers.attention import PREFILL_TILING
 
     # one entry past those the ids can name: the NaN check always has an unnamed row (at the full shape every

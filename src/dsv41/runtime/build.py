@@ -35,7 +35,8 @@ from dsv41.weights.linear import split_range
 from .layers.attention import FastAttention
 from .layers.linear import PrefillWorkspace, fast_linear, prefill_tiles_enabled
 from .layers.moe import FusedMoE, StackedExperts
-from .model import HC, FastBlock, FastEngram, FastModel
+from .mhc_sites import HC
+from .model import FastBlock, FastEngram, FastModel
 
 
 class _Mover:

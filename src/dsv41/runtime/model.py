@@ -44,15 +44,12 @@ from dsv41.config import ModelConfig
 from dsv41.engram.hashing import EngramHasher
 from dsv41.engram.shards import decode_row_bytes
 from dsv41.kernels.step import engram as step_engram
-from dsv41.kernels.step import mhc as step_mhc
-from dsv41.model import mhc
 from dsv41.model.engram import engram_mix, engram_project
-from dsv41.model.norm import rms_norm
-from dsv41.model.rowwise import f64
 from dsv41.model.state import SequenceState
 from dsv41.parallel.comm import Comm, LocalComm
 
 from .graphs import PieceGraphs
+from .mhc_sites import HC, MhcSites
 from .layers.attention import FastAttention, Segment, step_kernels_run
 from .layers.linear import PrefillWorkspace, is_fused
 from .layers.moe import FusedMoE
@@ -72,74 +69,6 @@ def row_bucket(n: int) -> int:
         if n <= b:
             return b
     raise ValueError(f"a bucket holds at most {ROW_BUCKETS[-1]} rows, got {n}")
-
-
-@dataclass
-class HC:
-    """One mHC site: the reference's HCParams with the mixing matrix transposed once."""
-
-    fn_t: torch.Tensor  # [hc * d, (2 + hc) * hc] fp32
-    base: torch.Tensor
-    scale: torch.Tensor
-
-
-def hc_coefficients(x: torch.Tensor, p: HC, hc: int, norm_eps: float, hc_eps: float, iters: int):
-    """`mhc.coefficients` with the mixing product over the whole bucket in one matmul."""
-    flat = x.float().reshape(x.shape[0], -1)
-    m = (flat @ p.fn_t) * f64(torch.rsqrt, flat.pow(2).mean(dim=-1, keepdim=True) + norm_eps)
-    base, scale = p.base, p.scale
-    pre = f64(torch.sigmoid, m[:, :hc] * scale[0] + base[:hc]) + hc_eps
-    post = 2 * f64(torch.sigmoid, m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb_logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).view(-1, hc, hc)
-    return pre, post, mhc.sinkhorn(comb_logits, iters, hc_eps)
-
-
-@dataclass(frozen=True)
-class MhcSites:
-    """The mHC work of a forward: each site in one launch of the step kernels (kernels/step/mhc.py: coefficients,
-    Sinkhorn, collapse and norm, fused with the expand before the site) wherever Triton runs them (CUDA, or the
-    interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`."""
-
-    hc: int
-    eps: float  # the norms' and the mixing rsqrt's
-    hc_eps: float
-    iters: int
-    kernels: bool
-    rows: int | None = None  # the kernels run the first `rows` rows (the real ones); the others come out zero
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None) -> "MhcSites":
-        return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                   step_kernels_run(device), rows)
-
-    def _k(self) -> dict:
-        return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps, rows=self.rows)
-
-    def site(self, x, p: HC, pre_in, norm):
-        """(h = rms_norm(collapse(x, pre_in)), pre, post, comb = H(x))."""
-        if self.kernels:
-            return step_mhc.hc_site(x, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
-        pre, post, comb = hc_coefficients(x, p, self.hc, self.eps, self.hc_eps, self.iters)
-        return rms_norm(mhc.collapse(x, pre_in), norm, self.eps), pre, post, comb
-
-    def expand_site(self, y, x, post, comb, p: HC, pre_in, norm):
-        """x' = expand(y, x, post, comb), then `site(x', p, pre_in, norm)`: (x', h, pre', post', comb')."""
-        if self.kernels:
-            return step_mhc.hc_expand_site(y, x, post, comb, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
-        x = mhc.expand(y, x, post, comb)
-        return (x, *self.site(x, p, pre_in, norm))
-
-    def expanded(self, x, pending):
-        """x with a pending FFN expand `(y, post, comb)` applied (before an Engram layer and the final norm)."""
-        if pending is None:
-            return x
-        y, post, comb = pending
-        return step_mhc.hc_expand(y, x, post, comb, rows=self.rows) if self.kernels else mhc.expand(y, x, post, comb)
-
-    def collapse_norm(self, x, pre, norm):
-        if self.kernels:
-            return step_mhc.collapse_norm(x, pre, norm, rms_eps=self.eps, rows=self.rows)
-        return rms_norm(mhc.collapse(x, pre), norm, self.eps)
 
 
 @dataclass

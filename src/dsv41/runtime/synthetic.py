@@ -39,7 +39,8 @@ from dsv41.weights.linear import split_range
 from .layers.attention import FastAttention
 from .layers.linear import DequantLinear, Exl3Linear, PrefillWorkspace, prefill_tiles_enabled
 from .layers.moe import FusedMoE, StackedExperts
-from .model import HC, FastBlock, FastEngram, FastModel
+from .mhc_sites import HC
+from .model import FastBlock, FastEngram, FastModel
 
 # DeepSeek-V4.1-Flash's text config (MODEL.md §3.1)
 REAL_TEXT_CONFIG = {

@@ -37,7 +37,7 @@ fixed, so the grid's row count changes nothing. They do not depend on padding S 
 ones (dead) add exact zeros at the end of a block, extra blocks and splits change nothing, so rows of different
 sequences padded to one S can share a launch.
 
-`attention_indexed` (prefill rows, `FastAttention._core_indexed`): the same core with each slot's key row read in
+`prefill_slots.attention_indexed` (prefill rows, `FastAttention._core_indexed`): the same core with each slot's key row read in
 place through an int32 slot index [T, S] into two sources, the window rows [W, hd] (index r < W) and the
 compressed entries [C, hd] (index W + entry id), a dead slot -1 (`prefill_slots.prefill_slot_index` builds it
 for a segment in one launch). Against the gathered call on keys = cat(window, entries)[index], ok = index >= 0: no
@@ -76,7 +76,8 @@ from .pdl import launch as pdl_launch, wait_previous
 from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
 from .attention_args import check_store, entry_args, int_vector, rope_args
-from .rowops import _DTYPES, _cast, rope_pairs
+from .rowops import _DTYPES
+from .attention_combine import _combine_heads, _core_combine_kernel
 from .mhc import _COUNTERS
 
 MMA = tl.constexpr(not interpreting())  # the bf16 tensor-core products of `_split_dot` (compiled kernels)
@@ -318,75 +319,6 @@ def _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb
     return e_live, load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
 
 
-@triton.jit
-def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, pos_ptr, freq_ptr, H, HD, live_rows,
-                         NS: tl.constexpr, HDP: tl.constexpr, R: tl.constexpr = 0, OUT: tl.constexpr = tl.float32,
-                         PDL: tl.constexpr = False):
-    """(row t, head h): the NS splits combined in split order. Both loops unrolled (NS a constexpr), so their loads
-    are in flight together: a loop waited for each split's loads in turn (20 splits: 13 µs at one row). R > 0:
-    o's inverse RoPE over its last R dims at pos[t] in the same program, o rounded to OUT (`rowops.rope_pairs`:
-    the bits of `rope_rows(o, inverse=True, out_dtype=OUT)`); rows t >= live_rows (a bucket's padding) read
-    nothing and store zeros, as `rope_rows(rows=)` does."""
-    wait_previous(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    live = t < live_rows
-    if R > 0:  # the even columns; the odd ones at col + 1: each pair in the program that rotates it
-        col = 2 * tl.arange(0, HDP // 2)
-    else:
-        col = tl.arange(0, HDP)
-    col_ok = col < HD
-    sink = tl.load(sink_ptr + h)
-    big = sink
-    for j in tl.static_range(NS):
-        big = tl.maximum(big, tl.load(m_ptr + (t * NS + j) * H + h, mask=live, other=0.0))
-    den = tl.where(sink == big, 1.0, tl.exp(sink - big))
-    num = tl.zeros(col.shape, dtype=tl.float32)
-    odd = tl.zeros(col.shape, dtype=tl.float32)
-    for j in tl.static_range(NS):
-        at = (t * NS + j) * H + h
-        mj = tl.load(m_ptr + at, mask=live, other=0.0)
-        w = tl.where(mj == big, 1.0, tl.exp(mj - big))
-        den = den + tl.load(l_ptr + at, mask=live, other=0.0) * w
-        num = num + tl.load(acc_ptr + at * HD + col, mask=col_ok & live, other=0.0) * w
-        if R > 0:
-            odd = odd + tl.load(acc_ptr + at * HD + col + 1, mask=col_ok & live, other=0.0) * w
-    out = tl.math.div_rn(num, tl.zeros(col.shape, dtype=tl.float32) + den)
-    dst = out_ptr + (t * H + h) * HD + col
-    if R > 0:
-        ev, od = rope_pairs(_cast(out, OUT), _cast(tl.math.div_rn(odd, tl.zeros(col.shape, dtype=tl.float32) + den),
-                                                   OUT), tl.load(pos_ptr + t, mask=live, other=0), freq_ptr, col,
-                            col_ok & live, HD, R, True, OUT)
-        tl.store(dst, tl.where(live, ev, 0.0).to(OUT), mask=col_ok)
-        tl.store(dst + 1, tl.where(live, od, 0.0).to(OUT), mask=col_ok)
-    else:
-        tl.store(dst, out, mask=col_ok)
-
-
-@triton.jit
-def _combine_heads(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, t, h, h_ok, col, col_ok, H, HD, n_splits,
-                   HB: tl.constexpr, HDP: tl.constexpr):
-    """`_core_combine_kernel` for the HB heads h of row t at once, by the last arriver of the split launch: the
-    same operations in the same order on each head's values (elementwise over the heads), so the same bits. The
-    other programs' partials are read after the acquire of the ticket, past L1 (.cg)."""
-    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0)
-    big = sink
-    for j in range(n_splits):
-        big = tl.maximum(big, tl.load(m_ptr + (t * n_splits + j) * H + h, mask=h_ok, other=0.0, cache_modifier=".cg"))
-    den = tl.where(sink == big, 1.0, tl.exp(sink - big))
-    num = tl.zeros((HB, HDP), dtype=tl.float32)
-    ok = h_ok[:, None] & col_ok[None, :]
-    for j in range(n_splits):
-        at = (t * n_splits + j) * H + h
-        mj = tl.load(m_ptr + at, mask=h_ok, other=0.0, cache_modifier=".cg")
-        w = tl.where(mj == big, 1.0, tl.exp(mj - big))
-        den = den + tl.load(l_ptr + at, mask=h_ok, other=0.0, cache_modifier=".cg") * w
-        a = tl.load(acc_ptr + at[:, None] * HD + col[None, :], mask=ok, other=0.0, cache_modifier=".cg")
-        num = num + a * w[:, None]
-    out = tl.math.div_rn(num, tl.zeros((HB, HDP), dtype=tl.float32) + den[:, None])
-    tl.store(out_ptr + (t * H + h[:, None]) * HD + col[None, :], out, mask=ok)
-
-
 def fold_enabled() -> bool:
     """Whether the combine runs in the split launch's last arrivers (`FOLD_ENV`=1) or as its own launch (the
     default: faster on the H200, module docstring). Read at each launch, as `pdl.enabled`: the A/B switch needs no
@@ -448,44 +380,6 @@ def attention_core(q: torch.Tensor, keys: torch.Tensor, ok: torch.Tensor, sink: 
     return _rows_launch(q, sink, scale, S, (keys, keys.stride(0), keys.stride(1), ok, ok.stride(0)), _no_pool(ok),
                         {}, keys.dtype == torch.bfloat16 if keys_bf16 is None else keys_bf16, split_keys, key_block,
                         num_warps, head_block, None)
-
-
-def attention_indexed(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None, slots: torch.Tensor,
-                      sink: torch.Tensor, scale: float, *, keys_bf16: bool | None = None,
-                      split_keys: int = SPLIT_KEYS, key_block: int = KEY_BLOCK, num_warps: int = 8,
-                      head_block: int = HEAD_BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`attention_core` over key slots read in place through an index, bit for bit the gathered call on
-    keys = cat(window_rows, entries)[slots.clamp(min=0)], ok = slots >= 0 (same tiling arguments).
-
-    q [T, H, hd]; window_rows [W, hd] and entries [C, hd] (None: C = 0) of one dtype, their rows contiguous
-    (bf16 / fp16 / fp32, read as fp32); slots [T, S] int32: slot j of row t reads window row r = slots[t, j] when
-    0 <= r < W, entry r - W when W <= r < W + C, and is dead when r < 0 (r >= W + C: dead too, never made by
-    `prefill_slots.prefill_slot_index`). Why one index into two sources rather than a concatenation or one index
-    per source: no [W + C, hd] copy of the entries, one int32 load a slot with the live flag in its sign, and the
-    same slot layout as the gathered keys (so the same splits and blocks: the bits follow). `keys_bf16` as
-    attention_core's (default: the rows' dtype is bf16). Returns o [T, H, hd] fp32 (written into `out` when given:
-    contiguous fp32 [T, H, hd], e.g. the segment's rows of the layer's o: no copy); no host sync, one split launch
-    and one combine launch whatever T (their scratch: T x splits x H x hd fp32)."""
-    T, H, hd = q.shape
-    if slots.dim() != 2 or slots.shape[0] != T or slots.dtype != torch.int32:
-        raise ValueError(f"slots must be int32 [T={T}, S], got {slots.dtype} {list(slots.shape)}")
-    for name, x in (("window_rows", window_rows), ("entries", entries)):
-        if x is None:
-            continue
-        if x.dim() != 2 or x.shape[1] != hd or x.device != q.device or x.dtype != window_rows.dtype:
-            raise ValueError(f"{name} must be [rows, {hd}] of window_rows' dtype on {q.device}, got {x.dtype} "
-                             f"{list(x.shape)} on {x.device}")
-    window_rows = window_rows if window_rows.stride(1) == 1 else window_rows.contiguous()
-    ents = window_rows if entries is None else entries if entries.stride(1) == 1 else entries.contiguous()
-    W, C = window_rows.shape[0], 0 if entries is None else entries.shape[0]
-    if slots.stride(1) != 1:
-        slots = slots.contiguous()
-    t = slots
-    pool = (t, 0, 0, 1, t, t, W, ents, 0, ents.stride(0), t, 0, 0, 1, t, 0, 0, W + C)
-    return _rows_launch(q, sink, scale, slots.shape[1],
-                        (window_rows, 0, window_rows.stride(0), slots, slots.stride(0)), pool, dict(INDEXED=True),
-                        window_rows.dtype == torch.bfloat16 if keys_bf16 is None else keys_bf16, split_keys,
-                        key_block, num_warps, head_block, out)
 
 
 def _rows_launch(q: torch.Tensor, sink: torch.Tensor, scale: float, S: int, keys: tuple, pool: tuple,

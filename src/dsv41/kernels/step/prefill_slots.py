@@ -1,4 +1,5 @@
-"""The key-slot index of a prefill segment's rows for `attention.attention_indexed`: one launch for all its rows.
+"""The prefill attention core over key slots read in place: the slot index of a segment's rows (one launch for all
+its rows) and `attention_indexed`, the core of kernels/step/attention.py reading each slot through it.
 
 The reference's slot layout (`model.attention.window_slots` / `compressed_slots`, `FastAttention._slots`) for rows
 t = 0..T-1 of one sequence at positions pos + t, over the window rows `win` [W, hd] (consecutive positions ending
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .attention import HEAD_BLOCK, KEY_BLOCK, SPLIT_KEYS, _rows_launch
 
 SLOT_BLOCK = 128  # slots per program
 
@@ -63,3 +66,41 @@ def prefill_slot_index(T: int, pos: int, W: int, window: int, *, width: int = 0,
         src, src.stride(0) if use else 0, src.stride(1) if use else 0, ids.shape[1] if use else 0, out, S, int(pos),
         int(pos + T - W), max(int(floor), 0), window, width, W, ENTRIES=use, BLOCK=SLOT_BLOCK)
     return out
+
+
+def attention_indexed(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None, slots: torch.Tensor,
+                      sink: torch.Tensor, scale: float, *, keys_bf16: bool | None = None,
+                      split_keys: int = SPLIT_KEYS, key_block: int = KEY_BLOCK, num_warps: int = 8,
+                      head_block: int = HEAD_BLOCK, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`attention_core` over key slots read in place through an index, bit for bit the gathered call on
+    keys = cat(window_rows, entries)[slots.clamp(min=0)], ok = slots >= 0 (same tiling arguments).
+
+    q [T, H, hd]; window_rows [W, hd] and entries [C, hd] (None: C = 0) of one dtype, their rows contiguous
+    (bf16 / fp16 / fp32, read as fp32); slots [T, S] int32: slot j of row t reads window row r = slots[t, j] when
+    0 <= r < W, entry r - W when W <= r < W + C, and is dead when r < 0 (r >= W + C: dead too, never made by
+    `prefill_slots.prefill_slot_index`). Why one index into two sources rather than a concatenation or one index
+    per source: no [W + C, hd] copy of the entries, one int32 load a slot with the live flag in its sign, and the
+    same slot layout as the gathered keys (so the same splits and blocks: the bits follow). `keys_bf16` as
+    attention_core's (default: the rows' dtype is bf16). Returns o [T, H, hd] fp32 (written into `out` when given:
+    contiguous fp32 [T, H, hd], e.g. the segment's rows of the layer's o: no copy); no host sync, one split launch
+    and one combine launch whatever T (their scratch: T x splits x H x hd fp32)."""
+    T, H, hd = q.shape
+    if slots.dim() != 2 or slots.shape[0] != T or slots.dtype != torch.int32:
+        raise ValueError(f"slots must be int32 [T={T}, S], got {slots.dtype} {list(slots.shape)}")
+    for name, x in (("window_rows", window_rows), ("entries", entries)):
+        if x is None:
+            continue
+        if x.dim() != 2 or x.shape[1] != hd or x.device != q.device or x.dtype != window_rows.dtype:
+            raise ValueError(f"{name} must be [rows, {hd}] of window_rows' dtype on {q.device}, got {x.dtype} "
+                             f"{list(x.shape)} on {x.device}")
+    window_rows = window_rows if window_rows.stride(1) == 1 else window_rows.contiguous()
+    ents = window_rows if entries is None else entries if entries.stride(1) == 1 else entries.contiguous()
+    W, C = window_rows.shape[0], 0 if entries is None else entries.shape[0]
+    if slots.stride(1) != 1:
+        slots = slots.contiguous()
+    t = slots
+    pool = (t, 0, 0, 1, t, t, W, ents, 0, ents.stride(0), t, 0, 0, 1, t, 0, 0, W + C)
+    return _rows_launch(q, sink, scale, slots.shape[1],
+                        (window_rows, 0, window_rows.stride(0), slots, slots.stride(0)), pool, dict(INDEXED=True),
+                        window_rows.dtype == torch.bfloat16 if keys_bf16 is None else keys_bf16, split_keys,
+                        key_block, num_warps, head_block, out)

@@ -343,8 +343,7 @@ class FastAttention(InPlaceAttention, FastIndexer):
         reading each slot's row through it (`attention_indexed`), `block` (default PREFILL_INDEXED_ROWS) rows a
         launch, straight into o's rows. The same slots, values, tiling and keys_bf16 rule as the gathered path, so
         the same bits (tests/test_runtime_prefill_core.py); a row's bits again depend only on that row."""
-        from dsv41.kernels.step.attention import attention_indexed
-        from dsv41.kernels.step.prefill_slots import prefill_slot_index
+        from dsv41.kernels.step.prefill_slots import attention_indexed, prefill_slot_index
 
         cfg = self.cfg
         entries = None if src is None else src.kv
