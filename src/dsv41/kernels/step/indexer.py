@@ -54,13 +54,13 @@ expanded back to entries.
 
 from __future__ import annotations
 
-import os
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
+from .knobs import switched_on
 from .pdl import launch as pdl_launch, wait_previous
 
 from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
@@ -344,7 +344,7 @@ def radix_on() -> bool:
     `radix` argument beside it lets the tests and the bench run both in one process."""
     # off until a GPU run has checked it (bits and time: tests/test_kernels_step_topk_radix.py's GPU test and
     # bench/prefill.py's kernels.index_topk): the decode rows' top-k runs this kernel too
-    return os.environ.get(RADIX_ENV, "0").strip().lower() not in ("0", "", "off", "false", "no")
+    return switched_on(RADIX_ENV, default=False)
 
 
 def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None) -> torch.Tensor:

@@ -8,6 +8,7 @@ import os
 OFF = ("0", "off", "false", "no")
 
 
-def switched_on(env: str) -> bool:
-    """Whether the switch `env` is on (unset: on)."""
-    return os.environ.get(env, "1").strip().lower() not in OFF
+def switched_on(env: str, default: bool = True) -> bool:
+    """Whether the switch `env` is on (unset or empty: `default`, on unless a switch says otherwise)."""
+    value = os.environ.get(env, "").strip().lower()
+    return default if not value else value not in OFF

@@ -21,7 +21,6 @@ reference math (`_topk`).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -61,7 +60,9 @@ INDEXED_ENV = "DSV41_PREFILL_CORE_INDEXED"
 def indexed_core_enabled() -> bool:
     """Whether prefill rows take the indexed core (`INDEXED_ENV`, on unless set to an off spelling); read at each
     call, so an A/B run needs no restart."""
-    return os.environ.get(INDEXED_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    from dsv41.kernels.step.knobs import switched_on
+
+    return switched_on(INDEXED_ENV)
 
 @dataclass
 class Segment:
