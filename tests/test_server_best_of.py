@@ -8,7 +8,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from server_harness import SERVED_NAME, client, server  # noqa: F401 (pytest fixtures)
+from server_harness import SERVED_NAME, ServerProcess, client, server  # noqa: F401 (pytest fixtures)
 
 PROMPT = "the cat sat on the mat and the cat sat on the mat and the cat"
 LONG = [(i * 53 + 17) % 400 + 5 for i in range(300)]  # 300 ids: one full page of 256 shared at the fork
@@ -44,8 +44,17 @@ def test_n_three_equals_three_single_requests_token_for_token(client):
     assert many.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
 
 
+@pytest.fixture(scope="module")
+def entryless(tmp_path_factory):
+    """A server keeping no session entry: on the shared one, an entry the request's own takes evict (the other
+    tests' entries fill its RAM budget, how many depends on timing) gives pages back while the group is counted."""
+    proc = ServerProcess(tmp_path_factory.mktemp("no-sessions"), "--sessions", "off")
+    yield proc
+    proc.terminate()
+
+
 def _pages_while_streaming(server, client, n: int, prompt: list[int]) -> int:
-    """The pages the request takes while all its sequences decode (beyond those session entries hold already)."""
+    """The pages the request takes while all its sequences decode."""
     server.wait_idle()
     held = batching(server)["pages_used"]
     stream = complete(client, prompt=prompt, n=n, seed=3, max_tokens=40, stream=True,
@@ -61,11 +70,11 @@ def _pages_while_streaming(server, client, n: int, prompt: list[int]) -> int:
     return pages
 
 
-def test_a_group_holds_the_prompt_pages_once_and_a_disconnect_frees_everything(server, client):
+def test_a_group_holds_the_prompt_pages_once_and_a_disconnect_frees_everything(entryless):
+    server, client = entryless, entryless.client()
     server.wait_idle()
     before = batching(server)
-    assert before["page_tokens"] == 256
-    # two prompts with nothing in common, so neither resumes from a session entry of the other
+    assert before["page_tokens"] == 256 and before["sessions"] is None
     single = _pages_while_streaming(server, client, 1, [8] + LONG[1:])
     group = _pages_while_streaming(server, client, 3, [7] + LONG[1:])
     assert single == 2 and group == 2 + 2 * 1 < 3 * single  # 340 positions: the first page shared by all three
