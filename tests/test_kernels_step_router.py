@@ -379,6 +379,24 @@ def test_gpu_prefill_native_linear_rows_alone():
 
 
 @pytest.mark.gpu
+def test_gpu_decode_native_linear_rows_alone_in_every_bucket():
+    """weights_proj on decode / verify buckets (1-32 rows, and past 32): a row's bits the same alone and in any
+    bucket (cuBLAS picks its kernel by the row count; the fused phases run fixed 32-row products)."""
+    need_compiled_cuda()
+    from dsv41.runtime.layers.linear import DequantLinear
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(40, 5120, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(32, 5120, generator=gen, device="cuda") * 5120 ** -0.5).bfloat16()
+    lin = DequantLinear("native", {"weight": w}, 5120, 32, "attn.indexer.weights_proj")
+    alone = torch.cat([lin(x[r:r + 1], 1, "decode") for r in range(40)])
+    for B in (2, 6, 8, 12, 16, 24, 32, 40):
+        assert torch.equal(lin(x[:B], B, "verify"), alone[:B]), B
+    want = x.double() @ w.double().t()
+    assert float((alone.double() - want).abs().max()) <= 2 ** -7 * float(want.abs().max())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
 def test_gpu_prefill_router_tiles_full_shape_rows_alone(gate_dtype):
     """The prefill router at the release's shape (d 5120, E 384, top-6): a row's ids, weights and logits the same

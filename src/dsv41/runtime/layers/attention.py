@@ -395,6 +395,12 @@ class FastAttention(InPlaceAttention, FastIndexer):
         """The compressor's projections as `_pool` takes them: ratio 1 the normed latent, else (value, gate)."""
         if self.role.compress_ratio == 1:
             with section("norms"):
+                if step_kernels_run(cmp[0].device):
+                    # one program a row: torch's CUDA mean splits a row's sum among more threads when there are
+                    # fewer rows, so a prefill chunk's length (a session's cut at S) changed the latent's bits
+                    from dsv41.kernels.step.rowops import rms_norm_rows
+
+                    return {"latent": rms_norm_rows(cmp[0], self.w.compressor.norm, self.cfg.rms_norm_eps)}
                 return {"latent": rms_norm(cmp[0], self.w.compressor.norm, self.cfg.rms_norm_eps)}
         return {"v": cmp[0], "s": cmp[1]}
 

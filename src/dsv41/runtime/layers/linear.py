@@ -284,9 +284,27 @@ class DequantLinear:
                 from dsv41.kernels.step.router_tiles import rows_product_tiles
 
                 y = rows_product_tiles(x, self.dense(x.dtype).T).to(x.dtype)
+            elif fused and x.is_cuda:
+                y = fixed_rows_product(x, self.dense(x.dtype).T)
             else:
                 y = x @ self.dense(x.dtype).T
             return y if out_dtype is None else y.to(out_dtype)
+
+
+FIXED_ROWS = 32  # the rows of every cuBLAS product of a decode / verify bucket (STEP_ROWS: the largest bucket)
+
+
+def fixed_rows_product(x: torch.Tensor, mat_t: torch.Tensor) -> torch.Tensor:
+    """x [B, d] @ mat_t on CUDA as products of exactly FIXED_ROWS rows (x copied into a zeroed buffer of that many):
+    cuBLAS picks its kernel by the shape (a 1-row bucket another reduction order than a 16-row one), so at one shape
+    a row's bits never depend on the bucket it runs in; the copy keeps the operand's alignment the same too."""
+    outs = []
+    for a in range(0, x.shape[0], FIXED_ROWS):
+        part = x[a:a + FIXED_ROWS]
+        buf = x.new_zeros(FIXED_ROWS, x.shape[1])
+        buf[:part.shape[0]] = part
+        outs.append((buf @ mat_t)[:part.shape[0]])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def fast_linear(lin, workspace: PrefillWorkspace, device: torch.device | None = None, fused_only: bool = False):
