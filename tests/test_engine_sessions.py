@@ -116,6 +116,22 @@ def test_the_next_turn_resumes_and_equals_a_fresh_prefill(model, page_tokens):
     assert eng.core.pool_idle() and eng.core.stats()["sessions"]["hits"] == 2
 
 
+def test_without_reply_entries_the_next_turn_resumes_at_the_prompts_mark(model):
+    """A forward whose decode rows are not its prefill rows bit for bit (the fast path) makes no entry at a reply's
+    end: the next turn resumes at the last prompt's mark and prefills the reply again, and equals fresh."""
+    eng = engine(model)
+    assert eng.core.sessions.config.reply_entries  # the reference on the CPU: decoded rows are prefilled rows
+    eng.core.sessions.config.reply_entries = False
+    first = GenerationRequest(ids(4, 50), 7, SamplingParams(temperature=0.0))
+    (turn1,) = run(eng, [first])
+    second = GenerationRequest(first.prompt_ids + tokens(turn1) + [9, 8, 7], 6, SamplingParams(temperature=0.7, seed=5),
+                               logprobs=2)
+    (resumed,) = run(eng, [second])
+    (fresh,) = run(engine(model, sessions="off"), [second])
+    assert resumed == fresh and finish(resumed).cached_tokens == 49  # turn 1's mark, not its reply's end (56)
+    assert eng.core.stats()["sessions"]["made"] == 2 and eng.core.pool_idle()  # the two prompts' marks only
+
+
 def test_an_identical_resend_resumes_at_the_prompts_mark(model):
     req = GenerationRequest(ids(2, 40), 6, SamplingParams(temperature=0.7, seed=1), logprobs=1)
     eng = engine(model)
@@ -252,7 +268,8 @@ def test_a_damaged_parked_entry_is_dropped_and_the_reply_is_the_fresh_one(model,
 @pytest.mark.gpu
 def test_the_fast_path_resumes_and_equals_a_fresh_prefill(tiny_model_dir, tmp_path):
     """On CUDA over the FastModel (the serving path): the next turn from RAM and from the NVMe tier equals a fresh
-    prefill (tokens and logprobs at T = 0.7; the fast path's prefill is chunked == one-shot on the tiny shapes)."""
+    prefill (tokens and logprobs at T = 0.7; the fast path's prefill is chunked == one-shot on the tiny shapes),
+    resuming at turn 1's mark (no entry at a reply's end: decoded rows are not prefilled rows there)."""
     import torch
 
     from dsv41.runtime.build import build_fast_model
@@ -270,7 +287,8 @@ def test_the_fast_path_resumes_and_equals_a_fresh_prefill(tiny_model_dir, tmp_pa
                                SamplingParams(temperature=0.7, seed=8), logprobs=2)
     (resumed,) = run(eng, [second])
     (fresh,) = run(gpu_engine(sessions="off"), [second])
-    assert resumed == fresh and finish(resumed).cached_tokens == 95
+    # the fast path's decoded rows are not its prefilled rows: the entry is turn 1's mark (89), not its end (95)
+    assert resumed == fresh and finish(resumed).cached_tokens == 89
     stop(eng)
     again = gpu_engine(session_dir=str(tmp_path), session_disk_min_tokens=16)
     again.core.sessions.config.disk_gain = 1

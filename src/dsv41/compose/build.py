@@ -94,15 +94,18 @@ def engine_defaults(**overrides) -> argparse.Namespace:
     return args
 
 
-def session_config(args, pool):
-    """The engine's sessions (engine/sessions.py SessionConfig), None with --sessions off."""
+def session_config(args, pool, forward=None):
+    """The engine's sessions (engine/sessions.py SessionConfig), None with --sessions off. Entries at a reply's end
+    only where `forward`'s decode rows are its prefill rows bit for bit (else a resumed turn would not be a fresh
+    prefill: ENGINE.md §4)."""
     from ..engine.sessions import SessionConfig
 
     if getattr(args, "sessions", "on") == "off":
         return None
     return SessionConfig(ram_bytes=int(getattr(args, "session_ram_mib", 256.0) * (1 << 20)),
                          min_tokens=getattr(args, "session_min_tokens", 16), slot_bytes=pool.bytes_per_slot,
-                         disk_min_tokens=getattr(args, "session_disk_min_tokens", 1024))
+                         disk_min_tokens=getattr(args, "session_disk_min_tokens", 1024),
+                         reply_entries=bool(getattr(forward, "decode_rows_are_prefill_rows", False)))
 
 
 def knobs_tag(args) -> str:
@@ -265,7 +268,7 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
         draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None),
-        sessions=session_config(args, pool))
+        sessions=session_config(args, pool, runner.forward))
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,

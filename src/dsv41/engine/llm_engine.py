@@ -423,7 +423,8 @@ class LLMEngine:
         self._freed_pages += freed
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        if self.sessions is not None and seq.slot is not None and not seq.awaiting_fork and not seq.loading:
+        if self.sessions is not None and self.sessions.config.reply_entries and seq.slot is not None \
+                and not seq.awaiting_fork and not seq.loading:
             # the turn's end: the next turn's prompt starts with these ids (the slot is read before it is reused)
             self.sessions.take(seq.tokens[:seq.num_computed], seq.pages, seq.slot)
         self._release(seq)  # the finish event goes out after the slot and pages are back

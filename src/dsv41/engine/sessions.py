@@ -64,6 +64,10 @@ class SessionConfig:
     slot_bytes: int = 0  # one ring slot's bytes (the snapshot's size), from the pool
     disk_min_tokens: int = 1024  # an entry leaving RAM is parked on the NVMe tier from this length on
     disk_gain: int = 64  # a parked entry is loaded only where it resumes this many tokens more than RAM does
+    # entries at a reply's end too (else only at the prompt's mark): their rows past the prompt were made by decode
+    # steps, so resuming there is a fresh prefill only where the forward's decode rows are its prefill rows bit for
+    # bit (the reference pool forward on the CPU; not the fast path, whose phases take other kernels)
+    reply_entries: bool = True
 
 
 @dataclass

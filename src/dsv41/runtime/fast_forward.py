@@ -57,6 +57,9 @@ def pool_layout(model) -> SimpleNamespace:
 
 class FastForward:
     abort_watch = None  # runtime/abort.py: set by the ModelRunner; checked between layers of unfused forwards
+    # decode and verify rows take the fused kernels, prefill rows the tile kernels: a row decoded is not the same
+    # bits as that row prefilled, so a session entry made of decoded rows would not resume as a fresh prefill
+    decode_rows_are_prefill_rows = False
 
     def __init__(self, model, *, in_place: bool = True):
         """`in_place=False` keeps every chunk on the load-and-store path (the comparison the in-place path is

@@ -163,6 +163,9 @@ class PoolForward:
                  prune_prefill: bool = False):
         self.model, self.cfg = model, model.cfg
         self.replay, self.prune_prefill = replay, prune_prefill
+        # the reference's row-wise math on the CPU gives a row the same bits in a decode step and in a prefill chunk
+        # (tests/test_engine_sessions.py); torch's CUDA kernels choose their reductions by the shape
+        self.decode_rows_are_prefill_rows = torch.device(getattr(model, "device", "cpu")).type == "cpu"
         self.decoder_from = decoder_start(model.cfg)
         self.pruned = None
         self.blocks = list(model.blocks)
