@@ -70,8 +70,9 @@ def test_prefill_reductions_all_run_in_row_invariant_kernels(tmp_path):
 
     model_dir = make_tiny(tmp_path / "model", "exl3", seed=0, overrides=LITE)
     out = tmp_path / "ops.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    paths = [str(Path(__file__).resolve().parents[1] / "src"), str(Path(__file__).parent),
+             os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(paths))
     proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
