@@ -125,6 +125,33 @@ def test_litellm_thinking_controls(complete, wire, client, controls, wire_fields
         assert THINK_START not in text and THINK_END not in text
 
 
+def _reasoning_counts(client, **kwargs) -> tuple[list[int], object]:  # noqa: F811
+    """Per choice, the tokens before the answer, `</think>` included, read off the official client's logprobs."""
+    reply = client.chat.completions.create(model=SERVED_NAME, messages=HI, logprobs=True, **kwargs)
+    tokens = [[t.token for t in choice.logprobs.content] for choice in reply.choices]
+    return [t.index(THINK_END) + 1 if THINK_END in t else len(t) for t in tokens], reply.usage
+
+
+def test_litellm_and_langchain_read_the_reasoning_token_count(complete, chat_model, client):  # noqa: F811
+    """DeepSeek's API (and OpenAI's) report `usage.completion_tokens_details.reasoning_tokens`; without it
+    LiteLLM's chunk builder estimated the count with tiktoken (9 for 12 reasoning tokens) and LangChain had none."""
+    budget = {"thinking_token_budget": 3}  # </think> after 3 tokens, then content
+    (expected,), _ = _reasoning_counts(client, max_tokens=10, seed=3, extra_body=budget)
+    assert expected == 4
+    whole = complete(messages=HI, max_tokens=10, seed=3, extra_body=budget)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == expected
+    streamed = litellm.stream_chunk_builder(list(complete(messages=HI, max_tokens=10, seed=3, extra_body=budget,
+                                                          stream=True, stream_options={"include_usage": True})))
+    assert streamed.usage.completion_tokens_details.reasoning_tokens == expected
+    assert complete(messages=HI, max_tokens=10, seed=3, reasoning_effort="none") \
+        .usage.completion_tokens_details.reasoning_tokens == 0
+    lc = chat_model(max_tokens=10, seed=3, extra_body=budget).invoke("Hi")
+    assert lc.usage_metadata["output_token_details"]["reasoning"] == expected
+    # n > 1: the choices' counts summed, as the completion tokens are
+    counts, both = _reasoning_counts(client, max_tokens=10, seed=3, n=2, extra_body=budget)
+    assert both.completion_tokens_details.reasoning_tokens == sum(counts)
+
+
 def test_litellm_refuses_an_effort_we_do_not_know(complete):
     """LiteLLM forwards "ultra" (DeepSeek's list has it; ours does not): a 400 naming the field, through
     LiteLLM's own error class."""
