@@ -128,3 +128,12 @@ def test_health_stays_under_100ms_while_8mib_is_tokenized(big_server):
           f"slowest {[round(s * 1000) for s in slowest]} ms")
     assert len(latencies) >= 100, "the request finished too fast to measure anything"
     assert slowest[-1] < 0.25 and slowest[-2] < 0.1, [round(s * 1000) for s in slowest]
+
+
+def test_a_long_decode_gives_what_the_short_path_gives(tokenizer):  # noqa: F811
+    """Past 4,096 ids `Tokenizer.decode` goes through `decode_batch` (it releases the GIL): the same text."""
+    ids = tokenizer.encode_pieces([(_long_text(20_000), False)])  # control tokens parsed: skip has work to do
+    assert len(ids) > 4096
+    for skip in (False, True):
+        assert tokenizer.decode(ids, skip_special_tokens=skip) == \
+            tokenizer.backend.decode(ids, skip_special_tokens=skip)
