@@ -177,6 +177,22 @@ def test_litellm_streaming_equals_the_whole_reply(complete, controls):
     assert rebuilt.usage.completion_tokens == reply.usage.completion_tokens > 0
 
 
+def test_litellm_async_stream(server, complete):  # noqa: F811
+    """`acompletion` goes through LiteLLM's own aiohttp transport, not httpx: the same SSE stream, read by it."""
+    import asyncio
+
+    kwargs = dict(model=f"deepseek/{SERVED_NAME}", api_base=f"{server.url}/v1", api_key=API_KEY, messages=HI,
+                  max_tokens=10, seed=8, reasoning_effort="none")
+
+    async def stream():
+        return [chunk async for chunk in await litellm.acompletion(stream=True, **kwargs)]
+
+    chunks = asyncio.run(stream())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == complete(**{k: v for k, v in kwargs.items() if k not in ("model", "api_base", "api_key")}) \
+        .choices[0].message.content
+
+
 def test_litellm_tool_call_whole_streamed_and_answered(complete):
     kwargs = dict(messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                   reasoning_effort="none", max_tokens=200, seed=0)
