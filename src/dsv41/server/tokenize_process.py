@@ -9,7 +9,7 @@ work costs the server nothing; the ids come back as packed uint32 and become a l
 The child runs the same `Tokenizer` code on the same files, so the ids are the ones the server would compute
 (`Tokenizer.encode_pieces`/`encode_literal`, control-token guard included). Only texts of `MIN_CHARS` or more go
 there; shorter ones are cheaper in the thread. One child, started on first use, one text at a time (a second long
-text waits for the first: the cores are busy anyway). A child that dies is started again on the next long text;
+text waits for the first: the cores are busy anyway), at nice 10. A child that dies is started again on the next long text;
 the text at hand is then tokenized in the thread, slower for /health but correct.
 
 Protocol (stdin/stdout of `python -m dsv41.server.tokenize_process MODEL_DIR`), both ways: an 8-byte little-endian
@@ -152,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     from dsv41.tokenizer import Tokenizer
 
     (model_dir,) = argv if argv is not None else sys.argv[1:]
+    # below the server's threads on a busy machine: the event loop and the engine come first, a long prompt's
+    # tokenization takes what is left (on an idle machine this changes nothing)
+    os.nice(10)
     tokenizer = Tokenizer.from_dir(model_dir)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # nothing but replies on the pipe
