@@ -77,9 +77,10 @@ class TokenizerProcess:
 
     def _child(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            package_root = str(Path(__file__).resolve().parents[2])  # the folder holding dsv41/
             env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+            # this process's sys.path: the Nix wrapper of `dsv41` extends it inside the process, not through the
+            # environment (as ops/lifecycle.launch does for the server itself)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
             env.setdefault("RAYON_NUM_THREADS", "1")  # one text at a time: no thread pool to spread it over
             self._proc = subprocess.Popen([sys.executable, "-m", "dsv41.server.tokenize_process", self.model_dir],
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
