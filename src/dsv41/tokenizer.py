@@ -7,7 +7,9 @@ BOS/EOS/pad tokens). `encode` adds nothing: V4.1 prompts carry their own BOS in 
 Text from a client must not become control tokens (a user message spelling `<｜Assistant｜>` would forge a
 turn): `encode_pieces` takes a rendered prompt as template/content pieces (dsv41.chat.pieces) and recognises
 added tokens in template text only; `encode_literal` takes all of its text as plain text. Both tokenize in
-`encode_batch`, which releases the GIL, so a long prompt does not stall the server's event loop.
+`encode_batch`, which releases the GIL, so a long prompt does not stall the server's event loop. Turning a long
+result into Python ints does hold the GIL (`Encoding.ids`, and freeing the Encoding): the server hands texts of
+`long_text_chars` or more to `long_text_encoder` (dsv41.server.tokenize_process, a child process) instead.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class Tokenizer:
         self._control = re.compile("|".join(map(re.escape, contents))) if contents else None
         self._literal: BackendTokenizer | None = None
         self._literal_lock = threading.Lock()
+        # set by the server (dsv41.server.tokenize_process.attach): f(text, content spans) -> ids, or None to
+        # tokenize here after all; used for texts of at least long_text_chars characters
+        self.long_text_encoder = None
+        self.long_text_chars = 1 << 16
         for name in REQUIRED_SPECIAL:
             self.special(name)  # fails early, naming the missing token
 
@@ -115,6 +121,14 @@ class Tokenizer:
         return self._encode_guarded(text, [(0, len(text))])
 
     def _encode_guarded(self, text: str, content: list[tuple[int, int]]) -> list[int]:
+        if self.long_text_encoder is not None and len(text) >= self.long_text_chars:
+            ids = self.long_text_encoder(text, content)
+            if ids is not None:
+                return ids
+        return self.encode_guarded_here(text, content)
+
+    def encode_guarded_here(self, text: str, content: list[tuple[int, int]]) -> list[int]:
+        """Ids of `text` whose `content` spans (start, end) are plain text, in this process."""
         encoding = self.backend.encode_batch([text], add_special_tokens=False)[0]
         ids = encoding.ids
         if self._control is None or not any(_overlaps(content, m.start(), m.end())
@@ -145,7 +159,10 @@ class Tokenizer:
         return self._literal.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if len(ids) > 4096:  # decode holds the GIL throughout (~0.5 ms per 1K ids), decode_batch releases it
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_token(self, token_id: int) -> str:
         """Text of one token (U+FFFD where the token is only part of a UTF-8 character)."""

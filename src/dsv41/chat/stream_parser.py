@@ -240,6 +240,11 @@ class StreamParser:
     def result(self) -> CompletionResult | None:
         return self._result
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Still before `</think>` (the reply's reasoning; what `usage.completion_tokens_details` counts)."""
+        return self._state == "reasoning"
+
     # -- driving --------------------------------------------------------------------------------------------------
     def _run(self, final: bool):
         steps = {"reasoning": self._step_reasoning, "content": self._step_content, "raw": self._step_raw,

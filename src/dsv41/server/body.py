@@ -140,7 +140,9 @@ def parse_json(body: bytes, max_model_len: int | None = None, max_token_chars: i
         raise bad_request("request body must be a JSON object")
     if max_model_len and max_token_chars:
         check_prompt_size(data, max_model_len, max_token_chars)
-    check_tree(data)
+    # a lone surrogate can only come from a \u escape (strict UTF-8 decoding refuses encoded ones): without one
+    # in the body, the walk skips the string search (0.05-0.3 s of GIL over an 8 MiB prompt)
+    check_tree(data, surrogates=b"\\u" in body)
     return data
 
 
@@ -159,13 +161,14 @@ def _short(exc: Exception) -> str:
     return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
 
 
-def check_tree(data) -> None:
-    """Depth and Unicode checks over a parsed JSON value (iterative: no recursion on hostile input)."""
+def check_tree(data, surrogates: bool = True) -> None:
+    """Depth and Unicode checks over a parsed JSON value (iterative: no recursion on hostile input). With
+    `surrogates` false (the body has no \\u escape) strings are not searched for lone surrogates."""
     stack = [(data, 1, ())]
     while stack:
         node, depth, path = stack.pop()
         if isinstance(node, str):
-            if _SURROGATE.search(node):
+            if surrogates and _has_surrogate(node):
                 raise _surrogate(path)
             continue
         if not isinstance(node, (dict, list)):
@@ -182,6 +185,12 @@ def check_tree(data) -> None:
             for index, value in enumerate(node):
                 if isinstance(value, (dict, list, str)):
                     stack.append((value, depth + 1, (*path, index)))
+
+
+def _has_surrogate(text: str, step: int = 1 << 18) -> bool:
+    """A regex search holds the GIL to its end: a long string is searched in slices (a surrogate is one
+    character, so no match spans two)."""
+    return any(_SURROGATE.search(text, start, start + step) for start in range(0, len(text), step))
 
 
 def _surrogate(path) -> APIError:

@@ -146,6 +146,7 @@ class _ChatReply(StreamedReply):
                                stop_token_ids=gen.request.stop_token_ids,
                                include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos)
         self.parser = prompt.new_parser()
+        gen.reasoning_tokens = 0  # usage.completion_tokens_details: the tokens fed while the parser is in reasoning
         self.stop = StopMatcher(req.stop_strings, keep=req.include_stop_str_in_output)
         self.calls_seen = 0
         self.echo = _echo_text(prompt) if req.echo else ""
@@ -202,6 +203,7 @@ class _ChatReply(StreamedReply):
                 self.prompt_logprobs = prompt_logprobs_list(self.ctx.tokenizer, self.gen.request.prompt_ids,
                                                             event.entries)
             elif isinstance(event, TokenEvent):
+                self.gen.reasoning_tokens += self.parser.in_reasoning  # `</think>` itself counts
                 deltas = self._deltas(self.parser.feed(self.text.feed(event.token_id)))
                 entries = self._logprob_entries(event)
                 if self.stop.stopped:

@@ -17,6 +17,7 @@ from .errors import overloaded, unavailable
 from .metrics import Metrics
 from .reasoning_memory import ReasoningMemory
 from .request_log import RequestLog
+from .tokenize_process import attach as attach_tokenizer_process
 
 
 @dataclass
@@ -81,6 +82,8 @@ class ServerContext:
         self.body_reads: set = set()  # asyncio.Timeout scopes of bodies being read (a drain expires them)
         # parsing, rendering and tokenizing run here, never on the event loop (/health must stay quick)
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dsv41-prepare")
+        # ...and long texts in a child process (their ids would hold the GIL here: server/tokenize_process.py)
+        self.tokenizer_process = attach_tokenizer_process(tokenizer)
 
     async def run_cpu(self, fn, *args):
         """`fn(*args)` in the request-preparation threads."""
@@ -88,6 +91,8 @@ class ServerContext:
 
     def close(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
+        if self.tokenizer_process is not None:
+            self.tokenizer_process.close()
 
     @property
     def group_failure(self) -> str | None:

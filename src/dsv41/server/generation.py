@@ -220,6 +220,7 @@ class Generation:
         self.arrived = time.monotonic()
         self.first_token_at: float | None = None
         self.completion_tokens = 0
+        self.reasoning_tokens: int | None = None  # of those, the reasoning's (counted by the chat reply)
         self.cumulative_logprob = 0.0  # of the tokens read so far (best_of ranks by it)
         self.finish: FinishEvent | None = None
         self.final_reason: str | None = None  # set by the handler once the reply is complete
@@ -268,7 +269,7 @@ class Generation:
 
     def usage(self) -> dict:
         """OpenAI's usage of this generation so far (the final figures once the engine finished)."""
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens, self.reasoning_tokens)
 
     def fail(self, error: APIError) -> None:
         self.status = error.status
@@ -310,14 +311,20 @@ def resumed_tokens(stream: RequestStream) -> int:
     return getattr(getattr(stream, "seq", None), "cached", 0) or 0
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; `cached_tokens`: prompt tokens resumed from a session entry (docs/SERVER.md, Sessions)."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `cached_tokens`: prompt tokens resumed from a session entry (docs/SERVER.md, Sessions);
+    `reasoning_tokens` (chat only): of the completion tokens, those before the answer, `</think>` included
+    (`completion_tokens_details`, as DeepSeek's and OpenAI's APIs report it)."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 class StreamedReply:
@@ -427,8 +434,10 @@ class MultiReply:
         self.kept = list(range(len(replies)))
 
     def _usage(self) -> dict:
-        return usage(self.prompt_tokens, sum(self.replies[k].gen.completion_tokens for k in self.kept),
-                     self._cached())
+        gens = [self.replies[k].gen for k in self.kept]
+        reasoning = [g.reasoning_tokens for g in gens if g.reasoning_tokens is not None]
+        return usage(self.prompt_tokens, sum(g.completion_tokens for g in gens), self._cached(),
+                     sum(reasoning) if reasoning else None)
 
     def _cached(self) -> int:
         """The prompt's cached tokens, counted once per prompt as the prompt is: those of each prompt's first
