@@ -155,11 +155,12 @@ class StepTables:
             parts[f"r{r}.entry_pos"] = e * r
             if r > 1:
                 # the open-group store is a ring over positions (KVPool.open_modulus): without verify rows a row's
-                # place in its group. The rows still open at the step's end are stored (what the load-and-store
-                # path stores); a verify window's rows of groups it closes are not yet (drafting is refused on this
-                # path: compose/build.py)
+                # place in its group, and the rows still open at the step's end are stored (what the load-and-store
+                # path stores). With verify rows every row that closes no group is stored (as the pool forward's
+                # verify windows do), so a rollback into a group the window closed finds its earlier members; the
+                # ring's M >= r - 1 + verify rows positions keep one chunk's rows and its group's apart
                 M, R = (pool.open_modulus(r), pool.open_rows(r)) if hasattr(pool, "open_modulus") else (r, r - 1)
-                kept = pos_t >= end_t // r * r
+                kept = pos_t >= 0 if getattr(pool, "verify_rows", 0) else pos_t >= end_t // r * r
                 open_row = slot_t * R + np.minimum(pos_t % M, R - 1)
                 parts[f"r{r}.open_dest"] = np.where(real & kept & (pos_t % r < r - 1), open_row, -1)
                 d = np.arange(1, r, dtype=np.int64)[:, None]
