@@ -54,7 +54,7 @@ def taps_and_rings(model_dir: str, device: str) -> dict:
     from dsv41.runtime.pool_forward import PoolForward
 
     ref = load_model(model_dir, torch.float32, device, fake_quant=False, dspark=True)
-    fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
+    fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False, dspark=True)
     ids = list(PROMPTS[0])
     steps = [(PREFILL, ids[:8]), (DECODE, ids[8:9]), (VERIFY, ids[9:12])]
     pools, recorded = [], []
@@ -147,7 +147,7 @@ def engine_runs(model_dir: str, device: str, max_tokens: int, streams: int = 2, 
     from dsv41.runtime.build import build_fast_model
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    fast = build_fast_model(model_dir, device, dtype)  # fake quantisers on, as served
+    fast = build_fast_model(model_dir, device, dtype, dspark=True)  # fake quantisers on, as served
     reqs = requests(max_tokens, streams)
     serial, _ = run_engine(fast, reqs, draft_depth=0)
     drafted, stats = run_engine(fast, reqs, draft_dspark="on")

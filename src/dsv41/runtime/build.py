@@ -138,10 +138,11 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
                      rank: int = 0, world: int = 1, comm: Comm | None = None, fake_quant: bool = True,
                      engram_dir: str | Path | None = None,
                      progress: Callable[[int, int, str], None] | None = None, sink: BlockSink | None = None,
-                     dspark: bool | None = None) -> FastModel:
+                     dspark: bool | None = False) -> FastModel:
     """This rank's FastModel of the checkpoint folder `path` (the same folder and arguments as `load_model`).
-    `dspark`: build the DSpark drafter (True; its tensors missing is a CheckpointError), accept its tensors unbuilt
-    (False), or build it when the checkpoint has it (None, the default: the fast path then drafts with it)."""
+    `dspark`: build the DSpark drafter (True; its tensors missing is a CheckpointError), build it when the
+    checkpoint has it (None: what `serve` asks when it drafts with DSpark), or accept its tensors unbuilt (False,
+    the default)."""
     path, device = Path(path), torch.device(device)
     cfg = ModelConfig.from_file(path)
     comm = comm or LocalComm()
