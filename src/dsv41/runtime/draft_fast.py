@@ -44,13 +44,6 @@ PHASE = "verify"  # the draft pass's rows take the decode/verify kernels (row-in
 MOST_ROWS = 32  # rows of one draft pass (`row_bucket`'s largest): 6 sequences' blocks of 5
 
 
-def seeds(dspark, states=(), pool=None) -> list | None:
-    """The taps list a target forward collects (empty), or None when it seeds no DSpark rings: no drafter, or a
-    pool (given, or the states' own: `PoolSequence.pool`) laid out without them (`pool_layout(drafting=False)`)."""
-    pools = [pool] if pool is not None else [p for p in (getattr(s, "pool", None) for s in states) if p is not None]
-    return [] if dspark is not None and all(("dspark", 0) in p.stores for p in pools) else None
-
-
 def stage_window_kv(attn, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, store=None) -> torch.Tensor:
     """`Attention.window_kv` on the fast path for the bucket x [B, d] (n real rows) at positions P: wkv, kv_norm,
     RoPE, FP8 — one row-op launch where the step kernels run, which stores the rows into `store` (store, dest,
@@ -80,9 +73,12 @@ class FastDSpark:
     main_norm: torch.Tensor
     heads: DSpark  # the reference record of norm, markov_embed, markov_head, confidence_proj (no blocks)
 
-    @property
-    def targets(self) -> tuple[int, ...]:
-        return self.cfg.dspark_target_layer_ids
+    @staticmethod
+    def seeds(states=(), pool=None) -> list | None:
+        """The taps list a target forward collects (empty), or None when it seeds no rings: a pool (given, or the
+        states' own: `PoolSequence.pool`) laid out without them (`pool_layout(drafting=False)`)."""
+        pools = [pool] if pool is not None else [p for p in (getattr(s, "pool", None) for s in states) if p is not None]
+        return [] if all(("dspark", 0) in p.stores for p in pools) else None
 
     # ------------------------------------------------------------------ absorb
     def stage_rows(self, taps: Sequence[torch.Tensor], P: torch.Tensor, *, n: int, phase: str, dtype: torch.dtype,

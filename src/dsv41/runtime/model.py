@@ -49,7 +49,6 @@ from dsv41.model.engram import engram_mix, engram_project
 from dsv41.model.state import SequenceState
 from dsv41.parallel.comm import Comm, LocalComm
 
-from .draft_fast import seeds
 from .graphs import PieceGraphs
 from .mhc_sites import HC, MhcSites
 from .layers.attention import FastAttention, Segment, step_kernels_run
@@ -207,6 +206,9 @@ class FastModel:
 
     __call__ = forward
 
+    def _seeds(self, states=(), pool=None) -> list | None:
+        return None if self.dspark is None else self.dspark.seeds(states, pool)  # runtime/draft_fast.py
+
     def piece_graphs(self) -> PieceGraphs:
         """This model's CUDA graphs, made on first use."""
         if self.graphs is None:
@@ -249,7 +251,7 @@ class FastModel:
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
         # what the blocks run on: the replay cut (`_replay_cut`) leaves fewer rows, segments and positions
-        at = Rows(MhcSites.of(cfg, dev, rows=n), n, segs, P, rows, live, seeds(self.dspark, [s.state for s in segs]))
+        at = Rows(MhcSites.of(cfg, dev, rows=n), n, segs, P, rows, live, self._seeds([s.state for s in segs]))
 
         def run_block(block, x, pre, pending):
             layer_trace = {} if trace is not None else None
@@ -353,7 +355,7 @@ class FastModel:
         live = self.engram_hasher.live(t["ids"]) if self.engram_hasher is not None else None
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
         x, pre, P = self._streams(t["ids"], t["pos"])
-        taps = seeds(self.dspark, pool=pool)
+        taps = self._seeds(pool=pool)
         x, pre, pending = self._layers(
             Rows(sites, n, None, P, rows, live), x, pre, phase,
             lambda block, x, pre, pending: self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,
