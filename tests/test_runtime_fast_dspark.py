@@ -1,8 +1,8 @@
 """DSpark on the fast path (runtime/draft_fast.py, the taps in runtime/model.py) against the reference path.
 
 CPU: the kernels run in Triton's interpreter (set before Triton decorates them), so one child process (this file
-as a script) runs everything on a slimmed tiny model (4 layers, every DSpark piece: a ratio-2 and a ratio-1 source,
-Engram, the three draft blocks) and reports; the tests check its parts:
+as a script) runs everything on a slimmed tiny model (3 layers: a ratio-2 and a ratio-1 source, Engram, the taps of
+every layer, two draft blocks) and reports; the tests check its parts:
 - taps: the fast forward's taps of every row it ran (a prefill chunk on the load-and-store path, decode rows and a
   verify window in place over the pool) within the fast path's logits tolerance of the reference's
   (`Model.hidden`), and the DSpark rings the two forwards leave in their pools: the same positions written, the
@@ -30,9 +30,12 @@ import torch
 
 from test_runtime_fast import LITE, LOGITS_TOL
 
-SLIM = {**LITE, "num_hidden_layers": 4, "compress_ratios": [0, 2, 1, 1, 0, 0, 0], "kv_source_layer_ids": [1, 2],
-        "index_source_layer_ids": [1, 2], "candidate_source_layer_id": 2, "engram_layer_ids": [1],
-        "dspark_target_layer_ids": [1, 2, 3]}
+# 3 layers (a ratio-2 and a ratio-1 source, Engram), the taps of all three, two draft blocks: the interpreter's
+# time goes per layer and block
+SLIM = {**LITE, "num_hidden_layers": 3, "num_nextn_predict_layers": 2, "compress_ratios": [0, 2, 1, 0, 0],
+        "kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1, 2], "candidate_source_layer_id": 2,
+        "engram_layer_ids": [1], "dspark_target_layer_ids": [0, 1, 2]}
+STAGES = SLIM["num_nextn_predict_layers"]
 PROMPTS = ([0] + [(i * 37) % 500 + 5 for i in range(11)], [0] + [(i * 91) % 500 + 7 for i in range(8)])
 MARGIN_MIN = 0.02  # a draft row's top-2 margin / rms below which a token may follow the kernels' rounding
 CONF_TOL = 0.02  # confidences (probabilities), fast against reference: the kernels' fp16 rounding
@@ -77,14 +80,14 @@ def taps_and_rings(model_dir: str, device: str) -> dict:
     finally:
         FastDSpark.stage_rows = stage_rows
     _, ref_taps = ref.hidden(ref.new_state(), torch.tensor(ids, device=device))
-    rings = [[p.stores[("dspark", s)][1].clone() for s in range(3)] for p in pools]
+    rings = [[p.stores[("dspark", s)][1].clone() for s in range(STAGES)] for p in pools]
     decoded = [[p.window_codec.decode(r, torch.float32).clone() for r in rs] for p, rs in zip(pools, rings)]
     # the drafts of two sequences from the reference's rings (the same ring tensors for both passes)
     from dsv41.runtime.pool_forward import PoolSequence, decoder_start
 
     end = len(ids)
     view = PoolSequence(pools[0], Row(0, 1, [], end, [1]), ref.cfg, decoder_start(ref.cfg))
-    ring = [view.dspark_window(s).kv for s in range(3)]
+    ring = [view.dspark_window(s).kv for s in range(STAGES)]
     short = [r[-5:] for r in ring]  # a second sequence: a shorter history (other ring lengths in one pass)
     ys, last = [ids[-1], 7], [end - 1, end - 3]
     drafts = {name: m.dspark.draft_many(m, ys, last, [ring, short], [None, None]) for name, m in

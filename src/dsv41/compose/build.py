@@ -213,6 +213,8 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         f"{args.page_tokens} tokens ({d['bytes_per_token']} B/token), {d['bytes_total'] / GIB:.3f} GiB; "
         f"stores {d['stores']}")
     if fast:
+        if model.graphs is not None:  # captured over another pool: the in-place step's graph writes that pool's
+            model.graphs.clear()  # stores (constants of the capture), and its key does not name the pool
         forward = FastForward(model)
         budget = env_boot_budget()
         boot = forward.capture_graphs(pool, max_rows=args.parallel, max_len=max_model_len, budget_s=budget)
