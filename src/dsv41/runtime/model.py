@@ -17,7 +17,7 @@ mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step ker
 launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
 final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the
 forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
-`SequenceState`s, the states' tensors on the model's device. With the drafter (`dspark`: runtime/dspark_fast.py) every
+`SequenceState`s, the states' tensors on the model's device. With the drafter (`dspark`: runtime/draft_fast.py) every
 row's taps (the streams' mean entering each DSpark target layer: an extra output of that layer's "attn_in" piece)
 go to the stage rings: in place inside the step's graph, else appended to the views ("dspark.absorb" piece).
 
@@ -148,7 +148,7 @@ class FastModel:
     fake_quant: bool = True
     held: list = field(default_factory=list)  # weights built but not run here (DSpark blocks of a synthetic rank)
     graphs: PieceGraphs | None = None  # the decode/verify pieces' CUDA graphs, made on the first fused forward
-    dspark: object | None = None  # FastDSpark (runtime/dspark_fast.py): the rows' taps seed its rings
+    dspark: object | None = None  # FastDSpark (runtime/draft_fast.py): the rows' taps seed its rings
 
     def new_state(self) -> SequenceState:
         state = SequenceState()
