@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_runtime_build import _walk, no_dense  # noqa: F401 (a fixture)
 from test_runtime_fast import LITE, LOGITS_TOL
 
 # 3 layers (a ratio-2 and a ratio-1 source, Engram), the taps of all three, two draft blocks: the interpreter's
@@ -177,6 +178,30 @@ def check_engine(res: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the tests
+def test_build_holds_the_drafter_in_stored_form(tiny_model_dir, no_dense):
+    """`build_fast_model(dspark=True)`: the draft blocks as FastBlocks (their own expert count and top-k, the routed
+    experts stacked), main_proj a fast linear, every EXL3 byte of the checkpoint held as stored and no dense copy;
+    by default the drafter's tensors are accepted and nothing of it is built."""
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.draft_fast import FastDSpark
+    from dsv41.runtime.layers.linear import Exl3Linear
+    from dsv41.runtime.layers.moe import StackedExperts
+    from dsv41.weights import Checkpoint
+
+    model = build_fast_model(tiny_model_dir, "cpu", torch.float32, dspark=True)
+    cfg, d = model.cfg, model.dspark
+    assert isinstance(d, FastDSpark) and len(d.blocks) == cfg.n_dspark
+    assert [b.index for b in d.blocks] == [cfg.num_hidden_layers + s for s in range(cfg.n_dspark)]
+    for b in d.blocks:
+        assert isinstance(b.moe.experts, StackedExperts) and b.moe.topk == cfg.dspark_num_experts_per_tok
+        assert b.moe.experts.w1.experts == cfg.dspark_n_routed_experts
+    assert isinstance(d.main_proj, Exl3Linear)
+    held = sum(o.nbytes for o in _walk(model) if isinstance(o, (Exl3Linear, StackedExperts)))
+    ckpt = Checkpoint(tiny_model_dir)
+    assert held == sum(ckpt.info(n).nbytes for n in ckpt.names() if n.rsplit(".", 1)[-1] in ("trellis", "suh", "svh"))
+    assert build_fast_model(tiny_model_dir, "cpu", torch.float32).dspark is None
+
+
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> dict:
     from dsv41.tiny.model import make_tiny
