@@ -116,9 +116,10 @@ def _build_dspark(reader: WeightReader, cfg: ModelConfig, tables, ropes, mover: 
         blocks.append(mover.block(ref, ropes[role.rope_kind], f"mtp.{s}."))
         del ref
     last, t = f"mtp.{cfg.n_dspark - 1}.", mover.t
+    # the Markov head in fp32 once (`DSpark._chain` widens it for every draft row: [vocab, rank], 132 MB at full shape)
     heads = DSpark(cfg, [], None, None, t(reader.tensor(f"{last}norm.weight", (d,))),
                    t(reader.tensor(f"{last}markov_head.embed.weight", (V, r))),
-                   t(reader.tensor(f"{last}markov_head.head.weight", (V, r))),
+                   t(reader.tensor(f"{last}markov_head.head.weight", (V, r))).float(),
                    t(reader.tensor(f"{last}confidence_head.proj.weight", (1, d + r))))
     main_proj = mover.lin(reader.linear("mtp.0.main_proj", d, len(cfg.dspark_target_layer_ids) * d))
     return FastDSpark(cfg, blocks, main_proj, t(reader.tensor("mtp.0.main_norm.weight", (d,))), heads)

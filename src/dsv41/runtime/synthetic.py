@@ -233,8 +233,8 @@ def synthetic_rank(cfg: ModelConfig | None = None, rank: int = 0, world: int = 2
             from .draft_fast import FastDSpark
 
             V, rk = cfg.vocab_size, cfg.dspark_markov_rank
-            heads = DSpark(cfg, [], None, None, r.norm(d), r.normal(V, rk, dtype=dtype), r.normal(V, rk, std=0.05,
-                           dtype=dtype), r.normal(1, d + rk, std=(d + rk) ** -0.5, dtype=dtype))
+            heads = DSpark(cfg, [], None, None, r.norm(d), r.normal(V, rk, dtype=dtype), r.normal(V, rk, std=0.05),
+                           r.normal(1, d + rk, std=(d + rk) ** -0.5, dtype=dtype))  # the Markov head fp32 (build.py)
             drafter, held = FastDSpark(cfg, held[:-1], held[-1], r.norm(d), heads), []
     d, V = cfg.hidden_size, cfg.vocab_size
     v0, v1 = split_range(V, world, rank, 128)
