@@ -42,6 +42,7 @@ LONGEST_FILES = (
     "test_runtime_pool_attention.py",  # interpreted, child process
     "test_kernels_step_mhc.py",
     "test_runtime_fast_engine.py",
+    "test_runtime_fast_dspark.py",  # interpreted child: taps, drafts, three engine runs
     "test_runtime_boot_graphs.py",  # two interpreted children
     "test_server_tools.py",
     "test_kernels_step_indexer.py",

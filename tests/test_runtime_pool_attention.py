@@ -47,7 +47,7 @@ def run(model_dir: str, device: str, dtype=torch.float32) -> dict:
     from dsv41.runtime.fast_forward import FastForward
 
     torch.manual_seed(0)
-    fast = build_fast_model(model_dir, device, dtype, fake_quant=True)
+    fast = build_fast_model(model_dir, device, dtype, fake_quant=True, dspark=True)  # its rings compared too
     pages = [[3 * p + s for p in (2, 0, 5, 1, 7, 3, 6, 4)] for s in range(3)]  # non-sequential page tables
     pool = _pool(fast, device)
     pos = [0, 0, 0]

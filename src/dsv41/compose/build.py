@@ -193,10 +193,8 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         raise ConfigError("--forward reference needs the reference model (model/loader.py); a FastModel was built")
     if fast and args.expert_topp is not None:
         raise ConfigError("--forward fast does not run --expert-topp (use --forward reference)")
-    if fast and getattr(args, "draft_lookup", "off") == "on" and getattr(args, "draft_depth", 0) > 0:
-        # its in-place verify rows do not yet keep the rows of groups a rejected draft closed (step_tables.py)
-        raise ConfigError("--forward fast does not draft yet: --draft-lookup needs --forward reference")
-    layout = pool_layout(model) if fast else model
+    # without DSpark drafting the pool has no stage rings, and the fast forward then seeds none
+    layout = pool_layout(model, drafting=dspark_wanted(args, model.device)) if fast else model
     if args.parallel < 1 or args.page_tokens < 1:
         raise ValueError("--parallel and --page-tokens must be >= 1")
     context_pages = -(-(max_model_len + 1) // args.page_tokens)
@@ -218,6 +216,8 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         f"{args.page_tokens} tokens ({d['bytes_per_token']} B/token), {d['bytes_total'] / GIB:.3f} GiB; "
         f"stores {d['stores']}")
     if fast:
+        if model.graphs is not None:  # captured over another pool: the in-place step's graph writes that pool's
+            model.graphs.clear()  # stores (constants of the capture), and its key does not name the pool
         forward = FastForward(model)
         budget = env_boot_budget()
         boot = forward.capture_graphs(pool, max_rows=args.parallel, max_len=max_model_len, budget_s=budget)
@@ -229,8 +229,14 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
                               expert_min_k=args.expert_min_k)
     log(f"dsv41 engine: {forward_kind} forward")
     drafter = None
-    if not fast and model.dspark is not None and dspark_wanted(args, model.device):
-        from ..runtime.draft_dspark import DSparkDrafter
+    if model.dspark is None and dspark_wanted(args, model.device):
+        log("dsv41 engine: the model has no DSpark draft blocks (the checkpoint's, or a prepared folder: it does not "
+            "carry them yet): no DSpark drafts")
+    if model.dspark is not None and dspark_wanted(args, model.device):
+        if fast:  # the pass on the fast path's kernels (runtime/draft_fast.py)
+            from ..runtime.draft_fast import FastDSparkDrafter as DSparkDrafter
+        else:
+            from ..runtime.draft_dspark import DSparkDrafter
 
         drafter = DSparkDrafter(model)
     from ..runtime.session_disk import session_disk_for

@@ -54,8 +54,11 @@ def load_fast_model(args, model_dir: Path, *, device, dtype, rank: int = 0, worl
             if not getattr(args, "prepared_fallback", False):
                 raise
             log(f"dsv41: prepared folder refused ({exc}); building from the checkpoint (--prepared-fallback)")
+    from dsv41.compose.build import dspark_wanted
+
     model = build_fast_model(model_dir, device=device, dtype=dtype, rank=rank, world=world, comm=comm,
-                             fake_quant=fake_quant, engram_dir=engram_dir, progress=progress)
+                             fake_quant=fake_quant, engram_dir=engram_dir, progress=progress,
+                             dspark=None if dspark_wanted(args, device) else False)  # as the reference load
     phases.done("build", f"from the checkpoint {model_dir}")
     return model
 

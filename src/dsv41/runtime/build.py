@@ -25,6 +25,7 @@ from dsv41.config import ModelConfig
 from dsv41.errors import CheckpointError
 from dsv41.kernels.exl3.layout import Exl3ExpertStack
 from dsv41.model.attention import AttentionParams, CompressorParams, IndexerParams
+from dsv41.model.dspark import DSpark
 from dsv41.model.loader import WeightReader, _check_tp, _load_engram, load_block
 from dsv41.model.mhc import HCParams
 from dsv41.model.rope import RopeTable, rope_tables
@@ -32,6 +33,7 @@ from dsv41.parallel.comm import Comm, LocalComm
 from dsv41.weights import Checkpoint
 from dsv41.weights.linear import split_range
 
+from .draft_fast import FastDSpark
 from .layers.attention import FastAttention
 from .layers.linear import PrefillWorkspace, fast_linear, prefill_tiles_enabled
 from .layers.moe import FusedMoE, StackedExperts
@@ -96,10 +98,31 @@ class _Mover:
                         topk=moe.topk, route_scale=moe.route_scale, renorm=moe.renorm, swiglu_limit=moe.limit,
                         gate_temp=moe.gate_temp)
 
-    def block(self, block, rope: RopeTable) -> FastBlock:
+    def block(self, block, rope: RopeTable, prefix: str | None = None) -> FastBlock:
         return FastBlock(block.index, self.t(block.attn_norm), self.t(block.ffn_norm), self.hc(block.hc_attn),
                          self.hc(block.hc_ffn), self.attention(block.attn, rope),
-                         self.moe(block.moe, f"layers.{block.index}.ffn"))
+                         self.moe(block.moe, f"{prefix or f'layers.{block.index}.'}ffn"))
+
+
+def _build_dspark(reader: WeightReader, cfg: ModelConfig, tables, ropes, mover: _Mover, rank: int, world: int,
+                  fake_quant: bool) -> FastDSpark:
+    """The DSpark drafter (`mtp.*`) in stored form, one block at a time as the backbone (`load_dspark`'s names,
+    shapes and TP slices): the blocks as FastBlocks, main_proj a fast linear, the heads' tensors as stored."""
+    n, d, V, r = cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size, cfg.dspark_markov_rank
+    blocks = []
+    for s in range(cfg.n_dspark):
+        role = cfg.role(n + s)
+        ref = load_block(reader, cfg, role, tables, rank, world, fake_quant)
+        blocks.append(mover.block(ref, ropes[role.rope_kind], f"mtp.{s}."))
+        del ref
+    last, t = f"mtp.{cfg.n_dspark - 1}.", mover.t
+    # the Markov head in fp32 once (`DSpark._chain` widens it for every draft row: [vocab, rank], 132 MB at full shape)
+    heads = DSpark(cfg, [], None, None, t(reader.tensor(f"{last}norm.weight", (d,))),
+                   t(reader.tensor(f"{last}markov_head.embed.weight", (V, r))),
+                   t(reader.tensor(f"{last}markov_head.head.weight", (V, r))).float(),
+                   t(reader.tensor(f"{last}confidence_head.proj.weight", (1, d + r))))
+    main_proj = mover.lin(reader.linear("mtp.0.main_proj", d, len(cfg.dspark_target_layer_ids) * d))
+    return FastDSpark(cfg, blocks, main_proj, t(reader.tensor("mtp.0.main_norm.weight", (d,))), heads)
 
 
 class BlockSink(Protocol):
@@ -115,10 +138,12 @@ class BlockSink(Protocol):
 def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtype: torch.dtype = torch.bfloat16,
                      rank: int = 0, world: int = 1, comm: Comm | None = None, fake_quant: bool = True,
                      engram_dir: str | Path | None = None,
-                     progress: Callable[[int, int, str], None] | None = None, sink: BlockSink | None = None
-                     ) -> FastModel:
-    """This rank's FastModel of the checkpoint folder `path` (the same folder and arguments as `load_model`; the
-    DSpark drafter's tensors are accepted but not built)."""
+                     progress: Callable[[int, int, str], None] | None = None, sink: BlockSink | None = None,
+                     dspark: bool | None = False) -> FastModel:
+    """This rank's FastModel of the checkpoint folder `path` (the same folder and arguments as `load_model`).
+    `dspark`: build the DSpark drafter (True; its tensors missing is a CheckpointError), build it when the
+    checkpoint has it (None: what `serve` asks when it drafts with DSpark), or accept its tensors unbuilt (False,
+    the default)."""
     path, device = Path(path), torch.device(device)
     cfg = ModelConfig.from_file(path)
     comm = comm or LocalComm()
@@ -158,7 +183,13 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
         layers, hasher = _load_engram(reader, cfg, path, tokenizer, rank, world, comm, engram_dir)
         engram = {L: FastEngram(L, e.table, mover.lin(e.wkv), mover.t(e.q_weight), mover.t(e.k_weight), e.eps)
                   for L, e in layers.items()}
-    reader.used.update(n for n in reader.ckpt.names() if n.startswith("mtp."))
+    if dspark is None:
+        dspark = any(n.startswith("mtp.") for n in reader.ckpt.names())
+    drafter = None
+    if dspark and cfg.n_dspark:
+        drafter = _build_dspark(reader, cfg, tables, ropes, mover, rank, world, fake_quant)
+    else:
+        reader.used.update(n for n in reader.ckpt.names() if n.startswith("mtp."))
     extra = reader.unexpected()
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} not used by the model)")
@@ -166,4 +197,4 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
         mover.workspace.allocate()
     report(cfg.num_hidden_layers + 1, cfg.num_hidden_layers + 1, "layers")
     return FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,
-                     comm, tokenizer, fake_quant)
+                     comm, tokenizer, fake_quant, dspark=drafter)

@@ -16,11 +16,12 @@ Prefill calls ask `logits="last"` when no prefill row of the step wants more tha
 decode and verify calls return every row's logits. CED bounded replay (MODEL.md §11): a prefill row's tokens before
 its `replay_start` run the encoder layers and the first decoder layer's compressor only (`FastModel._replay_cut`,
 the reference's `PoolForward._encoder_only_rows`); the views' windows of the decoder layers start at the replay
-segment (`PoolSequence.floor`), and rows whose window would reach before it never run in place. Expert pruning and
-DSpark are not built on this path (`compose/build.py` refuses those options with `--forward fast`).
+segment (`PoolSequence.floor`), and rows whose window would reach before it never run in place. Expert pruning is
+not built on this path (`compose/build.py` refuses it with `--forward fast`). With the DSpark drafter
+(`FastModel.dspark`), every row's taps seed the stage rings: in place inside the step, else through the views.
 
 `pool_layout(model)` presents a FastModel as `kv_pool.pool_for_model` reads a model (its layers' roles, whether
-a compressor keeps index keys, the fake quantisers, dtype and device; no DSpark stages).
+a compressor keeps index keys, the fake quantisers, dtype and device; the DSpark stages when the drafter is built).
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ def boot_plan(max_rows: int, max_pages: int) -> list[tuple[int, int]]:
     return [(P, n) for P in pages for n in rows]
 
 
-def pool_layout(model) -> SimpleNamespace:
-    """What `pool_for_model` reads of a model, from a FastModel."""
+def pool_layout(model, drafting: bool = True) -> SimpleNamespace:
+    """What `pool_for_model` reads of a model, from a FastModel (`drafting=False`: no DSpark stage rings, so the
+    forward seeds none even where the drafter is built)."""
     blocks = [SimpleNamespace(index=b.index, attn=SimpleNamespace(role=b.attn.role, p=b.attn.w,
                                                                   fake_quant=b.attn.fq))
               for b in model.blocks]
-    return SimpleNamespace(cfg=model.cfg, blocks=blocks, dspark=None, dtype=model.dtype, device=model.device)
+    dspark = None if model.dspark is None or not drafting else SimpleNamespace(blocks=model.dspark.blocks)
+    return SimpleNamespace(cfg=model.cfg, blocks=blocks, dspark=dspark, dtype=model.dtype, device=model.device)
 
 
 class FastForward:

@@ -17,8 +17,9 @@ mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step ker
 launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
 final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the
 forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
-`SequenceState`s, the states' tensors on the model's device. DSpark is not built on this path (its drafter
-absorb/draft stays the reference's for now); taps are not collected.
+`SequenceState`s, the states' tensors on the model's device. With the drafter (`dspark`: runtime/draft_fast.py) every
+row's taps (the streams' mean entering each DSpark target layer: an extra output of that layer's "attn_in" piece)
+go to the stage rings: in place inside the step's graph, else appended to the views ("dspark.absorb" piece).
 
 Decode and verify forwards run their static parts as CUDA graph pieces (`graphs.PieceGraphs`, keyed by piece,
 phase and n real rows; `DSV41_GRAPHS=0` keeps them eager): "embed" (the embedding, its reduction and the streams),
@@ -62,6 +63,12 @@ ROW_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32)  # the row counts a step'
 STEP_ROWS = ROW_BUCKETS[-1]  # rows of one decode/verify step over the pool (the MoE runs them as 16-row windows)
 
 
+def _tapped(attn_in, *args):
+    """An "attn_in" piece that also returns the DSpark tap of the streams entering the layer (fp32 mean)."""
+    out = attn_in(*args)
+    return (*out, out[0].float().mean(dim=1))
+
+
 def row_bucket(n: int) -> int:
     """The rows an in-place step of n real rows runs: the smallest of ROW_BUCKETS holding them (the rows past n
     mirror row 0 and write nothing, so a real row's bits are those of any other count)."""
@@ -82,6 +89,7 @@ class Rows:
     P: torch.Tensor
     engram_rows: dict | None = None
     live: torch.Tensor | None = None
+    taps: list | None = None  # the DSpark taps of the rows, one [B, d] per target layer (with the drafter)
 
 
 @dataclass
@@ -140,6 +148,7 @@ class FastModel:
     fake_quant: bool = True
     held: list = field(default_factory=list)  # weights built but not run here (DSpark blocks of a synthetic rank)
     graphs: PieceGraphs | None = None  # the decode/verify pieces' CUDA graphs, made on the first fused forward
+    dspark: object | None = None  # FastDSpark (runtime/draft_fast.py): the rows' taps seed its rings
 
     def new_state(self) -> SequenceState:
         state = SequenceState()
@@ -197,6 +206,9 @@ class FastModel:
 
     __call__ = forward
 
+    def _seeds(self, states=(), pool=None) -> list | None:
+        return None if self.dspark is None else self.dspark.seeds(states, pool)  # runtime/draft_fast.py
+
     def piece_graphs(self) -> PieceGraphs:
         """This model's CUDA graphs, made on first use."""
         if self.graphs is None:
@@ -239,17 +251,21 @@ class FastModel:
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
         # what the blocks run on: the replay cut (`_replay_cut`) leaves fewer rows, segments and positions
-        at = Rows(MhcSites.of(cfg, dev, rows=n), n, segs, P, rows, live)
+        at = Rows(MhcSites.of(cfg, dev, rows=n), n, segs, P, rows, live, self._seeds([s.state for s in segs]))
 
         def run_block(block, x, pre, pending):
             layer_trace = {} if trace is not None else None
-            out = self._block(block, at.sites, x, pre, pending, at.n, at.P, at.segs, phase, layer_trace, piece)
+            out = self._block(block, at.sites, x, pre, pending, at.n, at.P, at.segs, phase, layer_trace, piece,
+                              taps=at.taps)
             if trace is not None:
                 trace.setdefault(block.index, []).append(layer_trace)
             return out
 
         cut = None if cuts is None else partial(self._replay_cut, at, cuts, phase)
         x, pre, pending = self._layers(at, x, pre, phase, run_block, None if is_fused(phase) else watch, cut)
+        if at.taps:  # the stage rows in a piece, appended to the views on the host
+            stage = partial(self.dspark.stage_rows, n=at.n, phase=phase, dtype=self.dtype)
+            self.dspark.absorb_segments(piece("dspark.absorb", stage, at.taps, at.P), at.segs)
         for s, (_, i) in zip(segs, chunks):
             s.state.pos += s.T
             s.state.ids.extend(i.tolist())
@@ -339,10 +355,13 @@ class FastModel:
         live = self.engram_hasher.live(t["ids"]) if self.engram_hasher is not None else None
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
         x, pre, P = self._streams(t["ids"], t["pos"])
+        taps = self._seeds(pool=pool)
         x, pre, pending = self._layers(
             Rows(sites, n, None, P, rows, live), x, pre, phase,
             lambda block, x, pre, pending: self._block(block, sites, x, pre, pending, n, P, None, phase, None, eager,
-                                                       pool=(t, pool)))
+                                                       pool=(t, pool), taps=taps))
+        if taps:  # into the DSpark rings at the rows' ring rows, inside the graph
+            self.dspark.absorb_pool(taps, n, P, t, pool, phase, self.dtype)
         return self._final(sites, n, phase, x, pending, pre)
 
     def _layers(self, at: "Rows", x, pre, phase: str, run_block, watch=None, cut=None):
@@ -380,18 +399,24 @@ class FastModel:
         return lambda name, fn, *args: graphs.run(name, phase, n, fn, *args, tracing=tracing)
 
     def _block(self, block: FastBlock, sites: MhcSites, x, pre_in, pending, n, P, segs, phase, trace, piece=None,
-               pool=None):
+               pool=None, taps: list | None = None):
         """Single-pass schedule (MODEL.md §6.3): the attention site collapses with `pre_in` and computes the pre the
         FFN site collapses with; the FFN site's pre goes to the next layer. `pending`: the previous layer's FFN
         output and coefficients `(y, post, comb)`, expanded into x in this attention site's launch (None: x is the
         streams). Returns `(x, pre, pending)`, x before this layer's FFN expand, which `pending` carries. `piece`
-        runs the static parts (`_piece_runner`; default eager)."""
+        runs the static parts (`_piece_runner`; default eager). `taps` (with the drafter): a DSpark target layer's
+        tap of the streams entering it is appended, an output of the "attn_in" piece."""
         piece = piece or (lambda name, fn, *args: fn(*args))
         L = block.index
         # over the pool, the window KV goes into its ring row from the launch that makes it (`project(window=)`)
         window = None if pool is None else (pool[1].stores[("window", L)], pool[0].ring_dest, pool[1].window_codec)
-        x, a_pre, a_post, a_comb, proj = piece(f"attn_in.{L}", partial(self._attn_in, block, sites, n, phase,
-                                                                       window=window), x, pre_in, pending, P)
+        attn_in = partial(self._attn_in, block, sites, n, phase, window=window)
+        tapped = taps is not None and L in self.cfg.dspark_target_layer_ids
+        out = piece(f"attn_in.{L}{'.tap' if tapped else ''}", partial(_tapped, attn_in) if tapped else attn_in, x,
+                    pre_in, pending, P)
+        if tapped:
+            taps.append(out[-1])
+        x, a_pre, a_post, a_comb, proj = out[:5]
         if pool is None:
             o = block.attn.attend(proj, n, P, segs, phase, trace)
         else:  # (tables, pool): attention over the pool in place
@@ -470,7 +495,8 @@ class FastModel:
     # ------------------------------------------------------------------ accounting
     def tensors(self):
         """Every device tensor the model holds (weights, norms, tables; not the workspace), each once."""
-        seen, stack = set(), [self.blocks, self.head, self.embed_rows, self.final_norm, self.engram, self.held]
+        seen, stack = set(), [self.blocks, self.head, self.embed_rows, self.final_norm, self.engram, self.held,
+                              self.dspark]
         while stack:
             obj = stack.pop()
             if isinstance(obj, torch.Tensor):

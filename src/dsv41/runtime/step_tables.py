@@ -14,8 +14,9 @@ Per row b (real rows first; padding rows read what row 0 reads and write nothing
   `entry_pos` that entry's RoPE position (its group's first token), and for r > 1 where the group's earlier members
   are: `back_row[d - 1]` the bucket row holding position pos - d when it is in this step, else -1 and
   `back_open[d - 1]` its row in the open-group store; `open_dest` the open-store row of each row still open when the
-  step ends (the next step's open group), -1 otherwise; its row is the position's in the store's ring
-  (`KVPool.open_modulus`: the place in the group without verify rows).
+  step ends (the next step's open group; in a pool with verify rows, of every row: a rollback's group), -1
+  otherwise; its row is the position's in the store's ring (`KVPool.open_modulus`: the place in the group without
+  verify rows).
 """
 
 from __future__ import annotations
@@ -155,13 +156,16 @@ class StepTables:
             parts[f"r{r}.entry_pos"] = e * r
             if r > 1:
                 # the open-group store is a ring over positions (KVPool.open_modulus): without verify rows a row's
-                # place in its group. The rows still open at the step's end are stored (what the load-and-store
-                # path stores); a verify window's rows of groups it closes are not yet (drafting is refused on this
-                # path: compose/build.py)
+                # place in its group, and the rows still open at the step's end are stored (what the load-and-store
+                # path stores). With verify rows every row of the step is stored (as the load-and-store path's
+                # decode and verify rows do: `PoolSequence.step_open`), so a rollback into a group the window closed
+                # finds its earlier members; the ring's M >= r - 1 + verify rows positions keep one chunk's rows and
+                # its group's apart
                 M, R = (pool.open_modulus(r), pool.open_rows(r)) if hasattr(pool, "open_modulus") else (r, r - 1)
+                every = bool(getattr(pool, "verify_rows", 0))
                 kept = pos_t >= end_t // r * r
                 open_row = slot_t * R + np.minimum(pos_t % M, R - 1)
-                parts[f"r{r}.open_dest"] = np.where(real & kept & (pos_t % r < r - 1), open_row, -1)
+                parts[f"r{r}.open_dest"] = np.where(real & (every | (kept & (pos_t % r < r - 1))), open_row, -1)
                 d = np.arange(1, r, dtype=np.int64)[:, None]
                 parts[f"r{r}.back_row"] = np.where(j_t[None, :] >= d, rows - d, -1)
                 parts[f"r{r}.back_open"] = slot_t[None, :] * R + np.minimum((pos_t[None, :] - d) % M, R - 1)

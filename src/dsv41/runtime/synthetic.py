@@ -209,9 +209,11 @@ def _block(r: _Random, cfg: ModelConfig, role: LayerRole, rope: RopeTable, rank:
 
 def synthetic_rank(cfg: ModelConfig | None = None, rank: int = 0, world: int = 2, device="cuda",
                    dtype: torch.dtype = torch.bfloat16, comm: Comm | None = None, layers: int | None = None,
-                   dspark: bool = True, engram_rows: int = 1 << 16, seed: int = 0) -> FastModel:
+                   dspark: bool = True, engram_rows: int = 1 << 16, seed: int = 0, drafter: bool = False) -> FastModel:
     """Rank `rank` of `world` at the real shapes (or `cfg`'s), its first `layers` backbone layers (all by
-    default); `dspark` builds and holds the drafter's blocks too (what a real rank holds)."""
+    default); `dspark` builds and holds the drafter's blocks too (what a real rank holds); `drafter` (with
+    `dspark`) makes them the model's drafter (`FastModel.dspark`, runtime/draft_fast.py: the target layers' taps
+    seed its rings, its pass can be timed) with random heads, instead of holding them unused."""
     cfg = cfg or real_config()
     device = torch.device(device)
     ws = PrefillWorkspace(device)
@@ -225,6 +227,15 @@ def synthetic_rank(cfg: ModelConfig | None = None, rank: int = 0, world: int = 2
         held = [_block(r, cfg, cfg.role(n + s), ropes["plain"], rank, world) for s in range(cfg.n_dspark)]
         d = cfg.hidden_size
         held.append(r.linear(len(cfg.dspark_target_layer_ids) * d, d, 4, "mtp.0.main_proj"))
+        if drafter:
+            from dsv41.model.dspark import DSpark
+
+            from .draft_fast import FastDSpark
+
+            V, rk = cfg.vocab_size, cfg.dspark_markov_rank
+            heads = DSpark(cfg, [], None, None, r.norm(d), r.normal(V, rk, dtype=dtype), r.normal(V, rk, std=0.05),
+                           r.normal(1, d + rk, std=(d + rk) ** -0.5, dtype=dtype))  # the Markov head fp32 (build.py)
+            drafter, held = FastDSpark(cfg, held[:-1], held[-1], r.norm(d), heads), []
     d, V = cfg.hidden_size, cfg.vocab_size
     v0, v1 = split_range(V, world, rank, 128)
     engram, hasher = {}, None
@@ -241,7 +252,7 @@ def synthetic_rank(cfg: ModelConfig | None = None, rank: int = 0, world: int = 2
                                    r.normal(cfg.hc_mult, d), r.normal(cfg.hc_mult, d), cfg.rms_norm_eps)
     head = r.linear(d, v1 - v0, pack_k("head", 0, cfg), "head", fused_only=True)
     model = FastModel(cfg, blocks, v0, v1, r.normal(v1 - v0, d, dtype=dtype), head, r.norm(d), ws, engram, hasher,
-                      dtype, device, comm or LocalComm(), None, True, held)
+                      dtype, device, comm or LocalComm(), None, True, held, dspark=drafter or None)
     if not prefill_tiles_enabled():  # the prefill tile kernels need no dense copy of any matrix
         ws.allocate()
     return model

@@ -437,6 +437,9 @@ class FastAttention(InPlaceAttention, FastIndexer):
             latent, first = proj["latent"][s.rows], s.pos
         else:
             v, g = proj["v"][s.rows], proj["s"][s.rows]
+            if getattr(s.state, "step_open", None) is not None and s.state.row.phase != "prefill" \
+                    and s.state.pool.verify_rows:  # every row kept, as in place (`PoolSequence.store`: rollback)
+                s.state.step_open[self.role.index] = (v.float(), g.float())
             if src.open_v is not None:
                 v, g = torch.cat((src.open_v, v)), torch.cat((src.open_s, g))
             first = s.pos - (0 if src.open_v is None else src.open_v.shape[0])

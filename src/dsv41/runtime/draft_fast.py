@@ -1,0 +1,192 @@
+"""The DSpark drafter on the fast path (MODEL.md §10; the reference: model/dspark.py, runtime/draft_dspark.py).
+
+`FastDSpark` holds the three draft blocks as `FastBlock`s (EXL3 linears, the routed experts as `FusedMoE` stacks,
+the mHC sites), the tap projection `main_proj` (a fast linear) with its norm, and the heads' small tensors in a
+reference `DSpark` record (its `_chain`: the Markov head row by row and the confidence head, as the reference runs
+them). Two jobs:
+
+- **Absorb** (`stage_rows`): from the taps of the rows a target forward ran (the mean over mHC streams of the
+  residual entering each `dspark_target_layer_ids` layer, collected by `FastModel`), `main_x` = RMSNorm(taps ·
+  main_projᵀ) and each stage's window-ring row of it (its `wkv`, `kv_norm`, plain RoPE at the row's position,
+  FP8 fake-quant): the reference's `DSpark.absorb`. Over the pool in place (`stores=`) the row-op launch that
+  makes a row stores it into the stage's ring at the row's `ring_dest` (the ring layout `PoolSequence.dspark_window`
+  reads), inside the step's graph; on the load-and-store path the caller appends them to the sequences' views.
+- **Draft** (`draft_many`, the reference's signature): the block [y, noise × 4] per sequence at positions
+  p+1 .. p+5 through the stages with the target's own pieces (`FastModel._attn_in` / `_ffn`, decode/verify kernels,
+  CUDA graph pieces keyed "dspark.*" and by the draft blocks' layer indices), the attention of each block row over
+  its stage ring plus all five block rows (no causal mask, the sink) as one `attention_core` launch, the collapsed
+  hidden's norm and the shared head, then `_chain` per sequence.
+
+`FastDSparkDrafter` is the runner's drafter over it: `DSparkDrafter.propose` as it is (the rings read through the
+same `PoolSequence.dspark_window`, the keyed choice at each absolute position), the pass this module's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Sequence
+
+import torch
+
+from dsv41.config import ModelConfig
+from dsv41.model import mhc
+from dsv41.model.dspark import DSpark, Draft
+from dsv41.model.norm import rms_norm
+from dsv41.model.quant import fp8_block_ue8m0
+
+from .draft_dspark import DSparkDrafter
+from .layers.attention import step_kernels_run
+from .layers.attention_index import _pad_slots
+from .mhc_sites import MhcSites
+
+PHASE = "verify"  # the draft pass's rows take the decode/verify kernels (row-invariant)
+MOST_ROWS = 32  # rows of one draft pass (`row_bucket`'s largest): 6 sequences' blocks of 5
+
+
+def stage_window_kv(attn, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, store=None) -> torch.Tensor:
+    """`Attention.window_kv` on the fast path for the bucket x [B, d] (n real rows) at positions P: wkv, kv_norm,
+    RoPE, FP8 — one row-op launch where the step kernels run, which stores the rows into `store` (store, dest,
+    codec) when given (the raw codec: `store_rows`); else the reference's torch ops (no store)."""
+    cfg, w, eps = attn.cfg, attn.w, attn.cfg.rms_norm_eps
+    kva = w.wkv(x, n, phase)
+    if not step_kernels_run(x.device):
+        if store is not None:
+            raise ValueError("the DSpark rings are stored in place by the row-op kernels: none run on this device")
+        return fp8_block_ue8m0(attn.ref._rope(rms_norm(kva, w.kv_norm, eps), P), 32, attn.fq)
+    from dsv41.kernels.step.cache import store_rows
+    from dsv41.kernels.step.rowops import encodes, norm_rope_rows
+
+    encoded = store is not None and attn.fq and encodes(store[2])
+    kv = norm_rope_rows(kva, w.kv_norm, eps, P, attn._inv_freq(x.device), cfg.qk_rope_head_dim,
+                        quant="fp8_ue8m0" if attn.fq else None, block=32, rows=n, store=store if encoded else None)
+    if store is not None and not encoded:
+        store_rows(store[0], kv[:n], store[1][:n], store[2])
+    return kv
+
+
+@dataclass
+class FastDSpark:
+    cfg: ModelConfig
+    blocks: Sequence  # FastBlock per stage (layer indices num_hidden_layers + s)
+    main_proj: object  # fast linear [n_taps * d -> d], not split under TP (the taps are full rows on every rank)
+    main_norm: torch.Tensor
+    heads: DSpark  # the reference record of norm, markov_embed, markov_head, confidence_proj (no blocks)
+
+    @staticmethod
+    def seeds(states=(), pool=None) -> list | None:
+        """The taps list a target forward collects (empty), or None when it seeds no rings: a pool (given, or the
+        states' own: `PoolSequence.pool`) laid out without them (`pool_layout(drafting=False)`)."""
+        pools = [pool] if pool is not None else [p for p in (getattr(s, "pool", None) for s in states) if p is not None]
+        return [] if all(("dspark", 0) in p.stores for p in pools) else None
+
+    # ------------------------------------------------------------------ absorb
+    def stage_rows(self, taps: Sequence[torch.Tensor], P: torch.Tensor, *, n: int, phase: str, dtype: torch.dtype,
+                   stores: Sequence | None = None) -> list[torch.Tensor]:
+        """Each stage's window-ring rows [B, head_dim] of the bucket's taps (one [B, d] per target layer, in
+        order); `stores` (in place): per stage (store, dest, codec), the rows written there by the launch."""
+        tap = torch.cat(list(taps), dim=-1).to(dtype)
+        mx = self.main_proj(tap, n, phase)
+        if step_kernels_run(mx.device):
+            from dsv41.kernels.step.rowops import rms_norm_rows
+
+            mx = rms_norm_rows(mx, self.main_norm, self.cfg.rms_norm_eps, rows=n)
+        else:
+            mx = rms_norm(mx, self.main_norm, self.cfg.rms_norm_eps)
+        return [stage_window_kv(b.attn, mx, n, P, phase, None if stores is None else stores[s])
+                for s, b in enumerate(self.blocks)]
+
+    def absorb_pool(self, taps, n: int, P: torch.Tensor, tables, pool, phase: str, dtype: torch.dtype) -> None:
+        """The in-place step's absorb: every real row's stage rows into the pool's DSpark rings at its ring row
+        (`tables.ring_dest`: -1 for the padding rows and for tables that write nothing)."""
+        stores = [(pool.stores[("dspark", s)], tables.ring_dest, pool.window_codec) for s in range(len(self.blocks))]
+        self.stage_rows(taps, P, n=n, phase=phase, dtype=dtype, stores=stores)
+
+    def absorb_segments(self, rows: Sequence[torch.Tensor], segs) -> None:
+        """The load-and-store absorb: each segment's stage rows appended to its sequence's DSpark windows (the
+        views `store_sequences` writes back, as `DSpark.absorb` does on the reference path)."""
+        from dsv41.model.attention import append_window
+
+        for s in segs:
+            if s.T:
+                for stage, kv in enumerate(rows):
+                    append_window(s.state.dspark_window(stage), kv[s.rows], self.cfg.sliding_window)
+
+    # ------------------------------------------------------------------ draft
+    @torch.no_grad()
+    def draft_many(self, model, ys: Sequence[int], last: Sequence[int], rings: Sequence[Sequence[torch.Tensor | None]],
+                   chooses: Sequence[Callable[[torch.Tensor, int], int] | None]) -> list[Draft]:
+        """`model/dspark.py` `DSpark.draft_many` on the fast path (`model`: the target FastModel, whose embedding,
+        pieces and head the pass uses): at most MOST_ROWS block rows a pass."""
+        per = MOST_ROWS // self.cfg.dspark_block_size
+        out: list[Draft] = []
+        for a in range(0, len(ys), per):
+            out += self._draft(model, ys[a:a + per], last[a:a + per], rings[a:a + per], chooses[a:a + per])
+        return out
+
+    def _draft(self, model, ys, last, rings, chooses) -> list[Draft]:
+        from .model import row_bucket
+
+        cfg, dev = self.cfg, model.device
+        Bk = cfg.dspark_block_size
+        n = Bk * len(ys)
+        N = row_bucket(n)
+        ids = [t for y in ys for t in [y] + [cfg.dspark_noise_token_id] * (Bk - 1)]
+        pos = [p + 1 + j for p in last for j in range(Bk)]
+        ids_b = torch.tensor(ids + [ids[0]] * (N - n), dtype=torch.long, device=dev)
+        pos_b = torch.tensor(pos + [pos[0]] * (N - n), dtype=torch.long, device=dev)
+        sites = MhcSites.of(cfg, dev, rows=n)
+        piece = model._piece_runner(PHASE, n, None)
+        x, pre, P = piece("dspark.embed", model._streams, ids_b, pos_b)
+        pending = None
+        for s, block in enumerate(self.blocks):
+            L = block.index
+            x, a_pre, a_post, a_comb, proj = piece(f"attn_in.{L}", partial(model._attn_in, block, sites, n, PHASE),
+                                                   x, pre, pending, P)
+            o = self._attend(block.attn, proj, n, Bk, [r[s] for r in rings])
+            x, pre, y, post, comb = piece(f"ffn.{L}", partial(model._ffn, block, sites, n, PHASE, None, False),
+                                          o, P, x, a_post, a_comb, a_pre)
+            pending = (y, post, comb)
+        collapsed, local = piece("dspark.final", partial(self._final, model, sites, n), x, pending, pre)
+        base = model.comm.gather_cat(local, dim=-1)
+        collapsed = collapsed.clone()  # past the pieces' static buffers (the chain reads them row by row)
+        return [self.heads._chain(collapsed[i * Bk:(i + 1) * Bk], base[i * Bk:(i + 1) * Bk], ys[i],
+                                  chooses[i] or (lambda row, j: int(torch.argmax(row)))) for i in range(len(ys))]
+
+    def _attend(self, attn, proj: dict, n: int, Bk: int, rings: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """Each block row over its stage ring and all Bk rows of its block (every slot live; the sink): the
+        reference's `forward_block`, all sequences in one launch of the core (dead slots pad the shorter rings).
+        Returns o [B, heads, head_dim] fp32 (padding rows zero)."""
+        q, kv = proj["q"], proj["kv"]
+        keys, ok = [], []
+        for i, ring in enumerate(rings):
+            block = kv[i * Bk:(i + 1) * Bk]
+            k = block if ring is None else torch.cat((ring.to(block.dtype), block))
+            keys.append(k[None].expand(Bk, -1, -1))
+            ok.append(torch.ones(Bk, k.shape[0], dtype=torch.bool, device=k.device))
+        S = max(k.shape[1] for k in keys)
+        keys = torch.cat([_pad_slots(k, S, 0) for k in keys])
+        ok = torch.cat([_pad_slots(m, S, False) for m in ok])
+        o = torch.zeros(q.shape[0], attn.heads, attn.cfg.head_dim, dtype=torch.float32, device=q.device)
+        if step_kernels_run(q.device):
+            from dsv41.kernels.step.attention import attention_core
+
+            o[:n] = attention_core(q[:n], keys, ok, attn.sink, attn.cfg.head_dim ** -0.5, **attn._decode_tiling(keys))
+        else:
+            o[:n] = attn.ref._core(q[:n], keys, ok)
+        return o
+
+    def _final(self, model, sites: MhcSites, n: int, x, pending, pre):
+        """The last expand, the raw collapse (the confidence head's input), the norm and this rank's logits."""
+        x = sites.expanded(x, pending)
+        normed = sites.collapse_norm(x, pre, self.heads.norm)
+        local = model.head(normed.float(), n, PHASE, out_dtype=torch.float32)[:n]
+        return mhc.collapse(x[:n], pre[:n]), local
+
+
+class FastDSparkDrafter(DSparkDrafter):
+    def __init__(self, model):
+        if not isinstance(getattr(model, "dspark", None), FastDSpark):
+            raise ValueError("the fast DSpark drafter needs a FastModel built with its draft blocks "
+                             "(runtime.build.build_fast_model(dspark=True))")
+        super().__init__(model)
