@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from dsv41.config import ModelConfig
 import torch
 
 from dsv41.prepared import manifest as mf
@@ -173,12 +175,15 @@ def test_an_interrupted_prepare_resumes_without_rebuilding_kept_blocks(tiny_mode
     lines = []
     prepare(tiny_model_dir, tmp_path, log=lines.append, **KW)
     assert lines[0] == f"prepare: resuming {folder}: 2 part(s) already written and verified"
-    assert len(built_layers) == 9 - 2  # blocks 0 and 1 neither read nor built again
+    n_dspark = ModelConfig.from_file(tiny_model_dir).n_dspark
+    assert n_dspark and sum(r.is_dspark for r in built_layers) == n_dspark  # the drafter's blocks ride in the model part
+    assert len(built_layers) == 9 - 2 + n_dspark  # blocks 0 and 1 neither read nor built again
     assert check_folder(folder) == []
     from dsv41.runtime.build import build_fast_model
 
     loaded = load_prepared(tmp_path, tiny_model_dir, verify="full", **KW)
-    assert tree_differences(loaded, build_fast_model(tiny_model_dir, **KW)) == []
+    assert loaded.dspark is not None
+    assert tree_differences(loaded, build_fast_model(tiny_model_dir, dspark=True, **KW)) == []
     lines.clear()
     mtime = (folder / mf.DATA).stat().st_mtime_ns
     prepare(tiny_model_dir, tmp_path, log=lines.append, **KW)

@@ -143,7 +143,9 @@ def test_exl3_tree_from_folder_is_the_built_tree(tiny_model_dir, tmp_path, world
         kw = dict(device="cpu", dtype=torch.float32, rank=rank, world=world)
         folder = prepare(tiny_model_dir, tmp_path, **kw)
         assert folder == tmp_path / f"rank{rank}-of-{world}"
-        loaded, built = load_prepared(tmp_path, tiny_model_dir, **kw), build_fast_model(tiny_model_dir, **kw)
+        loaded = load_prepared(tmp_path, tiny_model_dir, **kw)
+        built = build_fast_model(tiny_model_dir, dspark=True, **kw)  # the folder carries the drafter
+        assert loaded.dspark is not None and loaded.dspark.blocks
         assert tree_differences(loaded, built) == [], f"rank {rank}"
         assert loaded.workspace.numel == built.workspace.numel and loaded.workspace.buf is not None
         assert loaded.stored_bytes() == built.stored_bytes()
@@ -209,3 +211,20 @@ def test_gpu_exl3_greedy_from_folder_is_greedy_from_checkpoint(tiny_model_dir, t
 
 if __name__ == "__main__":
     _child(json.loads(sys.argv[1]))
+
+
+def test_a_start_that_drafts_keeps_the_folders_drafter_and_one_that_does_not_drops_it(tiny_model_dir, tmp_path):
+    """The folder carries the DSpark drafter: `serve --prepared` with DSpark drafting on gets it (the blocks the
+    checkpoint build makes), with drafting off the start lets it go."""
+    from argparse import Namespace
+
+    from dsv41.prepared.start import load_fast_model
+    from dsv41.prepared.writer import prepare
+
+    prepare(tiny_model_dir, tmp_path, device="cpu", dtype=torch.float32, log=lambda line: None)
+    base = dict(prepared=str(tmp_path), no_fake_quant=False, engine="batched", draft_depth=5)
+    on = load_fast_model(Namespace(**base, draft_dspark="on"), tiny_model_dir, device="cpu", dtype=torch.float32,
+                         log=lambda line: None)
+    off = load_fast_model(Namespace(**base, draft_dspark="off"), tiny_model_dir, device="cpu", dtype=torch.float32,
+                          log=lambda line: None)
+    assert on.dspark is not None and len(on.dspark.blocks) == on.cfg.n_dspark and off.dspark is None

@@ -230,8 +230,7 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
     log(f"dsv41 engine: {forward_kind} forward")
     drafter = None
     if model.dspark is None and dspark_wanted(args, model.device):
-        log("dsv41 engine: the model has no DSpark draft blocks (the checkpoint's, or a prepared folder: it does not "
-            "carry them yet): no DSpark drafts")
+        log("dsv41 engine: the model has no DSpark draft blocks (the checkpoint has none): no DSpark drafts")
     if model.dspark is not None and dspark_wanted(args, model.device):
         if fast:  # the pass on the fast path's kernels (runtime/draft_fast.py)
             from ..runtime.draft_fast import FastDSparkDrafter as DSparkDrafter

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dsv41.errors import DSV41Error
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the model part carries the DSpark drafter when the checkpoint has one
 FORMAT = "dsv41-prepared"
 MANIFEST = "manifest.json"
 DATA = "data.bin"

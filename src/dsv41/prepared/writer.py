@@ -266,8 +266,10 @@ def prepare(model_dir: str | Path, out: str | Path, *, rank: int = 0, world: int
     bar = _bar(layers + 1, f"prepare rank {rank}/{world}")
     writer = FolderWriter(folder, header, log, bar)
     writer.open()
+    # the DSpark drafter whenever the checkpoint has it (it rides in the model part): a start that does not draft
+    # drops it (prepared/start.py), one that does finds it here instead of drafting nothing
     model = build_fast_model(model_dir, device=device, dtype=dtype, rank=rank, world=world, comm=comm,
-                             fake_quant=fake_quant, engram_dir=engram_dir, sink=writer)
+                             fake_quant=fake_quant, engram_dir=engram_dir, sink=writer, dspark=None)
     writer.write_part("model", model)
     del model
     bar.close()
