@@ -55,12 +55,12 @@ def _reductions(model_dir: str) -> dict:
 
     torch.manual_seed(0)
     model = build_fast_model(model_dir, "cpu", torch.float32)
-    ids = torch.tensor([0] + [(i * 37) % 500 + 5 for i in range(32)])
+    ids = torch.tensor([0] + [(i * 37) % 500 + 5 for i in range(20)])
     st = model.new_state()
-    model.forward([(st, ids[:20])], "prefill", logits="all")  # entries, open groups and a rolled window before
+    model.forward([(st, ids[:12])], "prefill", logits="all")  # entries and open groups before the chunk
     log = Log()
-    with log:
-        model.forward([(st, ids[20:])], "prefill", logits="all")
+    with log:  # 21 positions: a rolled window (16) and more ratio-2 entries (10) than the index keeps (8)
+        model.forward([(st, ids[12:])], "prefill", logits="all")
     return log.seen
 
 
