@@ -47,22 +47,22 @@ def load_fast_model(args, model_dir: Path, *, device, dtype, rank: int = 0, worl
     phases = StartPhases(log, notify)
     from dsv41.compose.build import dspark_wanted
 
+    drafting = dspark_wanted(args, device)
     if root is not None:
         try:
             model = load_prepared(root, model_dir, device=device, dtype=dtype, rank=rank, world=world, comm=comm,
                                   fake_quant=fake_quant, engram_dir=engram_dir,
                                   verify=getattr(args, "prepared_verify", None), phases=phases, progress=progress)
-            if not dspark_wanted(args, device):  # the folder carries the drafter; a start that does not draft
+            if not drafting:  # the folder carries the drafter; a start that does not draft
                 model.dspark = None  # lets its memory go (as the checkpoint build does not make it)
             return model
         except PreparedMismatch as exc:
             if not getattr(args, "prepared_fallback", False):
                 raise
             log(f"dsv41: prepared folder refused ({exc}); building from the checkpoint (--prepared-fallback)")
-
     model = build_fast_model(model_dir, device=device, dtype=dtype, rank=rank, world=world, comm=comm,
                              fake_quant=fake_quant, engram_dir=engram_dir, progress=progress,
-                             dspark=None if dspark_wanted(args, device) else False)  # as the reference load
+                             dspark=None if drafting else False)  # as the reference load
     phases.done("build", f"from the checkpoint {model_dir}")
     return model
 

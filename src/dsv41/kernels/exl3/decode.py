@@ -181,7 +181,7 @@ def accumulate_kslice(
     return acc
 
 
-@triton.jit(do_not_specialize=['M'])
+@triton.jit(do_not_specialize=["M"])
 def rotate_input_kernel(x_ptr, suh_ptr, had_f16_ptr, xh_ptr, M, stride_xm, stride_hm):
     """xh = fp16(fp16(x ⊙ suh) · H/sqrt(128)) for a block of 16 rows and one 128-wide input block (§2.5 step 1)."""
     mb = tl.program_id(0)

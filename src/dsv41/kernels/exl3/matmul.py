@@ -63,7 +63,7 @@ def launch_grid(weight: Exl3Tensor, m: int, cfg: MatmulConfig) -> tuple[int, int
     return weight.n // 128, cfg.splits, triton.cdiv(m, BLOCK_M)
 
 
-@triton.jit(do_not_specialize=['M'])
+@triton.jit(do_not_specialize=["M"])
 def _exl3_matmul_kernel(
     x_ptr,
     suh_ptr,

@@ -74,7 +74,7 @@ def _swiglu_epilogue(acc_g, acc_u, svh1_ptr, svh3_ptr, route_ptr, h_ptr, slot_j,
     tl.store(h_ptr + offsets, h.to(tl.float16), mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=['n_slots'])
+@triton.jit(do_not_specialize=["n_slots"])
 def _moe_gate_up_kernel(
     x_ptr,
     stride_x,
@@ -178,7 +178,7 @@ def _down_finish(acc, svh_ptr, y_ptr, out_ptr, stride_out, slot_j, row_valid, co
         tl.store(out_ptr + out_offsets, total.to(out_ptr.dtype.element_ty), mask=token_ok[:, None])
 
 
-@triton.jit(do_not_specialize=['n_slots', 'n_tokens'])
+@triton.jit(do_not_specialize=["n_slots", "n_tokens"])
 def _moe_down_kernel(
     h_ptr,
     ids_ptr,

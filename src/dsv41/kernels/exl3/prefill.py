@@ -114,7 +114,7 @@ def _block_offsets(rows, width, kb, PERMUTE: tl.constexpr):
     return rows[:, None].to(tl.int64) * width + (kb * 128 + cols)[None, :]
 
 
-@triton.jit(do_not_specialize=['n_rows'])
+@triton.jit(do_not_specialize=["n_rows"])
 def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, had_ptr, xa_ptr, xb_ptr, n_rows, k,
                    GATHER: tl.constexpr, PER_EXPERT: tl.constexpr, TWO: tl.constexpr, PERMUTE: tl.constexpr):
     """xa[i] = fp16(fp16(fp16(x[row_i]) ⊙ suh_a[e_i]) · H/√128) for 16 rows and one 128-wide input block
@@ -145,7 +145,7 @@ def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, h
                  mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=['n_pairs'])
+@triton.jit(do_not_specialize=["n_pairs"])
 def _swiglu_rotate_kernel(gate_ptr, up_ptr, route_ptr, pair_e_ptr, suh2_ptr, had_ptr, hh_ptr, n_pairs, n1, LIMIT,
                           PERMUTE: tl.constexpr):
     """The CUDA path's gate/up epilogue for 16 pairs and one 128-column block: clamped SwiGLU of the rotated gate
@@ -210,7 +210,7 @@ def _gate_up_kernel(table_ptr, xg_ptr, xu_ptr, route_ptr, w1_ptr, svh1_ptr, w3_p
         tl.store(hh_ptr + pairs[:, None].to(tl.int64) * n1 + cols[None, :], hh, mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=['n_rows'])
+@triton.jit(do_not_specialize=["n_rows"])
 def _tile_matmul_kernel(table_ptr, xh_ptr, out_rows_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_rows, k, n,
                         K: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                         GROUPED: tl.constexpr, USE_ASM: tl.constexpr):
@@ -245,7 +245,7 @@ def _tile_matmul_kernel(table_ptr, xh_ptr, out_rows_ptr, w_ptr, svh_ptr, had_ptr
                  mask=ok[:, None])
 
 
-@triton.jit(do_not_specialize=['n_rows'])
+@triton.jit(do_not_specialize=["n_rows"])
 def _slot_sum_kernel(y_ptr, addend_ptr, out_ptr, stride_out, stride_add, n_rows, n, TOPK: tl.constexpr,
                      ADD: tl.constexpr):
     """out[r] = ((y[r·k] + y[r·k + 1]) + ...) + addend[r]: a row's slots in slot order (the decode kernel's sum)."""

@@ -157,7 +157,7 @@ def _parts(dtype_exact: bool) -> int:
     return 1 if dtype_exact else 3
 
 
-@triton.jit(do_not_specialize=['n_pages', 'n_ids', 'sib'])
+@triton.jit(do_not_specialize=["n_pages", "n_ids", "sib"])
 def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, m_ptr, l_ptr, acc_ptr,
                        H, S, HD, scale,
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,

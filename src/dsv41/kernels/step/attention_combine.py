@@ -11,7 +11,7 @@ from .pdl import wait_previous
 from .rowops import _cast, rope_pairs
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _core_combine_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, pos_ptr, freq_ptr, H, HD, live_rows,
                          NS: tl.constexpr, HDP: tl.constexpr, R: tl.constexpr = 0, OUT: tl.constexpr = tl.float32,
                          PDL: tl.constexpr = False):

@@ -86,7 +86,7 @@ def _pooled(v_ptr, s_ptr, sv_r, sv_m, ss_r, ss_m, o_ptr, so_r, so_k, br_ptr, bo_
     return acc
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _pool_norm_kernel(v_ptr, s_ptr, sv_r, sv_m, ss_r, ss_m, o_ptr, so_r, so_k, br_ptr, bo_ptr, sb, out_ptr, w_ptr,
                       eps, C, live_rows, RATIO: tl.constexpr, GATHER: tl.constexpr, NORM: tl.constexpr,
                       NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr, PDL: tl.constexpr = False):

@@ -29,7 +29,7 @@ BLOCK = 512
 GATE_SQRT_FLOOR: tl.constexpr = tl.constexpr(1e-6)  # model.engram.GATE_SQRT_FLOOR (kernels do not import model/)
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _engram_kernel(x_ptr, kv_ptr, w_ptr, live_ptr, out_ptr, d, eps, sqrt_d, live_rows, HC: tl.constexpr,
                    HCP: tl.constexpr, HAS_LIVE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_previous(PDL)

@@ -34,7 +34,7 @@ TILE_M = 128  # rows x padded heads per program (BR = TILE_M // Hp rows)
 MMA = tl.constexpr(not interpreting())
 
 
-@triton.jit(do_not_specialize=['R', 'ncols', 'sat', 'sot'])
+@triton.jit(do_not_specialize=["R", "ncols", "sat", "sot"])
 def _tile_scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, nvis_ptr, allow_ptr, sat, out_ptr, sot, R, H, ncols,
                         wa, wb, BR: tl.constexpr, HP: tl.constexpr, HD: tl.constexpr, BC: tl.constexpr,
                         HAS_ALLOW: tl.constexpr):

@@ -72,7 +72,7 @@ RADIX_ENV = "DSV41_TOPK_RADIX"  # 0: the top-k's k-th score by bisection (A/B)
 NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
 
 
-@triton.jit(do_not_specialize=['ncols', 'sat', 'sot'])
+@triton.jit(do_not_specialize=["ncols", "sat", "sot"])
 def _scores_kernel(q_ptr, sqt, sqh, w_ptr, swt, k_ptr, skc, qrow_ptr, koff_ptr, nvis_ptr, allow_ptr, sat,
                    out_ptr, sot, H, HD, ncols, pg_ptr, spg, per_page, skp, wa, wb,
                    HP: tl.constexpr, HDP: tl.constexpr, BC: tl.constexpr, HAS_ALLOW: tl.constexpr,
@@ -190,7 +190,7 @@ def _kth_radix(row, ncols, k, offs, NEG: tl.constexpr, BLOCK: tl.constexpr):
     return kth, tl.where(n_fin > k, k - want, n_fin)
 
 
-@triton.jit(do_not_specialize=['ncols', 'k', 'sst', 'smt'])
+@triton.jit(do_not_specialize=["ncols", "k", "sst", "smt"])
 def _topk_kernel(s_ptr, sst, ids_ptr, mask_ptr, smt, ncols, k,
                  NEG: tl.constexpr, BLOCK: tl.constexpr, WRITE_IDS: tl.constexpr, WRITE_MASK: tl.constexpr,
                  RADIX: tl.constexpr = True, PDL: tl.constexpr = False):

@@ -169,7 +169,7 @@ def _normed(u, w, r, out_ty: tl.constexpr):
     return _cast((u.to(tl.float32) * r) * w.to(tl.float32), out_ty)
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _site_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, d, chunk, norm_eps, hc_eps,
                  rms_eps, iters, live_rows, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
@@ -340,7 +340,7 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
             _norm_pass(h_ptr, w_ptr, row, d, usq_all, rms_eps, BLOCK_N)
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _expand_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, live_rows, HC: tl.constexpr, HCP: tl.constexpr,
                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """X'[k] = post_k y + Σ_j comb[j, k] X[j] for one row and one block of d (elementwise in d: no reduction);
@@ -371,7 +371,7 @@ def _expand_row(y_ptr, x_ptr, post_ptr, comb_ptr, xo_ptr, d, row, c, c_live, col
     tl.store(xo_ptr + at, _cast(post[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty), mask=live)
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _collapse_norm_kernel(x_ptr, pre_ptr, w_ptr, h_ptr, d, rms_eps, live_rows, HC: tl.constexpr, HCP: tl.constexpr,
                           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
     wait_previous(PDL)

@@ -26,7 +26,7 @@ BM, BE, BK = 64, 64, 64
 MMA = tl.constexpr(not interpreting())
 
 
-@triton.jit(do_not_specialize=['B'])
+@triton.jit(do_not_specialize=["B"])
 def _logits_tile_kernel(x_ptr, stride_x, gate_ptr, stride_gd, stride_ge, out_ptr, B, d, E,
                         BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, BF16: tl.constexpr):
     rb = tl.program_id(0)

@@ -195,7 +195,7 @@ def norm_pairs(ev, od, w_ptr, col, live_e, live_o, D, eps, OUT: tl.constexpr):
     return _cast((ev * r) * we, OUT), _cast((od * r) * wo, OUT)
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _rowops_kernel(x_ptr, stride_xr, stride_xh, out_ptr, w_ptr, pos_ptr, freq_ptr, eps, D, live_rows,
                    store_ptr, dest_ptr, row_bytes,
                    NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr,

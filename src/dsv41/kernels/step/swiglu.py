@@ -23,7 +23,7 @@ from .mhc import _cast  # fp32 -> the dtype, nearest even (bf16 by its bits)
 BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=['live_rows'])
+@triton.jit(do_not_specialize=["live_rows"])
 def _swiglu_kernel(g_ptr, u_ptr, h_ptr, stride_g, stride_u, width, limit, live_rows, BLOCK: tl.constexpr,
                    PDL: tl.constexpr = False):
     wait_previous(PDL)
