@@ -96,7 +96,8 @@ def test_random_cancellations_then_the_next_reply_is_unchanged(model, reference)
     requests = [REQUESTS[i % 5] for i in range(12)]
     arrivals = [rng.randrange(20) for _ in requests]
     plan = {arrivals[i] + rng.randrange(12): i for i in range(12)}  # step -> cancel (queued, prefilling, decoding)
-    events, core = batched(model, requests, arrivals=arrivals, cancel=plan.get, parallel=3, prefill_chunk=16)
+    events, core = batched(model, requests, arrivals=arrivals, cancel=plan.get, parallel=3, prefill_chunk=16,
+                           prefill_chunk_alone=0)
     assert core.pool_idle() and not core.has_work()
     for i, evs in enumerate(events):
         assert isinstance(evs[-1], FinishEvent)
@@ -110,7 +111,8 @@ def test_a_step_whose_requests_all_left_stops_between_layers_and_keeps_nothing(m
     """A client that leaves during a long prefill chunk (issue 31, item 7): the forward stops before the next layer
     (runtime/abort.py), the request ends as cancelled with its slot and pages back, and the engine's next replies
     keep their bits (nothing of the cut step was stored)."""
-    engine = build_engine(engine_defaults(prefill_chunk=16), model, max_model_len=512, log=lambda line: None)
+    engine = build_engine(engine_defaults(prefill_chunk=16, prefill_chunk_alone=0), model, max_model_len=512,
+                          log=lambda line: None)
     core, watch = engine.core, engine.core.executor.runner.abort_watch
     events = []
     seq = engine.make_sequence(REQUESTS[2], events.append)

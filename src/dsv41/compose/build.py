@@ -28,6 +28,9 @@ def register_engine_args(parser) -> None:
     g.add_argument("--page-tokens", type=int, default=256, metavar="N", help="positions per pool page (256)")
     g.add_argument("--prefill-chunk", type=int, default=2048, metavar="N",
                    help="most prompt rows prefilled in one step (default 2048)")
+    g.add_argument("--prefill-chunk-alone", type=int, default=8192, metavar="N",
+                   help="most prompt rows of a step in which no stream decodes (default 8192; never fewer than "
+                        "--prefill-chunk; 0 = --prefill-chunk)")
     g.add_argument("--prefill-share", type=float, default=0.5, metavar="F",
                    help="most share of the engine's time prefill takes while others decode (default 0.5)")
     g.add_argument("--prefill", choices=("full", "replay"), default="full",
@@ -269,6 +272,7 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
     hasher = runner.forward.model.engram_hasher
     config = EngineConfig(
         scheduler=SchedulerConfig(prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
+                                  prefill_chunk_alone=args.prefill_chunk_alone,
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
