@@ -64,12 +64,12 @@ def sampling_rows(chooses: Sequence, rows: int, vocab: int) -> tuple[list[list[i
     that is neither (the caller then runs the reference chain)."""
     ints, floats, flags = [], [], Flags()
     for c in chooses:
+        if c is not None and not isinstance(c, KeyedChoice):
+            raise TypeError(type(c).__name__)
         if c is None or c.params.greedy:
             ints.append([1, 0] + [0] * (2 * rows))
             floats.append([1.0, 0.0, 1.0])
             continue
-        if not isinstance(c, KeyedChoice):
-            raise TypeError(type(c).__name__)
         p = c.params
         keys = [k for i in range(rows) for k in _step_keys(p.seed, c.step0 + i)]
         ints.append([0, int(p.top_k)] + keys)
