@@ -214,6 +214,8 @@ def engine_runs(model_dir: str, device: str, max_tokens: int, streams: int = 2, 
     out = {"serial": serial, "drafted": drafted, "forced": forced, "stats": stats, "forced_stats": forced_stats}
     if alone:
         out["alone"] = run_engine(fast, reqs[1:2], draft_dspark="on")[0]
+    # the pieces the last run captured (CUDA): the drafter's pass as one graph among them
+    out["pieces"] = sorted({key[0] for key in fast.graphs._pieces}) if fast.graphs is not None else []
     return out
 
 
@@ -315,9 +317,12 @@ def test_fast_drafted_equals_serial_bitwise(interpreted):
 
 @pytest.mark.gpu
 def test_fast_drafted_equals_serial_bitwise_gpu(tiny_model_dir):
-    """CUDA: the step kernels, the in-place step's graphs and the drafter's pieces, four streams at different
-    depths; the trained tiny model's DSpark blocks (the acceptance it gets is printed)."""
-    check_engine(engine_runs(str(tiny_model_dir), "cuda", max_tokens=32, streams=4, alone=True))
+    """CUDA: the step kernels, the in-place step's graphs and the drafter's pass as one graph (runtime/draft_fast.py
+    `pool_pass`), four streams at different depths; the trained tiny model's DSpark blocks (the acceptance it gets
+    is printed)."""
+    res = engine_runs(str(tiny_model_dir), "cuda", max_tokens=32, streams=4, alone=True)
+    check_engine(res)
+    assert any(name.startswith("dspark.draft.") for name in res["pieces"]), res["pieces"]
 
 
 if __name__ == "__main__":

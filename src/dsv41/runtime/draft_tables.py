@@ -81,5 +81,9 @@ class DraftTables:
             layout.append((name, at, a.shape, f64))
             chunks.append(a.reshape(-1).view(np.int64))
             at += a.size
-        packed = torch.from_numpy(np.concatenate(chunks)).to(device)
+        packed = torch.from_numpy(np.concatenate(chunks))
+        if torch.device(device).type == "cuda":  # pinned and asynchronous, as `StepTables`: no sync on the send
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
         return cls(Q, n, N, Layout(tuple(layout)), packed, flags)
