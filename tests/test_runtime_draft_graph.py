@@ -97,3 +97,25 @@ def test_the_draft_pass_syncs_once_gpu(seeded):
         print(f"{mode}: {len(syncs)} syncs {syncs}")
         assert len(syncs) == 1, (mode, syncs)
     fast.graphs = None
+
+
+@pytest.mark.gpu
+def test_the_draft_graphs_captured_before_serving_gpu(seeded):
+    """`FastDSparkDrafter.capture_graphs` (what `build_runner` runs at start): one graph per sequences count and
+    boot chain, the pool left as it was (the pass writes nothing), and a served pass of those shapes replays."""
+    from dsv41.runtime.draft_fast import BOOT_CHAINS, FastDSparkDrafter
+
+    fast, pool = seeded
+    fast.graphs = None
+    stores = [t.clone() for t in pool.stores.values()]
+    drafter = FastDSparkDrafter(fast)
+    boot = drafter.capture_graphs(pool, max_seqs=4, budget_s=600.0)
+    print(f"boot: {boot}")
+    assert boot["run"] == boot["planned"] == boot["captured"] == 4 * len(BOOT_CHAINS)
+    assert all(torch.equal(a, b) for a, b in zip(stores, pool.stores.values()))
+    captures = fast.graphs.stats.captures
+    for chain in ("g", "sp"):
+        for q in (1, 4):
+            drafter.propose(pool, asks(q, 5, chain))
+    assert fast.graphs.stats.captures == captures  # replays only
+    fast.graphs = None

@@ -23,6 +23,7 @@ same `PoolSequence.dspark_window`, the keyed choice at each absolute position), 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Sequence
@@ -30,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from dsv41.config import ModelConfig
+from dsv41.engine.batch import Row
 from dsv41.model import mhc
 from dsv41.model.dspark import DSpark, Draft
 from dsv41.model.norm import rms_norm
@@ -42,6 +44,7 @@ from .layers.attention import step_kernels_run
 from .layers.attention_index import _pad_slots
 from .mhc_sites import MhcSites
 from .model import row_bucket
+from .sampling import SamplingParams
 
 PHASE = "verify"  # the draft pass's rows take the decode/verify kernels (row-invariant)
 MOST_ROWS = 32  # rows of one draft pass (`row_bucket`'s largest): 6 sequences' blocks of 5
@@ -268,6 +271,11 @@ class FastDSpark:
         return mhc.collapse(x[:n], pre[:n]), local
 
 
+# the chain variants captured before serving: greedy, plain T > 0, T > 0 with top-p (the common request shapes)
+BOOT_CHAINS = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
+               SamplingParams(temperature=1.0, top_p=0.9, seed=0))
+
+
 class FastDSparkDrafter(DSparkDrafter):
     def __init__(self, model):
         if not isinstance(getattr(model, "dspark", None), FastDSpark):
@@ -280,3 +288,24 @@ class FastDSparkDrafter(DSparkDrafter):
         """`DSparkDrafter.propose` as the pass over the pool in place (`FastDSpark.propose_pool`): the same drafts,
         one host read a pass."""
         return self.dspark.propose_pool(self.model, pool, asks) if asks else []
+
+    @torch.inference_mode()
+    def capture_graphs(self, pool, *, max_seqs: int, budget_s: float, clock=time.perf_counter) -> dict:
+        """Capture the pass's graphs before serving (as `FastForward.capture_graphs` does the decode step's): for
+        1..max_seqs sequences (at most a pass's 6), each chain of BOOT_CHAINS, on scratch asks over ring slots
+        (the pass reads the pool and writes nothing, so the pool is left as it was). Stops once `budget_s` is
+        spent at TP = 1; at TP > 1 it runs the whole plan (the ranks must capture alike). Returns the counts."""
+        m, cfg = self.model, self.cfg
+        if budget_s <= 0 or not m.piece_graphs().active:
+            return {"captured": 0, "planned": 0, "run": 0, "seconds": 0.0}
+        plan = [(q, params) for q in range(1, min(max_seqs, MOST_ROWS // self.block) + 1) for params in BOOT_CHAINS]
+        t0, before, done = clock(), m.graphs.stats.captures, 0
+        for q, params in plan:
+            if getattr(m.comm, "world", 1) == 1 and clock() - t0 >= budget_s:
+                break
+            asks = [(Row(-1 - i, i % pool.num_slots, [], 0, [0]), cfg.sliding_window, 0, params, 0, self.block)
+                    for i in range(q)]
+            self.dspark.propose_pool(m, pool, asks)
+            done += 1
+        return {"captured": m.graphs.stats.captures - before, "planned": len(plan), "run": done,
+                "seconds": clock() - t0}
