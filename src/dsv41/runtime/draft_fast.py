@@ -2,8 +2,7 @@
 
 `FastDSpark` holds the three draft blocks as `FastBlock`s (EXL3 linears, the routed experts as `FusedMoE` stacks,
 the mHC sites), the tap projection `main_proj` (a fast linear) with its norm, and the heads' small tensors in a
-reference `DSpark` record (its `_chain`: the Markov head row by row and the confidence head, as the reference runs
-them). Two jobs:
+reference `DSpark` record (markov_embed, markov_head, confidence_proj, the final norm). Two jobs:
 
 - **Absorb** (`stage_rows`): from the taps of the rows a target forward ran (the mean over mHC streams of the
   residual entering each `dspark_target_layer_ids` layer, collected by `FastModel`), `main_x` = RMSNorm(taps ·
@@ -11,14 +10,19 @@ them). Two jobs:
   FP8 fake-quant): the reference's `DSpark.absorb`. Over the pool in place (`stores=`) the row-op launch that
   makes a row stores it into the stage's ring at the row's `ring_dest` (the ring layout `PoolSequence.dspark_window`
   reads), inside the step's graph; on the load-and-store path the caller appends them to the sequences' views.
-- **Draft** (`draft_many`, the reference's signature): the block [y, noise × 4] per sequence at positions
-  p+1 .. p+5 through the stages with the target's own pieces (`FastModel._attn_in` / `_ffn`, decode/verify kernels,
-  CUDA graph pieces keyed "dspark.*" and by the draft blocks' layer indices), the attention of each block row over
-  its stage ring plus all five block rows (no causal mask, the sink) as one `attention_core` launch, the collapsed
-  hidden's norm and the shared head, then `_chain` per sequence.
+- **Draft**: the block [y, noise × 4] per sequence at positions p+1 .. p+5 through the stages with the target's own
+  pieces (`FastModel._attn_in` / `_ffn`, decode/verify kernels), the attention of each block row over its stage
+  ring plus all five block rows (no causal mask, the sink) as one `attention_core` launch, the collapsed hidden's
+  norm and the shared head, then the chain on the device (runtime/draft_chain.py: the Markov head, each row's keyed
+  choice as tensors, the confidence head) and ONE host read. The drafter's pass (`propose_pool`) reads the rings
+  from the pool in place through one packed table (runtime/draft_tables.py), so it is a pure function of that
+  table: one CUDA graph per (sequences, chain variant) ("dspark.draft.<variant>"; at TP > 1 the pass and the chain
+  apart, the vocabulary gather between them), eager on the CPU. `draft_many` (the reference's signature, rings
+  given as tensors) runs the same blocks through graph pieces keyed "dspark.*" and the draft blocks' layer indices,
+  the rings gathered between them.
 
-`FastDSparkDrafter` is the runner's drafter over it: `DSparkDrafter.propose` as it is (the rings read through the
-same `PoolSequence.dspark_window`, the keyed choice at each absolute position), the pass this module's.
+`FastDSparkDrafter` is the runner's drafter over it: `DSparkDrafter.propose`'s asks and answers, the pass over the
+pool (the same drafts as the views' rings give, bit for bit), and the pass's graphs captured before serving.
 """
 
 from __future__ import annotations
