@@ -241,6 +241,11 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
             from ..runtime.draft_dspark import DSparkDrafter
 
         drafter = DSparkDrafter(model)
+        if fast:  # the draft pass's graphs too (runtime/draft_fast.py), within their own boot budget
+            boot = drafter.capture_graphs(pool, max_seqs=args.parallel, budget_s=env_boot_budget())
+            if boot["planned"]:
+                log(f"dsv41 engine: {boot['captured']} draft-pass graphs captured before serving ({boot['run']} of "
+                    f"{boot['planned']} planned) in {boot['seconds']:.1f} s")
     from ..runtime.session_disk import session_disk_for
 
     disk = session_disk_for(args, pool, model, knobs=knobs_tag(args), log=log)
