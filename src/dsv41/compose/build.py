@@ -210,7 +210,15 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         pages = -(-args.pool_tokens // args.page_tokens)
     else:
         pages = args.parallel * context_pages
-        room = free_bytes(model.device) - int(args.mem_floor_gib * GIB) - args.parallel * probe.bytes_per_slot
+        reserve = 0
+        if fast and model.device.type == "cuda":  # the longest chunk's transients stay free (prefill_memory.py)
+            from ..runtime.prefill_memory import prefill_reserve
+
+            chunk = max(args.prefill_chunk, getattr(args, "prefill_chunk_alone", 0))
+            reserve, note = prefill_reserve(model, chunk, max_model_len)
+            log(note)
+        room = (free_bytes(model.device) - int(args.mem_floor_gib * GIB) - args.parallel * probe.bytes_per_slot
+                - reserve)
         pages = max(min(pages, int(0.9 * room) // max(probe.bytes_per_page, 1)), context_pages)
     pool = pool_for_model(layout, num_slots=args.parallel, num_pages=pages, page_tokens=args.page_tokens,
                           verify_rows=verify)
