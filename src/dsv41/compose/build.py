@@ -291,7 +291,11 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
         draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None),
         sessions=session_config(args, pool, runner.forward))
-    core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
+    # at TP > 1 the group's fewest pages (parallel/launch.py): each rank sized its pool from its own free memory
+    pages = min(pool.num_pages, getattr(executor, "num_pages", None) or pool.num_pages)
+    if pages < pool.num_pages and log is not None:
+        log(f"dsv41 engine: {pages} of this rank's {pool.num_pages} pages in use (another rank holds fewer)")
+    core = LLMEngine(executor, BlockManager(pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,
                        describe={"pool": pool.describe()}, park_s=getattr(args, "session_park_s", 30.0))
