@@ -77,6 +77,9 @@ def register_engine_args(parser) -> None:
     g.add_argument("--draft-default", choices=("on", "off"), default="off" if env("DSV41_DRAFT") == "0" else "on",
                    help="whether requests that do not say draft (DSV41_DRAFT=0: off; a request's \"draft\" "
                         "field decides for itself)")
+    g.add_argument("--overlap", choices=("on", "off"), default="off" if env("DSV41_OVERLAP") == "0" else "on",
+                   help="plan and launch decode step k+1 while step k runs, its token ids handed over from step k's "
+                        "sample (DSV41_OVERLAP=0: off; TP=1; docs/ENGINE.md §6)")
     g.add_argument("--draft-cost", default=env("DSV41_DRAFT_COST"), metavar="ROWS:S,...",
                    help="the step cost per row count that sets the draft depth (DSV41_DRAFT_COST; default: "
                         "measured at start)")
@@ -273,7 +276,7 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
         draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None),
-        sessions=session_config(args, pool, runner.forward))
+        sessions=session_config(args, pool, runner.forward), overlap=getattr(args, "overlap", "on") == "on")
     core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,

@@ -160,7 +160,7 @@ class FastModel:
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
                 logits: str = "last", trace: dict | None = None, pool=None, writes: bool = True,
-                watch=None, replay_from: Sequence[int] | None = None) -> torch.Tensor:
+                watch=None, replay_from: Sequence[int] | None = None, follow=None) -> torch.Tensor:
         """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
         row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row).
 
@@ -176,7 +176,11 @@ class FastModel:
         `replay_from` (prefill; CED bounded replay, MODEL.md §11): per chunk, the replay segment's start. A chunk's
         rows before it run the encoder layers, then only the first decoder layer's compressor and index keys
         (`_replay_cut`); the logits are those of the rows that remain (a chunk with none gives none: "last" then
-        returns one row per chunk that has rows left)."""
+        returns one row per chunk that has rows left).
+
+        `follow` (over a pool, decode; the overlapped loop): `(source, index)`, `index[i] >= 0` naming chunk i a
+        follow row whose one id is `source[index[i]]` (the previous step's sample, int64 on the device): its id
+        in `segments` is a placeholder, and the tables' ids take the device's before the step's graph."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
@@ -192,16 +196,21 @@ class FastModel:
         if not is_fused(phase):
             return self._forward(chunks, phase, logits, trace, watch=watch, cuts=replay_from)
         most = STEP_ROWS if pool is not None and self.pool_runs(phase, trace) else BUCKET
-        out, group, rows = [], [], 0
+        if follow is not None and most != STEP_ROWS:
+            raise ValueError("follow rows take their ids on the device in a step over the pool only")
+        index = list(follow[1]) if follow is not None else [-1] * len(chunks)
+        out, group, rows, at = [], [], 0, 0
+        sub = lambda: None if follow is None else (follow[0], index[at - len(group):at])  # noqa: E731
         for state, ids in chunks:
             if ids.numel() > BUCKET:
                 raise ValueError(f"a {phase} chunk has at most {BUCKET} rows, got {ids.numel()}")
             if rows + ids.numel() > most:
-                out.append(self._forward(group, phase, logits, trace, pool, writes))
+                out.append(self._forward(group, phase, logits, trace, pool, writes, follow=sub()))
                 group, rows = [], 0
             group.append((state, ids))
             rows += ids.numel()
-        out.append(self._forward(group, phase, logits, trace, pool, writes))
+            at += 1
+        out.append(self._forward(group, phase, logits, trace, pool, writes, follow=sub()))
         return torch.cat(out)  # always a new tensor: the logits outlive the graph pieces' output buffers
 
     __call__ = forward
@@ -221,7 +230,7 @@ class FastModel:
         return is_fused(phase) and trace is None and step_kernels_run(self.device)
 
     def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None, writes: bool = True,
-                 watch=None, cuts: list[int] | None = None) -> torch.Tensor:
+                 watch=None, cuts: list[int] | None = None, follow=None) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
         segs, at = [], 0
         for state, ids in chunks:
@@ -243,7 +252,9 @@ class FastModel:
                 reads = {L: e.table.submit(row_ids[:, cfg.engram_layer_ids.index(L)]) for L, e in self.engram.items()}
                 stored = {L: read.wait_bytes() for L, read in reads.items()}  # every layer's reads in flight at once
         if pooled:
-            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored, writes)
+            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored, writes, follow)
+        if follow is not None and max(follow[1]) >= 0:
+            raise ValueError("follow rows take their ids on the device in a step over the pool only")
         if stored is not None:
             with section("engram"):
                 rows = {L: r.decode(dev) for L, r in stored.items()}
@@ -318,7 +329,8 @@ class FastModel:
         pending = None if pending is None else tuple(v[keep] for v in pending)
         return x[keep], pre[keep], pending
 
-    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored, writes=True):
+    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored, writes=True,
+                      follow=None):
         """One bucket over the pool: the tables (one host-to-device copy, which also carries the step's token ids,
         positions and Engram rows as stored), then the whole step as one graph (`graphs.run("step", ...)`, keyed
         by phase, the row bucket B of n and the tables' page bucket: the tables and kernels hold B rows, those
@@ -332,7 +344,18 @@ class FastModel:
                 raise ValueError(f"a {phase} chunk of {s.T} rows does not fit a ring of {pool.ring_rows} rows "
                                  f"over a window of {self.cfg.sliding_window}")
         inputs = {"ids": ids_b, "pos": pos_b, **{f"engram.{L}": r.data for L, r in (stored or {}).items()}}
+        if follow is not None:  # each bucket row's source in the previous step's sample (-1: its own id)
+            if stored is not None:
+                raise ValueError("follow rows with Engram rows: the ids are hashed on the host first")
+            src = np.full(B, -1, dtype=np.int64)
+            for s, f in zip(segs, follow[1]):
+                src[s.start:s.start + s.T] = f
+            src[n:] = src[0]  # padding rows mirror row 0
+            inputs["follow"] = src
         tables = StepTables.build(segs, B, pool, dev, inputs=inputs)  # one copy for all
+        if follow is not None:  # the ids from the device: no host round trip between the two steps
+            ids, src = tables["ids"], tables["follow"]
+            ids.copy_(torch.where(src >= 0, follow[0][src.clamp(min=0)], ids))
         if not writes:
             tables = tables.without_writes()
         step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=B), B, phase, pool, tables)
