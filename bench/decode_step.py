@@ -15,6 +15,10 @@ In one run:
   `--steps`; one profiled step each: device time per op class (the runtime's sections), launches, host = step -
   device busy; weight bytes and EXL3 weights read (distinct experts from the step's routing) and the two floors:
   bytes / read ceiling (bandwidth), EXL3 weights / best decode rate (instruction);
+- the overlapped loop (`--overlap`, default on; `--no-overlap` skips it): per decode row count, a chain of steps whose
+  ids are the step before's greedy picks, serial against overlapped (step k + 1 planned and enqueued before the
+  host reads step k's ids), ms a step and the host's share against the graph replayed alone (`overlap` in the
+  JSON);
 - prefill: one `--prefill`-row chunk (tokens/s, GEMM FLOPs as % of the measured bf16 rate).
 Decode and verify steps run their static pieces as CUDA graphs (runtime/graphs.py; captured in the two untimed
 warm-up steps of each row count) unless `--no-graphs`; the JSON says which (`graphs`: on/off) and the pieces'
@@ -205,6 +209,64 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool, n: int):
     return statistics.median(times), times, trace, prof, host, split
 
 
+def time_chain(model, rows_fn, n: int, steps: int, device, overlap: bool) -> float:
+    """Median ms a decode step of n rows in a chain of `steps` steps, each step's ids the step before's greedy picks,
+    as the engine's loop runs them (runtime/step_handoff.py): serial, the host reads step k's ids (`choices`)
+    before it plans and launches step k + 1; overlapped, step k + 1's forward is planned and enqueued first, its
+    ids taken from step k's sample inside the forward (gathered on the device, or read on the host just before
+    the Engram hash where the model has Engram), and step k's ids are read afterwards on the side stream (its
+    event only). The median of the gaps between successive steps' ids in hand."""
+    from dsv41.engine.batch import Row, RowSampling
+    from dsv41.runtime.model_runner import ModelRunner
+    from dsv41.runtime.step_handoff import Handoff, StepSample
+
+    rows = rows_fn()
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    rows_obj = [Row(i, 0, [0], 0, [], sample=RowSampling(0.0, 1.0, 0, 0.0, 0, 0)) for i in range(n)]
+    follow_index = list(range(n))
+    prev, done = None, []
+    sync(device)
+    for _ in range(steps):
+        follow = (Handoff(prev, dict(enumerate(follow_index))), follow_index) if overlap and prev else None
+        logits = model.forward(rows(), "decode", pool=POOL, follow=follow)
+        sample = StepSample(rows_obj, [logits[i:i + 1] for i in range(n)], device, ModelRunner._choose, side)
+        if overlap and prev is not None:
+            prev.choices()  # step k's ids, read while step k + 1 runs
+            done.append(time.perf_counter())
+        elif not overlap:
+            sample.choices()
+            done.append(time.perf_counter())
+        prev = sample
+    if overlap:
+        prev.choices()
+        done.append(time.perf_counter())
+    gaps = [(b - a) * 1e3 for a, b in zip(done, done[1:])]
+    return statistics.median(gaps[1:] or gaps)
+
+
+def overlap_ab(model, args, device) -> list[dict]:
+    """`--overlap`: per decode row count, the chained step serial and overlapped (the same call, the same
+    machine), and the host's share of each against the step's graph replayed alone."""
+    out = []
+    for n in args.rows:
+        make = lambda: decode_rows(model, n, args.context, 300 + n)()  # noqa: E731
+        time_chain(model, make, n, 3, device, overlap=True)  # warm: the graphs of this bucket exist already
+        serial = time_chain(model, make, n, args.steps + 1, device, overlap=False)
+        overlapped = time_chain(model, make, n, args.steps + 1, device, overlap=True)
+        split = step_split(model, make(), "decode", device, n, POOL)
+        graph = split.get("graph_ms")
+        row = {"rows": n, "serial_ms": serial, "overlapped_ms": overlapped, "graph_ms": graph,
+               "engram_on_host": model.engram_hasher is not None}
+        if graph:
+            row.update(host_share_serial=1 - graph / serial, host_share_overlapped=1 - graph / overlapped)
+        log(f"overlap rows={n}: serial {serial:.2f} ms, overlapped {overlapped:.2f} ms"
+            + (f" (graph alone {graph:.2f} ms: host share {row['host_share_serial']:.1%} -> "
+               f"{row['host_share_overlapped']:.1%})" if graph else "")
+            + ("; the ids read on the host before the Engram hash" if row["engram_on_host"] else ""))
+        out.append(row)
+    return out
+
+
 def _sequence(model, i, context, seed):
     """Sequence i at `context`: a plain state, or (`--attention pool`) slot i of the pool and its own pages."""
     if POOL is None:
@@ -355,6 +417,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=("pool", "gather"), default="pool",
                    help="decode/verify attention over a KV pool in place (one graph a step), or over states "
                         "loaded per sequence (the pieces' graphs, eager attention between them)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="A/B of the engine's overlapped loop: each decode row count's chained step serial and "
+                        "overlapped, and the host's share of each (--no-overlap: skip)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds this run may take: the prefill is skipped when less than 40 s are left")
     args = p.parse_args(argv)
@@ -426,6 +491,9 @@ def main(argv=None) -> int:
         log(f"kernel rates {rates}")
     save()
     results["steps"] = measure(model, args, device, rates, ceiling)
+    save()
+    if args.overlap and args.attention == "pool":
+        results["overlap"] = overlap_ab(model, args, device)
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
     results["floors"] = one.get("floors", {})
     results["graph_stats"] = model.graphs.stats.as_dict()

@@ -12,9 +12,15 @@ token ids handed over from step k's sample, step k's tokens read afterwards. Ove
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from dsv41.engine.batch import FOLLOWS, StepOutput
 from dsv41.engine.block_manager import BlockManager
@@ -190,8 +196,95 @@ def test_overlapped_equals_serial_on_the_tiny_model(model):
     arrivals, cancel = [0, 0, 1, 4, 2], {9: 4}
     serial, _ = run_model(model, requests, arrivals, cancel, overlap="off", prefill_chunk=16)
     events, core = run_model(model, requests, arrivals, cancel, overlap="on", prefill_chunk=16)
-    assert events == serial
+    assert events[:4] == serial[:4]
+    # the cancellation lands a step apart (a request arriving waits for the running step): prefixes of one reply
+    short, long = sorted((events[4][0][:-1], serial[4][0][:-1]), key=len)
+    assert len(short) >= 2 and long[:len(short)] == short
     assert events[0][0][-1].reason == "stop" and events[4][0][-1].reason == "cancelled"
     assert events[1][0][-2].logprob is not None and len(events[0][0][0].top_logprobs) == 2
     stats = core.stats()["overlap"]
-    assert stats["on"] and stats["steps"] >= 10 and stats["discarded_rows"] >= 1
+    assert stats["on"] and stats["steps"] >= 0.4 * core.step_no and stats["discarded_rows"] >= 1, (stats, core.step_no)
+
+
+# ---------------------------------------------------------------------------------------------------- fast path
+FAST_PROMPTS = ([0, 42, 7], [0, 98, 14, 3])
+FAST_TOKENS = 2  # a prefill step, then one decode step whose ids come from the prefill's sample (~10 s each)
+
+
+def fast_events(model_dir: str, device: str, engram: bool) -> dict:
+    """The fast forward's engine, overlap off and on: each request's events (as plain lists), and how many follow
+    rows took their ids on the device. `engram=False` drops the Engram layers (the same model for both runs), so
+    the ids never leave the device; with them the host reads the ids just before the hash."""
+    from dsv41.compose.build import build_engine, engine_defaults
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.step_handoff import StepSample
+
+    fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
+    if not engram:
+        fast.engram, fast.engram_hasher = {}, None
+    handed, device_ids = [0], StepSample.device_ids
+
+    def counting(self):
+        handed[0] += 1
+        return device_ids(self)
+
+    StepSample.device_ids = counting
+    out = {}
+    try:
+        for overlap in ("off", "on"):
+            engine = build_engine(engine_defaults(overlap=overlap, forward="fast"), fast, max_model_len=128, log=lambda line: None)
+            core = engine.core
+            requests = [GenerationRequest(list(FAST_PROMPTS[0]), FAST_TOKENS, SamplingParams(temperature=0.0),
+                                          logprobs=1),
+                        GenerationRequest(list(FAST_PROMPTS[1]), FAST_TOKENS, SamplingParams(temperature=0.7, seed=3),
+                                          logprobs=1)]
+            events = [[] for _ in requests]
+            for req, ev in zip(requests, events):
+                core.add(engine.make_sequence(req, ev.append))
+            while core.has_work():
+                core.step()
+            assert core.pool_idle()
+            out[overlap] = [[[e.token_id, e.logprob, [list(t) for t in e.top_logprobs]] for e in ev
+                             if isinstance(e, TokenEvent)] for ev in events]
+            out[f"{overlap}_steps"] = core.stats()["overlap"]["steps"]
+    finally:
+        StepSample.device_ids = device_ids
+    out["handed"] = handed[0]
+    return out
+
+
+def check_fast(res: dict, device_path: bool) -> None:
+    print(f"fast forward, overlap off / on: {res}")
+    assert res["on"] == res["off"] and all(len(t) == FAST_TOKENS for t in res["on"])
+    assert res["off_steps"] == 0 and res["on_steps"] >= FAST_TOKENS - 1
+    assert (res["handed"] >= res["on_steps"]) if device_path else res["handed"] == 0
+
+
+def test_overlapped_equals_serial_on_the_fast_forward_interpreted(tmp_path):
+    """The fast forward in Triton's interpreter (a child process, the slimmed tiny model of
+    test_runtime_fast_engine.py) without its Engram layers: the follow rows' ids go from the previous step's
+    device-side sample into the step's tables, never through the host; tokens and logprobs == serial, bitwise.
+    (With Engram the same engine runs overlapped in test_runtime_fast_engine.py, its tokens == the pool forward's.)"""
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    lite = make_tiny(tmp_path / "model", "exl3", seed=0, overrides=LITE)
+    out = tmp_path / "overlap.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    subprocess.run([sys.executable, __file__, json.dumps({"model": str(lite), "out": str(out)})], env=env,
+                   check=True, timeout=600, cwd=Path(__file__).parent)
+    check_fast(json.loads(out.read_text()), device_path=True)
+
+
+@pytest.mark.gpu
+def test_overlapped_equals_serial_on_the_fast_forward_gpu(tiny_model_dir):
+    """On CUDA: the step's sample read on a side stream after its event, the next step's ids gathered on the
+    device; overlapped == serial bitwise, without Engram (ids on the device) and with it (read before the hash)."""
+    check_fast(fast_events(str(tiny_model_dir), "cuda", engram=False), device_path=True)
+    check_fast(fast_events(str(tiny_model_dir), "cuda", engram=True), device_path=False)
+
+
+if __name__ == "__main__":
+    a = json.loads(sys.argv[1])
+    torch.set_num_threads(1)
+    Path(a["out"]).write_text(json.dumps(fast_events(a["model"], "cpu", engram=False)))

@@ -119,19 +119,20 @@ class FastForward:
                                                or row.start_pos - self.cfg.sliding_window + 1 >= row.replay_start)
 
     def takes_handoff(self, rows: list[Row]) -> bool:
-        """Whether this step's follow rows (`Row.follows`) can take their ids on the device (`execute(handoff=)`):
-        every one runs in place (a one-token decode row over the pool) and no Engram rows are hashed from the ids
-        on the host (with Engram the runner reads the ids first: the device-side gate is not built)."""
+        """Whether this step's follow rows (`Row.follows`) can take their ids from the previous step's sample
+        inside the forward (`execute(handoff=)`): every one runs in place (a one-token decode row over the pool),
+        where the tables are planned before the ids are needed and the ids stay on the device (with Engram the
+        host reads them just before the hash: `FastModel._forward_pool`)."""
         m = self.model
-        return m.engram_hasher is None and self.in_place and m.pool_runs(DECODE) and \
+        return self.in_place and m.pool_runs(DECODE) and \
             all(self.phase_of(r) == DECODE and self.in_place_fits(r, 1) for r in rows if r.follows)
 
     @torch.inference_mode()
     def execute(self, rows: list[Row], pool, handoff=None) -> list[torch.Tensor | None]:
         """`handoff` (runtime/step_handoff.py, where `takes_handoff`): the follow rows' ids are the previous step's
-        sample on the device, gathered into the step's tables by the forward (no host read)."""
+        sample, taken by the forward once the step's tables are planned (on the device where no Engram row is
+        hashed from them)."""
         m = self.model
-        source = handoff.device_ids() if handoff is not None else None
         views = load_sequences(pool, rows, self.cfg, self.decoder_from, m.engram_hasher)
         out: list[torch.Tensor | None] = [None] * len(rows)
         fits = ring_chunk_rows(pool, self.cfg.sliding_window)
@@ -156,7 +157,7 @@ class FastForward:
             logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode,
                                pool=pool if in_place else None, watch=self.abort_watch,
                                replay_from=[rows[i].replay_start for i in members] if any(cuts) else None,
-                               follow=(source, follow) if any(f >= 0 for f in follow) else None)
+                               follow=(handoff, follow) if any(f >= 0 for f in follow) else None)
             at = 0
             for i, c, offsets in zip(members, cuts, wanted):
                 left = len(rows[i].token_ids) - c  # the rows the decoder layers ran (all but replay's cut)

@@ -9,9 +9,10 @@ engine plans and launches the next step meanwhile, then asks `PendingStep.result
   runs on a side stream that waits for that event only (`host_reads`), so it never waits for the step launched
   behind this one on the main stream. On the CPU there are no streams: the same code runs in order.
 - `Handoff`: a follow row's token id (`Row.follows`) is its sequence's token in the previous step's sample. Where
-  the forward can take it on the device (`FastForward.takes_handoff`: every follow row in place, no Engram rows
-  to hash from it) the ids never leave the device (`device_ids`, gathered into the step's tables by the forward);
-  elsewhere `resolved` puts the host's ids into the rows (waiting for the previous step's sample).
+  the forward takes it itself (`FastForward.takes_handoff`: every follow row in place) it plans the step's tables
+  first, then gathers the ids on the device (`device_ids`: they never leave it) or, where Engram rows are hashed
+  from them, reads them on the host just before the hash (`host_ids`); elsewhere `resolved` puts the host's ids
+  into the rows before the forward (the pool forward, load-and-store rows).
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ class Handoff:
     def device_ids(self) -> torch.Tensor:
         """The previous step's ids on the device; row i's is at `source[i]`."""
         return self.sample.device_ids()
+
+    def host_ids(self) -> list[int]:
+        """The previous step's ids on the host (waits for its sample only); 0 for a row that chose none."""
+        return [c[0] if c is not None and c[0] is not None else 0 for c in self.sample.choices()]
 
 
 class PendingStep:
