@@ -49,7 +49,7 @@ from dsv41.runtime import sections  # noqa: E402
 from dsv41.runtime.graphs import PieceGraphs  # noqa: E402
 from dsv41.runtime.layers.linear import DequantLinear, Exl3Linear  # noqa: E402
 from dsv41.runtime.synthetic import synthetic_pool_sequence, synthetic_rank, synthetic_state  # noqa: E402
-from step_profile import classify, host_profile, step_split, sync  # noqa: E402
+from step_profile import classify, host_profile, overlap_ab, step_split, sync  # noqa: E402
 
 PREFILL_SHAPES = [(5120, 1152), (1152, 5120), (5120, 1280), (5120, 512), (1280, 16384), (4096, 1024),
                   (4096, 5120), (1280, 4096), (3072, 25600)]
@@ -207,64 +207,6 @@ def time_steps(model, rows_fn, mode, steps, device, profiled: bool, n: int):
         finally:
             sections.enable(False)
     return statistics.median(times), times, trace, prof, host, split
-
-
-def time_chain(model, rows_fn, n: int, steps: int, device, overlap: bool) -> float:
-    """Median ms a decode step of n rows in a chain of `steps` steps, each step's ids the step before's greedy picks,
-    as the engine's loop runs them (runtime/step_handoff.py): serial, the host reads step k's ids (`choices`)
-    before it plans and launches step k + 1; overlapped, step k + 1's forward is planned and enqueued first, its
-    ids taken from step k's sample inside the forward (gathered on the device, or read on the host just before
-    the Engram hash where the model has Engram), and step k's ids are read afterwards on the side stream (its
-    event only). The median of the gaps between successive steps' ids in hand."""
-    from dsv41.engine.batch import Row, RowSampling
-    from dsv41.runtime.model_runner import ModelRunner
-    from dsv41.runtime.step_handoff import Handoff, StepSample
-
-    rows = rows_fn()
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    rows_obj = [Row(i, 0, [0], 0, [], sample=RowSampling(0.0, 1.0, 0, 0.0, 0, 0)) for i in range(n)]
-    follow_index = list(range(n))
-    prev, done = None, []
-    sync(device)
-    for _ in range(steps):
-        follow = (Handoff(prev, dict(enumerate(follow_index))), follow_index) if overlap and prev else None
-        logits = model.forward(rows(), "decode", pool=POOL, follow=follow)
-        sample = StepSample(rows_obj, [logits[i:i + 1] for i in range(n)], device, ModelRunner._choose, side)
-        if overlap and prev is not None:
-            prev.choices()  # step k's ids, read while step k + 1 runs
-            done.append(time.perf_counter())
-        elif not overlap:
-            sample.choices()
-            done.append(time.perf_counter())
-        prev = sample
-    if overlap:
-        prev.choices()
-        done.append(time.perf_counter())
-    gaps = [(b - a) * 1e3 for a, b in zip(done, done[1:])]
-    return statistics.median(gaps[1:] or gaps)
-
-
-def overlap_ab(model, args, device) -> list[dict]:
-    """`--overlap`: per decode row count, the chained step serial and overlapped (the same call, the same
-    machine), and the host's share of each against the step's graph replayed alone."""
-    out = []
-    for n in args.rows:
-        make = lambda: decode_rows(model, n, args.context, 300 + n)()  # noqa: E731
-        time_chain(model, make, n, 3, device, overlap=True)  # warm: the graphs of this bucket exist already
-        serial = time_chain(model, make, n, args.steps + 1, device, overlap=False)
-        overlapped = time_chain(model, make, n, args.steps + 1, device, overlap=True)
-        split = step_split(model, make(), "decode", device, n, POOL)
-        graph = split.get("graph_ms")
-        row = {"rows": n, "serial_ms": serial, "overlapped_ms": overlapped, "graph_ms": graph,
-               "engram_on_host": model.engram_hasher is not None}
-        if graph:
-            row.update(host_share_serial=1 - graph / serial, host_share_overlapped=1 - graph / overlapped)
-        log(f"overlap rows={n}: serial {serial:.2f} ms, overlapped {overlapped:.2f} ms"
-            + (f" (graph alone {graph:.2f} ms: host share {row['host_share_serial']:.1%} -> "
-               f"{row['host_share_overlapped']:.1%})" if graph else "")
-            + ("; the ids read on the host before the Engram hash" if row["engram_on_host"] else ""))
-        out.append(row)
-    return out
 
 
 def _sequence(model, i, context, seed):
@@ -493,7 +435,8 @@ def main(argv=None) -> int:
     results["steps"] = measure(model, args, device, rates, ceiling)
     save()
     if args.overlap and args.attention == "pool":
-        results["overlap"] = overlap_ab(model, args, device)
+        batches = lambda n: decode_rows(model, n, args.context, 300 + n)()  # noqa: E731
+        results["overlap"] = overlap_ab(model, args, device, POOL, batches, log)
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
     results["floors"] = one.get("floors", {})
     results["graph_stats"] = model.graphs.stats.as_dict()

@@ -235,7 +235,8 @@ def fast_events(model_dir: str, device: str, engram: bool) -> dict:
     out = {}
     try:
         for overlap in ("off", "on"):
-            engine = build_engine(engine_defaults(overlap=overlap, forward="fast"), fast, max_model_len=128, log=lambda line: None)
+            engine = build_engine(engine_defaults(overlap=overlap, forward="fast"), fast, max_model_len=128,
+                                  log=lambda line: None)
             core = engine.core
             requests = [GenerationRequest(list(FAST_PROMPTS[0]), FAST_TOKENS, SamplingParams(temperature=0.0),
                                           logprobs=1),

@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .batch import DECODE, FOLLOWS, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling, StepAborted
+from .batch import DECODE, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling
 from .block_manager import BlockManager
 from .drafting import DRAFTERS, DraftConfig, DrafterStats, choose_depth, lookup_draft
 from .params import banned_ids
+from .overlap import OverlapLoop
 from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from .request import Sequence, SequenceGroup, Status
 from .scheduler import Scheduler, SchedulerConfig
@@ -57,22 +58,10 @@ class EngineConfig:
     knobs_tag: str = ""  # every approximate setting in force ("" = exact)
     draft: DraftConfig = field(default_factory=DraftConfig)  # speculative drafting (engine/drafting.py)
     sessions: SessionConfig | None = None  # session entries in RAM (engine/sessions.py); None: off
-    # the overlapped loop (docs/ENGINE.md §6): step k + 1 planned and launched while step k runs, where the
-    # executor can launch and the step's sequences follow from step k's samples (`--overlap`, DSV41_OVERLAP)
-    overlap: bool = True
+    overlap: bool = True  # step k + 1 planned and launched while step k runs, where it can (engine/overlap.py)
 
 
-@dataclass
-class _InFlight:
-    """A launched step: its (sequence, tokens) work, its rows, the executor's pending result, when it started."""
-
-    work: list
-    rows: list
-    pending: object
-    started: float
-
-
-class LLMEngine:
+class LLMEngine(OverlapLoop):
     def __init__(self, executor, blocks: BlockManager, config: EngineConfig, clock=time.monotonic):
         if config.prefill_mode not in ("full", "replay"):
             raise ValueError(f"prefill mode must be full or replay, got {config.prefill_mode!r}")
@@ -105,7 +94,7 @@ class LLMEngine:
         self._last_token_at: dict[int, float] = {}  # seq id -> when its last token was reported
         self.drafters = {name: DrafterStats() for name in DRAFTERS}
         self._drafter_of: dict[int, str] = {}  # seq id -> the drafter of its verify row in this step
-        self._inflight: _InFlight | None = None  # the launched step whose tokens are not read yet (overlap)
+        self._inflight = None  # the launched step whose tokens are not read yet (engine/overlap.py)
         self.overlapped_steps = 0  # steps launched while the one before them ran
         self.discarded_rows = 0  # rows computed for a sequence that had finished meanwhile
 
@@ -171,13 +160,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
-        """Run one step; False when there was nothing to run. An executor failure fails the step's requests and
-        is raised again (the caller decides whether the engine goes on).
-
-        Overlapped (`EngineConfig.overlap`, an executor with `launch`): a step is launched, and while it runs the
-        next one is planned and launched behind it when every sequence it would run follows from the running step's
-        samples (`_plan_following`); then the running step's tokens are read and postprocessed. Each call finishes
-        one step; a step that cannot follow is planned by the serial path once the one before it is done."""
+        """Run (finish) one step; False when there was nothing to run. An executor failure fails the step's requests
+        and is raised again (the caller decides whether the engine goes on). Overlapped: engine/overlap.py."""
         if self._inflight is not None:
             return self._overlapped_step()
         self._admit()
@@ -207,19 +191,9 @@ class LLMEngine:
             self._inflight = self._launch(work, rows, batch)
             return self._overlapped_step() if self._inflight is not None else True
         started = self.clock()
-        self._step_seqs = [seq for seq, _ in work]
-        try:
-            out = self.executor.execute(batch)
-        except StepAborted as exc:
-            self._aborted(work, exc)
-            return True
-        except BaseException as exc:
-            for seq, _ in work:
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._step_seqs = []
-        self._complete(work, rows, out, self.clock() - started)
+        out = self._call(work, self.executor.execute, batch)
+        if out is not None:
+            self._complete(work, rows, out, self.clock() - started)
         return True
 
     def _admit(self) -> None:
@@ -240,16 +214,6 @@ class LLMEngine:
         self.step_no += 1
         return batch
 
-    def _aborted(self, work, exc: StepAborted) -> None:
-        """Every request of the step left while it ran: the forward stopped between layers and kept nothing (the
-        states are stored back only after the last layer), so each ends as cancelled from the state before this
-        step; the session loads the runner made before the forward still report."""
-        self.aborted_steps += 1
-        self._loaded(getattr(exc, "output", None))
-        for seq, _ in work:
-            if seq.status is not Status.FINISHED:
-                self._finish(seq, "cancelled")
-
     def _complete(self, work, rows: list[Row], out, seconds: float) -> None:
         """A step's results: accounting, then each row's postprocessing. A sequence that finished after the step
         was launched (it stopped in the step before, or was cancelled) has its row computed and discarded: its
@@ -263,101 +227,6 @@ class LLMEngine:
                 self.discarded_rows += 1
                 continue
             self._postprocess(seq, n, row, result)
-
-    # ------------------------------------------------------------------ the overlapped loop
-    def _overlap_ready(self) -> bool:
-        """Whether steps may be launched ahead: asked for, an executor that launches (TP = 1's), and no entries
-        at a reply's end (a finished sequence's discarded row would write its slot before the entry's snapshot)."""
-        return self.config.overlap and hasattr(self.executor, "launch") and \
-            (self.sessions is None or not self.sessions.config.reply_entries)
-
-    def _launch(self, work, rows: list[Row], batch: Batch) -> "_InFlight | None":
-        """Hand the step to the executor without waiting for its tokens; None when its requests all left
-        meanwhile (a long prefill forward that stopped between layers)."""
-        started = self.clock()
-        self._step_seqs = [seq for seq, _ in work]
-        try:
-            pending = self.executor.launch(batch)
-        except StepAborted as exc:
-            self._aborted(work, exc)
-            return None
-        except BaseException as exc:
-            for seq, _ in work:
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._step_seqs = []
-        return _InFlight(work, rows, pending, started)
-
-    def _overlapped_step(self) -> bool:
-        """Step k is running: plan and launch step k + 1 behind it where it can follow, then read step k's tokens
-        (the host's only wait) and postprocess them while step k + 1 runs."""
-        running, self._inflight = self._inflight, None
-        following = self._plan_following(running)
-        try:
-            if following is not None:
-                self._inflight = self._launch(*following)
-                self.overlapped_steps += self._inflight is not None
-        finally:
-            self._wait(running)
-        return True
-
-    def _wait(self, running: "_InFlight") -> None:
-        try:
-            out = running.pending.result()
-        except StepAborted as exc:
-            self._aborted(running.work, exc)
-            return
-        except BaseException as exc:
-            for seq, _ in running.work:
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
-            raise
-        self._complete(running.work, running.rows, out, self.clock() - running.started)
-
-    def _may_follow(self, seq: Sequence) -> bool:
-        """Whether the sequence's next row is known before its last token is: no grammar (its next mask is the
-        matcher's after the token), no logit adjustments (penalties and banned words read the output), no
-        drafting (drafts and DSpark's proposal come from the token)."""
-        return seq.constraint is None and not seq.sampling.adjusts and self._draft_cap(seq) == 0
-
-    def _plan_following(self, running: "_InFlight") -> tuple | None:
-        """Step k + 1 planned while step k runs, or None where it cannot be (the serial path plans it after step
-        k): every sequence with rows next must be one whose step-k row samples one token (prefill chunks, forks,
-        new admissions, session operations, drafts and grammars wait for step k). Each such sequence that does
-        not end by its budget at step k gets a follow row: its position, slot, pages, look-back and sampling are
-        known; its token id is step k's sample, which the runtime hands over itself. A sequence that stops at
-        step k (a stop id) has its follow row computed and discarded (`_complete`)."""
-        if not self._overlap_ready():
-            return None
-        self._admit()
-        if self._copies or (self.sessions is not None and self.sessions.pending):
-            return None
-        in_step, follow = set(), set()
-        for (seq, _), row in zip(running.work, running.rows):
-            in_step.add(seq.seq_id)
-            if seq.status is not Status.RUNNING:
-                continue  # cancelled since: nothing next
-            if row.sample is None or row.n_draft or row.propose or not self._may_follow(seq):
-                return None
-            if seq.produced + 1 < seq.limit:
-                follow.add(seq.seq_id)
-        for seq in self.scheduler.running:
-            if seq.seq_id not in in_step and seq.pending > 0 and not seq.awaiting_fork and not seq.loading:
-                return None  # a prefill chunk (or a fork's first row) waits for the serial path
-        work = [(seq, 1) for seq in self.scheduler.running if seq.seq_id in follow]
-        if not work:
-            return None
-        rows = [self._follow_row(seq) for seq, _ in work]
-        return work, rows, self._batch(rows, [])
-
-    def _follow_row(self, seq: Sequence) -> Row:
-        """The row the serial path gives `seq` once its running step's token t is in: t at position
-        len(tokens) (t is not yet among them), sampled at the next generation step (`_row` with one pending
-        token and no grammar, adjustments or drafts)."""
-        a, L, p = len(seq.tokens), self.config.lookback, seq.sampling
-        sample = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.produced + 1, seq.logprobs)
-        return Row(seq.seq_id, seq.slot, [FOLLOWS], a, seq.pages, DECODE,
-                   seq.tokens[max(0, a - L):a] if L else [], sample, [], seq.replay_start, follows=True)
 
     def _housekeeping(self) -> None:
         """A batch without rows: the session snapshots, restores and drops an idle engine still owes the runtime
