@@ -311,14 +311,18 @@ class LLMEngine(OverlapLoop):
                 scores.append((j, seq.tokens[nxt], top))
         L = self.config.lookback
         phase = PREFILL if a < seq.prompt_len else VERIFY if drafts else DECODE
-        propose = 0
-        if sample is not None and self.config.draft.dspark and self._draft_cap(seq) > 0:
-            cap = min(self._draft_cap(seq), self.config.draft.block)
-            # a pass only where some window could pay for itself at the step's rows (sure drafts, measured cost)
-            propose = cap if choose_depth([1.0] * cap, cap, self.config.draft.cost, planned)[0] else 0
+        propose = self._proposals(seq, planned) if sample is not None else 0
         return Row(seq.seq_id, seq.slot, seq.tokens[a:end] + drafts, a, seq.pages, phase,
                    seq.tokens[max(0, a - L):a] if L else [], sample, scores, seq.replay_start, len(drafts),
                    draft_samples, propose)
+
+    def _proposals(self, seq: Sequence, planned: int) -> int:
+        """DSpark drafts to ask after a sampling row of `seq`: a pass only where some window could pay for itself
+        at the step's rows (sure drafts, measured cost)."""
+        if not self.config.draft.dspark or self._draft_cap(seq) <= 0:
+            return 0
+        cap = min(self._draft_cap(seq), self.config.draft.block)
+        return cap if choose_depth([1.0] * cap, cap, self.config.draft.cost, planned)[0] else 0
 
     def _postprocess(self, seq: Sequence, n: int, row: Row, out: RowOutput) -> None:
         drafter = self._drafter_of.pop(seq.seq_id, "")

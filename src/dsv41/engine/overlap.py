@@ -91,9 +91,11 @@ class OverlapLoop:
 
     def _may_follow(self, seq: Sequence) -> bool:
         """Whether the sequence's next row is known before its last token is: no grammar (its next mask is the
-        matcher's after the token), no logit adjustments (penalties and banned words read the output), no
-        drafting (drafts and DSpark's proposal come from the token)."""
-        return seq.constraint is None and not seq.sampling.adjusts and self._draft_cap(seq) == 0
+        matcher's after the token), no logit adjustments (penalties and banned words read the output), no lookup
+        drafts (found from the token). DSpark drafts come from a proposal, which a row without `propose` does not
+        make: such rows follow, unless the next row would ask a pass (`_plan_following`)."""
+        return seq.constraint is None and not seq.sampling.adjusts and \
+            (self._draft_cap(seq) == 0 or not self.config.draft.lookup)
 
     def _plan_following(self, running: "InFlight") -> tuple | None:
         """Step k + 1 planned while step k runs, or None where it cannot be (the serial path plans it after step
@@ -122,14 +124,16 @@ class OverlapLoop:
         work = [(seq, 1) for seq in self.scheduler.running if seq.seq_id in follow]
         if not work:
             return None
-        rows = [self._follow_row(seq) for seq, _ in work]
+        rows = [self._follow_row(seq, planned) for planned, (seq, _) in enumerate(work)]
+        if any(r.propose for r in rows):  # a DSpark pass after it: a drafting round, planned serially
+            return None
         return work, rows, self._batch(rows, [])
 
-    def _follow_row(self, seq: Sequence) -> Row:
+    def _follow_row(self, seq: Sequence, planned: int) -> Row:
         """The row the serial path gives `seq` once its running step's token t is in: t at position
         len(tokens) (t is not yet among them), sampled at the next generation step (`_row` with one pending
         token and no grammar, adjustments or drafts)."""
         a, L, p = len(seq.tokens), self.config.lookback, seq.sampling
         sample = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, seq.seed, seq.produced + 1, seq.logprobs)
-        return Row(seq.seq_id, seq.slot, [FOLLOWS], a, seq.pages, DECODE,
-                   seq.tokens[max(0, a - L):a] if L else [], sample, [], seq.replay_start, follows=True)
+        return Row(seq.seq_id, seq.slot, [FOLLOWS], a, seq.pages, DECODE, seq.tokens[max(0, a - L):a] if L else [],
+                   sample, [], seq.replay_start, propose=self._proposals(seq, planned), follows=True)

@@ -6,6 +6,10 @@ everything a row needs travels in the `Row`; a step's forks (`Batch.copies`: a g
 their leader's ring slot and partial page) are made before its forward. On every rank of a TP group the same `execute` runs (the forward's
 collectives keep the ranks in step); only the driver (rank 0) samples and reports.
 
+`launch(batch)` runs the same step without waiting for its tokens (the overlapped loop, docs/ENGINE.md §6): a
+`PendingStep` whose `result()` reads them (runtime/step_handoff.py); a follow row's id comes from the step launched
+before it.
+
 Per row: the sampled token from the last row's logits (the request's logit adjustments, then its grammar mask
 applied first), the sampled token's
 logprob and top logprobs, and the logprob (+ top) of each `scores` entry: the prompt's next tokens (prompt

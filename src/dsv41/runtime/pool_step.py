@@ -57,8 +57,8 @@ def forward_pool(model, segs, chunks, pool, phase: str, n: int, B: int, writes=T
     planned = StepTables.plan(segs, B, pool)
     ids = [c[1] for c in chunks]
     if follow is not None and model.engram_hasher is not None:  # the hash needs them: the host reads them now
-        host = follow[0].host_ids()
-        ids = [torch.tensor([host[f]]) if f >= 0 else i for i, f in zip(ids, follow[1])]
+        host = torch.tensor(follow[0].host_ids(), dtype=torch.int64)
+        ids = [host[f:f + 1] if f >= 0 else i for i, f in zip(ids, follow[1])]
         follow = None
     ids_b, pos_b = ids_positions(segs, ids, B)
     stored = engram_stored(model, segs, ids, B) if model.engram_hasher is not None else None

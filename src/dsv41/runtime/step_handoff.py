@@ -37,6 +37,7 @@ class StepSample:
         runner's side stream (CUDA)."""
         self.rows, self.logits, self.device, self._choose = rows, logits, device, choose
         self.index = {r.seq_id: i for i, r in enumerate(rows) if r.sample is not None and not r.n_draft}
+        self._at = {i: rows[i].logit_offsets().index(rows[i].first_choice) for i in self.index.values()}
         self.picks = [i for i, r in enumerate(rows) if self._greedy(r)]
         self.greedy = None
         if self.picks:
@@ -56,8 +57,7 @@ class StepSample:
 
     def last(self, i: int) -> torch.Tensor:
         """Row i's logits at its sampled row."""
-        row = self.rows[i]
-        return self.logits[i][row.logit_offsets().index(row.first_choice)]
+        return self.logits[i][self._at[i]]
 
     @contextlib.contextmanager
     def host_reads(self):
