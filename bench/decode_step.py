@@ -434,7 +434,7 @@ def main(argv=None) -> int:
     save()
     results["steps"] = measure(model, args, device, rates, ceiling)
     save()
-    if args.overlap and args.attention == "pool":
+    if args.overlap and args.attention == "pool" and model.pool_runs("decode"):
         batches = lambda n: decode_rows(model, n, args.context, 300 + n)()  # noqa: E731
         results["overlap"] = overlap_ab(model, args, device, POOL, batches, log)
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
