@@ -41,7 +41,7 @@ async def run(args) -> dict:
     from dsv41.tiny.model import default_model_dir
 
     model = load_model(args.model or default_model_dir(), dspark=False)
-    engine = build_engine(engine_defaults(prefill_chunk=args.chunk, sessions="off"), model,
+    engine = build_engine(engine_defaults(prefill_chunk=args.chunk, prefill_chunk_alone=0, sessions="off"), model,
                           max_model_len=args.prompt + 64, log=lambda line: None)
     await engine.start()
     vocab = model.cfg.vocab_size

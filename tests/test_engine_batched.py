@@ -96,7 +96,8 @@ def test_random_cancellations_then_the_next_reply_is_unchanged(model, reference)
     requests = [REQUESTS[i % 5] for i in range(12)]
     arrivals = [rng.randrange(20) for _ in requests]
     plan = {arrivals[i] + rng.randrange(12): i for i in range(12)}  # step -> cancel (queued, prefilling, decoding)
-    events, core = batched(model, requests, arrivals=arrivals, cancel=plan.get, parallel=3, prefill_chunk=16)
+    events, core = batched(model, requests, arrivals=arrivals, cancel=plan.get, parallel=3, prefill_chunk=16,
+                           prefill_chunk_alone=0)
     assert core.pool_idle() and not core.has_work()
     for i, evs in enumerate(events):
         assert isinstance(evs[-1], FinishEvent)
@@ -110,7 +111,8 @@ def test_a_step_whose_requests_all_left_stops_between_layers_and_keeps_nothing(m
     """A client that leaves during a long prefill chunk (issue 31, item 7): the forward stops before the next layer
     (runtime/abort.py), the request ends as cancelled with its slot and pages back, and the engine's next replies
     keep their bits (nothing of the cut step was stored)."""
-    engine = build_engine(engine_defaults(prefill_chunk=16), model, max_model_len=512, log=lambda line: None)
+    engine = build_engine(engine_defaults(prefill_chunk=16, prefill_chunk_alone=0), model, max_model_len=512,
+                          log=lambda line: None)
     core, watch = engine.core, engine.core.executor.runner.abort_watch
     events = []
     seq = engine.make_sequence(REQUESTS[2], events.append)
@@ -312,3 +314,24 @@ def test_dspark_rings_in_the_pool_hold_what_the_reference_absorbs():
     for stage, cache in state.dspark_windows.items():
         assert torch.equal(pool.read_ring("dspark", stage, 1, 29 - window, 29), cache.kv)
     assert torch.equal(pool.read_ring("window", 3, 1, 29 - window, 29), state.windows[3].kv)
+
+
+def test_the_block_manager_hands_out_only_the_pages_every_rank_holds(model, reference):
+    """Under TP each rank sizes its pool from its own free memory; rank 0's executor carries the group's fewest
+    pages (parallel/launch.py) and the engine's block manager takes those, never its own pool's count."""
+    from dsv41.compose.build import build_runner
+    from dsv41.parallel.executor import LocalExecutor
+
+    args = engine_defaults()
+    executor = LocalExecutor(build_runner(args, model, 512, log=lambda line: None))
+    own = executor.runner.pool.num_pages
+    executor.num_pages = own - 3  # as rank 0's LeaderExecutor carries it when rank 1 holds 3 pages fewer
+    lines = []
+    engine = build_engine(args, executor, max_model_len=512, log=lines.append)
+    assert engine.core.blocks.num_pages == own - 3
+    assert any(f"{own - 3} of this rank's {own} pages" in line for line in lines)
+    events = []
+    engine.core.add(engine.make_sequence(REQUESTS[2], events.append))
+    while engine.core.has_work():
+        engine.core.step()
+    assert events == reference[2] and engine.core.pool_idle()

@@ -220,7 +220,7 @@ def test_siblings_finishing_at_different_times_free_everything(model):
 def test_two_groups_and_a_single_batched_with_odd_chunks_equal_alone(model):
     a, b = group_of(prompt(33), 2, 5, 3), group_of(prompt(26), 3, 4, 9, temperature=0.0)
     lone = GenerationRequest(prompt(21), 6, SamplingParams(temperature=0.7, seed=1), prompt_logprobs=1)
-    events, core, _ = drive(model, [a, b, [lone]], page_tokens=16, prefill_chunk=7, parallel=6)
+    events, core, _ = drive(model, [a, b, [lone]], page_tokens=16, prefill_chunk=7, prefill_chunk_alone=0, parallel=6)
     for g, requests in enumerate((a, b, [lone])):
         for i, r in enumerate(requests):
             assert events[g][i] == drive(model, [[r]], page_tokens=16)[0][0][0], (g, i)

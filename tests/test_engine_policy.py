@@ -14,7 +14,7 @@ import pytest
 
 from dsv41.engine.batch import PREFILL, RowOutput, StepOutput
 from dsv41.engine.block_manager import BlockManager
-from dsv41.engine.interface import EngineRejected, FinishEvent, PromptLogprobsEvent
+from dsv41.engine.interface import EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from dsv41.engine.llm_engine import EngineConfig, LLMEngine
 from dsv41.engine.params import SamplingParams
 from dsv41.engine.request import Sequence
@@ -142,6 +142,36 @@ def test_prefill_is_chunked_and_bounded_while_others_decode():
     engine.abort(engine.scheduler.running[0])
     run(engine)
     assert events[1][-1].reason == "length" and engine.pool_idle()
+
+
+def test_a_step_without_decode_rows_takes_the_longer_alone_chunk_and_the_replies_stay():
+    """No stream waits on a step without decode rows, so its prefill takes `prefill_chunk_alone` rows; once a stream
+    decodes, steps go back to `prefill_chunk`. The replies are the 16-row chunks' (chunking never changes a bit)."""
+    runner = FakeRunner()
+    engine, _ = make_engine(chunk=16, pages=300, runner=runner, prefill_chunk_alone=64)
+    events = {}
+    first = Sequence([3] * 150, limit=40, emit=events.setdefault(0, []).append)
+    engine.add(first)
+    while first.prefilling:
+        engine.step()
+    alone_rows = [sum(len(r.token_ids) for r in b.rows if r.phase == PREFILL) for b in runner.batches]
+    assert alone_rows == [64, 64, 22]  # 150 rows in three steps, not ten
+    second = Sequence([4] * 100, limit=3, emit=events.setdefault(1, []).append)
+    engine.add(second)
+    mark = len(runner.batches)
+    while second.prefilling:
+        engine.step()
+    shared = [b for b in runner.batches[mark:] if any(r.phase == PREFILL for r in b.rows)]
+    assert all(any(r.phase != PREFILL for r in b.rows) for b in shared)  # the first stream decodes beside it
+    assert max(sum(len(r.token_ids) for r in b.rows if r.phase == PREFILL) for b in shared) == 16
+    run(engine)
+    base, _ = make_engine(chunk=16, pages=300)
+    base_events = {}
+    base.add(Sequence([3] * 150, limit=40, emit=base_events.setdefault(0, []).append))
+    base.add(Sequence([4] * 100, limit=3, emit=base_events.setdefault(1, []).append))
+    run(base)
+    assert events == base_events and engine.pool_idle()
+    assert sum(isinstance(e, TokenEvent) for e in events[0]) == 40
 
 
 def test_fifo_with_a_background_class():

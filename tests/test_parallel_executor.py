@@ -61,7 +61,7 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     channel = PlanChannel(group.store, rank, failfast.aborted)
     model = load_model(model_dir, torch.float32, "cpu", rank=rank, world=2, comm=group.comm, dspark=False)
     # the 26-token prompt is prefilled in three chunks; entries leaving RAM are parked per rank under sessions/
-    args = engine_defaults(prefill_chunk=11, session_dir=str(Path(out).parent / "sessions"),
+    args = engine_defaults(prefill_chunk=11, prefill_chunk_alone=0, session_dir=str(Path(out).parent / "sessions"),
                            session_disk_min_tokens=16)
     runner = build_runner(args, model, 256, driver=rank == 0, log=lambda line: None)
     if rank == 1:

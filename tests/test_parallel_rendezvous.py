@@ -184,3 +184,34 @@ if __name__ == "__main__":
     if sys.argv[1] == "abort-probe":
         sys.exit(abort_probe(sys.argv[2]))
     sys.exit(worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
+
+
+def test_every_rank_learns_the_group_s_fewest_pool_pages_when_all_have_loaded():
+    """Each rank sizes its KV pool from its own free memory, so two machines come up with other page counts; rank 0
+    must hand out only page ids every rank holds (parallel/launch.py `_wait_loaded`, over a real store)."""
+    import threading
+    import types
+    from datetime import timedelta
+
+    from torch.distributed import HashStore
+
+    from dsv41.parallel.launch import _wait_loaded
+
+    store = HashStore()
+    store.set_timeout(timedelta(seconds=10))
+    failfast = types.SimpleNamespace(check=lambda: None, abort=lambda message: None)
+    got = {}
+
+    def rank(r, pages):
+        group = types.SimpleNamespace(store=store, rank=r, world=2)
+        got[r] = _wait_loaded(group, failfast, 10.0, pages)
+
+    late = threading.Thread(target=rank, args=(1, 3_990))
+    first = threading.Thread(target=rank, args=(0, 4_096))
+    first.start()
+    time.sleep(0.2)
+    assert first.is_alive()  # rank 0 waits for rank 1
+    late.start()
+    first.join(10)
+    late.join(10)
+    assert got == {0: 3_990, 1: 3_990}

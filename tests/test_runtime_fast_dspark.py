@@ -93,7 +93,60 @@ def taps_and_rings(model_dir: str, device: str) -> dict:
     drafts = {name: m.dspark.draft_many(m, ys, last, [ring, short], [None, None]) for name, m in
               (("ref", ref), ("fast", fast))}
     return {"taps": [torch.cat(recorded), ref_taps], "rings": decoded, "raw_rings": rings,
-            "drafts": {k: [(d.tokens, d.logits, d.confidence) for d in v] for k, v in drafts.items()}}
+            "drafts": {k: [(d.tokens, d.logits, d.confidence) for d in v] for k, v in drafts.items()},
+            "pool_pass": pool_pass(fast, pools[1], end)}
+
+
+class HostReads:
+    """Counts the calls that read a tensor's values back to the host (`item`, `tolist`, `cpu`, `numpy`, `int()`,
+    `float()`, `bool()`, `__index__`) made from dsv41's own code (Triton's interpreter reads its arguments too: not
+    counted). On a GPU each is a device->host sync."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def __enter__(self):
+        import dsv41
+
+        root, self.calls, self.saved = os.path.dirname(dsv41.__file__), [], {}
+        for name in self.NAMES:
+            original = self.saved[name] = getattr(torch.Tensor, name)
+
+            def counted(t, *a, _original=original, _name=name, **k):
+                where = sys._getframe(1).f_code.co_filename
+                if where.startswith(root):
+                    self.calls.append(f"{_name} at {os.path.relpath(where, root)}:{sys._getframe(1).f_lineno}")
+                return _original(t, *a, **k)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def pool_pass(fast, pool, end: int) -> dict:
+    """The drafter's pass over the pool in place (rings gathered from the pool, the chain on the device) against
+    the pass as it was (rings read through the views, the reference chain choosing row by row on the host), for a
+    greedy and a filtered T > 0 sequence with other ring lengths; and the host reads each makes."""
+    from dsv41.engine.batch import Row
+    from dsv41.runtime.draft_chain import KeyedChoice
+    from dsv41.runtime.draft_fast import FastDSparkDrafter
+    from dsv41.runtime.pool_forward import PoolSequence, decoder_start
+    from dsv41.runtime.sampling import SamplingParams
+
+    filtered = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, min_p=0.02, seed=5)
+    asks = [(Row(0, 1, [], 0, [1]), end - 1, 7, SamplingParams(temperature=0.0), 12, 5),
+            (Row(1, 1, [], 0, [1]), end - 4, 9, filtered, 30, 4)]
+    rings = [[PoolSequence(pool, Row(r.seq_id, r.slot, [], p + 1, r.page_ids), fast.cfg, decoder_start(fast.cfg))
+              .dspark_window(s).kv for s in range(STAGES)] for r, p, *_ in asks]
+    with HostReads() as host:
+        before = fast.dspark.draft_many(fast, [y for _, _, y, *_ in asks], [p for _, p, *_ in asks], rings,
+                                        [lambda lg, i, c=KeyedChoice(prm, s0): c(lg, i) for *_, prm, s0, _ in asks])
+        before = [(d.tokens[:k], [float(c) for c in d.confidence[:k]]) for d, (*_, k) in zip(before, asks)]
+    with HostReads() as device:
+        now = FastDSparkDrafter(fast).propose(pool, asks)
+    return {"before": before, "now": now, "host_reads": host.calls, "device_reads": device.calls}
 
 
 # ---------------------------------------------------------------------------------------------------- engine
@@ -161,6 +214,8 @@ def engine_runs(model_dir: str, device: str, max_tokens: int, streams: int = 2, 
     out = {"serial": serial, "drafted": drafted, "forced": forced, "stats": stats, "forced_stats": forced_stats}
     if alone:
         out["alone"] = run_engine(fast, reqs[1:2], draft_dspark="on")[0]
+    # the pieces the last run captured (CUDA): the drafter's pass as one graph among them
+    out["pieces"] = sorted({key[0] for key in fast.graphs._pieces}) if fast.graphs is not None else []
     return out
 
 
@@ -244,15 +299,30 @@ def test_fast_drafts_match_the_reference_drafts(interpreted):
     assert checked >= 4, "too few clear draft rows to compare: pick other prompts"
 
 
+def test_the_pass_over_the_pool_drafts_as_before_with_one_host_read(interpreted):
+    """The drafter's pass (rings gathered in place, the chain on the device) == the pass as it was (the views'
+    rings, the reference chain) bit for bit, greedy and filtered T > 0; it reads the host once, where the reference
+    chain reads it once a drafted row at least."""
+    got = interpreted["pool_pass"]
+    print(f"host reads: as before {len(got['host_reads'])}, over the pool {got['device_reads']}")
+    assert got["now"] == got["before"]
+    assert [len(t) for t, _ in got["now"]] == [5, 4]
+    assert len(got["device_reads"]) == 1, got["device_reads"]
+    assert len(got["host_reads"]) >= 9  # the counter sees a read per drafted row
+
+
 def test_fast_drafted_equals_serial_bitwise(interpreted):
     check_engine(interpreted["engine"])
 
 
 @pytest.mark.gpu
 def test_fast_drafted_equals_serial_bitwise_gpu(tiny_model_dir):
-    """CUDA: the step kernels, the in-place step's graphs and the drafter's pieces, four streams at different
-    depths; the trained tiny model's DSpark blocks (the acceptance it gets is printed)."""
-    check_engine(engine_runs(str(tiny_model_dir), "cuda", max_tokens=32, streams=4, alone=True))
+    """CUDA: the step kernels, the in-place step's graphs and the drafter's pass as one graph (runtime/draft_fast.py
+    `pool_pass`), four streams at different depths; the trained tiny model's DSpark blocks (the acceptance it gets
+    is printed)."""
+    res = engine_runs(str(tiny_model_dir), "cuda", max_tokens=32, streams=4, alone=True)
+    check_engine(res)
+    assert any(name.startswith("dspark.draft.") for name in res["pieces"]), res["pieces"]
 
 
 if __name__ == "__main__":

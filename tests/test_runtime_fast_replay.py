@@ -119,7 +119,8 @@ def engine_replies(model, forward: str, prompts, **opts) -> list[tuple[list[int]
     from dsv41.compose.build import build_engine, engine_defaults
     from dsv41.engine import FinishEvent, GenerationRequest, SamplingParams, TokenEvent
 
-    engine = build_engine(engine_defaults(forward=forward, prefill="replay", prefill_chunk=12, **opts), model,
+    engine = build_engine(engine_defaults(forward=forward, prefill="replay", prefill_chunk=12,
+                                          prefill_chunk_alone=0, **opts), model,
                           max_model_len=128, log=lambda line: None)
     events = [[] for _ in prompts]
     for i, ids in enumerate(prompts):

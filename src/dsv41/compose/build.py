@@ -28,6 +28,9 @@ def register_engine_args(parser) -> None:
     g.add_argument("--page-tokens", type=int, default=256, metavar="N", help="positions per pool page (256)")
     g.add_argument("--prefill-chunk", type=int, default=2048, metavar="N",
                    help="most prompt rows prefilled in one step (default 2048)")
+    g.add_argument("--prefill-chunk-alone", type=int, default=8192, metavar="N",
+                   help="most prompt rows of a step in which no stream decodes (default 8192; never fewer than "
+                        "--prefill-chunk; 0 = --prefill-chunk)")
     g.add_argument("--prefill-share", type=float, default=0.5, metavar="F",
                    help="most share of the engine's time prefill takes while others decode (default 0.5)")
     g.add_argument("--prefill", choices=("full", "replay"), default="full",
@@ -210,7 +213,15 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
         pages = -(-args.pool_tokens // args.page_tokens)
     else:
         pages = args.parallel * context_pages
-        room = free_bytes(model.device) - int(args.mem_floor_gib * GIB) - args.parallel * probe.bytes_per_slot
+        reserve = 0
+        if fast and model.device.type == "cuda":  # the longest chunk's transients stay free (prefill_memory.py)
+            from ..runtime.prefill_memory import prefill_reserve
+
+            chunk = max(args.prefill_chunk, getattr(args, "prefill_chunk_alone", 0))
+            reserve, note = prefill_reserve(model, chunk, max_model_len)
+            log(note)
+        room = (free_bytes(model.device) - int(args.mem_floor_gib * GIB) - args.parallel * probe.bytes_per_slot
+                - reserve)
         pages = max(min(pages, int(0.9 * room) // max(probe.bytes_per_page, 1)), context_pages)
     pool = pool_for_model(layout, num_slots=args.parallel, num_pages=pages, page_tokens=args.page_tokens,
                           verify_rows=verify)
@@ -241,6 +252,11 @@ def build_runner(args, model, max_model_len: int, *, driver: bool = True, log=No
             from ..runtime.draft_dspark import DSparkDrafter
 
         drafter = DSparkDrafter(model)
+        if fast:  # the draft pass's graphs too (runtime/draft_fast.py), within their own boot budget
+            boot = drafter.capture_graphs(pool, max_seqs=args.parallel, budget_s=env_boot_budget())
+            if boot["planned"]:
+                log(f"dsv41 engine: {boot['captured']} draft-pass graphs captured before serving ({boot['run']} of "
+                    f"{boot['planned']} planned) in {boot['seconds']:.1f} s")
     from ..runtime.session_disk import session_disk_for
 
     disk = session_disk_for(args, pool, model, knobs=knobs_tag(args), log=log)
@@ -272,12 +288,17 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
     hasher = runner.forward.model.engram_hasher
     config = EngineConfig(
         scheduler=SchedulerConfig(prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
+                                  prefill_chunk_alone=args.prefill_chunk_alone,
                                   mem_floor_bytes=int(args.mem_floor_gib * GIB), admit_timeout_s=args.admit_timeout),
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
         draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None),
         sessions=session_config(args, pool, runner.forward), overlap=getattr(args, "overlap", "on") == "on")
-    core = LLMEngine(executor, BlockManager(pool.num_pages, pool.num_slots, pool.page_tokens), config)
+    # at TP > 1 the group's fewest pages (parallel/launch.py): each rank sized its pool from its own free memory
+    pages = min(pool.num_pages, getattr(executor, "num_pages", None) or pool.num_pages)
+    if pages < pool.num_pages and log is not None:
+        log(f"dsv41 engine: {pages} of this rank's {pool.num_pages} pages in use (another rank holds fewer)")
+    core = LLMEngine(executor, BlockManager(pages, pool.num_slots, pool.page_tokens), config)
     return AsyncEngine(core, vocab_size=cfg.vocab_size, max_model_len=max_model_len,
                        max_waiting=getattr(args, "max_waiting", 64), encode_text=encode_text,
                        describe={"pool": pool.describe()}, park_s=getattr(args, "session_park_s", 30.0))

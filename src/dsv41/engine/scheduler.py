@@ -9,6 +9,9 @@
 - Prompts are prefilled in chunks, oldest first, at most `prefill_chunk` rows a step in all. While streams are
   decoding, prefill gets at most `prefill_share` of the engine's time (measured: the time of a step beyond a
   decode-only step's, over the last few seconds), so running streams keep flowing.
+- A step with no decode rows waits on nobody: its prefill may take up to `prefill_chunk_alone` rows (a longer chunk
+  decodes each EXL3 weight once for more rows: docs/perf/prefill.md). Chunking never changes a bit (chunked ==
+  one-shot), so the choice is free to follow the load.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from .sessions import DiskHit
 @dataclass
 class SchedulerConfig:
     prefill_chunk: int = 2048
+    prefill_chunk_alone: int = 0  # most prefill rows of a step without decode rows; 0 (or less) = prefill_chunk
     prefill_share: float = 0.5
     mem_floor_bytes: int = 0
     admit_timeout_s: float = 30.0
@@ -182,10 +186,17 @@ class Scheduler:
     def _prefill_allowed(self, decoding: bool) -> bool:
         return not decoding or self._prefill_s <= self.config.prefill_share * self._total_s
 
+    def _prefill_budget(self, decoding: bool) -> int:
+        if not self._prefill_allowed(decoding):
+            return 0
+        if decoding:
+            return self.config.prefill_chunk
+        return max(self.config.prefill_chunk, self.config.prefill_chunk_alone)
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         """(sequence, tokens to absorb) for the next step: every decode row, then prefill chunks."""
         work = [(s, s.pending) for s in self.running if not s.prefilling and s.pending > 0]
-        budget = self.config.prefill_chunk if self._prefill_allowed(bool(work)) else 0
+        budget = self._prefill_budget(bool(work))
         for seq in self.running:
             if budget <= 0:
                 break

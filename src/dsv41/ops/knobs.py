@@ -127,6 +127,8 @@ SERVE_KNOBS: tuple[ServeKnob, ...] = (
               more="Empty = parallel x context, capped by free memory above the floor."),
     ServeKnob("DSV41_PAGE_TOKENS", "--page-tokens", "positions per pool page", more="Empty = 256."),
     ServeKnob("DSV41_PREFILL_CHUNK", "--prefill-chunk", "most prompt rows prefilled in one step", more="Empty = 2048."),
+    ServeKnob("DSV41_PREFILL_CHUNK_ALONE", "--prefill-chunk-alone", "most prompt rows of a step in which no stream "
+              "decodes", more="Never fewer than the prefill chunk; 0 = the prefill chunk. Empty = 8192."),
     ServeKnob("DSV41_PREFILL_SHARE", "--prefill-share", "most share of the engine's time prefill takes while "
               "others decode", more="A fraction in (0, 1]. Empty = 0.5."),
     ServeKnob("DSV41_PREFILL", "--prefill", "full (exact) or replay (CED bounded replay: approximate, tagged)",

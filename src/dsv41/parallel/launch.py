@@ -70,9 +70,11 @@ class _LocalRanks:
                 proc.kill()
 
 
-def _wait_loaded(group, failfast: FailFast, deadline_s: float) -> None:
-    """Rank 0 reports ready only when every rank holds its shard of the model."""
-    group.store.set(f"tp/loaded/{group.rank}", "1")
+def _wait_loaded(group, failfast: FailFast, deadline_s: float, pages: int = 0) -> int:
+    """Rank 0 reports ready only when every rank holds its shard of the model. Returns the fewest KV pool pages
+    of any rank (0 if a rank has no pool): each rank sizes its pool from its own free memory, which differs
+    between two machines, and rank 0 must hand out only page ids that every rank holds."""
+    group.store.set(f"tp/loaded/{group.rank}", str(int(pages)))
     deadline = time.monotonic() + deadline_s
     keys = [f"tp/loaded/{r}" for r in range(group.world)]
     while not all(group.store.check([k]) for k in keys):
@@ -82,6 +84,7 @@ def _wait_loaded(group, failfast: FailFast, deadline_s: float) -> None:
             failfast.abort(f"rank(s) {', '.join(missing)} did not finish loading within {deadline_s:.0f} s")
             failfast.check()
         time.sleep(0.05)
+    return min(int(group.store.get(k)) for k in keys)
 
 
 def _follower_signals(rank: int, failfast: FailFast) -> None:
@@ -166,7 +169,7 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
     injector = FailureInjector(rank)
     try:
         model = load(rank, world, group.comm)
-        _wait_loaded(group, failfast, args.tp_deadline)
+        pages = _wait_loaded(group, failfast, args.tp_deadline, getattr(getattr(model, "pool", None), "num_pages", 0))
     except TPAborted:
         return _die_with_group(failfast)
     except BaseException as exc:  # noqa: BLE001 - a rank that cannot load takes the group down
@@ -184,6 +187,8 @@ def run_rank(args, *, load, serve, argv: list[str] | None = None, child_cmd: lis
         return 0
 
     leader = LeaderExecutor(model, channel, failfast, injector=injector)
+    if pages:
+        leader.num_pages = pages  # the group's fewest: the block manager hands out only these
     try:
         serve(leader)
     except BaseException as exc:  # noqa: BLE001

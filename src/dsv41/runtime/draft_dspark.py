@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..engine.batch import Row
-from .sampling import SamplingParams, sample_token
+from .draft_chain import KeyedChoice
+from .sampling import SamplingParams
 from .pool_forward import PoolSequence, decoder_start
 
 
@@ -38,10 +39,6 @@ class DSparkDrafter:
                                         replay_start=row.replay_start), self.cfg, self.decoder_from)
                  for row, p, *_ in asks]
         rings = [[v.dspark_window(s).kv for s in range(len(self.dspark.blocks))] for v in views]
-
-        def keyed(params: SamplingParams, step0: int):
-            return lambda logits, i: sample_token(logits, params, params.seed, step0 + i)
-
         drafts = self.dspark.draft_many(self.model, [y for _, _, y, *_ in asks], [p for _, p, *_ in asks], rings,
-                                        [keyed(params, step0) for *_, params, step0, _ in asks])
+                                        [KeyedChoice(params, step0) for *_, params, step0, _ in asks])
         return [(d.tokens[:n], [float(c) for c in d.confidence[:n]]) for d, (*_, n) in zip(drafts, asks)]

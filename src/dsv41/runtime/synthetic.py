@@ -195,9 +195,11 @@ def _block(r: _Random, cfg: ModelConfig, role: LayerRole, rope: RopeTable, rank:
     sp = p + "ffn.shared_experts."
     shared = [(r.linear(d, s1 - s0, Ks, sp + "w1"), r.linear(d, s1 - s0, Ks, sp + "w3"),
                r.linear(s1 - s0, d, Ks, sp + "w2"))] if cfg.n_shared_experts else []
-    moe = FusedMoE(r.normal(E, d, std=2 * d ** -0.5), r.normal(E, std=0.3), experts, shared, topk=topk,
-                   route_scale=cfg.routed_scaling_factor, renorm=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit,
-                   gate_temp=cfg.gate_temp)
+    # the router's gate as the release stores it (bf16 in MODEL.md's tensor table): prefill's tiles take the tensor
+    # cores on it and a decode row reads half the bytes; until 34de57d an fp32 gate here timed the IEEE fp32 paths
+    moe = FusedMoE(r.normal(E, d, std=2 * d ** -0.5, dtype=torch.bfloat16), r.normal(E, std=0.3), experts, shared,
+                   topk=topk, route_scale=cfg.routed_scaling_factor, renorm=cfg.norm_topk_prob,
+                   swiglu_limit=cfg.swiglu_limit, gate_temp=cfg.gate_temp)
     mix = (2 + hc) * hc
 
     def hc_site() -> HC:

@@ -177,6 +177,7 @@ ENGINE_LIMITS = (
     ("pool_tokens", "--pool-tokens", int, 1, None, False),
     ("page_tokens", "--page-tokens", int, 1, None, False),
     ("prefill_chunk", "--prefill-chunk", int, 1, None, False),
+    ("prefill_chunk_alone", "--prefill-chunk-alone", int, 0, None, False),
     ("prefill_share", "--prefill-share", float, 0, 1, True),
     ("mem_floor_gib", "--mem-floor-gib", float, 0, None, False),
     ("admit_timeout", "--admit-timeout", float, 0, None, True),
