@@ -135,12 +135,13 @@ def host_profile(run_step, rows, device, top: int = 45) -> dict:
 
 
 def time_chain(model, rows_fn, n: int, steps: int, device, pool, overlap: bool) -> float:
-    """Median ms a decode step of n rows in a chain of `steps` steps, each step's ids the step before's greedy picks,
+    """Ms a decode step of n rows in a chain of `steps` steps, each step's ids the step before's greedy picks,
     as the engine's loop runs them (runtime/step_handoff.py): serial, the host reads step k's ids (`choices`)
     before it plans and launches step k + 1; overlapped, step k + 1's forward is planned and enqueued first, its
     ids taken from step k's sample inside the forward (gathered on the device, or read on the host just before
     the Engram hash where the model has Engram), and step k's ids are read afterwards on the side stream (its
-    event only). The median of the gaps between successive steps' ids in hand."""
+    event only). Returns the chain's wall time from the first launch (the device idle) to the last ids in hand,
+    over `steps` (on the CPU both orders compute the same and give the same figure)."""
     from dsv41.engine.batch import Row, RowSampling
     from dsv41.runtime.model_runner import ModelRunner
     from dsv41.runtime.step_handoff import Handoff, StepSample
@@ -149,24 +150,21 @@ def time_chain(model, rows_fn, n: int, steps: int, device, pool, overlap: bool) 
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     rows_obj = [Row(i, 0, [0], 0, [], sample=RowSampling(0.0, 1.0, 0, 0.0, 0, 0)) for i in range(n)]
     follow_index = list(range(n))
-    prev, done = None, []
+    batches = [rows() for _ in range(steps)]  # the sequences' states: planned before the clock starts
+    prev = None
     sync(device)
-    for _ in range(steps):
+    t0 = time.perf_counter()
+    for batch in batches:
         follow = (Handoff(prev, dict(enumerate(follow_index))), follow_index) if overlap and prev else None
-        logits = model.forward(rows(), "decode", pool=pool, follow=follow)
+        logits = model.forward(batch, "decode", pool=pool, follow=follow)
         sample = StepSample(rows_obj, [logits[i:i + 1] for i in range(n)], device, ModelRunner._choose, side)
         if overlap and prev is not None:
             prev.choices()  # step k's ids, read while step k + 1 runs
-            done.append(time.perf_counter())
         elif not overlap:
             sample.choices()
-            done.append(time.perf_counter())
         prev = sample
-    if overlap:
-        prev.choices()
-        done.append(time.perf_counter())
-    gaps = [(b - a) * 1e3 for a, b in zip(done, done[1:])]
-    return statistics.median(gaps[1:] or gaps)
+    prev.choices()
+    return (time.perf_counter() - t0) * 1e3 / steps
 
 
 def overlap_ab(model, args, device, pool, decode_rows, log) -> list[dict]:
