@@ -15,6 +15,10 @@ In one run:
   `--steps`; one profiled step each: device time per op class (the runtime's sections), launches, host = step -
   device busy; weight bytes and EXL3 weights read (distinct experts from the step's routing) and the two floors:
   bytes / read ceiling (bandwidth), EXL3 weights / best decode rate (instruction);
+- the overlapped loop (`--overlap`, default on; `--no-overlap` skips it): per decode row count, a chain of steps whose
+  ids are the step before's greedy picks, serial against overlapped (step k + 1 planned and enqueued before the
+  host reads step k's ids), ms a step and the host's share against the graph replayed alone (`overlap` in the
+  JSON);
 - prefill: one `--prefill`-row chunk (tokens/s, GEMM FLOPs as % of the measured bf16 rate).
 Decode and verify steps run their static pieces as CUDA graphs (runtime/graphs.py; captured in the two untimed
 warm-up steps of each row count) unless `--no-graphs`; the JSON says which (`graphs`: on/off) and the pieces'
@@ -45,7 +49,7 @@ from dsv41.runtime import sections  # noqa: E402
 from dsv41.runtime.graphs import PieceGraphs  # noqa: E402
 from dsv41.runtime.layers.linear import DequantLinear, Exl3Linear  # noqa: E402
 from dsv41.runtime.synthetic import synthetic_pool_sequence, synthetic_rank, synthetic_state  # noqa: E402
-from step_profile import classify, host_profile, step_split, sync  # noqa: E402
+from step_profile import classify, host_profile, overlap_ab, step_split, sync  # noqa: E402
 
 PREFILL_SHAPES = [(5120, 1152), (1152, 5120), (5120, 1280), (5120, 512), (1280, 16384), (4096, 1024),
                   (4096, 5120), (1280, 4096), (3072, 25600)]
@@ -355,6 +359,9 @@ def main(argv=None) -> int:
     p.add_argument("--attention", choices=("pool", "gather"), default="pool",
                    help="decode/verify attention over a KV pool in place (one graph a step), or over states "
                         "loaded per sequence (the pieces' graphs, eager attention between them)")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="A/B of the engine's overlapped loop: each decode row count's chained step serial and "
+                        "overlapped, and the host's share of each (--no-overlap: skip)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds this run may take: the prefill is skipped when less than 40 s are left")
     args = p.parse_args(argv)
@@ -426,6 +433,10 @@ def main(argv=None) -> int:
         log(f"kernel rates {rates}")
     save()
     results["steps"] = measure(model, args, device, rates, ceiling)
+    save()
+    if args.overlap and args.attention == "pool" and model.pool_runs("decode"):
+        batches = lambda n: decode_rows(model, n, args.context, 300 + n)()  # noqa: E731
+        results["overlap"] = overlap_ab(model, args, device, POOL, batches, log)
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
     results["floors"] = one.get("floors", {})
     results["graph_stats"] = model.graphs.stats.as_dict()

@@ -1,6 +1,7 @@
 """Profiling helpers of bench/decode_step.py: where a step's device time goes by section and kernel (`classify`,
 from a torch profile), the host's share without a profiler (`step_split`), and the host's Python by function
-(`host_profile`, cProfile)."""
+(`host_profile`, cProfile); the overlapped loop's A/B (`overlap_ab`: a chain of steps serial against overlapped,
+`time_chain`)."""
 
 from __future__ import annotations
 
@@ -131,3 +132,60 @@ def host_profile(run_step, rows, device, top: int = 45) -> dict:
                for (file, line, name), (_, calls, own, cum, _) in st.stats.items()]
     return {"total_ms": st.total_tt * 1e3, "by_own": sorted(entries, key=lambda e: -e["own_ms"])[:top],
             "by_cumulative": sorted(entries, key=lambda e: -e["cum_ms"])[:top]}
+
+
+def time_chain(model, rows_fn, n: int, steps: int, device, pool, overlap: bool) -> float:
+    """Ms a decode step of n rows in a chain of `steps` steps, each step's ids the step before's greedy picks,
+    as the engine's loop runs them (runtime/step_handoff.py): serial, the host reads step k's ids (`choices`)
+    before it plans and launches step k + 1; overlapped, step k + 1's forward is planned and enqueued first, its
+    ids taken from step k's sample inside the forward (gathered on the device, or read on the host just before
+    the Engram hash where the model has Engram), and step k's ids are read afterwards on the side stream (its
+    event only). Returns the chain's wall time from the first launch (the device idle) to the last ids in hand,
+    over `steps` (on the CPU both orders compute the same and give the same figure)."""
+    from dsv41.engine.batch import Row, RowSampling
+    from dsv41.runtime.model_runner import ModelRunner
+    from dsv41.runtime.step_handoff import Handoff, StepSample
+
+    rows = rows_fn()
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    rows_obj = [Row(i, 0, [0], 0, [], sample=RowSampling(0.0, 1.0, 0, 0.0, 0, 0)) for i in range(n)]
+    follow_index = list(range(n))
+    batches = [rows() for _ in range(steps)]  # the sequences' states: planned before the clock starts
+    prev = None
+    sync(device)
+    t0 = time.perf_counter()
+    for batch in batches:
+        follow = (Handoff(prev, dict(enumerate(follow_index))), follow_index) if overlap and prev else None
+        logits = model.forward(batch, "decode", pool=pool, follow=follow)
+        sample = StepSample(rows_obj, [logits[i:i + 1] for i in range(n)], device, ModelRunner._choose, side)
+        if overlap and prev is not None:
+            prev.choices()  # step k's ids, read while step k + 1 runs
+        elif not overlap:
+            sample.choices()
+        prev = sample
+    prev.choices()
+    return (time.perf_counter() - t0) * 1e3 / steps
+
+
+def overlap_ab(model, args, device, pool, decode_rows, log) -> list[dict]:
+    """bench/decode_step.py `--overlap`: per decode row count, the chained step serial and overlapped (the same
+    call, the same machine), and the host's share of each against the step's graph replayed alone.
+    `decode_rows(n)`: a function giving the next batch of n decode rows over `pool`."""
+    out = []
+    for n in args.rows:
+        make = lambda: decode_rows(n)  # noqa: E731
+        time_chain(model, make, n, 3, device, pool, overlap=True)  # warm: the graphs of this bucket exist already
+        serial = time_chain(model, make, n, args.steps + 1, device, pool, overlap=False)
+        overlapped = time_chain(model, make, n, args.steps + 1, device, pool, overlap=True)
+        split = step_split(model, make(), "decode", device, n, pool)
+        graph = split.get("graph_ms")
+        row = {"rows": n, "serial_ms": serial, "overlapped_ms": overlapped, "graph_ms": graph,
+               "engram_on_host": model.engram_hasher is not None}
+        if graph:
+            row.update(host_share_serial=1 - graph / serial, host_share_overlapped=1 - graph / overlapped)
+        log(f"overlap rows={n}: serial {serial:.2f} ms, overlapped {overlapped:.2f} ms"
+            + (f" (graph alone {graph:.2f} ms: host share {row['host_share_serial']:.1%} -> "
+               f"{row['host_share_overlapped']:.1%})" if graph else "")
+            + ("; the ids read on the host before the Engram hash" if row["engram_on_host"] else ""))
+        out.append(row)
+    return out

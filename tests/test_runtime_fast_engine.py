@@ -82,9 +82,9 @@ def fast_and_reference(model_dir: str, device: str) -> dict:
 
     phases, execute = [], FastForward.execute
 
-    def recording(self, rows, pool):
+    def recording(self, rows, pool, **kw):  # (handoff=: the overlapped loop's follow rows, ENGINE.md §6)
         phases.append(sorted({self.phase_of(r) for r in rows}))
-        return execute(self, rows, pool)
+        return execute(self, rows, pool, **kw)
 
     FastForward.execute = recording
     try:

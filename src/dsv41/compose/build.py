@@ -80,6 +80,9 @@ def register_engine_args(parser) -> None:
     g.add_argument("--draft-default", choices=("on", "off"), default="off" if env("DSV41_DRAFT") == "0" else "on",
                    help="whether requests that do not say draft (DSV41_DRAFT=0: off; a request's \"draft\" "
                         "field decides for itself)")
+    g.add_argument("--overlap", choices=("on", "off"), default="off" if env("DSV41_OVERLAP") == "0" else "on",
+                   help="plan and launch decode step k+1 while step k runs, its token ids handed over from step k's "
+                        "sample (DSV41_OVERLAP=0: off; TP=1; docs/ENGINE.md §6)")
     g.add_argument("--draft-cost", default=env("DSV41_DRAFT_COST"), metavar="ROWS:S,...",
                    help="the step cost per row count that sets the draft depth (DSV41_DRAFT_COST; default: "
                         "measured at start)")
@@ -290,7 +293,7 @@ def build_engine(args, model, *, max_model_len: int, encode_text=None, log=None)
         prefill_mode=args.prefill, window=cfg.sliding_window,
         lookback=hasher.constants.max_ngram - 1 if hasher is not None else 0, knobs_tag=knobs_tag(args),
         draft=draft_config(args, runner.forward.model, executor, log, drafter=runner.drafter is not None),
-        sessions=session_config(args, pool, runner.forward))
+        sessions=session_config(args, pool, runner.forward), overlap=getattr(args, "overlap", "on") == "on")
     # at TP > 1 the group's fewest pages (parallel/launch.py): each rank sized its pool from its own free memory
     pages = min(pool.num_pages, getattr(executor, "num_pages", None) or pool.num_pages)
     if pages < pool.num_pages and log is not None:

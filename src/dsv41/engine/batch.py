@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PREFILL, DECODE, VERIFY = "prefill", "decode", "verify"
+FOLLOWS = -1  # a follow row's token id until the runtime puts in the one its sequence's previous step sampled
 
 
 @dataclass(slots=True)
@@ -61,6 +62,10 @@ class Row:
     n_draft: int = 0
     draft_samples: list = field(default_factory=list)  # RowSampling per draft (wire lists on followers)
     propose: int = 0  # DSpark drafts wanted for the next round (from the last kept row and the last token)
+    # a follow row (the overlapped loop, docs/ENGINE.md §6): planned before its sequence's previous step finished,
+    # its one token id (FOLLOWS here) is the token that step samples for this sequence; the runtime takes it from
+    # that step's sample (on the device where it can: no host round trip between the two steps)
+    follows: bool = False
 
     @property
     def first_choice(self) -> int:

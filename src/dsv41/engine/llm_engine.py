@@ -19,10 +19,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .batch import DECODE, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling, StepAborted
+from .batch import DECODE, PREFILL, VERIFY, Batch, Row, RowOutput, RowSampling
 from .block_manager import BlockManager
 from .drafting import DRAFTERS, DraftConfig, DrafterStats, choose_depth, lookup_draft
 from .params import banned_ids
+from .overlap import OverlapLoop
 from .interface import EngineFailure, EngineRejected, FinishEvent, PromptLogprobsEvent, TokenEvent
 from .request import Sequence, SequenceGroup, Status
 from .scheduler import Scheduler, SchedulerConfig
@@ -57,9 +58,10 @@ class EngineConfig:
     knobs_tag: str = ""  # every approximate setting in force ("" = exact)
     draft: DraftConfig = field(default_factory=DraftConfig)  # speculative drafting (engine/drafting.py)
     sessions: SessionConfig | None = None  # session entries in RAM (engine/sessions.py); None: off
+    overlap: bool = True  # step k + 1 planned and launched while step k runs, where it can (engine/overlap.py)
 
 
-class LLMEngine:
+class LLMEngine(OverlapLoop):
     def __init__(self, executor, blocks: BlockManager, config: EngineConfig, clock=time.monotonic):
         if config.prefill_mode not in ("full", "replay"):
             raise ValueError(f"prefill mode must be full or replay, got {config.prefill_mode!r}")
@@ -92,6 +94,9 @@ class LLMEngine:
         self._last_token_at: dict[int, float] = {}  # seq id -> when its last token was reported
         self.drafters = {name: DrafterStats() for name in DRAFTERS}
         self._drafter_of: dict[int, str] = {}  # seq id -> the drafter of its verify row in this step
+        self._inflight = None  # the launched step whose tokens are not read yet (engine/overlap.py)
+        self.overlapped_steps = 0  # steps launched while the one before them ran
+        self.discarded_rows = 0  # rows computed for a sequence that had finished meanwhile
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
@@ -150,16 +155,16 @@ class LLMEngine:
                                   for s in seqs)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or (self.sessions is not None and self.sessions.pending)
+        return self._inflight is not None or self.scheduler.has_work() or \
+            (self.sessions is not None and self.sessions.pending)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> bool:
-        """Run one step; False when there was nothing to run. An executor failure fails the step's requests and
-        is raised again (the caller decides whether the engine goes on)."""
-        for seq in self.scheduler.admit():
-            seq.emit(EngineRejected(f"cannot admit the request: free memory stays under the floor "
-                                    f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running",
-                                    code="insufficient_memory"))
+        """Run (finish) one step; False when there was nothing to run. An executor failure fails the step's requests
+        and is raised again (the caller decides whether the engine goes on). Overlapped: engine/overlap.py."""
+        if self._inflight is not None:
+            return self._overlapped_step()
+        self._admit()
         for seq in self.scheduler.running:  # a group's leader resumed at its fork point: the siblings fork now
             if seq.hold_at is not None and seq.num_computed >= seq.hold_at:
                 self._fork(seq)
@@ -180,42 +185,48 @@ class LLMEngine:
             rows.append(self._row(seq, n, planned))
             planned += len(rows[-1].token_ids) if not seq.prefilling else 0
         copies = [entry for sib, entry in self._copies if sib.status is Status.RUNNING]
+        self._copies = []
+        batch = self._batch(rows, copies)
+        if self._overlap_ready() and not any(r.n_draft or r.propose for r in rows):
+            self._inflight = self._launch(work, rows, batch)
+            return self._overlapped_step() if self._inflight is not None else True
+        started = self.clock()
+        out = self._call(work, self.executor.execute, batch)
+        if out is not None:
+            self._complete(work, rows, out, self.clock() - started)
+        return True
+
+    def _admit(self) -> None:
+        for seq in self.scheduler.admit():
+            seq.emit(EngineRejected(f"cannot admit the request: free memory stays under the floor "
+                                    f"({self.config.scheduler.mem_floor_bytes} bytes) with nothing else running",
+                                    code="insufficient_memory"))
+
+    def _batch(self, rows: list[Row], copies: list) -> Batch:
+        """The step's Batch: its rows, what was freed since the last one, the forks and session operations."""
         ops = {}
         if self.sessions is not None:
             ops, evicted = self.sessions.batch_ops()
             self._freed_pages += evicted
         batch = Batch(self.step_no, rows, self._freed_slots, self._freed_pages, self.config.knobs_tag,
                       copies=copies, **ops)
-        self._freed_slots, self._freed_pages, self._copies = [], [], []
+        self._freed_slots, self._freed_pages = [], []
         self.step_no += 1
-        started = self.clock()
-        self._step_seqs = [seq for seq, _ in work]
-        try:
-            out = self.executor.execute(batch)
-        except StepAborted as exc:
-            # every request of the step left while it ran: the forward stopped between layers and kept nothing
-            # (the states are stored back only after the last layer), so each ends as cancelled from the state
-            # before this step; the session loads the runner made before the forward still report
-            self.aborted_steps += 1
-            self._loaded(getattr(exc, "output", None))
-            for seq, _ in work:
-                if seq.status is not Status.FINISHED:
-                    self._finish(seq, "cancelled")
-            return True
-        except BaseException as exc:
-            for seq, _ in work:
-                self._fail(seq, f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            self._step_seqs = []
-        seconds = self.clock() - started
+        return batch
+
+    def _complete(self, work, rows: list[Row], out, seconds: float) -> None:
+        """A step's results: accounting, then each row's postprocessing. A sequence that finished after the step
+        was launched (it stopped in the step before, or was cancelled) has its row computed and discarded: its
+        slot and pages are already back, its reply unchanged."""
         self._loaded(out)
         prefill = sum(len(r.token_ids) for r in rows if r.phase == PREFILL)
         self.scheduler.observe(prefill, len(rows) - sum(r.phase == PREFILL for r in rows), seconds)
         self._account(rows, prefill, seconds)
         for (seq, n), row, result in zip(work, rows, out.rows):
+            if seq.status is Status.FINISHED:
+                self.discarded_rows += 1
+                continue
             self._postprocess(seq, n, row, result)
-        return True
 
     def _housekeeping(self) -> None:
         """A batch without rows: the session snapshots, restores and drops an idle engine still owes the runtime
@@ -300,14 +311,18 @@ class LLMEngine:
                 scores.append((j, seq.tokens[nxt], top))
         L = self.config.lookback
         phase = PREFILL if a < seq.prompt_len else VERIFY if drafts else DECODE
-        propose = 0
-        if sample is not None and self.config.draft.dspark and self._draft_cap(seq) > 0:
-            cap = min(self._draft_cap(seq), self.config.draft.block)
-            # a pass only where some window could pay for itself at the step's rows (sure drafts, measured cost)
-            propose = cap if choose_depth([1.0] * cap, cap, self.config.draft.cost, planned)[0] else 0
+        propose = self._proposals(seq, planned) if sample is not None else 0
         return Row(seq.seq_id, seq.slot, seq.tokens[a:end] + drafts, a, seq.pages, phase,
                    seq.tokens[max(0, a - L):a] if L else [], sample, scores, seq.replay_start, len(drafts),
                    draft_samples, propose)
+
+    def _proposals(self, seq: Sequence, planned: int) -> int:
+        """DSpark drafts to ask after a sampling row of `seq`: a pass only where some window could pay for itself
+        at the step's rows (sure drafts, measured cost)."""
+        if not self.config.draft.dspark or self._draft_cap(seq) <= 0:
+            return 0
+        cap = min(self._draft_cap(seq), self.config.draft.block)
+        return cap if choose_depth([1.0] * cap, cap, self.config.draft.cost, planned)[0] else 0
 
     def _postprocess(self, seq: Sequence, n: int, row: Row, out: RowOutput) -> None:
         drafter = self._drafter_of.pop(seq.seq_id, "")
@@ -490,6 +505,8 @@ class LLMEngine:
             "prefilling": [{"seq": q.seq_id, "prompt_tokens": q.prompt_len, "prefilled": q.num_computed}
                            for q in list(s.running) if q.prefilling],
             "drafting": self._draft_figures(),
+            "overlap": {"on": self._overlap_ready(), "steps": self.overlapped_steps,
+                        "discarded_rows": self.discarded_rows},
             "sessions": self.sessions.figures() if self.sessions is not None else None,
             "seconds": {"bounds": list(TIME_BUCKETS), **{k: h.figures() for k, h in self.times.items()}},
         }

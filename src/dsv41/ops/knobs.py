@@ -198,6 +198,9 @@ ENV_KNOBS: tuple[EnvKnob, ...] = (
             more="Empty = 60."),
     EnvKnob("DSV41_GRAPHS", "1 = capture the decode step's CUDA graphs where allowed; 0 = every piece eager",
             more="For diagnosis. Empty = 1."),
+    EnvKnob("DSV41_OVERLAP", "0 = every engine step serial; 1 = step k+1 planned and launched while step k runs "
+            "(the default of --overlap)", flag="--overlap",
+            more="TP = 1 decode steps; prefill chunks, drafts and grammars run serial either way. Empty = 1."),
 )
 
 OPS_KNOBS: tuple[OpsKnob, ...] = (

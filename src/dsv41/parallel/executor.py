@@ -82,6 +82,11 @@ class LocalExecutor:
     def execute(self, batch):
         return self.runner.execute(batch)
 
+    def launch(self, batch):
+        """The step enqueued, its tokens read later (`.result()`): the overlapped loop (docs/ENGINE.md §6); at TP=1
+        only (the leader's rounds run on the round worker, the followers' loop is serial)."""
+        return self.runner.launch(batch)
+
     def watch_aborts(self, probe) -> None:
         self.runner.watch_aborts(probe)
 

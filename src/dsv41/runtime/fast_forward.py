@@ -118,8 +118,20 @@ class FastForward:
         return len(row.token_ids) <= fits and (not row.replay_start
                                                or row.start_pos - self.cfg.sliding_window + 1 >= row.replay_start)
 
+    def takes_handoff(self, rows: list[Row]) -> bool:
+        """Whether this step's follow rows (`Row.follows`) can take their ids from the previous step's sample
+        inside the forward (`execute(handoff=)`): every one runs in place (a one-token decode row over the pool),
+        where the tables are planned before the ids are needed and the ids stay on the device (with Engram the
+        host reads them just before the hash: `FastModel._forward_pool`)."""
+        m = self.model
+        return self.in_place and m.pool_runs(DECODE) and \
+            all(self.phase_of(r) == DECODE and self.in_place_fits(r, 1) for r in rows if r.follows)
+
     @torch.inference_mode()
-    def execute(self, rows: list[Row], pool) -> list[torch.Tensor | None]:
+    def execute(self, rows: list[Row], pool, handoff=None) -> list[torch.Tensor | None]:
+        """`handoff` (runtime/step_handoff.py, where `takes_handoff`): the follow rows' ids are the previous step's
+        sample, taken by the forward once the step's tables are planned (on the device where no Engram row is
+        hashed from them)."""
         m = self.model
         views = load_sequences(pool, rows, self.cfg, self.decoder_from, m.engram_hasher)
         out: list[torch.Tensor | None] = [None] * len(rows)
@@ -139,16 +151,23 @@ class FastForward:
             last_only = phase == PREFILL and all(o in ([], [len(rows[i].token_ids) - 1])
                                                  for i, o in zip(members, wanted))
             mode = "last" if last_only else "all"
+            follow = [handoff.source.get(i, -1) for i in members] if handoff is not None else []
+            if any(f >= 0 for f in follow) and not (in_place and phase == DECODE):
+                raise ValueError("follow rows take their ids on the device only in place (takes_handoff)")
             logits = m.forward([(views[i], rows[i].token_ids) for i in members], phase, logits=mode,
                                pool=pool if in_place else None, watch=self.abort_watch,
-                               replay_from=[rows[i].replay_start for i in members] if any(cuts) else None)
+                               replay_from=[rows[i].replay_start for i in members] if any(cuts) else None,
+                               follow=(handoff, follow) if any(f >= 0 for f in follow) else None)
             at = 0
             for i, c, offsets in zip(members, cuts, wanted):
                 left = len(rows[i].token_ids) - c  # the rows the decoder layers ran (all but replay's cut)
                 n = min(left, 1) if mode == "last" else left
                 if offsets:
                     pick = [0] if mode == "last" else [o - c for o in offsets]
-                    out[i] = logits[at + torch.tensor(pick, dtype=torch.long, device=logits.device)]
+                    if pick == list(range(pick[0], pick[-1] + 1)):  # a slice: no index copied up (a copy from
+                        out[i] = logits[at + pick[0]:at + pick[-1] + 1]  # pageable memory waits for the stream)
+                    else:
+                        out[i] = logits[at + torch.tensor(pick, dtype=torch.long, device=logits.device)]
                 at += n
             if at != logits.shape[0]:
                 raise RuntimeError(f"{phase}: {logits.shape[0]} logit rows for {at} asked")

@@ -55,6 +55,7 @@ from .layers.attention import FastAttention, Segment, step_kernels_run
 from .layers.linear import PrefillWorkspace, is_fused
 from .layers.moe import FusedMoE
 from .pool_forward import decoder_start
+from .pool_step import engram_stored, forward_pool, ids_positions
 from .sections import section
 
 _NOT_HELD = ("cfg", "workspace", "ref", "rope", "constants", "launch")
@@ -160,7 +161,7 @@ class FastModel:
     @torch.no_grad()
     def forward(self, segments: Sequence[tuple[SequenceState, object]], phase: str = "decode",
                 logits: str = "last", trace: dict | None = None, pool=None, writes: bool = True,
-                watch=None, replay_from: Sequence[int] | None = None) -> torch.Tensor:
+                watch=None, replay_from: Sequence[int] | None = None, follow=None) -> torch.Tensor:
         """Absorb each `(state, ids)` chunk; returns fp32 logits `[rows, vocab]` (complete on every rank): every
         row's for `logits="all"`, else each chunk's last row (decode chunks are one row: every row).
 
@@ -176,7 +177,11 @@ class FastModel:
         `replay_from` (prefill; CED bounded replay, MODEL.md §11): per chunk, the replay segment's start. A chunk's
         rows before it run the encoder layers, then only the first decoder layer's compressor and index keys
         (`_replay_cut`); the logits are those of the rows that remain (a chunk with none gives none: "last" then
-        returns one row per chunk that has rows left)."""
+        returns one row per chunk that has rows left).
+
+        `follow` (over a pool, decode; the overlapped loop): `(source, index)`, `index[i] >= 0` naming chunk i a
+        follow row whose one id is `source[index[i]]` (the previous step's sample, int64 on the device): its id
+        in `segments` is a placeholder, and the tables' ids take the device's before the step's graph."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         chunks = [(state, torch.as_tensor(ids, dtype=torch.long).reshape(-1).cpu()) for state, ids in segments]
@@ -192,16 +197,21 @@ class FastModel:
         if not is_fused(phase):
             return self._forward(chunks, phase, logits, trace, watch=watch, cuts=replay_from)
         most = STEP_ROWS if pool is not None and self.pool_runs(phase, trace) else BUCKET
-        out, group, rows = [], [], 0
+        if follow is not None and most != STEP_ROWS:
+            raise ValueError("follow rows take their ids on the device in a step over the pool only")
+        index = list(follow[1]) if follow is not None else [-1] * len(chunks)
+        out, group, rows, at = [], [], 0, 0
+        sub = lambda: None if follow is None else (follow[0], index[at - len(group):at])  # noqa: E731
         for state, ids in chunks:
             if ids.numel() > BUCKET:
                 raise ValueError(f"a {phase} chunk has at most {BUCKET} rows, got {ids.numel()}")
             if rows + ids.numel() > most:
-                out.append(self._forward(group, phase, logits, trace, pool, writes))
+                out.append(self._forward(group, phase, logits, trace, pool, writes, follow=sub()))
                 group, rows = [], 0
             group.append((state, ids))
             rows += ids.numel()
-        out.append(self._forward(group, phase, logits, trace, pool, writes))
+            at += 1
+        out.append(self._forward(group, phase, logits, trace, pool, writes, follow=sub()))
         return torch.cat(out)  # always a new tensor: the logits outlive the graph pieces' output buffers
 
     __call__ = forward
@@ -221,7 +231,7 @@ class FastModel:
         return is_fused(phase) and trace is None and step_kernels_run(self.device)
 
     def _forward(self, chunks, phase: str, logits: str, trace: dict | None, pool=None, writes: bool = True,
-                 watch=None, cuts: list[int] | None = None) -> torch.Tensor:
+                 watch=None, cuts: list[int] | None = None, follow=None) -> torch.Tensor:
         cfg, dev = self.cfg, self.device
         segs, at = [], 0
         for state, ids in chunks:
@@ -230,20 +240,14 @@ class FastModel:
         n = at
         pooled = pool is not None and self.pool_runs(phase, trace)
         B = row_bucket(n) if pooled else BUCKET if is_fused(phase) else n
-        # numpy: a few µs an op where torch's CPU ops cost ~10 (host work before every step's graph)
-        ids = np.concatenate([c[1].numpy() for c in chunks])
-        pos = np.concatenate([np.arange(s.pos, s.pos + s.T, dtype=np.int64) for s in segs])
-        ids_b = torch.from_numpy(np.concatenate((ids, np.full(B - n, ids[0], dtype=np.int64))))
-        pos_b = torch.from_numpy(np.concatenate((pos, np.full(B - n, pos[0], dtype=np.int64))))
+        if pooled:
+            return self._forward_pool(segs, chunks, pool, phase, n, B, writes, follow)
+        if follow is not None and max(follow[1]) >= 0:
+            raise ValueError("follow rows take their ids on the device in a step over the pool only")
+        ids_b, pos_b = ids_positions(segs, [c[1] for c in chunks], B)
         stored = rows = live = None
         if self.engram_hasher is not None:
-            with section("engram"):
-                row_ids = self.engram_hasher.hash_many([(i, s.state.engram) for s, (_, i) in zip(segs, chunks)])
-                row_ids = torch.cat((row_ids, row_ids[:1].expand(B - n, *row_ids.shape[1:])))
-                reads = {L: e.table.submit(row_ids[:, cfg.engram_layer_ids.index(L)]) for L, e in self.engram.items()}
-                stored = {L: read.wait_bytes() for L, read in reads.items()}  # every layer's reads in flight at once
-        if pooled:
-            return self._forward_pool(segs, chunks, pool, phase, n, B, ids_b, pos_b, stored, writes)
+            stored = engram_stored(self, segs, [c[1] for c in chunks], B)
         if stored is not None:
             with section("engram"):
                 rows = {L: r.decode(dev) for L, r in stored.items()}
@@ -318,32 +322,9 @@ class FastModel:
         pending = None if pending is None else tuple(v[keep] for v in pending)
         return x[keep], pre[keep], pending
 
-    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, ids_b, pos_b, stored, writes=True):
-        """One bucket over the pool: the tables (one host-to-device copy, which also carries the step's token ids,
-        positions and Engram rows as stored), then the whole step as one graph (`graphs.run("step", ...)`, keyed
-        by phase, the row bucket B of n and the tables' page bucket: the tables and kernels hold B rows, those
-        past n mirroring row 0 and writing nothing, and the first n rows' logits are returned). The capture's warm-up
-        runs on tables that write nothing, so the step's writes to the pool happen once, in the replay."""
-        from .step_tables import StepTables, ring_chunk_rows
-
-        dev = self.device
-        for s in segs:
-            if s.T > ring_chunk_rows(pool, self.cfg.sliding_window):
-                raise ValueError(f"a {phase} chunk of {s.T} rows does not fit a ring of {pool.ring_rows} rows "
-                                 f"over a window of {self.cfg.sliding_window}")
-        inputs = {"ids": ids_b, "pos": pos_b, **{f"engram.{L}": r.data for L, r in (stored or {}).items()}}
-        tables = StepTables.build(segs, B, pool, dev, inputs=inputs)  # one copy for all
-        if not writes:
-            tables = tables.without_writes()
-        step = partial(self._pool_step, MhcSites.of(self.cfg, dev, rows=B), B, phase, pool, tables)
-        args = (tables.packed, {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()})
-        warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
-        local = self.piece_graphs().run("step", phase, B, step, *args, warmup=warm)[:n]
-        for s, (_, i) in zip(segs, chunks):
-            s.state.pos += s.T
-            s.state.ids.extend(i.tolist())
-        with section("comm"):
-            return self.comm.gather_cat(local, dim=-1)
+    def _forward_pool(self, segs, chunks, pool, phase: str, n: int, B: int, writes=True, follow=None):
+        """One bucket over the pool as one graph (runtime/pool_step.py `forward_pool`)."""
+        return forward_pool(self, segs, chunks, pool, phase, n, B, writes, follow)
 
     def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, packed, formats: dict):
         """The whole decode / verify step of a bucket over the pool: a pure function of its tensors (the pool's

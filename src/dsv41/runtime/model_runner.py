@@ -6,6 +6,10 @@ everything a row needs travels in the `Row`; a step's forks (`Batch.copies`: a g
 their leader's ring slot and partial page) are made before its forward. On every rank of a TP group the same `execute` runs (the forward's
 collectives keep the ranks in step); only the driver (rank 0) samples and reports.
 
+`launch(batch)` runs the same step without waiting for its tokens (the overlapped loop, docs/ENGINE.md §6): a
+`PendingStep` whose `result()` reads them (runtime/step_handoff.py); a follow row's id comes from the step launched
+before it.
+
 Per row: the sampled token from the last row's logits (the request's logit adjustments, then its grammar mask
 applied first), the sampled token's
 logprob and top logprobs, and the logprob (+ top) of each `scores` entry: the prompt's next tokens (prompt
@@ -20,6 +24,7 @@ import torch
 from ..engine.batch import Batch, Row, RowOutput, RowSampling, StepAborted, StepOutput
 from .abort import AbortWatch
 from .sampling import SamplingParams, adjust_logits, sample_token, token_logprobs
+from .step_handoff import Handoff, PendingStep, StepSample
 
 
 def free_bytes(device: torch.device) -> int:
@@ -56,6 +61,8 @@ class ModelRunner:
         self.abort_watch = AbortWatch(getattr(model, "comm", None),
                                       layers=getattr(getattr(model, "cfg", None), "num_hidden_layers", 40))
         forward.abort_watch = self.abort_watch
+        self._last_sample = None  # the last launched step's sample: what its follow rows take their ids from
+        self._side = None  # CUDA: the stream that reads a launched step's sample (runtime/step_handoff.py)
 
     def watch_aborts(self, probe) -> None:
         """The engine's `step_abandoned` (rank 0's runner only; the other ranks follow its answer)."""
@@ -64,7 +71,9 @@ class ModelRunner:
     def free_bytes(self) -> int:
         return free_bytes(self.device)
 
-    def execute(self, batch: Batch) -> StepOutput:
+    def _before_forward(self, batch: Batch) -> list[list[int]]:
+        """What a step does before its forward, in order: session snapshots, parks, restores and loads, the
+        forks' copies, dropped snapshots. Returns the loads' report."""
         if batch.knobs_tag != self.knobs_tag:
             raise RuntimeError(f"step {batch.step} was planned under {batch.knobs_tag!r}, this runner runs "
                                f"{self.knobs_tag!r}")
@@ -86,8 +95,40 @@ class ModelRunner:
                 self.pool.copy_page(src_page, dst_page)
         for entry_id in batch.drops:
             self.snapshots.pop(entry_id, None)
+        return loads
+
+    def launch(self, batch: Batch) -> PendingStep:
+        """The step enqueued without waiting for its tokens (the overlapped loop, ENGINE.md §6): the forward, the
+        greedy picks on the device and an event after them; `result()` reads the tokens. Its follow rows take their
+        ids from the step launched before (`Handoff`: on the device where the forward can, else from the host's
+        read of that step's sample). The driver's steps without drafts (the engine runs those through `execute`)."""
+        if not self.driver or any(r.n_draft or r.propose for r in batch.rows):
+            raise ValueError(f"step {batch.step}: launch runs the driver's steps without drafts")
+        loads = self._before_forward(batch)
+        if not batch.rows:
+            return PendingStep(batch.step, None, loads, self._row)
+        handoff = Handoff.of(batch.rows, self._last_sample)
+        rows = batch.rows
+        try:
+            if handoff is not None and getattr(self.forward, "takes_handoff", lambda rows: False)(rows):
+                logits = self.forward.execute(rows, self.pool, handoff=handoff)
+            else:
+                rows = handoff.resolved(rows) if handoff is not None else rows
+                logits = self.forward.execute(rows, self.pool)
+        except StepAborted as exc:
+            exc.output = StepOutput(batch.step, loads=loads)
+            self._last_sample = None
+            raise
+        if self.device.type == "cuda" and self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._last_sample = StepSample(rows, logits, self.device, self._choose, self._side)
+        return PendingStep(batch.step, self._last_sample, loads, self._row)
+
+    def execute(self, batch: Batch) -> StepOutput:
+        loads = self._before_forward(batch)
         if not batch.rows:
             return StepOutput(batch.step, loads=loads)
+        self._last_sample = None  # a follow row follows a launched step only
         try:
             logits = self.forward.execute(batch.rows, self.pool)
         except StepAborted as exc:  # the step's requests all left: what ran before the forward still counts
@@ -154,7 +195,8 @@ class ModelRunner:
         return {i: token for (i, _), token in zip(picks, tokens)}
 
     @torch.inference_mode()
-    def _row(self, row: Row, logits: torch.Tensor | None, greedy: int | None = None) -> RowOutput:
+    def _row(self, row: Row, logits: torch.Tensor | None, greedy: int | None = None, choice=None) -> RowOutput:
+        """`choice`: the row's (token, error) when already made (a launched step's sample), else `_choose`'s."""
         out = RowOutput(row.seq_id)
         at = {offset: i for i, offset in enumerate(row.logit_offsets())}
         for offset, token, top in row.scores:
@@ -164,7 +206,7 @@ class ModelRunner:
         if s is None:
             return out
         if not row.n_draft:
-            out.token, out.error = self._choose(logits[at[row.first_choice]], s, greedy)
+            out.token, out.error = choice or self._choose(logits[at[row.first_choice]], s, greedy)
             if out.token is not None and s.logprobs is not None:
                 out.logprob, out.top = token_logprobs(logits[at[row.first_choice]], out.token, s.logprobs)
             return out

@@ -118,6 +118,12 @@ class StepTables:
         copy to the device. `inputs`: more integer vectors of the step (the bucket's token ids and positions) to
         travel in the same copy, read back by name (`tables["ids"]`); a uint8 input (the step's Engram rows as
         stored) travels as whole int64 words, its last dimension padded, read back by `bytes_of(name)`."""
+        return cls.plan(segs, B, pool).pack(device, inputs)
+
+    @classmethod
+    def plan(cls, segs, B: int, pool) -> "PlannedTables":
+        """`build`'s host part: every table from the segments, nothing that depends on the token ids (the
+        overlapped loop plans them before the ids are known, then `pack`s them with the ids and Engram rows)."""
         n = sum(s.T for s in segs)
         if not 0 < n <= B:
             raise ValueError(f"a bucket of {B} rows cannot hold {n}")
@@ -169,7 +175,22 @@ class StepTables:
                 d = np.arange(1, r, dtype=np.int64)[:, None]
                 parts[f"r{r}.back_row"] = np.where(j_t[None, :] >= d, rows - d, -1)
                 parts[f"r{r}.back_open"] = slot_t[None, :] * R + np.minimum((pos_t[None, :] - d) % M, R - 1)
-        widths = {}
+        return PlannedTables(B, n, parts, ratios, P)
+
+
+@dataclass
+class PlannedTables:
+    """A bucket's tables on the host (`StepTables.plan`), waiting for the step's inputs."""
+
+    B: int
+    n: int
+    parts: dict
+    ratios: dict
+    pages_bucket: int
+
+    def pack(self, device, inputs: dict | None = None) -> StepTables:
+        """The tables and `inputs` (`StepTables.build`'s) in one packed tensor on `device`: one copy."""
+        parts, widths = dict(self.parts), {}
         for name, t in (inputs or {}).items():
             t = np.asarray(t)
             if t.dtype == np.uint8:
@@ -187,5 +208,5 @@ class StepTables:
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
             packed = packed.to(device)
-        return cls(B, n, packed, layout, ratios, P, widths)
+        return StepTables(self.B, self.n, packed, layout, self.ratios, self.pages_bucket, widths)
 
