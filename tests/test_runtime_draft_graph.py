@@ -93,7 +93,9 @@ def test_the_draft_pass_syncs_once_gpu(seeded):
                 fast.dspark.propose_pool(fast, pool, a)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-        syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+        # the mode's own notice ("... is a prototype feature ...", once per switch-on) names no operation
+        syncs = [str(w.message).splitlines()[0] for w in caught
+                 if "synchronizing" in str(w.message).lower() and "prototype" not in str(w.message)]
         print(f"{mode}: {len(syncs)} syncs {syncs}")
         assert len(syncs) == 1, (mode, syncs)
     fast.graphs = None
