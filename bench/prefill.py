@@ -291,10 +291,14 @@ def main(argv=None) -> int:
             r["replay"] = replay_run(model, length, args.chunk, r)
             save()
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.cfg.vocab_size, (args.chunk,), generator=g)
+    # the traced and profiled chunk: at most 2,048 rows (a traced 8K chunk keeps every layer's tensors and did not
+    # fit an H100 with 26 layers)
+    prof_rows = min(args.chunk, 2048)
+    res["profile_rows"] = prof_rows
+    ids = torch.randint(0, model.cfg.vocab_size, (prof_rows,), generator=g)
     trace = {}
     model.forward([(model.new_state(), ids)], "prefill", trace=trace)
-    flops = prefill_flops(model, trace, args.chunk)
+    flops = prefill_flops(model, trace, prof_rows)
     distinct = 0
     weights = 0
     for block in model.blocks:
@@ -314,7 +318,7 @@ def main(argv=None) -> int:
     save()
     if last is not None and last[1] > args.chunk:
         st, length = last
-        res["profile_late_chunk"] = profile_chunk(model, st, torch.randint(0, model.cfg.vocab_size, (args.chunk,)))
+        res["profile_late_chunk"] = profile_chunk(model, st, torch.randint(0, model.cfg.vocab_size, (prof_rows,)))
         res["profile_late_chunk"]["position"] = length
         save()
     if args.ab:
