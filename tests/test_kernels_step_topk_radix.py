@@ -154,6 +154,44 @@ def test_gpu_topk_radix_is_the_bisection_at_a_prefill_slab():
     assert torch.equal(radix[rows], Attention._select(s[rows], k))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 2, 6, 16])
+def test_gpu_topk_radix_is_the_bisection_at_decode_rows(rows):
+    """The decode step's shapes: a few rows, each with its own visible length (from under k to 64K entries), k 512
+    and 64, random scores and scores of few values; radix == bisection bitwise, ids and mask, the reference on every
+    row. Timed beside (printed): the decode rows' top-k must not get slower for the prefill slab's gain."""
+    need_compiled_cuda()
+    from dsv41.kernels.step.indexer import topk_select
+    from dsv41.model.attention import Attention
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(rows)
+    for C in (300, 8192, 65536):
+        s = torch.randn(rows, C, generator=gen, device=dev)
+        s[1::2] = torch.randint(-4, 4, (rows // 2, C), generator=gen, device=dev).float()
+        vis = torch.randint(1, C + 1, (rows,), generator=gen, device=dev)
+        s[torch.arange(C, device=dev)[None, :] >= vis[:, None]] = NINF
+        for k in (64, 512):
+            if k > C:
+                continue
+            radix, bisect = topk_select(s, k, radix=True), topk_select(s, k, radix=False)
+            assert torch.equal(radix, bisect), (C, k)
+            assert torch.equal(topk_select(s, k, mask=True, radix=True), topk_select(s, k, mask=True, radix=False))
+            assert torch.equal(radix, Attention._select(s, k)), (C, k)
+        ms = {}
+        for radix in (True, False):
+            for _ in range(3):
+                topk_select(s, min(512, C), radix=radix)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(50):
+                topk_select(s, min(512, C), radix=radix)
+            end.record()
+            torch.cuda.synchronize()
+            ms[radix] = start.elapsed_time(end) / 50
+        print(f"decode top-k rows {rows} entries {C}: radix {ms[True] * 1e3:.1f} us, bisection {ms[False] * 1e3:.1f} us")
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":
     os.environ["TRITON_INTERPRET"] = "1"
     torch.set_num_threads(1)
