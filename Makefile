@@ -50,11 +50,11 @@ train-tiny: $(BIN)/.installed
 # workers at 6287452 (1450 passed), 22 min 29 s for the same suite on a CI machine under load; 13 min 16 s at
 # 194d58a (1470 passed), 14 min 44 s at d25b3f5 (1471: + an interpreted 64 s test), 14 min 25 s at 1fbdb04
 # (1509 passed; the project's CI machine took 29-37 min for the same suite), 16 min 56 s after the
-# issue 31-35 merges of 2026-12-06 (1,680 tests, 250 skipped). TEST_WORKERS=0 runs serially.
+# issue 31-35 merges of 2026-12-06 (1,680 tests, 250 skipped). TEST_WORKERS=0 runs serially. The 30 slowest tests are listed at the end (to keep LONGEST_FILES current).
 TEST_WORKERS ?= 2
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 $(PYTEST_ARGS)
 
 # The lock: pyproject.toml's dependencies with its serve and test extras, plus requirements/dev.in, for CPython 3.11
 # on Linux, against the flake's pins (requirements/nix-pins.txt, written from nix/python/wheels.nix), with every
