@@ -142,6 +142,39 @@ def test_dense_gemm_is_off_by_default(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# compiled for the GPUs without one: Triton's ahead-of-time compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,name", [(90, "GEMM"), (80, "GEMM"), (121, "COMPACT")])
+def test_each_devices_config_fits_its_shared_memory_and_pipelines(arch, name):
+    """Each config compiles for its devices within the shared memory it declares (config() picks it by that: GB10
+    allows 99 KB a block), and on sm_90 the k loop is pipelined (cp.async stages) into wgmma products. The pointers
+    are declared 16-byte aligned, as a launch on torch's tensors specialises them (else nothing pipelines)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv41.kernels.exl3 import prefill_dense as D
+
+    cfg, fn = getattr(D, name), D._gemm_rotate_kernel
+    const = dict(BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, k=4096, n=5120)  # k, n: model sizes
+    ptrs = {"xh_ptr": "*fp16", "w_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*fp16", "out_ptr": "*fp32"}
+    sig = {a: "constexpr" if a in const else ptrs.get(a, "i32") for a in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in ptrs}
+    try:
+        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
+                                  target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    except RuntimeError as exc:  # no ptxas for this target in this Triton
+        pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
+    assert compiled.metadata.shared <= cfg.shared_kb * 1024, (arch, name, compiled.metadata.shared)
+    if arch == 90:
+        ttgir = compiled.asm["ttgir"]
+        assert "async_copy_global_to_local" in ttgir and "warp_group_dot" in ttgir, "not pipelined into wgmma"
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU: a dense shape at 8,192 rows, bits and time
 # ---------------------------------------------------------------------------------------------------------------
 

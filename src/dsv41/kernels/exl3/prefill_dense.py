@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3.backend import interpreting
+from dsv41.kernels.exl3.backend import cuda_path_available, interpreting
 from dsv41.kernels.exl3.decode import hadamard_signs, rotate_rows_fp32
 from dsv41.kernels.exl3.layout import Exl3Tensor
 from dsv41.kernels.exl3.reconstruct import reconstruct
@@ -59,9 +59,16 @@ class GemmConfig:
     group_m: int = 8  # row tiles a group of programs sweeps before the next column block (L2 reuse only)
 
 
-# Hopper: 128 x 128 x 64 tiles, two warpgroups (wgmma m64 each), 3 stages of A + B in shared memory (96 KB): the
-# usual Triton fp16 GEMM shape on sm_90; sm_80 / sm_121 run it too (the stages fit their shared memory)
+    shared_kb: int = 128  # its shared memory a block, the most over sm_80 / sm_90 / sm_121 (Triton 3.7's compile)
+
+
+# Hopper: 128 x 128 x 64 tiles, two warpgroups (wgmma m64 each), 3 stages of A + B in shared memory: 96 KB on sm_90
+# (pipelined cp.async, 180 registers, no spills); 128 KB where the dots are mma.sync (the epilogue's [128, 128] fp32
+# layout conversions go through shared memory)
 GEMM = GemmConfig()
+# devices with less shared memory a block (GB10: 99 KB): 64-row tiles, 4 warps, 80 KB on sm_121. A choice by the
+# device, never by the rows (each device's bits are its own anyway)
+COMPACT = GemmConfig(block_m=64, num_warps=4, shared_kb=80)
 # the interpreter runs one program at a time on the CPU: the smallest legal tile (the GPU's claims are the GPU's)
 INTERPRETED = GemmConfig(block_m=16, block_k=32, num_warps=4, num_stages=1, group_m=1)
 
@@ -73,8 +80,17 @@ def dense_gemm_enabled() -> bool:
     return switched_on(ENV, default=False)
 
 
-def config() -> GemmConfig:
-    return INTERPRETED if interpreting() else GEMM
+def config(device: torch.device) -> GemmConfig:
+    """The launch shape on `device`: GEMM where its stages fit a block's shared memory (NVIDIA: asked of the
+    driver), else COMPACT."""
+    if interpreting() or device.type != "cuda":
+        return INTERPRETED
+    if not cuda_path_available(device):
+        return COMPACT
+    from dsv41.kernels.cuda_module import shared_memory_limit
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return GEMM if GEMM.shared_kb * 1024 <= shared_memory_limit(index) else COMPACT
 
 
 @triton.jit(do_not_specialize=["n_rows"])
@@ -128,7 +144,7 @@ def gemm_rotated(xh: torch.Tensor, w: torch.Tensor, weight: Exl3Tensor, out: tor
         raise ValueError(f"w must be contiguous fp16 [{k}, {n}], got {w.dtype} {list(w.shape)}")
     if out.shape != (T, n) or out.stride(-1) != 1:
         raise ValueError(f"out must be [{T}, {n}] with unit column stride, got {list(out.shape)}")
-    cfg = cfg or config()
+    cfg = cfg or config(xh.device)
     if k % cfg.block_k or n % BLOCK_N:
         raise ValueError(f"[{k}, {n}] is not a whole number of {cfg.block_k} x {BLOCK_N} blocks")
     if T == 0:
