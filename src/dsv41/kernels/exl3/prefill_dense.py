@@ -12,12 +12,13 @@ kernels multiply) and the product is a plain GEMM on the tensor cores:
 with the tile path's epilogue (`decode.rotate_rows_fp32`, then svh, rounded once to out's dtype). Same function as
 the tile path; other bits (another summation order of the k products).
 
-Row invariance (chunked == one-shot, batched == alone): ONE launch shape (`GEMM` on a GPU, `INTERPRETED` in Triton's
-CPU interpreter: BLOCK_M / BLOCK_K / warps / stages fixed, never chosen from the row count), BLOCK_N = 128 (the
-output rotation's block), the whole k in one program (no split-K, no atomics), every product a tensor-core dot whose
-output row depends on its own input row only; rows past the chunk are masked loads (zeros) whose outputs are never
-stored. The programs' order over the tiles (grouped by GROUP_M row tiles, for L2 reuse of the workspace's column
-blocks) changes which program computes a tile, never a tile's arithmetic.
+Row invariance (chunked == one-shot, batched == alone): ONE launch shape per device (`GEMM`; `COMPACT` where a block
+has less shared memory, GB10; `INTERPRETED` in Triton's CPU interpreter: BLOCK_M / BLOCK_K / warps / stages fixed,
+never chosen from the row count), BLOCK_N = 128 (the output rotation's block), the whole k in one program (no
+split-K, no atomics), every product a tensor-core dot whose output row depends on its own input row only; rows past
+the chunk are masked loads (zeros) whose outputs are never stored. The programs' order over the tiles (grouped by
+GROUP_M row tiles, for L2 reuse of the workspace's column blocks) changes which program computes a tile, never a
+tile's arithmetic.
 
 A/B switch (`DSV41_PREFILL_DENSE_GEMM`, read at each launch, off by default until a GPU run checks bits and time;
 `prefill_linear(dense_gemm=...)` beside it for tests and benches). With it off nothing here runs.
