@@ -3,7 +3,9 @@
 One call measures, in this order (results saved after each stage, so a run cut short keeps what it measured):
 - the ceilings: the bf16 GEMM rate on random data;
 - the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
-  (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer; the
+  (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer both ways
+  (`ms`: the tiles; `gemm_ms`: decoded once into the workspace + one GEMM, `kernels/exl3/prefill_dense.py`, with
+  `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the
   attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); the indexer's top-k
   over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`);
 - per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
@@ -61,6 +63,7 @@ def cuda_ms(fn, reps: int = 3) -> float:
 def kernels_alone(model, chunk: int, tflops: float) -> dict:
     """The prefill kernels on layer 0's matrices at `chunk` rows: ms, EXL3 weights decoded per second, TFLOP/s."""
     from dsv41.kernels.exl3.prefill import EXPERTS, prefill_linear, prefill_moe
+    from dsv41.kernels.exl3.prefill_dense import decode_into
     from dsv41.runtime.layers.linear import Exl3Linear
 
     dev = torch.device("cuda")
@@ -85,17 +88,29 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
     dense = []
     lins = [lin for lin in block.attn.linears() if isinstance(lin, Exl3Linear)]
     lins += [lin for trio in block.moe.shared for lin in trio if isinstance(lin, Exl3Linear)]
+    space = model.workspace.matrix  # the rank's one workspace, as Exl3Linear hands it over
     for lin in lins:
         xl = torch.randn(chunk, lin.in_features, generator=g, device=dev).bfloat16()
-        t = cuda_ms(lambda: prefill_linear(xl, lin.weight))
         f = 2.0 * chunk * lin.in_features * lin.out_features
+        # both ways whatever DSV41_PREFILL_DENSE_GEMM says: the tiles, and decode-once into the workspace + GEMM
+        t = cuda_ms(lambda: prefill_linear(xl, lin.weight, dense_gemm=False))
+        tg = cuda_ms(lambda: prefill_linear(xl, lin.weight, dense_gemm=True, workspace=space))
+        td = cuda_ms(lambda: decode_into(lin.weight, space))
+        tile = prefill_linear(xl, lin.weight, out_dtype=torch.float32, dense_gemm=False)
+        gemm = prefill_linear(xl, lin.weight, out_dtype=torch.float32, dense_gemm=True, workspace=space)
+        rel = float((gemm.double() - tile.double()).norm() / tile.double().norm())
         dense.append({"name": lin.name, "k": lin.in_features, "n": lin.out_features, "K": lin.weight.K, "ms": t,
-                      "tflops": f / t / 1e9})
+                      "tflops": f / t / 1e9, "gemm_ms": tg, "gemm_tflops": f / tg / 1e9, "decode_ms": td,
+                      "gemm_rel_to_tile": rel})
+        del tile, gemm
     out["dense"] = dense
     out["dense_ms"] = sum(d["ms"] for d in dense)
+    out["dense_gemm_ms"] = sum(d["gemm_ms"] for d in dense)
+    out["dense_decode_ms"] = sum(d["decode_ms"] for d in dense)
     log(f"kernels at {chunk} rows: experts {ms:.2f} ms ({out['experts']['tflops']:.0f} TFLOP/s, "
         f"{out['experts']['weights_per_s'] / 1e12:.2f} T weights/s once each), dense {out['dense_ms']:.2f} ms over "
-        f"{len(dense)} matrices")
+        f"{len(dense)} matrices (tiles), {out['dense_gemm_ms']:.2f} ms decoded once + GEMM (the decodes "
+        f"{out['dense_decode_ms']:.2f} ms)")
     try:  # a failure here must not cost the rest of the run
         out["attention_core"] = attention_core_alone(block.attn, chunk)
     except Exception as exc:  # noqa: BLE001

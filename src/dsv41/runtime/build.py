@@ -35,7 +35,7 @@ from dsv41.weights.linear import split_range
 
 from .draft_fast import FastDSpark
 from .layers.attention import FastAttention
-from .layers.linear import PrefillWorkspace, fast_linear, prefill_tiles_enabled
+from .layers.linear import PrefillWorkspace, fast_linear, prefill_workspace_needed
 from .layers.moe import FusedMoE, StackedExperts
 from .mhc_sites import HC
 from .model import FastBlock, FastEngram, FastModel
@@ -193,7 +193,7 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
     extra = reader.unexpected()
     if extra:
         raise CheckpointError(f"unexpected tensor {extra[0]!r} in {path} ({len(extra)} not used by the model)")
-    if not prefill_tiles_enabled():  # the tile kernels need no dense copy of any matrix
+    if prefill_workspace_needed():  # the tile kernels alone need no dense copy of any matrix
         mover.workspace.allocate()
     report(cfg.num_hidden_layers + 1, cfg.num_hidden_layers + 1, "layers")
     return FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,

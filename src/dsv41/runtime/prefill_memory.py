@@ -10,6 +10,11 @@ peak above the memory allocated before it, a line through the two extended to th
 the rows or bounded (the core's scratch by its 2,048-row launches), so the line does not fall short; the index
 scores of a late chunk (1,024 rows a launch x the entries at the longest context) are added from their shape, as
 a fresh state has few entries. CUDA only: the CPU's memory is the host's and its chunks run the interpreter.
+
+Not a chunk's transient: the rank's one dense workspace (`layers.linear.PrefillWorkspace`, fp16, sized for the
+largest matrix, wq_b's 1280 x 16384 = 42 MB on a full-shape rank), which the dense projections' decode-once GEMM
+(`DSV41_PREFILL_DENSE_GEMM=1`) and the reconstruct path decode into. It is allocated with the weights when either is
+on at build (`prefill_workspace_needed`), so it is in the memory before the probes, whatever the chunk's rows.
 """
 
 from __future__ import annotations

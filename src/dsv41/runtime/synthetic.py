@@ -37,7 +37,7 @@ from dsv41.weights import exl3
 from dsv41.weights.linear import split_range
 
 from .layers.attention import FastAttention
-from .layers.linear import DequantLinear, Exl3Linear, PrefillWorkspace, prefill_tiles_enabled
+from .layers.linear import DequantLinear, Exl3Linear, PrefillWorkspace, prefill_workspace_needed
 from .layers.moe import FusedMoE, StackedExperts
 from .mhc_sites import HC
 from .model import FastBlock, FastEngram, FastModel
@@ -255,7 +255,7 @@ def synthetic_rank(cfg: ModelConfig | None = None, rank: int = 0, world: int = 2
     head = r.linear(d, v1 - v0, pack_k("head", 0, cfg), "head", fused_only=True)
     model = FastModel(cfg, blocks, v0, v1, r.normal(v1 - v0, d, dtype=dtype), head, r.norm(d), ws, engram, hasher,
                       dtype, device, comm or LocalComm(), None, True, held, dspark=drafter or None)
-    if not prefill_tiles_enabled():  # the prefill tile kernels need no dense copy of any matrix
+    if prefill_workspace_needed():  # the prefill tile kernels alone need no dense copy of any matrix
         ws.allocate()
     return model
 

@@ -25,7 +25,9 @@ Routed experts (`prefill_moe`), per layer:
      as two tile launches (gate, up: fp32) and `_swiglu_rotate_kernel`;
   4. the down product, each pair's output row stored at its (row, slot) place;
   5. `_slot_sum_kernel`: each row's slots summed in slot order (0 .. k-1), plus the addend (the shared expert).
-Dense projections (`prefill_linear`): the input rotated once, then one tiled launch over tiles of consecutive rows.
+Dense projections (`prefill_linear`): the input rotated once, then one tiled launch over tiles of consecutive rows;
+or (`DSV41_PREFILL_DENSE_GEMM=1`, off by default) the matrix decoded once into a workspace and one tensor-core GEMM
+with the same epilogue (`prefill_dense.py`: at 8K rows the tiles decode each weight 128 times).
 
 Row invariance (chunked == one-shot, batched == alone): the tile shape, BK and warps are fixed per kernel, never
 chosen from the row count; every product is a tensor-core dot whose output row depends on its own input row only;
@@ -50,6 +52,7 @@ from dsv41.kernels.exl3.decode import (
 )
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
 from dsv41.kernels.exl3 import prefill_cuda
+from dsv41.kernels.exl3.prefill_dense import Workspace, dense_gemm_enabled, workspace_matmul
 from dsv41.kernels.exl3.prefill_cuda import PF_ROWS, prefill_tiles_cuda
 
 
@@ -374,8 +377,12 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 
 def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype | None = None,
-                   out: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
-    """`x @ W_eff` for a prefill chunk [T, k]: the input rotated once, then one tiled launch (module docstring)."""
+                   out: torch.Tensor | None = None, config: PrefillConfig | None = None,
+                   workspace: Workspace | None = None, dense_gemm: bool | None = None) -> torch.Tensor:
+    """`x @ W_eff` for a prefill chunk [T, k]: the input rotated once, then one tiled launch (module docstring).
+
+    dense_gemm (None: the `DSV41_PREFILL_DENSE_GEMM` switch, read here at each launch): the matrix decoded once into
+    `workspace(k, n)` (a fresh tensor without one) and one tensor-core GEMM instead (`prefill_dense`)."""
     T, k = x.shape
     if k != weight.k:
         raise ValueError(f"x has {k} columns, the matrix {weight.k} rows")
@@ -387,6 +394,9 @@ def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype |
     if T == 0:
         return out
     dev = x.device
+    if dense_gemm_enabled() if dense_gemm is None else dense_gemm:
+        xh, _ = _rotate(x, weight.suh, k)
+        return workspace_matmul(xh, weight, out, workspace)
     if _cuda(dev, weight.K):
         xh, _ = _rotate(x, weight.suh, k, permute=True)
         return prefill_tiles_cuda(xh, weight.words, weight.svh, weight.K, weight.codebook, k, weight.n, out, T,

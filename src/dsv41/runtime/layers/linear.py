@@ -104,7 +104,8 @@ class PrefillWorkspace:
 
     @property
     def nbytes(self) -> int:
-        """The bytes it holds: none until a matrix takes the reconstruct path (off with the tile kernels)."""
+        """The bytes it holds: none until a matrix takes the reconstruct path or the dense GEMM path (both off by
+        default: the tile kernels need no dense copy)."""
         return 0 if self.buf is None else self.buf.numel() * 2
 
     def matrix(self, k: int, n: int) -> torch.Tensor:
@@ -158,7 +159,8 @@ class Exl3Linear:
             if prefill_tiles_enabled():
                 from dsv41.kernels.exl3.prefill import prefill_linear
 
-                return prefill_linear(x, self.weight, out_dtype=out_dtype)
+                # the workspace serves the decode-once GEMM path (DSV41_PREFILL_DENSE_GEMM), allocated on first use
+                return prefill_linear(x, self.weight, out_dtype=out_dtype, workspace=self.workspace.matrix)
             return self.workspace.matmul(x, self.weight).to(out_dtype)
 
 
@@ -167,6 +169,15 @@ def prefill_tiles_enabled() -> bool:
     rows, on by default); DSV41_PREFILL_TILES=0 takes the reconstruct-into-the-workspace + cuBLAS path instead (A/B
     runs: other bits, and cuBLAS may pick its kernel by the row count, so chunks are not bitwise one-shot there)."""
     return os.environ.get("DSV41_PREFILL_TILES", "1") not in ("0", "")
+
+
+def prefill_workspace_needed() -> bool:
+    """Whether a prefill path that decodes a matrix into the workspace is on at build (the reconstruct path, or the
+    dense projections' decode-once GEMM, `DSV41_PREFILL_DENSE_GEMM=1`): then the buffer is allocated with the
+    weights, before the pool is sized (a switch flipped later allocates it at its first prefill)."""
+    from dsv41.kernels.exl3.prefill_dense import dense_gemm_enabled
+
+    return not prefill_tiles_enabled() or dense_gemm_enabled()
 
 
 def grouping_enabled() -> bool:
