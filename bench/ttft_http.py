@@ -32,8 +32,10 @@ Measured (TTFT = the request sent -> the first streamed chunk carrying a token; 
   Each turn is also preceded by the same turn of a rehearsal conversation.
 
 Serve flags: `--max-model-len` (the longest turn 2 + slack), `--session-dir` (a temp folder unless `--session-dir`)
-and `--session-disk-min-tokens 16` (so the CPU smoke's short entries park too) are set here; anything after `--` is
-passed to `dsv41 serve` as well (e.g. `-- --parallel 1`). `--budget-s`: stages that would start past this many
+and `--session-disk-min-tokens 16` (so the CPU smoke's short entries park too) are set here, and for the restarted
+servers `--pool-tokens` of the first one's pages (the session files' tag names the pool's layout, its page count
+included: a pool sized again from free memory could be a page smaller and find no parked entry); anything after
+`--` is passed to `dsv41 serve` as well (e.g. `-- --parallel 1`). `--budget-s`: stages that would start past this many
 seconds are skipped and say so. Results are saved after every stage (a run cut short keeps what it measured).
 
 On an H100 (80 GB) the full rank (~98 GiB) does not fit: `--layers 26` builds the first 26 layers; TTFTs are
@@ -132,6 +134,7 @@ class Server:
         from dsv41.cli import build_parser
         from dsv41.server.cli import Startup
 
+        self.argv = argv
         self.args = build_parser().parse_args(["serve", *argv])
         self.startup = Startup.check(self.args)
         self.model, self.device = model, device
@@ -143,7 +146,7 @@ class Server:
 
         from dsv41.server.cli import _bind, serve_model
 
-        info = {"free_gib_at_start": free_gib(self.device)}
+        info = {"argv": self.argv, "free_gib_at_start": free_gib(self.device), "page_tokens": self.args.page_tokens}
         sock = _bind("127.0.0.1", 0)
         url = "http://127.0.0.1:%d" % sock.getsockname()[1]
         done = threading.Event()
@@ -166,12 +169,14 @@ class Server:
                     time.sleep(0.2)
                 if done.is_set():
                     return
+                info["pool"] = pool_figures(health(url))
                 client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
                 try:
                     outcome["result"] = drive(url, client)
                 finally:
                     client.close()  # no idle keep-alive connection for hypercorn's graceful stop to wait on
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            except BaseException as exc:  # noqa: BLE001 - raised again by the main thread once the server stopped
+                log(f"the client side failed: {exc!r}; stopping the server")
                 outcome["error"] = exc
             finally:
                 if not done.is_set() and (answered or "error" in outcome):
@@ -320,8 +325,8 @@ def main(argv=None) -> int:
                                                                                        + 64)]
     if device == "cpu":
         base += ["--device", "cpu"]
-    on = base + ["--session-dir", str(session_dir), "--session-disk-min-tokens", "16", *serve_flags]
-    res["serve_argv"] = on
+    parking = ["--session-dir", str(session_dir), "--session-disk-min-tokens", "16"]
+    on = base + parking + serve_flags
     save()
     longest = max(lengths)
     # conversations: salt 1 = the rehearsal, 2 = the measured one; new-token blocks a (RAM turn) and b (NVMe turn)
@@ -332,7 +337,6 @@ def main(argv=None) -> int:
         return convo[s]["turn1"] + convo[s]["reply"] + new[k]
 
     def first_server(url, client) -> None:
-        res["health_at_start"] = pool_figures(health(url))
         for i, length in enumerate(lengths):
             if over_budget():
                 res["prompts"].append({"length": length, "skipped": "budget"})
@@ -385,8 +389,12 @@ def main(argv=None) -> int:
                                    "note": "bytes the stop wrote / (SIGTERM -> stopped: the drain, the parking of "
                                            "the RAM entries newest first, the shutdown): a lower bound of the rate"}
         save()
-        for name, argv2, drive in (("nvme_restart", on, nvme_server),
-                                   ("sessions_off", base + ["--sessions", "off", *serve_flags], fresh_server)):
+        # the session files' tag names the pool's layout, its page count included: the restarted servers get the
+        # first one's pages (sized from free memory again, a pool a page smaller would find no parked entry)
+        first = servers["sessions_on"]
+        pool = ["--pool-tokens", str(first["pool"]["pages_total"] * first["page_tokens"])]
+        for name, argv2, drive in (("nvme_restart", base + parking + pool + serve_flags, nvme_server),
+                                   ("sessions_off", base + ["--sessions", "off"] + pool + serve_flags, fresh_server)):
             if over_budget():
                 res["sessions"].setdefault("skipped", []).append(name)
                 continue

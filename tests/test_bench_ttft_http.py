@@ -45,4 +45,7 @@ def test_smoke_on_the_cpu(tmp_path):
     assert s["fresh"]["cached_tokens"] == 0
     assert s["park"]["bytes"] > 0 and s["park"]["files"] > 0
     assert s["resumed_equals_fresh"] == {"ram": True, "nvme": True}
-    assert set(res["servers"]) == {"sessions_on", "nvme_restart", "sessions_off"}
+    servers = res["servers"]
+    assert set(servers) == {"sessions_on", "nvme_restart", "sessions_off"}
+    # the restarted servers' pools have the first one's layout (the session files' tag names it)
+    assert servers["nvme_restart"]["pool"] == servers["sessions_off"]["pool"] == servers["sessions_on"]["pool"]
