@@ -134,19 +134,20 @@ class Server:
         from dsv41.cli import build_parser
         from dsv41.server.cli import Startup
 
-        self.argv = argv
         self.args = build_parser().parse_args(["serve", *argv])
         self.startup = Startup.check(self.args)
         self.model, self.device = model, device
+        self.info = {"argv": argv, "page_tokens": self.args.page_tokens}  # filled in by run()
 
     def run(self, drive, before_stop=None) -> dict:
-        """Serve until `drive` returns (or raises); the stop's seconds (SIGTERM -> stopped) and the free memory.
-        `before_stop()` runs on the client thread right before its SIGTERM."""
+        """Serve until `drive` returns (or raises); `info` with the pool's figures, the free memory at the start and
+        the stop's seconds (SIGTERM -> stopped). `before_stop()` runs on the client thread right before its SIGTERM."""
         import openai
 
         from dsv41.server.cli import _bind, serve_model
 
-        info = {"argv": self.argv, "free_gib_at_start": free_gib(self.device), "page_tokens": self.args.page_tokens}
+        info = self.info
+        info["free_gib_at_start"] = free_gib(self.device)
         sock = _bind("127.0.0.1", 0)
         url = "http://127.0.0.1:%d" % sock.getsockname()[1]
         done = threading.Event()
@@ -172,7 +173,7 @@ class Server:
                 info["pool"] = pool_figures(health(url))
                 client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=1800)
                 try:
-                    outcome["result"] = drive(url, client)
+                    drive(url, client)
                 finally:
                     client.close()  # no idle keep-alive connection for hypercorn's graceful stop to wait on
             except BaseException as exc:  # noqa: BLE001 - raised again by the main thread once the server stopped
@@ -198,7 +199,6 @@ class Server:
             raise outcome["error"]
         if "sigterm_at" in outcome:
             info["stop_s"] = round(stopped - outcome["sigterm_at"], 3)
-        info["result"] = outcome.get("result")
         return info
 
 
@@ -321,8 +321,8 @@ def main(argv=None) -> int:
             r["scaled_40_prompt_tokens_per_s"] = round(length / r["ttft_s"] / scale, 1)
         return r
 
-    base = ["--model", str(folder), "--served-name", SERVED_NAME, "--max-model-len", str(turn2_len + args.max_tokens
-                                                                                       + 64)]
+    max_model_len = turn2_len + args.max_tokens + 64
+    base = ["--model", str(folder), "--served-name", SERVED_NAME, "--max-model-len", str(max_model_len)]
     if device == "cpu":
         base += ["--device", "cpu"]
     parking = ["--session-dir", str(session_dir), "--session-disk-min-tokens", "16"]
@@ -337,6 +337,11 @@ def main(argv=None) -> int:
         return convo[s]["turn1"] + convo[s]["reply"] + new[k]
 
     def first_server(url, client) -> None:
+        pool = first.info["pool"]["pages_total"] * first.info["page_tokens"]
+        if not args.no_sessions and pool < 3 * turn2_len:  # entries yield their pages to live requests
+            log(f"warning: a pool of {pool} tokens holds fewer than two conversations' entries beside a running turn "
+                f"({3 * turn2_len}): turn 2 may find its entry evicted (cached_tokens 0; more --parallel or "
+                f"--pool-tokens after --)")
         for i, length in enumerate(lengths):
             if over_budget():
                 res["prompts"].append({"length": length, "skipped": "budget"})
@@ -378,9 +383,9 @@ def main(argv=None) -> int:
 
     servers = res["servers"] = {}
     parked = {}
-    servers["sessions_on"] = Server(on, model, device).run(
-        first_server, before_stop=lambda: parked.update(before=folder_bytes(session_dir)))
-    del servers["sessions_on"]["result"]
+    first = Server(on, model, device)
+    servers["sessions_on"] = first.info
+    first.run(first_server, before_stop=lambda: parked.update(before=folder_bytes(session_dir)))
     if "sessions" in res:
         written = folder_bytes(session_dir) - parked.get("before", 0)
         stop_s = servers["sessions_on"].get("stop_s")
@@ -391,15 +396,15 @@ def main(argv=None) -> int:
         save()
         # the session files' tag names the pool's layout, its page count included: the restarted servers get the
         # first one's pages (sized from free memory again, a pool a page smaller would find no parked entry)
-        first = servers["sessions_on"]
-        pool = ["--pool-tokens", str(first["pool"]["pages_total"] * first["page_tokens"])]
+        pool = ["--pool-tokens", str(first.info["pool"]["pages_total"] * first.info["page_tokens"])]
         for name, argv2, drive in (("nvme_restart", base + parking + pool + serve_flags, nvme_server),
                                    ("sessions_off", base + ["--sessions", "off"] + pool + serve_flags, fresh_server)):
             if over_budget():
                 res["sessions"].setdefault("skipped", []).append(name)
                 continue
-            servers[name] = Server(argv2, model, device).run(drive)
-            del servers[name]["result"]
+            server = Server(argv2, model, device)
+            servers[name] = server.info
+            server.run(drive)
             save()
     res["seconds"] = round(time.perf_counter() - started, 1)
     save()
