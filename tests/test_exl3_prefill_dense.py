@@ -74,7 +74,7 @@ def _worker(results: dict) -> None:
     switch = {}
     space = PrefillWorkspace(torch.device("cpu"))
     lin = Exl3Linear(w, space, "dense")
-    for value, want in (("", tile), ("0", tile), ("1", y), ("on", y)):
+    for value, want in (("0", tile), ("", y), ("1", y), ("on", y)):
         os.environ[ENV] = value
         switch[f"{value or 'unset'}/kernel"] = _same(prefill_linear(x, w, out_dtype=f32), want)
         switch[f"{value or 'unset'}/linear"] = _same(lin(x, phase="prefill", out_dtype=f32), want)
@@ -122,23 +122,23 @@ def test_interpreted_dense_gemm_rows_are_bitwise_alone_batched_and_chunked(inter
     assert all(r.values()), {k: v for k, v in r.items() if not v}
 
 
-def test_interpreted_switch_is_read_at_each_launch_and_off_by_default(interp):
+def test_interpreted_switch_is_read_at_each_launch_and_on_by_default(interp):
     r = interp["switch"]
     bits = {k: v for k, v in r.items() if not k.endswith("workspace_held") and k != "tile_rel_to_gemm"}
     assert all(bits.values()), {k: v for k, v in bits.items() if not v}
     # the runtime's one workspace is allocated at the first call that decodes into it, and only then
-    assert not r["unset/workspace_held"] and not r["0/workspace_held"], r
-    assert r["1/workspace_held"] and r["on/workspace_held"], r
+    assert not r["0/workspace_held"], r
+    assert r["unset/workspace_held"] and r["1/workspace_held"] and r["on/workspace_held"], r
     assert r["tile_rel_to_gemm"] <= 1e-5, r
 
 
-def test_dense_gemm_is_off_by_default(monkeypatch):
+def test_dense_gemm_is_on_by_default(monkeypatch):
     from dsv41.kernels.exl3.prefill_dense import dense_gemm_enabled
 
     monkeypatch.delenv(ENV, raising=False)
-    assert not dense_gemm_enabled()
-    monkeypatch.setenv(ENV, "1")
     assert dense_gemm_enabled()
+    monkeypatch.setenv(ENV, "0")
+    assert not dense_gemm_enabled()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_topk_radix_switch_reads_the_environment(monkeypatch):
     from dsv41.kernels.step import indexer
 
     monkeypatch.delenv(indexer.RADIX_ENV, raising=False)
-    assert not indexer.radix_on()  # off until a GPU run has checked it
+    assert indexer.radix_on()  # on by default since a GPU run checked it
     monkeypatch.setenv(indexer.RADIX_ENV, "1")
     assert indexer.radix_on()
     monkeypatch.setenv(indexer.RADIX_ENV, "0")

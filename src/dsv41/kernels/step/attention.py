@@ -157,7 +157,9 @@ def _parts(dtype_exact: bool) -> int:
     return 1 if dtype_exact else 3
 
 
-@triton.jit(do_not_specialize=["n_pages", "n_ids", "sib"])
+# a prefill chunk's S, window rows, entry width and slot-index stride follow its length and position: not specialised
+# (a GPU probe of chunks of 1/7/16/33/300 rows found each toggling Triton's %16 key: a compile mid-request)
+@triton.jit(do_not_specialize=["n_pages", "n_ids", "sib", "S", "sot", "window", "width"])
 def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, m_ptr, l_ptr, acc_ptr,
                        H, S, HD, scale,
                        w_ptr, sws, swr, ring_rows, slot_ptr, pos_ptr, window,

@@ -29,9 +29,10 @@ higher digits match the prefix found so far; the digit where the count from the 
 extends the prefix, and the entries of higher digits (all above the k-th) lower that rank. The first pass also
 counts the finite scores: when at most k are, the other passes read nothing (every finite entry is picked). Then
 one pass takes every entry above the k-th and the lowest-id entries equal to it and writes them in ascending id
-order after the leading -1 (a cumulative count per block: no sort): 5 reads of the row in all. The default is still
-the old 32-step bisection until a GPU run checks the radix path (`DSV41_TOPK_RADIX=1` or `topk_select(radix=True)`
-turns radix on); the bisection (`_kth_bisect`: one counting pass a
+order after the leading -1 (a cumulative count per block: no sort): 5 reads of the row in all. Radix is the default
+since a GPU run checked it (H100, 63be457: the same bits as the bisection at a prefill slab and at the decode rows'
+shapes; 1.9x at 2,048 x 65,536 entries, 1.4x at 8K entries, even at 300); `DSV41_TOPK_RADIX=0` or
+`topk_select(radix=False)` takes the bisection (`_kth_bisect`: one counting pass a
 bit, plus a finite count and a count above: 35 reads); both give the one k-th key of the row (the largest key t
 with at least k keys >= t) and its exact count above, so the output is the same bits
 (tests/test_kernels_step_topk_radix.py). A 128K prompt's chunk of ratio-2 rows is 2,048 rows x ~64K entries
@@ -339,12 +340,13 @@ def index_scores_pool(q: torch.Tensor, w: torch.Tensor, key_store: torch.Tensor,
 
 def radix_on() -> bool:
     """Whether the top-k finds its k-th score by radix select (read at each launch; `DSV41_TOPK_RADIX=1` turns it
-    on, off by default until measured on a GPU; off takes the bisection). The same bits either way. A switch, so that a whole prefill's launches (inside the
+    on by default:
+checked on a GPU; `DSV41_TOPK_RADIX=0` takes the bisection). The same bits either way. A switch, so that a whole prefill's launches (inside the
     model, in captured graphs) flip without a code change, like the other kernel A/B switches; `topk_select`'s
     `radix` argument beside it lets the tests and the bench run both in one process."""
-    # off until a GPU run has checked it (bits and time: tests/test_kernels_step_topk_radix.py's GPU test and
-    # bench/prefill.py's kernels.index_topk): the decode rows' top-k runs this kernel too
-    return switched_on(RADIX_ENV, default=False)
+    # on since the GPU run at 63be457 (H100): tests/test_kernels_step_topk_radix.py's GPU tests (a prefill slab and
+    # the decode rows' shapes: same bits) and their timings (radix <= bisection at every shape, 2x at 64K entries)
+    return switched_on(RADIX_ENV, default=True)
 
 
 def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None) -> torch.Tensor:

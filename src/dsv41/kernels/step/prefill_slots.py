@@ -26,7 +26,7 @@ from .attention import HEAD_BLOCK, KEY_BLOCK, SPLIT_KEYS, _rows_launch
 SLOT_BLOCK = 128  # slots per program
 
 
-@triton.jit(do_not_specialize=["n_ids", "pos", "first", "floor", "sit", "sic"])
+@triton.jit(do_not_specialize=["n_ids", "pos", "first", "floor", "sit", "sic", "S", "window", "width", "W"])
 def _slot_index_kernel(ids_ptr, sit, sic, n_ids, out_ptr, S, pos, first, floor, window, width, W,
                        ENTRIES: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
