@@ -196,7 +196,9 @@ def test_start_bench_times_both_starts(fp8_lite, tmp_path):
     assert result["device"] == "cpu" and result["prepare_s"] > 0 and result["folder_gib"] > 0
     assert list(result["starts"]["prepared"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
     assert list(result["starts"]["checkpoint"]["phases"]) == ["imports", "build"]
+    assert list(result["starts"]["prepared_first_boot"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
     assert not (tmp_path / ".start-prepared").exists()  # the folder it prepared is removed
+    assert not (tmp_path / ".start-triton-cache").exists()  # and the children's Triton cache
 
 
 @pytest.mark.gpu
