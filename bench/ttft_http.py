@@ -34,8 +34,8 @@ Measured (TTFT = the request sent -> the first streamed chunk carrying a token; 
 
 Serve flags: `--max-model-len` (the longest turn 2 + slack), `--session-dir` (a temp folder unless `--session-dir`)
 and `--session-disk-min-tokens 16` (so the CPU smoke's short entries park too) are set here, and for the restarted
-servers `--pool-tokens` of the first one's pages (the session files' tag names the pool's layout, its page count
-included: a pool sized again from free memory could be a page smaller and find no parked entry); anything after
+servers `--pool-tokens` of the first one's pages (the same pool for the three measurements; the session files'
+tag no longer names the page count, so a pool sized again from free memory would find the entries too); anything after
 `--` is passed to `dsv41 serve` as well (e.g. `-- --parallel 1`). `--budget-s`: stages that would start past this many
 seconds are skipped and say so. Results are saved after every stage (a run cut short keeps what it measured).
 
@@ -404,8 +404,7 @@ def run(args, work: Path, started: float) -> int:
                                    "note": "bytes the stop wrote / (SIGTERM -> stopped: the drain, the parking of "
                                            "the RAM entries newest first, the shutdown): a lower bound of the rate"}
         save()
-        # the session files' tag names the pool's layout, its page count included: the restarted servers get the
-        # first one's pages (sized from free memory again, a pool a page smaller would find no parked entry)
+        # the restarted servers get the first one's pages: the same pool for the three measurements
         pool = ["--pool-tokens", str(first.info["pool"]["pages_total"] * first.info["page_tokens"])]
         for name, argv2, drive in (("nvme_restart", base + parking + pool + serve_flags, nvme_server),
                                    ("sessions_off", base + ["--sessions", "off"] + pool + serve_flags, fresh_server)):

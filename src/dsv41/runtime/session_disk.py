@@ -45,8 +45,17 @@ def checkpoint_digest(folder) -> str:
     return h.hexdigest()
 
 
+# the pool's size (slots, pages, bytes in all) follows the memory free at start: a restart may size it a page or two
+# otherwise, and an entry (its slot's bytes and its pages' bytes) loads into any pool of the same layout
+POOL_SIZE_FIELDS = ("slots", "pages", "bytes_total")
+
+
 def session_tag(*, knobs: str, checkpoint: str, cfg, pool, rank: int, world: int) -> str:
-    layout = repr(sorted(pool.describe().items())) + repr(sorted(pool.sources.items()))
+    """What an entry file must match to be resumed here: the approximate settings, the checkpoint, the model's
+    shape and the pool's per-entry layout (page tokens, ring rows, slot and token bytes, codecs, sources; not its
+    size), the code, the rank."""
+    described = {k: v for k, v in pool.describe().items() if k not in POOL_SIZE_FIELDS}
+    layout = repr(sorted(described.items())) + repr(sorted(pool.sources.items()))
     shape = hashlib.blake2b(repr(cfg).encode() + layout.encode(), digest_size=8).hexdigest()
     return f"knobs={knobs}|ckpt={checkpoint}|shape={shape}|code={code_digest()}|rank={rank}/{world}"
 
