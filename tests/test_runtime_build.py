@@ -64,10 +64,15 @@ def test_build_makes_and_keeps_no_dense_copy(tiny_model_dir, no_dense, world, ra
     if world == 1:
         assert held == _exl3_bytes_in_checkpoint(tiny_model_dir)
     # the workspace is declared for the largest matrix that can take the reconstruct path, the head (always fused)
-    # excluded, and held only where that path is on: the prefill tile kernels need no dense copy
+    # excluded, and held only where a prefill path decodes into it: the dense GEMM (on by default) or the
+    # reconstruct path; the tile kernels alone need no dense copy
     largest = max(o.weight.k * o.weight.n for o in objects if isinstance(o, Exl3Linear) and not o.fused_only)
-    assert model.workspace.numel >= largest and model.workspace.buf is None and model.workspace.nbytes == 0
+    assert model.workspace.numel >= largest
+    assert model.workspace.buf is not None and model.workspace.nbytes == 2 * model.workspace.numel
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV41_PREFILL_DENSE_GEMM", "0")
+        model = build_fast_model(tiny_model_dir, "cpu", torch.float32, rank=rank, world=world)
+        assert model.workspace.buf is None and model.workspace.nbytes == 0
         mp.setenv("DSV41_PREFILL_TILES", "0")
         model = build_fast_model(tiny_model_dir, "cpu", torch.float32, rank=rank, world=world)
     assert model.workspace.buf is not None and model.workspace.nbytes == 2 * model.workspace.numel
