@@ -123,10 +123,13 @@ def main(argv=None) -> int:
     written = files.stats()["bytes"] - before
     park_s = time.perf_counter() - start
     out["park"] = {"seconds": round(park_s, 4), "bytes": written, "gb_per_s": round(written / park_s / 1e9, 3)}
-    reads_before = files.stats()["reads"]
+    before = files.stats()
     t_disk, got_disk, cached_disk = turn(engine, second, 4, device)
-    out["nvme"] = {"ttft_s": round(t_disk, 4), "cached_tokens": cached_disk,
-                   "loaded": files.stats()["reads"] - reads_before}
+    after = files.stats()
+    read_bytes, read_s = after["read_bytes"] - before["read_bytes"], (after["read_ns"] - before["read_ns"]) / 1e9
+    out["nvme"] = {"ttft_s": round(t_disk, 4), "cached_tokens": cached_disk, "loaded": after["reads"] - before["reads"],
+                   "read_bytes": read_bytes, "read_s": round(read_s, 4),
+                   "read_gb_per_s": round(read_bytes / read_s / 1e9, 3) if read_s else None}
 
     fresh = build_engine(engine_defaults(parallel=1, sessions="off"), model, max_model_len=max_len, log=print)
     t_fresh, got_fresh, _ = turn(fresh, second, 4, device)

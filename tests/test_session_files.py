@@ -89,6 +89,9 @@ def test_round_trip_is_bit_exact_and_the_index_is_rebuilt(tmp_path):
     assert again.longest_prefix(ids, 299) is None
     assert_reads_back(again, "k1", ids, blocks, meta)
     assert again.stats()["reads"] == 1 and again.stats()["hits"] == 2
+    # the bytes read back (blocks and ids) and the time they took, for the NVMe tier's read rate (bench/sessions.py)
+    assert again.stats()["read_bytes"] == len(big) + 2 + floats.itemsize * len(floats) + 4 * len(ids)
+    assert again.stats()["read_ns"] > 0
 
 
 def test_longest_prefix_agrees_with_a_brute_force_search(tmp_path):

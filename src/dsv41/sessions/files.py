@@ -178,7 +178,8 @@ class SessionFiles:
         self._bytes = 0  # every indexed file plus the writes in flight
         self._logged: set[str] = set()
         self._last_ns = 0
-        self.counters = dict(writes=0, write_failures=0, too_large=0, reads=0, read_failures=0, evictions=0, hits=0)
+        self.counters = dict(writes=0, write_failures=0, too_large=0, reads=0, read_failures=0, evictions=0, hits=0,
+                             read_bytes=0, read_ns=0)
         self.disabled = False
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -379,6 +380,7 @@ class SessionFiles:
             entry = self._entries.get(key)
         if entry is None:
             return None
+        began = time.perf_counter_ns()
         try:
             with open(entry.path, "rb", buffering=0) as f:
                 header, start = read_header(f)
@@ -407,6 +409,8 @@ class SessionFiles:
             return None
         with self._lock:
             self.counters["reads"] += 1
+            self.counters["read_bytes"] += sum(len(b) for b in blocks.values()) + 4 * len(ids)
+            self.counters["read_ns"] += time.perf_counter_ns() - began  # read and verified (the checksums)
             if self._entries.get(key) is entry:
                 self._entries.move_to_end(key)
         try:
