@@ -104,8 +104,8 @@ class PrefillWorkspace:
 
     @property
     def nbytes(self) -> int:
-        """The bytes it holds: none until a matrix takes the reconstruct path or the dense GEMM path (both off by
-        default: the tile kernels need no dense copy)."""
+        """The bytes it holds: none until a matrix takes the reconstruct path or the dense GEMM path (the GEMM is on
+        by default; with it off the tile kernels need no dense copy)."""
         return 0 if self.buf is None else self.buf.numel() * 2
 
     def matrix(self, k: int, n: int) -> torch.Tensor:
@@ -173,7 +173,7 @@ def prefill_tiles_enabled() -> bool:
 
 def prefill_workspace_needed() -> bool:
     """Whether a prefill path that decodes a matrix into the workspace is on at build (the reconstruct path, or the
-    dense projections' decode-once GEMM, `DSV41_PREFILL_DENSE_GEMM=1`): then the buffer is allocated with the
+    dense projections' decode-once GEMM, on unless `DSV41_PREFILL_DENSE_GEMM=0`): then the buffer is allocated with the
     weights, before the pool is sized (a switch flipped later allocates it at its first prefill)."""
     from dsv41.kernels.exl3.prefill_dense import dense_gemm_enabled
 
