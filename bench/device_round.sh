@@ -7,6 +7,8 @@
 # --jobs 2`, then `carry: ["build/cubins"]`), else built on the machine. Wheels of what the image lacks: .whl/
 # (bench/fetch_gpu_wheels.sh) when carried. TESTS_TIMEOUT (default 300 s) and BENCH_TIMEOUT (default 240 s a line).
 # The machine's copy of the tree may carry a stale .git: pass BENCH_COMMIT (git rev-parse --short HEAD, read here).
+# PACK=1: everything under OUTDIR packed into OUTDIR/round.tgz at the end (the device tool brings back only a few
+# files of a call: 5 of a round's 12 were left out once, the test log among them).
 set -o pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-bench/results}}"
@@ -47,4 +49,8 @@ while IFS= read -r line; do
   [ "$b" -ne 0 ] && [ "$rc" -eq 0 ] && rc=$b
   mark "bench $n (rc $b)"
 done <<< "${BENCH:-}"
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf "/tmp/round.$$.tgz" -C "$out" --exclude=round.tgz . && rm -rf "${out:?}"/* "$out"/.start* && \
+    mv "/tmp/round.$$.tgz" "$out/round.tgz"
+fi
 exit "$rc"
