@@ -214,12 +214,16 @@ FAST_PROMPTS = ([0, 42, 7], [0, 98, 14, 3])
 FAST_TOKENS = 2  # a prefill step, then one decode step whose ids come from the prefill's sample (~10 s each)
 
 
-def fast_events(model_dir: str, device: str, engram: bool) -> dict:
+def fast_events(model_dir: str, device: str, engram: bool, gate: bool = False, tokens: int = FAST_TOKENS) -> dict:
     """The fast forward's engine, overlap off and on: each request's events (as plain lists), and how many follow
     rows took their ids on the device. `engram=False` drops the Engram layers (the same model for both runs), so
-    the ids never leave the device; with them the host reads the ids just before the hash."""
+    the ids never leave the device; with them the host reads the ids just before the hash, unless `gate`: the
+    overlapped run has the Engram gate (runtime/engram_gate.py; the serial run has none), `fed` says how often
+    its rows were published before / after the step's launch."""
     from dsv41.compose.build import build_engine, engine_defaults
     from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.engram_gate import EngramGate
+    from dsv41.runtime.model import STEP_ROWS
     from dsv41.runtime.step_handoff import StepSample
 
     fast = build_fast_model(model_dir, device, torch.float32, fake_quant=False)
@@ -235,12 +239,13 @@ def fast_events(model_dir: str, device: str, engram: bool) -> dict:
     out = {}
     try:
         for overlap in ("off", "on"):
+            fast.engram_gate = EngramGate(fast.device, max_rows=STEP_ROWS) if gate and overlap == "on" else None
             engine = build_engine(engine_defaults(overlap=overlap, forward="fast"), fast, max_model_len=128,
                                   log=lambda line: None)
             core = engine.core
-            requests = [GenerationRequest(list(FAST_PROMPTS[0]), FAST_TOKENS, SamplingParams(temperature=0.0),
+            requests = [GenerationRequest(list(FAST_PROMPTS[0]), tokens, SamplingParams(temperature=0.0),
                                           logprobs=1),
-                        GenerationRequest(list(FAST_PROMPTS[1]), FAST_TOKENS, SamplingParams(temperature=0.7, seed=3),
+                        GenerationRequest(list(FAST_PROMPTS[1]), tokens, SamplingParams(temperature=0.7, seed=3),
                                           logprobs=1)]
             events = [[] for _ in requests]
             for req, ev in zip(requests, events):
@@ -251,6 +256,8 @@ def fast_events(model_dir: str, device: str, engram: bool) -> dict:
             out[overlap] = [[[e.token_id, e.logprob, [list(t) for t in e.top_logprobs]] for e in ev
                              if isinstance(e, TokenEvent)] for ev in events]
             out[f"{overlap}_steps"] = core.stats()["overlap"]["steps"]
+        if fast.engram_gate is not None:
+            out["fed"] = dict(fast.engram_gate.fed)
     finally:
         StepSample.device_ids = device_ids
     out["handed"] = handed[0]

@@ -33,6 +33,7 @@ from dsv41.parallel.comm import Comm, LocalComm
 from dsv41.weights import Checkpoint
 from dsv41.weights.linear import split_range
 
+from . import engram_gate
 from .draft_fast import FastDSpark
 from .layers.attention import FastAttention
 from .layers.linear import PrefillWorkspace, fast_linear, prefill_workspace_needed
@@ -196,5 +197,7 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
     if prefill_workspace_needed():  # the tile kernels alone need no dense copy of any matrix
         mover.workspace.allocate()
     report(cfg.num_hidden_layers + 1, cfg.num_hidden_layers + 1, "layers")
-    return FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,
-                     comm, tokenizer, fake_quant, dspark=drafter)
+    model = FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,
+                      comm, tokenizer, fake_quant, dspark=drafter)
+    model.engram_gate = engram_gate.for_model(model)  # DSV41_ENGRAM_GATE (runtime/engram_gate.py)
+    return model

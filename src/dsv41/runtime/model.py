@@ -55,6 +55,7 @@ from .layers.attention import FastAttention, Segment, step_kernels_run
 from .layers.linear import PrefillWorkspace, is_fused
 from .layers.moe import FusedMoE
 from .pool_forward import decoder_start
+from .engram_gate import GatedRows
 from .pool_step import engram_stored, forward_pool, ids_positions
 from .sections import section
 
@@ -150,6 +151,7 @@ class FastModel:
     held: list = field(default_factory=list)  # weights built but not run here (DSpark blocks of a synthetic rank)
     graphs: PieceGraphs | None = None  # the decode/verify pieces' CUDA graphs, made on the first fused forward
     dspark: object | None = None  # FastDSpark (runtime/draft_fast.py): the rows' taps seed its rings
+    engram_gate: object | None = None  # EngramGate (runtime/engram_gate.py): Engram rows published after the launch
 
     def new_state(self) -> SequenceState:
         state = SequenceState()
@@ -326,13 +328,16 @@ class FastModel:
         """One bucket over the pool as one graph (runtime/pool_step.py `forward_pool`)."""
         return forward_pool(self, segs, chunks, pool, phase, n, B, writes, follow)
 
-    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, packed, formats: dict):
+    def _pool_step(self, sites: MhcSites, n: int, phase: str, pool, tables, packed, formats: dict, gated=False):
         """The whole decode / verify step of a bucket over the pool: a pure function of its tensors (the pool's
         stores and the weights are constants), so it can be one CUDA graph. The bucket's token ids, positions and
         Engram rows as stored (`formats`: layer -> (kind, head_dim)) travel in the tables' buffer; the rows are
-        decoded here, inside the graph. Returns this rank's logits [n, V/tp]."""
+        decoded here, inside the graph (`gated`: the Engram gate copies them in before the first Engram layer, then
+        they are decoded). Returns this rank's logits [n, V/tp]."""
         t = tables.on(packed)
-        rows = {L: decode_row_bytes(t.bytes_of(f"engram.{L}"), kind, dim) for L, (kind, dim) in formats.items()}
+        decode = lambda t: {L: decode_row_bytes(t.bytes_of(f"engram.{L}"), kind, dim)  # noqa: E731
+                            for L, (kind, dim) in formats.items()}
+        rows = GatedRows(self.engram_gate, t, decode) if gated else decode(t)
         live = self.engram_hasher.live(t["ids"]) if self.engram_hasher is not None else None
         eager = lambda name, fn, *args: fn(*args)  # noqa: E731
         x, pre, P = self._streams(t["ids"], t["pos"])

@@ -118,11 +118,22 @@ class ModelRunner:
         except StepAborted as exc:
             exc.output = StepOutput(batch.step, loads=loads)
             self._last_sample = None
+            self._gate_steps()
+            raise
+        except BaseException:
+            self._gate_steps()  # a failed launch's gated buckets are not checked with a later step
             raise
         if self.device.type == "cuda" and self._side is None:
             self._side = torch.cuda.Stream(self.device)
         self._last_sample = StepSample(rows, logits, self.device, self._choose, self._side)
-        return PendingStep(batch.step, self._last_sample, loads, self._row)
+        check = self._gate_steps()
+        return PendingStep(batch.step, self._last_sample, loads, self._row, check=check)
+
+    def _gate_steps(self):
+        """The Engram gate's check of the buckets the forward just launched (runtime/engram_gate.py), or None."""
+        gate = getattr(getattr(self.forward, "model", None), "engram_gate", None)
+        steps = gate.take_steps() if gate is not None else []
+        return (lambda: gate.check(steps)) if steps else None
 
     def execute(self, batch: Batch) -> StepOutput:
         loads = self._before_forward(batch)
@@ -133,7 +144,12 @@ class ModelRunner:
             logits = self.forward.execute(batch.rows, self.pool)
         except StepAborted as exc:  # the step's requests all left: what ran before the forward still counts
             exc.output = StepOutput(batch.step, loads=loads)
+            self._gate_steps()
             raise
+        except BaseException:
+            self._gate_steps()
+            raise
+        check = self._gate_steps()
         proposing = self.drafter is not None and any(r.propose for r in batch.rows)
         if not self.driver and not proposing:
             return StepOutput(batch.step)
@@ -143,6 +159,8 @@ class ModelRunner:
         rows = [r for r, _ in pairs]
         greedy = self._greedy_tokens(rows, [lg for _, lg in pairs])
         outs = [self._row(row, lg, greedy.get(i)) for i, (row, lg) in enumerate(pairs)]
+        if check is not None:  # the gated buckets had their Engram rows (read once the step's tokens are in)
+            check()
         if proposing:
             self._propose(rows, outs)
         return StepOutput(batch.step, outs, loads=loads) if self.driver else StepOutput(batch.step)

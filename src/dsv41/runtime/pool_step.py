@@ -11,6 +11,8 @@ from functools import partial
 import numpy as np
 import torch
 
+from .engram_gate import GATE_STEP
+from .graphs import piece_key
 from .mhc_sites import MhcSites
 from .sections import section
 from .step_tables import StepTables, ring_chunk_rows
@@ -48,7 +50,9 @@ def forward_pool(model, segs, chunks, pool, phase: str, n: int, B: int, writes=T
     `follow` (`forward`'s, this bucket's chunks): the tables are planned first (nothing in them depends on the
     ids), then the follow rows' ids are taken: on the device (gathered from the previous step's sample into
     the tables' ids after the copy) or, where Engram rows are hashed from them, read on the host here (the
-    only wait for the previous step; the device-side gate before layer 1 would take it off: docs/ENGINE.md)."""
+    only wait for the previous step). With the Engram gate (`model.engram_gate`, runtime/engram_gate.py) the ids
+    stay on the device there too: the step's rows are published by the host after the step's graph is launched
+    (it waits on the device before the first Engram layer), or before it where the graph is not replayed."""
     dev = model.device
     for s in segs:
         if s.T > ring_chunk_rows(pool, model.cfg.sliding_window):
@@ -56,13 +60,22 @@ def forward_pool(model, segs, chunks, pool, phase: str, n: int, B: int, writes=T
                              f"over a window of {model.cfg.sliding_window}")
     planned = StepTables.plan(segs, B, pool)
     ids = [c[1] for c in chunks]
-    if follow is not None and model.engram_hasher is not None:  # the hash needs them: the host reads them now
-        host = torch.tensor(follow[0].host_ids(), dtype=torch.int64)
-        ids = [host[f:f + 1] if f >= 0 else i for i, f in zip(ids, follow[1])]
-        follow = None
+    engram = model.engram_hasher is not None
+    gate = model.engram_gate if engram else None
+    stored = None
+    if follow is not None and engram and (gate is None or not gate.ready):  # the hash needs the ids now
+        ids, follow = host_ids(ids, follow), None
+    if gate is not None and not gate.ready:  # the gate's first step: its read gives the rows' shapes
+        stored = engram_stored(model, segs, ids, B)
+        gate.learn(stored)
     ids_b, pos_b = ids_positions(segs, ids, B)
-    stored = engram_stored(model, segs, ids, B) if model.engram_hasher is not None else None
-    inputs = {"ids": ids_b, "pos": pos_b, **{f"engram.{L}": r.data for L, r in (stored or {}).items()}}
+    inputs = {"ids": ids_b, "pos": pos_b}
+    if gate is not None:
+        step_no = gate.number()
+        inputs.update({GATE_STEP: np.array([step_no], dtype=np.int64), **gate.placeholders(B)})
+    elif engram:
+        stored = engram_stored(model, segs, ids, B)
+        inputs.update({f"engram.{L}": r.data for L, r in stored.items()})
     if follow is not None:  # each bucket row's source in the previous step's sample (-1: its own id)
         src = np.full(B, -1, dtype=np.int64)
         for s, f in zip(segs, follow[1]):
@@ -76,11 +89,38 @@ def forward_pool(model, segs, chunks, pool, phase: str, n: int, B: int, writes=T
     if not writes:
         tables = tables.without_writes()
     step = partial(model._pool_step, MhcSites.of(model.cfg, dev, rows=B), B, phase, pool, tables)
-    args = (tables.packed, {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()})
+    formats = {L: f[:2] for L, f in gate.formats.items()} if gate is not None else \
+        {L: (r.kind, r.head_dim) for L, r in (stored or {}).items()}
+    args = (tables.packed, formats, gate is not None)
     warm = lambda: (tables.without_writes().packed, *args[1:])  # noqa: E731
-    local = model.piece_graphs().run("step", phase, B, step, *args, warmup=warm)[:n]
+    graphs = model.piece_graphs()
+    deferred = False
+    if gate is not None:  # the host's part: after the launch where the graph replays, else before it
+        read = (lambda: stored) if stored is not None else \
+            (lambda: engram_stored(model, segs, host_ids(ids, follow) if follow is not None else ids, B))
+        deferred = stored is None and graphs.decide(piece_key("step", phase, B, args)) == "replay"
+        gate.fed["after" if deferred else "before"] += 1
+        if not deferred:
+            gate.feed(step_no, read)
+    try:
+        local = graphs.run("step", phase, B, step, *args, warmup=warm)[:n]
+    except BaseException:
+        if deferred:  # its gate may be enqueued: never leave the device waiting for rows that will not come
+            gate.abandon(step_no)
+        raise
+    if gate is not None:
+        gate.launched(step_no)
+        if deferred:
+            with section("engram"):
+                gate.feed(step_no, read)
     for s, i in zip(segs, ids):
         s.state.pos += s.T
         s.state.ids.extend(i.tolist())  # a follow row's placeholder where its id stayed on the device
     with section("comm"):
         return model.comm.gather_cat(local, dim=-1)
+
+
+def host_ids(ids: list, follow) -> list:
+    """The chunks' ids with each follow row's read on the host from the previous step's sample (waits for it)."""
+    host = torch.tensor(follow[0].host_ids(), dtype=torch.int64)
+    return [host[f:f + 1] if f >= 0 else i for i, f in zip(ids, follow[1])]

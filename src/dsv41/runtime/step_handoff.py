@@ -8,10 +8,11 @@ engine plans and launches the next step meanwhile, then asks `PendingStep.result
   event. Everything that reads a value on the host (the other rows' keyed draws, logprobs, the ids themselves)
   runs on a side stream that waits for that event only (`host_reads`), so it never waits for the step launched
   behind this one on the main stream. On the CPU there are no streams: the same code runs in order.
+- `PendingStep.result()` also runs the step's check (the Engram gate's: runtime/engram_gate.py), after the sample.
 - `Handoff`: a follow row's token id (`Row.follows`) is its sequence's token in the previous step's sample. Where
   the forward takes it itself (`FastForward.takes_handoff`: every follow row in place) it plans the step's tables
   first, then gathers the ids on the device (`device_ids`: they never leave it) or, where Engram rows are hashed
-  from them, reads them on the host just before the hash (`host_ids`); elsewhere `resolved` puts the host's ids
+  from them and no Engram gate runs, reads them on the host just before the hash (`host_ids`); elsewhere `resolved` puts the host's ids
   into the rows before the forward (the pool forward, load-and-store rows).
 """
 
@@ -132,9 +133,10 @@ class Handoff:
 class PendingStep:
     """A launched step; `result()` waits for its sample (and only for it) and builds the StepOutput."""
 
-    def __init__(self, step: int, sample: StepSample | None, loads: list, build):
-        """`build(row, logits, choice=)` -> RowOutput (the runner's `_row`)."""
-        self.step, self.sample, self.loads, self._build = step, sample, loads, build
+    def __init__(self, step: int, sample: StepSample | None, loads: list, build, check=None):
+        """`build(row, logits, choice=)` -> RowOutput (the runner's `_row`); `check()`: what must hold once the
+        sample is in (the Engram gate's `check` of the step's gated buckets: raises when one ran without its rows)."""
+        self.step, self.sample, self.loads, self._build, self._check = step, sample, loads, build, check
         self._out: StepOutput | None = None
 
     def result(self) -> StepOutput:
@@ -145,6 +147,8 @@ class PendingStep:
             else:
                 choices = s.choices()
                 with s.host_reads():
+                    if self._check is not None:
+                        self._check()
                     rows = [self._build(r, lg, choice=c) for r, lg, c in zip(s.rows, s.logits, choices)]
                 self._out = StepOutput(self.step, rows, loads=self.loads)
         return self._out

@@ -178,6 +178,14 @@ class StepTables:
         return PlannedTables(B, n, parts, ratios, P)
 
 
+def byte_words(t: np.ndarray) -> np.ndarray:
+    """A uint8 input `[..., width]` as the int64 words it travels in (its last dimension padded with zeros to a
+    whole word): what `pack` puts in the tables, and what the Engram gate publishes (runtime/engram_gate.py)."""
+    words = np.zeros((*t.shape[:-1], -(-t.shape[-1] // 8) * 8), dtype=np.uint8)
+    words[..., :t.shape[-1]] = t
+    return words.view(np.int64)
+
+
 @dataclass
 class PlannedTables:
     """A bucket's tables on the host (`StepTables.plan`), waiting for the step's inputs."""
@@ -195,9 +203,7 @@ class PlannedTables:
             t = np.asarray(t)
             if t.dtype == np.uint8:
                 widths[name] = t.shape[-1]
-                words = np.zeros((*t.shape[:-1], -(-t.shape[-1] // 8) * 8), dtype=np.uint8)
-                words[..., :t.shape[-1]] = t
-                t = words.view(np.int64)
+                t = byte_words(t)
             parts[name] = np.asarray(t, dtype=np.int64)
         layout, at = {}, 0
         for name, t in parts.items():
