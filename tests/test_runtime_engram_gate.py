@@ -168,7 +168,7 @@ def test_a_launched_steps_check_runs_with_its_sample():
 
 
 # ---------------------------------------------------------------------------------------------------- interpreter
-def interp_worker(out: str) -> None:
+def interp_worker(out: str, model_dir: str) -> None:
     """The kernel in the interpreter: what the tests below assert."""
     from dsv41.runtime.engram_gate import GateTimeout
 
@@ -202,12 +202,72 @@ def interp_worker(out: str) -> None:
         res["deadline_error"] = None
     except GateTimeout as exc:
         res["deadline_error"] = str(exc)
+    res.update(model_steps(model_dir))
     torch.save(res, out)
+
+
+def model_steps(model_dir: str) -> dict:
+    """The slimmed tiny model's decode step over the pool (a scratch row that writes nothing, as the boot capture
+    runs it), in the interpreter: without the gate, and with it where the step's graph "replays" (graphs that hand
+    the step back unrun, as a launch does): the host publishes after the forward returned, then the step runs and
+    its gate finds the rows. The logits of both."""
+    from dsv41.engine.batch import DECODE, Row
+    from dsv41.runtime.build import build_fast_model
+    from dsv41.runtime.engram_gate import EngramGate
+    from dsv41.runtime.fast_forward import FastForward, pool_layout
+    from dsv41.runtime.graphs import GraphStats
+    from dsv41.runtime.kv_pool import pool_for_model
+    from dsv41.runtime.model import STEP_ROWS
+    from dsv41.runtime.pool_forward import load_sequences
+
+    model = build_fast_model(model_dir, "cpu", torch.float32)
+    pool = pool_for_model(pool_layout(model), num_slots=2, num_pages=4, page_tokens=8, device="cpu")
+    launched = []
+
+    class Graphs:  # eager, or (`launch`) handing the step back unrun
+        active, stats, launch = True, GraphStats(), False
+
+        def decide(self, key, tracing=False):
+            return "replay" if self.launch else "not CUDA"
+
+        def run(self, name, phase, n, fn, *args, warmup=None):
+            if not self.launch:
+                return fn(*args)
+            launched.append((fn, args, model.engram_gate.published))
+            return torch.zeros(n, model.vocab_end - model.vocab_start)
+
+    def step():
+        rows = [Row(-1, 1, [57], 6, [1, 2], lookback=[3, 10])]
+        views = load_sequences(pool, rows, model.cfg, FastForward(model).decoder_from, model.engram_hasher)
+        return model.forward([(v, r.token_ids) for v, r in zip(views, rows)], DECODE, logits="all", pool=pool,
+                             writes=False)
+
+    model.graphs = Graphs()
+    out = {"ungated": step()}
+    gate = model.engram_gate = EngramGate("cpu", max_rows=STEP_ROWS)
+    gate.learn({L: e.table.submit(torch.zeros(1, gate_cols(e), dtype=torch.int64)).wait_bytes()
+                for L, e in model.engram.items()})  # as a first step's read does: the rows' shapes
+    model.graphs.launch = True
+    step()
+    fn, args, out["published_at_launch"] = launched[0]
+    out["published_after"], out["fed"] = gate.published, dict(gate.fed)
+    out["gated_launched"] = fn(*args)  # the step runs after the host's publish
+    gate.check(gate.take_steps())
+    return out
+
+
+def gate_cols(engram) -> int:
+    """The hash columns a table's `submit` takes (all of them)."""
+    return engram.table.constants.n_cols
 
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    return interpreted(tmp_path_factory, __file__, "engram_gate", timeout=300)
+    from dsv41.tiny.model import make_tiny
+    from test_runtime_fast import LITE
+
+    model_dir = make_tiny(tmp_path_factory.mktemp("lite_gate") / "model", "exl3", seed=0, overrides=LITE)
+    return interpreted(tmp_path_factory, __file__, "engram_gate", timeout=600, extra_args=[str(model_dir)])
 
 
 def test_interpreted_gate_waits_for_a_late_host_and_copies_the_steps_rows(interp):
@@ -219,6 +279,15 @@ def test_interpreted_gate_waits_for_a_late_host_and_copies_the_steps_rows(interp
 def test_interpreted_gate_gives_up_at_its_deadline(interp):
     assert interp["deadline_s"] < 30, interp
     assert "step(s) [1] ran without their Engram rows" in interp["deadline_error"]
+
+
+def test_interpreted_model_step_with_the_gate_is_the_step_without_it(interp):
+    """The decode step with the gate == without it, bitwise, with the replayed graph's order: the step (number 1)
+    handed to the device before its rows were published, published after the forward returned."""
+    assert interp["published_at_launch"] == 0 and interp["published_after"] == 1
+    assert interp["fed"] == {"before": 0, "after": 1}
+    assert torch.equal(interp["gated_launched"], interp["ungated"])
+    assert interp["ungated"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("arch", [90, 121])
@@ -310,4 +379,4 @@ def test_gpu_fast_forward_overlapped_with_the_gate_equals_serial(tiny_model_dir)
 if __name__ == "__main__":
     if sys.argv[1] == "--interp-worker":
         torch.set_num_threads(1)
-        interp_worker(sys.argv[2])
+        interp_worker(sys.argv[2], sys.argv[3])
