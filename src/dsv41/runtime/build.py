@@ -39,7 +39,7 @@ from .layers.attention import FastAttention
 from .layers.linear import PrefillWorkspace, fast_linear, prefill_workspace_needed
 from .layers.moe import FusedMoE, StackedExperts
 from .mhc_sites import HC
-from .model import FastBlock, FastEngram, FastModel
+from .model import STEP_ROWS, FastBlock, FastEngram, FastModel
 
 
 class _Mover:
@@ -199,5 +199,5 @@ def build_fast_model(path: str | Path, device: str | torch.device = "cuda", dtyp
     report(cfg.num_hidden_layers + 1, cfg.num_hidden_layers + 1, "layers")
     model = FastModel(cfg, blocks, v0, v1, embed, head, final_norm, mover.workspace, engram, hasher, dtype, device,
                       comm, tokenizer, fake_quant, dspark=drafter)
-    model.engram_gate = engram_gate.for_model(model)  # DSV41_ENGRAM_GATE (runtime/engram_gate.py)
+    model.engram_gate = engram_gate.for_model(model, STEP_ROWS)  # DSV41_ENGRAM_GATE (runtime/engram_gate.py)
     return model

@@ -58,16 +58,14 @@ def env_wait_s(environ=None) -> float:
     return wait
 
 
-def for_model(model, environ=None) -> "EngramGate | None":
-    """The gate a built FastModel gets: on where asked for, the model has Engram layers, its device is CUDA and it
-    runs alone (TP = 1: the overlapped loop's case)."""
+def for_model(model, max_rows: int, environ=None) -> "EngramGate | None":
+    """The gate a built FastModel gets (`max_rows`: its most rows a step): on where asked for, the model has Engram
+    layers, its device is CUDA and it runs alone (TP = 1: the overlapped loop's case)."""
     if not env_gate(environ) or not model.engram or model.engram_hasher is None:
         return None
     if model.device.type != "cuda" or getattr(model.comm, "world", 1) != 1:
         return None
-    from .model import STEP_ROWS
-
-    return EngramGate(model.device, env_wait_s(environ), max_rows=STEP_ROWS)
+    return EngramGate(model.device, env_wait_s(environ), max_rows=max_rows)
 
 
 class GateTimeout(RuntimeError):
