@@ -17,8 +17,8 @@ In one run:
   bytes / read ceiling (bandwidth), EXL3 weights / best decode rate (instruction);
 - the overlapped loop (`--overlap`, default on; `--no-overlap` skips it): per decode row count, a chain of steps whose
   ids are the step before's greedy picks, serial against overlapped (step k + 1 planned and enqueued before the
-  host reads step k's ids), ms a step and the host's share against the graph replayed alone (`overlap` in the
-  JSON);
+  host reads step k's ids), ms a step and the host's share against the graph replayed alone, and both again with
+  the Engram gate (`--engram-gate`, default on: `serial_gated_ms`, `gated_ms`; `overlap` in the JSON);
 - prefill: one `--prefill`-row chunk (tokens/s, GEMM FLOPs as % of the measured bf16 rate).
 Decode and verify steps run their static pieces as CUDA graphs (runtime/graphs.py; captured in the two untimed
 warm-up steps of each row count) unless `--no-graphs`; the JSON says which (`graphs`: on/off) and the pieces'
@@ -362,6 +362,10 @@ def main(argv=None) -> int:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="A/B of the engine's overlapped loop: each decode row count's chained step serial and "
                         "overlapped, and the host's share of each (--no-overlap: skip)")
+    p.add_argument("--engram-gate", action=argparse.BooleanOptionalAction, default=True,
+                   help="the overlap A/B also with the Engram gate (runtime/engram_gate.py: the step's graph "
+                        "launched before its Engram rows, which the host publishes while it runs), serial and "
+                        "overlapped (--no-engram-gate: skip)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="wall seconds this run may take: the prefill is skipped when less than 40 s are left")
     args = p.parse_args(argv)
@@ -436,7 +440,13 @@ def main(argv=None) -> int:
     save()
     if args.overlap and args.attention == "pool" and model.pool_runs("decode"):
         batches = lambda n: decode_rows(model, n, args.context, 300 + n)()  # noqa: E731
-        results["overlap"] = overlap_ab(model, args, device, POOL, batches, log)
+        gate = None
+        if args.engram_gate and cuda and model.engram_hasher is not None:
+            from dsv41.runtime.engram_gate import EngramGate
+            from dsv41.runtime.model import STEP_ROWS
+
+            gate = EngramGate(device, max_rows=STEP_ROWS)
+        results["overlap"] = overlap_ab(model, args, device, POOL, batches, log, gate=gate)
     one = next(s for s in results["steps"] if s["rows"] == args.rows[0] and s["mode"] == "decode")
     results["floors"] = one.get("floors", {})
     results["graph_stats"] = model.graphs.stats.as_dict()

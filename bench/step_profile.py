@@ -1,7 +1,7 @@
 """Profiling helpers of bench/decode_step.py: where a step's device time goes by section and kernel (`classify`,
 from a torch profile), the host's share without a profiler (`step_split`), and the host's Python by function
 (`host_profile`, cProfile); the overlapped loop's A/B (`overlap_ab`: a chain of steps serial against overlapped,
-`time_chain`)."""
+and both again with the Engram gate, `time_chain`)."""
 
 from __future__ import annotations
 
@@ -139,8 +139,8 @@ def time_chain(model, rows_fn, n: int, steps: int, device, pool, overlap: bool) 
     as the engine's loop runs them (runtime/step_handoff.py): serial, the host reads step k's ids (`choices`)
     before it plans and launches step k + 1; overlapped, step k + 1's forward is planned and enqueued first, its
     ids taken from step k's sample inside the forward (gathered on the device, or read on the host just before
-    the Engram hash where the model has Engram), and step k's ids are read afterwards on the side stream (its
-    event only). Returns the chain's wall time from the first launch (the device idle) to the last ids in hand,
+    the Engram hash where the model has Engram and no gate: `model.engram_gate`), and step k's ids are read
+    afterwards on the side stream (its event only). Returns the chain's wall time from the first launch (the device idle) to the last ids in hand,
     over `steps` (on the CPU both orders compute the same and give the same figure)."""
     from dsv41.engine.batch import Row, RowSampling
     from dsv41.runtime.model_runner import ModelRunner
@@ -167,25 +167,54 @@ def time_chain(model, rows_fn, n: int, steps: int, device, pool, overlap: bool) 
     return (time.perf_counter() - t0) * 1e3 / steps
 
 
-def overlap_ab(model, args, device, pool, decode_rows, log) -> list[dict]:
+def overlap_ab(model, args, device, pool, decode_rows, log, gate=None) -> list[dict]:
     """bench/decode_step.py `--overlap`: per decode row count, the chained step serial and overlapped (the same
     call, the same machine), and the host's share of each against the step's graph replayed alone.
-    `decode_rows(n)`: a function giving the next batch of n decode rows over `pool`."""
+    `decode_rows(n)`: a function giving the next batch of n decode rows over `pool`. `gate` (an EngramGate,
+    runtime/engram_gate.py; a model with Engram): the same chains again with the gate on, serial and overlapped
+    (the step's graph launched before its Engram rows are read, the host publishing them while it runs)."""
     out = []
     for n in args.rows:
         make = lambda: decode_rows(n)  # noqa: E731
+        model.engram_gate = None
         time_chain(model, make, n, 3, device, pool, overlap=True)  # warm: the graphs of this bucket exist already
         serial = time_chain(model, make, n, args.steps + 1, device, pool, overlap=False)
         overlapped = time_chain(model, make, n, args.steps + 1, device, pool, overlap=True)
-        split = step_split(model, make(), "decode", device, n, pool)
+        split = step_split(model, make(), "decode", device, n, pool)  # (before the gated graph is captured)
         graph = split.get("graph_ms")
         row = {"rows": n, "serial_ms": serial, "overlapped_ms": overlapped, "graph_ms": graph,
                "engram_on_host": model.engram_hasher is not None}
         if graph:
             row.update(host_share_serial=1 - graph / serial, host_share_overlapped=1 - graph / overlapped)
+        if gate is not None:
+            row.update(gated_chains(model, make, n, args.steps + 1, device, pool, gate))
+            if graph:
+                row.update(host_share_serial_gated=1 - graph / row["serial_gated_ms"],
+                           host_share_gated=1 - graph / row["gated_ms"])
         log(f"overlap rows={n}: serial {serial:.2f} ms, overlapped {overlapped:.2f} ms"
+            + (f", with the Engram gate: serial {row['serial_gated_ms']:.2f} ms, overlapped {row['gated_ms']:.2f} ms"
+               f" (rows published after the launch in {row['gate_fed']['after']} of "
+               f"{sum(row['gate_fed'].values())} steps)" if gate is not None else "")
             + (f" (graph alone {graph:.2f} ms: host share {row['host_share_serial']:.1%} -> "
-               f"{row['host_share_overlapped']:.1%})" if graph else "")
-            + ("; the ids read on the host before the Engram hash" if row["engram_on_host"] else ""))
+               f"{row['host_share_overlapped']:.1%}"
+               + (f" -> {row['host_share_gated']:.1%} gated" if gate is not None else "") + ")" if graph else "")
+            + ("; the ids read on the host before the Engram hash" if row["engram_on_host"] and gate is None
+               else ""))
         out.append(row)
     return out
+
+
+def gated_chains(model, make, n: int, steps: int, device, pool, gate) -> dict:
+    """The chained step with the Engram gate, serial and overlapped (after a warm chain that captures the gated
+    graph), how many of its steps published their rows after the launch, and the gate's check of them all."""
+    model.engram_gate = gate
+    try:
+        time_chain(model, make, n, 3, device, pool, overlap=True)
+        before = dict(gate.fed)
+        out = {"serial_gated_ms": time_chain(model, make, n, steps, device, pool, overlap=False),
+               "gated_ms": time_chain(model, make, n, steps, device, pool, overlap=True)}
+        out["gate_fed"] = {k: gate.fed[k] - before[k] for k in before}  # published before / after the launch
+        gate.check(gate.take_steps())  # no step ran without its rows
+        return out
+    finally:
+        model.engram_gate = None
