@@ -83,7 +83,7 @@ def test_layout_numbering_and_publishing_by_parity():
     assert W == gate.words(4) and t.packed[at:at + W].eq(0).all()
     for step in (1, 2, 3):
         stored = stored_rows(4, seed=step)
-        gate.feed(step, lambda: stored)
+        gate.feed(step, lambda: stored, 4)
         # the word is the step; its parity's buffer holds the words the ungated tables carry
         assert int(gate.word) == step == gate.published
         assert torch.equal(gate.rows[step % 2, :W], ungated_words(gate, 4, stored))
@@ -92,13 +92,16 @@ def test_layout_numbering_and_publishing_by_parity():
         gate.publish(3, None)
     with pytest.raises(RuntimeError, match="formats"):  # another row width than the buffers were sized for
         gate.learn({1: stored_rows(2, 0)[4], 4: stored_rows(2, 0)[4]})
+    with pytest.raises(RuntimeError, match="words of rows for a 4-row step"):  # rows of another bucket
+        gate.feed(gate.number(), lambda: stored_rows(2, 0), 4)
+    assert int(gate.word) == 4  # (abandoned: the device goes on)
 
 
 def test_a_failed_read_releases_the_device_and_fails_the_step():
     from dsv41.runtime.engram_gate import GateTimeout
 
     gate = new_gate()
-    gate.feed(gate.number(), lambda: stored_rows(2, 1))
+    gate.feed(gate.number(), lambda: stored_rows(2, 1), 2)
     gate.launched(1)
     step = gate.number()
 
@@ -106,7 +109,7 @@ def test_a_failed_read_releases_the_device_and_fails_the_step():
         raise OSError("NVMe read failed")
 
     with pytest.raises(OSError, match="NVMe"):
-        gate.feed(step, broken)
+        gate.feed(step, broken, 2)
     assert int(gate.word) == step  # the device's gate passes at once
     gate.launched(step)
     steps = gate.take_steps()
@@ -179,7 +182,7 @@ def interp_worker(out: str, model_dir: str) -> None:
         assert gate.number() == step
         stored = stored_rows(B, seed=10 + step)
         t = gated_tables(gate, B, step)
-        late = threading.Timer(0.2, lambda: gate.feed(step, lambda: stored))
+        late = threading.Timer(0.2, lambda: gate.feed(step, lambda: stored, B))
         t0 = time.perf_counter()
         late.start()
         gate.wait(t)
@@ -329,7 +332,7 @@ def test_gpu_gate_in_a_captured_graph_replays_step_after_step():
     static = gated_tables(gate, B, 1, "cuda")
     at, W = gate.region(static)
     out = torch.zeros(W, dtype=torch.int64, device="cuda")
-    gate.feed(gate.number(), lambda: stored_rows(B, 0))  # step 1 published first: warm-up and capture pass
+    gate.feed(gate.number(), lambda: stored_rows(B, 0), B)  # step 1 published first: warm-up and capture pass
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -347,7 +350,7 @@ def test_gpu_gate_in_a_captured_graph_replays_step_after_step():
         time.sleep(0.02)
         assert not torch.cuda.current_stream().query()  # the device is waiting at the gate
         stored = stored_rows(B, seed=step)
-        gate.feed(step, lambda: stored)
+        gate.feed(step, lambda: stored, B)
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), ungated_words(gate, B, stored)), step
     gate.check(gate.take_steps())

@@ -137,15 +137,18 @@ class EngramGate:
         return at, end - at
 
     # ------------------------------------------------------------------ the host's part
-    def feed(self, step: int, read) -> None:
-        """Publish step `step`'s rows, `read()` -> layer -> RowBytes (hash and read: may wait for the step before's
-        sample). If it fails the device is released anyway (the word published, the step abandoned: `check` raises
-        for it) and the error goes on."""
+    def feed(self, step: int, read, B: int) -> None:
+        """Publish step `step`'s rows (a B-row bucket), `read()` -> layer -> RowBytes (hash and read: may wait for
+        the step before's sample). If it fails the device is released anyway (the word published, the step
+        abandoned: `check` raises for it) and the error goes on."""
         try:
             stored = read()
             self.learn(stored)
             words = np.concatenate([byte_words(np.ascontiguousarray(stored[L].data)).reshape(-1)
                                     for L in self.formats])
+            if words.size != self.words(B):
+                raise RuntimeError(f"Engram gate: {words.size} words of rows for a {B}-row step of "
+                                   f"{self.words(B)}")
         except BaseException:
             self.abandon(step)
             raise

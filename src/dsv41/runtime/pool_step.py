@@ -101,7 +101,7 @@ def forward_pool(model, segs, chunks, pool, phase: str, n: int, B: int, writes=T
         deferred = stored is None and graphs.decide(piece_key("step", phase, B, args)) == "replay"
         gate.fed["after" if deferred else "before"] += 1
         if not deferred:
-            gate.feed(step_no, read)
+            gate.feed(step_no, read, B)
     try:
         local = graphs.run("step", phase, B, step, *args, warmup=warm)[:n]
     except BaseException:
@@ -112,7 +112,7 @@ def forward_pool(model, segs, chunks, pool, phase: str, n: int, B: int, writes=T
         gate.launched(step_no)
         if deferred:
             with section("engram"):
-                gate.feed(step_no, read)
+                gate.feed(step_no, read, B)
     for s, i in zip(segs, ids):
         s.state.pos += s.T
         s.state.ids.extend(i.tolist())  # a follow row's placeholder where its id stayed on the device
