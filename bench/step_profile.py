@@ -140,8 +140,8 @@ def time_chain(model, rows_fn, n: int, steps: int, device, pool, overlap: bool) 
     before it plans and launches step k + 1; overlapped, step k + 1's forward is planned and enqueued first, its
     ids taken from step k's sample inside the forward (gathered on the device, or read on the host just before
     the Engram hash where the model has Engram and no gate: `model.engram_gate`), and step k's ids are read
-    afterwards on the side stream (its event only). Returns the chain's wall time from the first launch (the device idle) to the last ids in hand,
-    over `steps` (on the CPU both orders compute the same and give the same figure)."""
+    afterwards on the side stream (its event only). Returns the chain's wall time from the first launch (the
+    device idle) to the last ids in hand, over `steps` (on the CPU both orders compute the same and give the same figure)."""
     from dsv41.engine.batch import Row, RowSampling
     from dsv41.runtime.model_runner import ModelRunner
     from dsv41.runtime.step_handoff import Handoff, StepSample

@@ -121,8 +121,8 @@ class FastForward:
     def takes_handoff(self, rows: list[Row]) -> bool:
         """Whether this step's follow rows (`Row.follows`) can take their ids from the previous step's sample
         inside the forward (`execute(handoff=)`): every one runs in place (a one-token decode row over the pool),
-        where the tables are planned before the ids are needed and the ids stay on the device (with Engram the
-        host reads them just before the hash: `FastModel._forward_pool`)."""
+        where the tables are planned before the ids are needed and the ids stay on the device (with Engram and no
+        Engram gate the host reads them just before the hash: runtime/pool_step.py `forward_pool`)."""
         m = self.model
         return self.in_place and m.pool_runs(DECODE) and \
             all(self.phase_of(r) == DECODE and self.in_place_fits(r, 1) for r in rows if r.follows)

@@ -1,7 +1,9 @@
 """One decode / verify bucket over the KV pool as one CUDA graph (`FastModel._forward_pool`; docs/ENGINE.md §5):
 its inputs (token ids, positions, Engram rows as stored) and the tables (runtime/step_tables.py) in one copy, then
 the graph of `FastModel._pool_step`. In the overlapped loop (ENGINE.md §6) the tables are planned before the
-follow rows' ids are taken from the previous step's sample (`follow`).
+follow rows' ids are taken from the previous step's sample (`follow`). With the Engram gate (runtime/engram_gate.py)
+the tables carry the rows' place and the step's number instead of the rows: the step's graph copies the rows into
+that place itself (the one write a step makes to its own input), after the host has published them.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ engine plans and launches the next step meanwhile, then asks `PendingStep.result
 - `Handoff`: a follow row's token id (`Row.follows`) is its sequence's token in the previous step's sample. Where
   the forward takes it itself (`FastForward.takes_handoff`: every follow row in place) it plans the step's tables
   first, then gathers the ids on the device (`device_ids`: they never leave it) or, where Engram rows are hashed
-  from them and no Engram gate runs, reads them on the host just before the hash (`host_ids`); elsewhere `resolved` puts the host's ids
-  into the rows before the forward (the pool forward, load-and-store rows).
+  from them and no Engram gate runs, reads them on the host just before the hash (`host_ids`; with the gate the
+  host reads them after the step's launch, for the hash alone); elsewhere `resolved` puts the host's ids into the
+  rows before the forward (the pool forward, load-and-store rows).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ class PendingStep:
 
     def __init__(self, step: int, sample: StepSample | None, loads: list, build, check=None):
         """`build(row, logits, choice=)` -> RowOutput (the runner's `_row`); `check()`: what must hold once the
-        sample is in (the Engram gate's `check` of the step's gated buckets: raises when one ran without its rows)."""
+        sample is in (the Engram gate's `check` of the step's gated buckets: raises where one ran without its
+        rows)."""
         self.step, self.sample, self.loads, self._build, self._check = step, sample, loads, build, check
         self._out: StepOutput | None = None
 
