@@ -377,10 +377,12 @@ def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_the_experts(monke
     assert torch.equal(_bits(got), _bits(ref)), f"64 rows, columns first vs tiles first: {_mismatch(got, ref)}"
     for rows in (slice(0, 1), slice(100, 117), slice(1000, 3000)):
         got = prefill_moe(x[rows], ids[rows], wts[rows], w1, w3, w2, addend=add[rows], tile_rows=128)
-        assert torch.equal(_bits(got), _bits(ref[rows])), f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
+        assert torch.equal(_bits(got), _bits(ref[rows])), \
+            f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
     perm = torch.randperm(T, generator=g, device=dev)[:2000]
     got = prefill_moe(x[perm], ids[perm], wts[perm], w1, w3, w2, addend=add[perm], tile_rows=128)
-    assert torch.equal(_bits(got), _bits(ref[perm])), f"2,000 rows reordered, 128-row tiles: {_mismatch(got, ref[perm])}"
+    assert torch.equal(_bits(got), _bits(ref[perm])), \
+        f"2,000 rows reordered, 128-row tiles: {_mismatch(got, ref[perm])}"
 
 
 @pytest.mark.gpu
@@ -409,7 +411,8 @@ def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_a_dense_matrix(k,
         assert torch.equal(_bits(got), _bits(ref)), f"128 vs 64 rows, columns_first={cols}: {_mismatch(got, ref)}"
     for rows in (slice(0, 1), slice(3, 40), slice(64, 192), slice(100, 229), slice(7900, 8000)):
         got = run(128, x[rows])
-        assert torch.equal(_bits(got), _bits(ref[rows])), f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
+        assert torch.equal(_bits(got), _bits(ref[rows])), \
+            f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
     perm = torch.randperm(8000, generator=gen).cuda()
     got = run(128, x[perm])
     assert torch.equal(_bits(got), _bits(ref[perm])), f"rows reordered, 128-row tiles: {_mismatch(got, ref[perm])}"

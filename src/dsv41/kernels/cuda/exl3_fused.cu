@@ -1383,7 +1383,7 @@ struct PrefillLoop {
 
 template <int ROWS>
 __device__ __forceinline__ void prefill_body(unsigned char* smem, PREFILL_ARGS) {
-    static_assert(ROWS * YS_STRIDE * 4 <= STAGES * PrefillLoop<ROWS>::B_STAGE * 2, "the epilogue's tile fits the B ring");
+    static_assert(ROWS * YS_STRIDE * 4 <= STAGES * PrefillLoop<ROWS>::B_STAGE * 2, "the epilogue tile fits the B ring");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
     // columns_first: a tile's column blocks are neighbours in launch order, so its B rows are read from HBM about
     // once and then from L2 (tiles first: every column block's pass reads all of xh again); the bits are the same
