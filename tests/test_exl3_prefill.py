@@ -83,23 +83,27 @@ def test_tile_tables_of_64_and_128_rows_hold_the_same_pairs_in_the_same_order():
 
 
 def test_cuda_tile_rows_follow_the_switch_and_the_shared_memory(monkeypatch):
-    """`DSV41_PREFILL_TILE_ROWS` picks 64 or 128 (read once); 128 wherever it fits (every K on Hopper's 227 KB),
-    64 on GB10's 99 KB (128 never fits there), a bad value a clear error."""
+    """`DSV41_PREFILL_TILE_ROWS` picks 64 or 128 (read once) wherever that kernel fits: both keep two blocks an SM
+    on Hopper at every K, GB10's 99 KB holds r64 up to K = 6 and r128 at every K; where 128 does not fit, 64; a bad
+    value a clear error."""
     from dsv41.kernels.exl3 import prefill_cuda
 
-    hopper, gb10 = 232448, 101376  # cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100/H200 and of GB10
+    # cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100 / H200 and of GB10; an SM of Hopper holds 228 KiB, 1 KiB
+    # of it reserved per block
+    hopper, hopper_sm, gb10 = 232448, 233472, 101376
     limit = {"cuda:0": hopper}
     monkeypatch.setattr(prefill_cuda, "_shared_limit", lambda device: limit[str(device)])
     dev = torch.device("cuda:0")
     for K in range(1, 9):
-        assert prefill_cuda.fits(K, dev, 64) and prefill_cuda.fits(K, dev, 128), K
-        assert prefill_cuda.tile_rows(dev, (K,), 128) == 128 and prefill_cuda.tile_rows(dev, (K,), 64) == 64
-        assert prefill_cuda.shared_bytes(K, 128) > hopper // 2 >= prefill_cuda.shared_bytes(K, 64) + 1024, \
-            "64-row tiles keep two blocks a SM on Hopper, 128-row tiles one"
+        for rows in (64, 128):
+            assert prefill_cuda.fits(K, dev, rows) and prefill_cuda.tile_rows(dev, (K,), rows) == rows, (K, rows)
+            assert 2 * (prefill_cuda.shared_bytes(K, rows) + 1024) <= hopper_sm, f"two blocks an SM: K={K} r{rows}"
+            assert prefill_cuda.shared_bytes(K, rows) >= rows * 132 * 4, "the epilogue's fp32 tile fits"
     limit["cuda:0"] = gb10
     assert [K for K in range(1, 9) if prefill_cuda.fits(K, dev, 64)] == list(range(1, 7))
-    assert not any(prefill_cuda.fits(K, dev, 128) for K in range(1, 9))
-    assert prefill_cuda.tile_rows(dev, (3, 3), 128) == 64
+    assert all(prefill_cuda.fits(K, dev, 128) for K in range(1, 9))
+    limit["cuda:0"] = 90000  # a device between the two: r128 up to K = 5, r64 up to K = 4
+    assert prefill_cuda.tile_rows(dev, (3, 5), 128) == 128 and prefill_cuda.tile_rows(dev, (3, 6), 128) == 64
     with pytest.raises(ValueError, match="64 or 128"):
         prefill_cuda.tile_rows(dev, (3,), 96)
     for raw, want in (("", 64), ("64", 64), ("128", 128), ("96", None)):
@@ -326,7 +330,7 @@ def _need_128_rows(*Ks):
     dev = torch.device("cuda")
     if prefill_cuda.tile_rows(dev, Ks, 128) != 128:
         pytest.skip(f"the 128-row prefill tiles need {prefill_cuda.shared_bytes(max(Ks), 128)} B of shared memory a "
-                    f"block, this GPU allows {prefill_cuda._shared_limit(dev)} B (GB10: 64-row tiles only)")
+                    f"block, this GPU allows {prefill_cuda._shared_limit(dev)} B")
 
 
 def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:

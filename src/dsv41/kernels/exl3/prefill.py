@@ -300,10 +300,13 @@ def tile_table(flat_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torc
     return order, flat[order].to(torch.int32).contiguous(), table
 
 
-def _cuda(device: torch.device, *Ks: int) -> bool:
-    """The CUDA tile kernel (`prefill_cuda`) where the EXL3 CUDA kernels run and its shared memory fits for these
-    K, else the Triton tiles here."""
-    return use_cuda_backend(device) and all(prefill_cuda.fits(K, device) for K in Ks)
+def _cuda_rows(device: torch.device, Ks: tuple[int, ...], tile_rows: int | None) -> int | None:
+    """The CUDA tile kernel's rows (`prefill_cuda.tile_rows`: 64 or 128) where the EXL3 CUDA kernels run and its
+    shared memory fits for these K; None: the Triton tiles here."""
+    if not use_cuda_backend(device):
+        return None
+    rows = prefill_cuda.tile_rows(device, Ks, tile_rows)
+    return rows if all(prefill_cuda.fits(K, device, rows) for K in Ks) else None
 
 
 def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False):
@@ -338,9 +341,10 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if addend is not None and (addend.shape != (T, hidden) or addend.stride(-1) != 1):
         raise ValueError(f"addend must be [{T}, {hidden}] with unit column stride, got {list(addend.shape)}")
     dev = x.device
-    cuda = _cuda(dev, w1.K, w2.K)
+    cuda_rows = _cuda_rows(dev, (w1.K, w2.K), tile_rows)
+    cuda = cuda_rows is not None
     cfg = _config(config or EXPERTS)
-    block_m = prefill_cuda.tile_rows(dev, (w1.K, w2.K), tile_rows) if cuda else cfg.block_m
+    block_m = cuda_rows if cuda else cfg.block_m
     topk = topk_ids.shape[1]
     pairs = T * topk
     inter = w1.n
@@ -409,9 +413,9 @@ def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype |
     if dense_gemm_enabled() if dense_gemm is None else dense_gemm:
         xh, _ = _rotate(x, weight.suh, k)
         return workspace_matmul(xh, weight, out, workspace)
-    if _cuda(dev, weight.K):
+    rows = _cuda_rows(dev, (weight.K,), tile_rows)
+    if rows is not None:
         xh, _ = _rotate(x, weight.suh, k, permute=True)
-        rows = prefill_cuda.tile_rows(dev, (weight.K,), tile_rows)
         return prefill_tiles_cuda(xh, weight.words, weight.svh, weight.K, weight.codebook, k, weight.n, out, T,
                                   triton.cdiv(T, rows), rows=rows, columns_first=columns_first)
     cfg = _config(config or DENSE)

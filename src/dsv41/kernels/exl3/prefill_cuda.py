@@ -11,7 +11,8 @@ Tile rows (`DSV41_PREFILL_TILE_ROWS`, 64 or 128, read once): a 128-row tile deco
 twice the rows (at 8,192 rows an expert gets ~128 rows: the 64-row tiles decode its trellis ~2.5 times). The two
 kernels give the SAME bits: a row's output element is one mma chain over k in the same order from the same decoded
 fragment and its own B column in both; the tile's size only says which rows share a decode. So the choice may
-follow the device and K (128 does not fit GB10's 99 KB: 64 there) without breaking row invariance.
+follow the device and K without breaking row invariance. r128 runs a 2-stage pipeline over an unpadded, swizzled
+B ring (96 KiB at most): two blocks an SM on Hopper, and it fits GB10.
 
 Launch order (`DSV41_PREFILL_TILE_ORDER`, `tiles` or `columns`, read once): the grid (tiles, n/128) runs every tile of
 one column block before the next column block, so each column block re-reads the whole input (xh: 0.5 GB for the
@@ -31,7 +32,8 @@ from dsv41.kernels.exl3.cuda import DTYPE_CODES, THREADS, TUNING, YS_STRIDE, _sh
 
 TILE_ROWS = (64, 128)  # the kernels' tile sizes (one `exl3_prefill_r<rows>` entry each)
 PAD_ROWS = max(TILE_ROWS)  # rows of padding past an input's last row: enough for either kernel
-PF_XS_STRIDE = 160  # fp16 row stride of a B stage (PF_XS_STRIDE)
+PF_XS_STRIDE = 160  # fp16 row stride of r64's padded B stage (PF_XS_STRIDE)
+PF128_STAGES = 2  # r128's pipeline stages unless the tuning says EXL3_PF128_STAGES (exl3_fused.cu's default)
 ROWS_ENV = "DSV41_PREFILL_TILE_ROWS"
 ORDER_ENV = "DSV41_PREFILL_TILE_ORDER"
 ORDERS = ("tiles", "columns")
@@ -62,25 +64,35 @@ def configured_columns_first() -> bool:
     return raw == "columns"
 
 
-def shared_bytes(K: int, rows: int = 64) -> int:
-    """The block's shared memory: every warp's weight ring, then the B ring (the epilogue's fp32 tile reuses it).
-    Hopper (227 KB a block): 64 rows 66-108 KiB (K 1-8, two blocks a SM), 128 rows 126-168 KiB (one)."""
+def _rings(rows: int) -> tuple[int, int]:
+    """(stages, fp16 row stride of a B stage) of the kernel of `rows` rows: r64 the image's EXL3_STAGES with padded
+    rows, r128 EXL3_PF128_STAGES (2) with unpadded, swizzled rows (cuda/exl3_fused.cu, "prefill")."""
     kernel_name(rows)
-    stages = TUNING["EXL3_STAGES"]
+    if rows == 64:
+        return TUNING["EXL3_STAGES"], PF_XS_STRIDE
+    return TUNING.get("EXL3_PF128_STAGES", PF128_STAGES), 128
+
+
+def shared_bytes(K: int, rows: int = 64) -> int:
+    """The block's shared memory: every warp's weight ring, then the B ring; the epilogue's fp32 tile reuses both.
+    64 rows: 66-108 KiB (K 1-8); 128 rows: 68-96 KiB. Two blocks an SM on Hopper either way; GB10 (99 KiB a
+    block) holds 64 rows up to K = 6 and 128 rows at every K."""
+    stages, stride = _rings(rows)
     weights = stages * 8 * 8 * 8 * K * 4
-    return weights + max(stages * rows * PF_XS_STRIDE * 2, rows * YS_STRIDE * 4)
+    return max(weights + stages * rows * stride * 2, rows * YS_STRIDE * 4)
 
 
 def fits(K: int, device: torch.device, rows: int = 64) -> bool:
-    """Whether the kernel's shared memory fits a block on `device` (GB10: 99 KB, so 64 rows up to K = 6 and no
-    128-row tile at all; the K = 7, 8 matrices take the Triton tiles there: a choice by device and K, never by the
-    rows)."""
+    """Whether the kernel's shared memory fits a block on `device` (GB10: 99 KB, so the 64-row kernel up to K = 6;
+    the K = 7, 8 matrices take the Triton tiles there unless 128-row tiles are on: a choice by device and K, never by
+    the rows)."""
     return shared_bytes(K, rows) <= _shared_limit(device)
 
 
 def tile_rows(device: torch.device, Ks: tuple[int, ...], rows: int | None = None) -> int:
-    """The tile rows of a product of these K on `device`: `rows` (None: `DSV41_PREFILL_TILE_ROWS`) where the
-    kernel fits, else 64 (the same bits: the module docstring)."""
+    """The tile rows of a product of these K on `device`: `rows` (None: `DSV41_PREFILL_TILE_ROWS`) where that
+    kernel fits, else 64 (the same bits: the module docstring; `prefill._cuda_rows` takes the Triton tiles where
+    neither fits)."""
     rows = configured_rows() if rows is None else rows
     kernel_name(rows)
     return rows if all(fits(K, device, rows) for K in Ks) else min(TILE_ROWS)
