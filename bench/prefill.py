@@ -164,7 +164,7 @@ def expert_tiles_ab(model, rows_list: list[int], skews=(0.0, 0.8)) -> list[dict]
             counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
             flops = 2.0 * rows * topk * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
             r = {"rows": rows, "skew": skew, "experts_touched": int((counts > 0).sum()),
-                 "rows_per_expert": {"min": int(counts.min()), "median": int(counts.median()),
+                 "rows_per_expert": {"min": int(counts.min()), "median": int(counts.sort().values[E // 2]),
                                      "max": int(counts.max())},
                  "tiles": {str(bm): int(((counts + bm - 1) // bm).sum()) for bm in prefill_cuda.TILE_ROWS},
                  "ms": {}, "tflops": {}, "same_bits": True}

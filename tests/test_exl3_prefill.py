@@ -392,9 +392,9 @@ def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_the_experts(monke
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,K", [(5120, 1152, 5), (1152, 5120, 4)])
 def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_a_dense_matrix(k, n, K, monkeypatch):
-    """A dense matrix through the CUDA tiles (not the decode-once GEMM) at 8,000 rows (the last 128-row tile
-    partial, 64 rows into its last part): 128-row tiles == 64-row tiles bitwise, both launch orders; rows alone,
-    in slices that cut 128-row tiles anywhere, and reordered, == the batch's rows."""
+    """A dense matrix through the CUDA tiles (not the decode-once GEMM) at 8,000 rows (the last 128-row tile holds
+    64 rows: two of its four parts): 128-row tiles == 64-row tiles bitwise, both launch orders; rows alone, in
+    slices that cut 128-row tiles anywhere, and reordered, == the batch's rows."""
     _need_cuda()
     monkeypatch.setenv("DSV41_EXL3_BACKEND", "cuda")
     _need_128_rows(K)
