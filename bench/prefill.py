@@ -7,7 +7,10 @@ One call measures, in this order (results saved after each stage, so a run cut s
   (`ms`: the tiles; `gemm_ms`: decoded once into the workspace + one GEMM, `kernels/exl3/prefill_dense.py`, with
   `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the
   attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); the indexer's top-k
-  over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`);
+  over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); the routed
+  experts' CUDA tiles at `--tile-ab` rows (2,048, 8,192, 32,768), 64- vs 128-row tiles in both launch orders, evenly
+  loaded and skewed routing, the bits compared (`expert_tiles_ab`, `kernels.expert_tiles`; exit status 1 if
+  they differ);
 - per prompt length (`--lengths`), the prompt prefilled in `--chunk`-row chunks into one sequence: seconds and
   tokens/s, the first and the last chunk's time apart (attention and the indexer grow with the position); then
   the same prompt under CED bounded replay (`--prefill replay`: the decoder layers over the last window only;
@@ -21,11 +24,13 @@ On an H100 (80 GB) the full rank (~98 GiB) does not fit: `--layers N` builds the
 reported as measured and scaled to 40 layers (`scaled_40`: time x 40 / N for the per-layer work).
 
     python bench/prefill.py --layers 26 --lengths 2048,8192,32768 --out bench/results/prefill.json
+    python bench/prefill.py --layers 1 --kernels-only --out bench/results/prefill_tiles128.json   # kernels alone
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -121,6 +126,76 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["index_topk"] = {"error": repr(exc)}
         log(f"index top-k alone failed: {exc!r}")
+    return out
+
+
+def _routing(rows: int, experts: int, topk: int, skew: float, gen: torch.Generator) -> torch.Tensor:
+    """Each row's top-k distinct experts, drawn with log-normal expert popularity of spread `skew` (Gumbel top-k:
+    without replacement, proportional to e^(skew · z_e)); 0: about evenly loaded, as `kernels_alone` routes."""
+    dev = gen.device
+    popularity = torch.randn(experts, generator=gen, device=dev) * skew
+    u = torch.rand(rows, experts, generator=gen, device=dev).clamp_(1e-20, 1 - 1e-7)
+    return (popularity[None, :] - torch.log(-torch.log(u))).topk(topk, dim=1).indices.int()
+
+
+def expert_tiles_ab(model, rows_list: list[int], skews=(0.0, 0.8)) -> list[dict]:
+    """The routed experts of layer 0 through the CUDA tile kernels at each row count and routing spread: 64- vs
+    128-row tiles (`DSV41_PREFILL_TILE_ROWS`), each in both launch orders (`DSV41_PREFILL_TILE_ORDER`), ms and
+    TFLOP/s, the tiles (= decodes of an expert's trellis) each needs; every output's bits against 64 rows, tiles
+    first (`same_bits`)."""
+    from dsv41.kernels.exl3 import prefill_cuda
+    from dsv41.kernels.exl3.backend import use_cuda_backend
+    from dsv41.kernels.exl3.prefill import prefill_moe
+
+    dev = torch.device("cuda")
+    s = model.blocks[0].moe.experts
+    E, topk = s.w1.experts, model.blocks[0].moe.topk
+    if not use_cuda_backend(dev):
+        return [{"skipped": "the EXL3 CUDA backend is off (DSV41_EXL3_BACKEND)"}]
+    if prefill_cuda.tile_rows(dev, (s.w1.K, s.w2.K), 128) != 128:
+        return [{"skipped": f"128-row tiles do not fit this GPU's shared memory (K={s.w1.K}/{s.w2.K})"}]
+    out = []
+    for rows in rows_list:
+        for skew in skews:
+            g = torch.Generator(device=dev).manual_seed(rows)
+            x = torch.randn(rows, s.w1.k, generator=g, device=dev).bfloat16()
+            ids = _routing(rows, E, topk, skew, g)
+            w = torch.rand(rows, topk, generator=g, device=dev)
+            counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+            flops = 2.0 * rows * topk * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
+            r = {"rows": rows, "skew": skew, "experts_touched": int((counts > 0).sum()),
+                 "rows_per_expert": {"min": int(counts.min()), "median": int(counts.sort().values[E // 2]),
+                                     "max": int(counts.max())},
+                 "tiles": {str(bm): int(((counts + bm - 1) // bm).sum()) for bm in prefill_cuda.TILE_ROWS},
+                 "ms": {}, "tflops": {}, "same_bits": True}
+            ref = None
+            for bm in prefill_cuda.TILE_ROWS:
+                for cols in (False, True):
+                    name = f"r{bm}_{'columns' if cols else 'tiles'}"
+                    run = functools.partial(prefill_moe, x, ids, w, s.w1, s.w3, s.w2, tile_rows=bm,
+                                            columns_first=cols)
+                    try:
+                        ms = cuda_ms(run)
+                        y = run().view(torch.int32)
+                    except torch.OutOfMemoryError as exc:
+                        r["ms"][name] = None
+                        r.setdefault("errors", {})[name] = repr(exc)[:300]
+                        torch.cuda.empty_cache()
+                        continue
+                    r["ms"][name], r["tflops"][name] = ms, flops / ms / 1e9
+                    if ref is None:
+                        ref = y
+                    elif not torch.equal(y, ref):
+                        r["same_bits"] = False
+                        r.setdefault("differ", []).append(name)
+                    del y
+            del ref, run
+            torch.cuda.empty_cache()
+            ms = r["ms"]
+            log(f"experts at {rows} rows, skew {skew}: tiles {r['tiles']}; " + ", ".join(
+                f"{k} {v:.2f} ms" if v is not None else f"{k} out of memory" for k, v in ms.items())
+                + ("; same bits" if r["same_bits"] else f"; BITS DIFFER: {r['differ']}"))
+            out.append(r)
     return out
 
 
@@ -250,6 +325,9 @@ def main(argv=None) -> int:
     p.add_argument("--ab", action="store_true", help="the 2K chunk on the reconstruct path too (DSV41_PREFILL_TILES=0)")
     p.add_argument("--budget-s", type=float, default=None, help="skip the longer prompts past this many seconds")
     p.add_argument("--kernels-only", action="store_true", help="stop after the kernels alone (A/B of kernel options)")
+    p.add_argument("--tile-ab", default="2048,8192,32768",
+                   help="row counts at which the experts' CUDA tiles are timed with 64 vs 128 rows and both launch "
+                        "orders, the bits compared (kernels.expert_tiles; empty: none)")
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=True,
                    help="each prompt also under CED bounded replay (--prefill replay), reported beside it (default on)")
     args = p.parse_args(argv)
@@ -282,8 +360,14 @@ def main(argv=None) -> int:
     save()
     res["kernels"] = kernels_alone(model, args.chunk, tflops)
     save()
+    tile_rows = [int(v) for v in args.tile_ab.split(",") if v]
+    res["kernels"]["expert_tiles"] = expert_tiles_ab(model, tile_rows) if tile_rows else []
+    save()
+    bits_ok = all(r.get("same_bits", True) for r in res["kernels"]["expert_tiles"])
+    if not bits_ok:
+        log("ERROR: the 64- and 128-row prefill tiles gave different bits (kernels.expert_tiles)")
     if args.kernels_only:
-        return 0
+        return 0 if bits_ok else 1
     # warm-up: every kernel compiled (a chunk of each kind of position)
     model.forward([(model.new_state(), torch.randint(0, model.cfg.vocab_size, (256,)))], "prefill")
     sync(dev)
@@ -353,7 +437,7 @@ def main(argv=None) -> int:
                     else f"  replay: {rp.get('skipped') or rp.get('error', 'not run')}")
             log(f"{r['length']:6} {r['seconds']:8.2f} {r['tokens_per_s']:15.0f} {r['scaled_40_tokens_per_s']:16.0f}"
                 + tail)
-    return 0
+    return 0 if bits_ok else 1
 
 
 def replay_run(model, length: int, chunk: int, exact: dict) -> dict:

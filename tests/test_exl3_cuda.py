@@ -62,17 +62,24 @@ def test_builder_variants_are_every_k_and_codebook_under_distinct_names():
 
 
 def test_cuda_source_compiles_for_gb10_without_warnings(tmp_path):
-    """The pack's K=3 for GB10 (sm_121), every codebook, without a single warning."""
+    """The pack's K=3 for GB10 (sm_121), every codebook, without a single warning; the prefill tile kernels (64 and
+    128 rows, the latter at a one-block register budget) without spilling registers."""
+    import re
+
     from dsv41.kernels import cuda_build
 
     nvcc = _nvcc_or_skip()
     for cb in range(3):
         proc = subprocess.run(
-            [nvcc, "-cubin", "-arch=sm_121", "-O3", "-std=c++17", "-DEXL3_K=3", f"-DEXL3_CB={cb}",
+            [nvcc, "-cubin", "-arch=sm_121", "-O3", "-std=c++17", "-DEXL3_K=3", f"-DEXL3_CB={cb}", "-Xptxas", "-v",
              *cuda_build.flags_of(cuda_build.DEFAULT_TUNING), "-o", str(tmp_path / f"gb10-{cb}.cubin"), str(SOURCE)],
             capture_output=True, text=True,
         )
         assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
+        for rows in (64, 128):
+            found = re.search(rf"Function properties for exl3_prefill_r{rows}\n.*?(\d+) bytes spill stores",
+                              proc.stderr)
+            assert found is not None and found.group(1) == "0", (rows, proc.stderr[-3000:])
 
 
 def test_prebuilt_cubin_is_used_without_compiling(tmp_path, monkeypatch):

@@ -30,7 +30,8 @@ REPO = Path(__file__).resolve().parents[1]
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("experts,rows,topk,bm", [(6, 40, 3, 16), (384, 2048, 6, 64), (8, 1, 2, 64), (5, 300, 5, 16)])
+@pytest.mark.parametrize("experts,rows,topk,bm", [(6, 40, 3, 16), (384, 2048, 6, 64), (8, 1, 2, 64), (5, 300, 5, 16),
+                                                  (384, 2048, 6, 128), (7, 500, 3, 128)])
 def test_tile_table_covers_every_pair_once_in_expert_order(experts, rows, topk, bm):
     from dsv41.kernels.exl3.prefill import max_tiles, tile_table
 
@@ -55,6 +56,80 @@ def test_tile_table_covers_every_pair_once_in_expert_order(experts, rows, topk, 
     # within an expert, its pairs keep (row, slot) order: the reference's summation order of rows
     for e in range(experts):
         assert torch.equal(order[pair_e == e], (flat == e).nonzero().flatten())
+
+
+def test_tile_tables_of_64_and_128_rows_hold_the_same_pairs_in_the_same_order():
+    """The 128-row table is the 64-row one with each expert's tiles merged two by two: the same sorted pairs, each
+    expert's pairs in the same places (so the CUDA kernels' only difference is which rows share a decode)."""
+    from dsv41.kernels.exl3.prefill import tile_table
+
+    gen = torch.Generator().manual_seed(128)
+    weights = torch.rand(384, generator=gen) ** 4
+    ids = torch.stack([torch.multinomial(weights, 6, generator=gen) for _ in range(1500)])
+    o64, e64, t64 = tile_table(ids, 384, 64)
+    o128, e128, t128 = tile_table(ids, 384, 128)
+    assert torch.equal(o64, o128) and torch.equal(e64, e128)
+
+    def spans(table):
+        real = table[table[:, 2] > 0].tolist()
+        return {(e, first + i) for e, first, count in real for i in range(count)}
+
+    assert spans(t64) == spans(t128)
+    real64, real128 = t64[t64[:, 2] > 0], t128[t128[:, 2] > 0]
+    # per expert: ceil(c / 128) tiles instead of ceil(c / 64), the full ones first
+    counts = torch.bincount(ids.reshape(-1), minlength=384)
+    assert len(real128) == int(((counts + 127) // 128).sum()) < len(real64) == int(((counts + 63) // 64).sum())
+    assert (real128[:, 2] <= 128).all() and (real64[:, 2] <= 64).all()
+
+
+def test_cuda_tile_rows_follow_the_switch_and_the_shared_memory(monkeypatch):
+    """`DSV41_PREFILL_TILE_ROWS` picks 64 or 128 (read once) wherever that kernel fits: both keep two blocks an SM
+    on Hopper at every K, GB10's 99 KB holds r64 up to K = 6 and r128 at every K; where 128 does not fit, 64; a bad
+    value a clear error."""
+    from dsv41.kernels.exl3 import prefill_cuda
+
+    # cudaDevAttrMaxSharedMemoryPerBlockOptin of the H100 / H200 and of GB10; an SM of Hopper holds 228 KiB, 1 KiB
+    # of it reserved per block
+    hopper, hopper_sm, gb10 = 232448, 233472, 101376
+    limit = {"cuda:0": hopper}
+    monkeypatch.setattr(prefill_cuda, "_shared_limit", lambda device: limit[str(device)])
+    dev = torch.device("cuda:0")
+    for K in range(1, 9):
+        for rows in (64, 128):
+            assert prefill_cuda.fits(K, dev, rows) and prefill_cuda.tile_rows(dev, (K,), rows) == rows, (K, rows)
+            assert 2 * (prefill_cuda.shared_bytes(K, rows) + 1024) <= hopper_sm, f"two blocks an SM: K={K} r{rows}"
+            assert prefill_cuda.shared_bytes(K, rows) >= rows * 132 * 4, "the epilogue's fp32 tile fits"
+    limit["cuda:0"] = gb10
+    assert [K for K in range(1, 9) if prefill_cuda.fits(K, dev, 64)] == list(range(1, 7))
+    assert all(prefill_cuda.fits(K, dev, 128) for K in range(1, 9))
+    limit["cuda:0"] = 90000  # a device between the two: r128 up to K = 5, r64 up to K = 4
+    assert prefill_cuda.tile_rows(dev, (3, 5), 128) == 128 and prefill_cuda.tile_rows(dev, (3, 6), 128) == 64
+    with pytest.raises(ValueError, match="64 or 128"):
+        prefill_cuda.tile_rows(dev, (3,), 96)
+    for raw, want in (("", 64), ("64", 64), ("128", 128), ("96", None)):
+        prefill_cuda.configured_rows.cache_clear()
+        monkeypatch.setenv(prefill_cuda.ROWS_ENV, raw)
+        if want is None:
+            with pytest.raises(ValueError, match="DSV41_PREFILL_TILE_ROWS='96'"):
+                prefill_cuda.configured_rows()
+        else:
+            assert prefill_cuda.configured_rows() == want
+    monkeypatch.setenv(prefill_cuda.ROWS_ENV, "128")
+    prefill_cuda.configured_rows.cache_clear()
+    limit["cuda:0"] = hopper
+    assert prefill_cuda.tile_rows(dev, (3,)) == 128
+    monkeypatch.setenv(prefill_cuda.ROWS_ENV, "64")
+    assert prefill_cuda.tile_rows(dev, (3,)) == 128, "read once"
+    prefill_cuda.configured_rows.cache_clear()
+    for raw, want in (("", False), ("columns", True), ("rows", None)):
+        prefill_cuda.configured_columns_first.cache_clear()
+        monkeypatch.setenv(prefill_cuda.ORDER_ENV, raw)
+        if want is None:
+            with pytest.raises(ValueError, match="DSV41_PREFILL_TILE_ORDER"):
+                prefill_cuda.configured_columns_first()
+        else:
+            assert prefill_cuda.configured_columns_first() is want
+    prefill_cuda.configured_columns_first.cache_clear()
 
 
 def test_b_operand_order_is_the_cuda_kernels_b_word_pos():
@@ -247,6 +322,104 @@ def test_gpu_prefill_moe_real_shapes_chunk_invariant(backend):
     perm = torch.randperm(T, generator=gen).cuda()
     got = prefill_moe(x[perm], ids[perm], weights[perm], w1, w3, w2, addend=add[perm])
     assert torch.equal(_bits(got), _bits(y[perm]))
+
+
+def _need_128_rows(*Ks):
+    from dsv41.kernels.exl3 import prefill_cuda
+
+    dev = torch.device("cuda")
+    if prefill_cuda.tile_rows(dev, Ks, 128) != 128:
+        pytest.skip(f"the 128-row prefill tiles need {prefill_cuda.shared_bytes(max(Ks), 128)} B of shared memory a "
+                    f"block, this GPU allows {prefill_cuda._shared_limit(dev)} B")
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Where two results differ, for a failure message: how many rows, the first few, the largest difference."""
+    bad = (_bits(got) != _bits(want)).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten()
+    diff = float((got.double() - want.double()).abs().max())
+    return f"{bad.numel()} of {got.shape[0]} rows differ (first {bad[:8].tolist()}), max |diff| {diff:.3g}"
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_the_experts(monkeypatch):
+    """The routed experts of one full-shape layer (384 x [5120, 1152] K=3, top-6) at 8,192 rows with a skewed
+    routing (experts from a few rows to several 128-row tiles): the 128-row tiles give the 64-row tiles' bits, in
+    both launch orders, and a 128-row tile's rows alone or reordered are the batch's rows."""
+    _need_cuda()
+    monkeypatch.setenv("DSV41_EXL3_BACKEND", "cuda")
+    _need_128_rows(3)
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack
+    from dsv41.kernels.exl3.prefill import prefill_moe
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(31)
+    E, hidden, inter, K, topk, T = 384, 5120, 1152, 3, 6, 8192
+    stacks = []
+    for k, n in ((hidden, inter), (hidden, inter), (inter, hidden)):
+        trellis = torch.randint(-32768, 32768, (E, k // 16, n // 16, 16 * K), generator=g, device=dev,
+                                dtype=torch.int32).to(torch.int16)
+        suh = (torch.randn(E, k, generator=g, device=dev) * 0.03).half()
+        svh = torch.randn(E, n, generator=g, device=dev).half()
+        stacks.append(Exl3ExpertStack.from_stacked(trellis, suh, svh, "mul1"))
+    w1, w3, w2 = stacks
+    # a router's skew: each row's top-6 distinct, drawn with log-normal expert popularity (Gumbel top-k)
+    popularity = torch.randn(E, generator=g, device=dev) * 0.8
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=dev).clamp_(1e-20, 1 - 1e-7)))
+    ids = (popularity[None, :] + gumbel).topk(topk, dim=1).indices.int()
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    # the cases of the tile shapes: experts of one partial tile (< 64 rows), of several 128-row tiles (> 256)
+    assert int(counts.max()) > 256 and int(((counts > 0) & (counts < 64)).sum()) > 10, sorted(counts.tolist())
+    x = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
+    wts = torch.rand(T, topk, generator=g, device=dev)
+    add = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
+    ref = prefill_moe(x, ids, wts, w1, w3, w2, addend=add, tile_rows=64, columns_first=False)
+    assert torch.isfinite(ref).all()
+    for cols in (False, True):
+        got = prefill_moe(x, ids, wts, w1, w3, w2, addend=add, tile_rows=128, columns_first=cols)
+        assert torch.equal(_bits(got), _bits(ref)), f"128 vs 64 rows, columns_first={cols}: {_mismatch(got, ref)}"
+    got = prefill_moe(x, ids, wts, w1, w3, w2, addend=add, tile_rows=64, columns_first=True)
+    assert torch.equal(_bits(got), _bits(ref)), f"64 rows, columns first vs tiles first: {_mismatch(got, ref)}"
+    for rows in (slice(0, 1), slice(100, 117), slice(1000, 3000)):
+        got = prefill_moe(x[rows], ids[rows], wts[rows], w1, w3, w2, addend=add[rows], tile_rows=128)
+        assert torch.equal(_bits(got), _bits(ref[rows])), \
+            f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
+    perm = torch.randperm(T, generator=g, device=dev)[:2000]
+    got = prefill_moe(x[perm], ids[perm], wts[perm], w1, w3, w2, addend=add[perm], tile_rows=128)
+    assert torch.equal(_bits(got), _bits(ref[perm])), \
+        f"2,000 rows reordered, 128-row tiles: {_mismatch(got, ref[perm])}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n,K", [(5120, 1152, 5), (1152, 5120, 4)])
+def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_a_dense_matrix(k, n, K, monkeypatch):
+    """A dense matrix through the CUDA tiles (not the decode-once GEMM) at 8,000 rows (the last 128-row tile holds
+    64 rows: two of its four parts): 128-row tiles == 64-row tiles bitwise, both launch orders; rows alone, in
+    slices that cut 128-row tiles anywhere, and reordered, == the batch's rows."""
+    _need_cuda()
+    monkeypatch.setenv("DSV41_EXL3_BACKEND", "cuda")
+    _need_128_rows(K)
+    from dsv41.kernels.exl3.layout import Exl3Tensor
+    from dsv41.kernels.exl3.prefill import prefill_linear
+
+    gen = torch.Generator().manual_seed(k + n + K + 128)
+    trellis, suh, svh = _random_group(gen, k, n, K, "cuda")
+    w = Exl3Tensor.from_group(trellis, suh, svh, "mul1")
+    x = torch.randn(8000, k, generator=gen).bfloat16().cuda()
+
+    def run(rows, xs, cols=None):
+        return prefill_linear(xs, w, out_dtype=torch.float32, dense_gemm=False, tile_rows=rows, columns_first=cols)
+
+    ref = run(64, x, False)
+    for cols in (False, True):
+        got = run(128, x, cols)
+        assert torch.equal(_bits(got), _bits(ref)), f"128 vs 64 rows, columns_first={cols}: {_mismatch(got, ref)}"
+    for rows in (slice(0, 1), slice(3, 40), slice(64, 192), slice(100, 229), slice(7900, 8000)):
+        got = run(128, x[rows])
+        assert torch.equal(_bits(got), _bits(ref[rows])), \
+            f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
+    perm = torch.randperm(8000, generator=gen).cuda()
+    got = run(128, x[perm])
+    assert torch.equal(_bits(got), _bits(ref[perm])), f"rows reordered, 128-row tiles: {_mismatch(got, ref[perm])}"
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

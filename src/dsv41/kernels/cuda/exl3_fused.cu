@@ -1273,46 +1273,76 @@ extern "C" __global__ void __launch_bounds__(NTHREADS) exl3_decode(const u32* tr
 }
 
 // ------------------------------------------------------------------------------------------------------------
-// prefill (issue 31): a tile of up to PF_ROWS rows x one 128-column block, the whole k in one block
-// grid (tiles, n/128); out[dest(row)] = rot(xh[row] @ W_q[e]) * svh[e] for the tile's rows
+// prefill (issue 31): a tile of up to ROWS rows (64 or 128) x one 128-column block, the whole k in one block
+// grid (tiles, n/128), or (n/128, tiles) with columns_first; out[dest(row)] = rot(xh[row] @ W_q[e]) * svh[e]
 // ------------------------------------------------------------------------------------------------------------
 // The input arrives rotated (kernels/exl3/prefill.py rotates it once per chunk), fp16, each 128-block of a row in
-// b_word_pos order. Each k block of the tile's rows (16 KB) is copied to a shared-memory ring with cp.async by the
-// whole block, in the same commit groups as each warp's weight stage, so one wait and one block barrier per k block
-// publish both; lanes then read their B operands as in load_b. Each decoded weight fragment feeds PF_ROWS / 8 mma
-// (one per 8 rows) instead of 1-2: the decode is shared by the tile's rows. One accumulation chain per output
+// b_word_pos order. Each k block of the tile's rows (256 B a row) is copied to a shared-memory ring with cp.async by
+// the whole block, in the same commit groups as each warp's weight stage, so one wait and one block barrier per k
+// block publish both; lanes then read their B operands as in load_b. Each decoded weight fragment feeds ROWS / 8
+// mma (one per 8 rows) instead of 1-2: the decode is shared by the tile's rows. One accumulation chain per output
 // element in k order (no split): a row's bits depend on its own B column only, so not on the other rows of its
-// tile, its place in it, or the chunk (row invariance, as above). `table` [tiles][3] (expert, first row, rows;
-// rows 0 = a spare block) for grouped products (the routed experts), else one matrix and tile t = rows
-// [t * PF_ROWS, ...); `out_rows` (optional) the output row of each input row. xh holds PF_ROWS rows past the last
-// real one (copied, never used: their products are not stored).
-#define PF_ROWS 64
-#define PF_GROUPS (PF_ROWS / 8)
-#define PF_XS_STRIDE 160                      // fp16 row stride of a B stage: 16 words mod 32 (see b_word_pos)
-#define PF_B_STAGE (PF_ROWS * PF_XS_STRIDE)   // fp16 per B stage
-#define PF_B_CHUNKS (PF_ROWS * 16)            // 16-byte chunks per B stage
+// tile, its place in it, the tile's size (64 or 128: the same chain over the same decoded fragments) or the chunk
+// (row invariance, as above). `table` [tiles][3] (expert, first row, rows; rows 0 = a spare block) for grouped
+// products (the routed experts), else one matrix and tile t = rows [t * ROWS, ...); `out_rows` (optional) the
+// output row of each input row. xh holds ROWS rows past the last real one (copied, never used: their products are
+// not stored).
+//
+// Row parts: a tile's rows in parts of 32 (4 row groups); the parts past its count are neither copied nor
+// multiplied (their rows would not be stored), so a partial tile (an expert's last, a small expert's only one)
+// costs its decodes and the mma of its own parts only: a 128-row tile of <= 64 rows does the 64-row tile's work.
+// The branch is warp-uniform (the count is the block's).
+//
+// Two entries of one body (prefill_cuda.py's shared_bytes mirrors their shared memory):
+// - exl3_prefill_r64: the image's STAGES (3), B rows padded to PF_XS_STRIDE; 66-108 KB (K 1-8): 2 blocks an SM.
+// - exl3_prefill_r128: each fragment feeds 16 mma. PF128_STAGES (2) and B rows unpadded (256 B) with the 16-byte
+//   chunks of odd rows XOR-swizzled by 4 (the same bank spread as the padding: rows 2i and 2i+1 of a 128-bit
+//   load's phase fall in opposite bank halves); 68-96 KB (K 1-8): 2 blocks an SM on Hopper at a 128-register
+//   budget (K <= 6; K = 7, 8 take more registers: one block), and it fits GB10's 99 KB. Three padded stages (a
+//   120 KB B ring) would leave one block an SM on Hopper and no fit on GB10.
+// The epilogue's fp32 tile reuses the whole buffer (both rings) once the k loop is done.
+#define PF_PART 32                            // rows per row part (4 row groups)
+#define PF_XS_STRIDE 160                      // fp16 row stride of a padded B stage: 16 words mod 32 (b_word_pos)
 #ifndef EXL3_PF_MIN_BLOCKS
 #define EXL3_PF_MIN_BLOCKS 2
 #endif
+#ifndef EXL3_PF128_STAGES
+#define EXL3_PF128_STAGES 2
+#endif
+#ifndef EXL3_PF128_MIN_BLOCKS
+#define EXL3_PF128_MIN_BLOCKS (K >= 7 ? 1 : 2)  // K = 7, 8 spill 8-16 bytes at 128 registers (137-140 without)
+#endif
 
+template <int ROWS, int NST, bool SWIZZLE>
 struct PrefillLoop {
+    static constexpr int B_STRIDE = SWIZZLE ? 128 : PF_XS_STRIDE;  // fp16 per B row
+    static constexpr int B_STAGE = ROWS * B_STRIDE;                // fp16 per B stage
+    static constexpr int B_CHUNKS = ROWS * 16;                     // 16-byte chunks per B stage
+    static constexpr int RING = NST * KR * TW;                     // words of a warp's weight ring
+    static_assert(ROWS % PF_PART == 0 && B_CHUNKS % NTHREADS == 0, "whole parts, whole chunks per thread");
+    static_assert(NST >= 2 && NST <= 4, "the prologue issues up to 3 stages");
     float* acc;
-    const u32* ring;   // this warp's weight ring
-    u16* bring;        // the block's B ring [STAGES][PF_B_STAGE]
+    const u32* ring;   // this warp's weight ring [NST][KR][TW]
+    u16* bring;        // the block's B ring [NST][B_STAGE]
     const u16* xsrc;   // this thread's first B chunk: row first + tid / 16 of xh, the 8 fp16 at (tid % 16) * 8
     int off[NW];
     u32 sh;
     int n_stages, lane, tid, k;
+    int used;          // the tile's rows rounded up to whole parts: the rows copied and multiplied
     StageCopy copy;
+
+    __device__ __forceinline__ void wait_stages() { asm volatile("cp.async.wait_group %0;" ::"n"(NST - 2)); }
 
     // This thread's share of B stage `it` into ring slot SLOT (no-op past the last stage).
     template <int SLOT>
     __device__ __forceinline__ void issue_b(int it) {
         if (it >= n_stages) return;
 #pragma unroll
-        for (int j = 0; j < PF_B_CHUNKS / NTHREADS; ++j) {  // chunk tid + 256 j: 16 rows further per j
+        for (int j = 0; j < B_CHUNKS / NTHREADS; ++j) {  // chunk tid + 256 j: 16 rows further per j
+            if (16 * j >= used) break;  // whole parts only (used is a multiple of 32): uniform per 16 rows
             const int row = (tid >> 4) + 16 * j;
-            cp_async16(smem_addr(bring + SLOT * PF_B_STAGE + row * PF_XS_STRIDE + (tid & 15) * 8),
+            const int chunk = SWIZZLE ? (tid & 15) ^ ((row & 1) << 2) : (tid & 15);
+            cp_async16(smem_addr(bring + SLOT * B_STAGE + row * B_STRIDE + chunk * 8),
                        xsrc + 16LL * j * k + (long long)it * 128);
         }
     }
@@ -1320,33 +1350,40 @@ struct PrefillLoop {
     template <int SLOT>
     __device__ __forceinline__ void stage_product() {
         const u32* stage = ring + SLOT * KR * TW;
-        const u16* bs = bring + SLOT * PF_B_STAGE + (lane >> 2) * PF_XS_STRIDE + 8 * (lane & 3);
+        const u16* bs = bring + SLOT * B_STAGE + (lane >> 2) * B_STRIDE + 8 * (lane & 3);
+        const int odd = (lane >> 2) & 1;  // this lane's B rows (g + 8h) are odd: their chunks are swizzled
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-            uint4 b[PF_GROUPS];  // chunk q of each row group: tile rows 2q and 2q + 1
+            u32 frag0[4], frag1[4];  // tile rows 2q and 2q + 1 of the stage (k order)
+            decode_tile(stage + 2 * q * TW, off, sh, frag0);
+            decode_tile(stage + (2 * q + 1) * TW, off, sh, frag1);
+            const int qc = SWIZZLE ? q ^ odd : q;  // chunk 4q + t of the row, at 4(q ^ odd) + t when swizzled
+            // each row group's B operand just before its two mma (4 registers live, not one per group):
+            // chunk q of the group's rows holds k rows 2q (x, y) and 2q + 1 (z, w)
 #pragma unroll
-            for (int h = 0; h < PF_GROUPS; ++h) b[h] = *((const uint4*)(bs + 8 * h * PF_XS_STRIDE) + 4 * q);
+            for (int p = 0; p < ROWS / PF_PART; ++p) {
+                if (p > 0 && PF_PART * p >= used) break;
 #pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                u32 frag[4];
-                decode_tile(stage + (2 * q + rr) * TW, off, sh, frag);
-#pragma unroll
-                for (int h = 0; h < PF_GROUPS; ++h)
-                    mma_16816(acc + 4 * h, frag, rr ? b[h].z : b[h].x, rr ? b[h].w : b[h].y);
+                for (int i = 0; i < PF_PART / 8; ++i) {
+                    const int h = p * (PF_PART / 8) + i;
+                    const uint4 b = *((const uint4*)(bs + 8 * h * B_STRIDE) + 4 * qc);
+                    mma_16816(acc + 4 * h, frag0, b.x, b.y);
+                    mma_16816(acc + 4 * h, frag1, b.z, b.w);
+                }
             }
         }
     }
 
     template <int S>
     __device__ __forceinline__ void round_from(int base) {
-        if constexpr (S < STAGES) {
+        if constexpr (S < NST) {
             const int it = base + S;
             if (it >= n_stages) return;
-            cp_async_wait_stages();
+            wait_stages();
             __syncthreads();  // stage `it` (weights and B) visible to all; every warp is done with stage it-1
-            constexpr int NEXT = (S + STAGES - 1) % STAGES;
-            issue_stage<NEXT>(copy, it + STAGES - 1 < n_stages, lane);
-            issue_b<NEXT>(it + STAGES - 1);
+            constexpr int NEXT = (S + NST - 1) % NST;
+            issue_stage<NEXT>(copy, it + NST - 1 < n_stages, lane);
+            issue_b<NEXT>(it + NST - 1);
             cp_async_commit();
             stage_product<S>();
             round_from<S + 1>(base);
@@ -1354,13 +1391,19 @@ struct PrefillLoop {
     }
 };
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF_MIN_BLOCKS)
-exl3_prefill_r64(const u32* __restrict__ trellis, const u16* __restrict__ svh, const u16* __restrict__ xh,
-                 const int* __restrict__ table, const int* __restrict__ out_rows, void* __restrict__ out, int ldo,
-                 int out_dtype, int n_rows, int k, int n) {
-    extern __shared__ __align__(16) unsigned char pf_smem[];
+#define PREFILL_ARGS                                                                                              \
+    const u32 *__restrict__ trellis, const u16 *__restrict__ svh, const u16 *__restrict__ xh,                     \
+        const int *__restrict__ table, const int *__restrict__ out_rows, void *__restrict__ out, int ldo,          \
+        int out_dtype, int n_rows, int k, int n, int columns_first
+#define PREFILL_PASS trellis, svh, xh, table, out_rows, out, ldo, out_dtype, n_rows, k, n, columns_first
+
+template <int ROWS, int NST, bool SWIZZLE>
+__device__ __forceinline__ void prefill_body(unsigned char* smem, PREFILL_ARGS) {
+    using Loop = PrefillLoop<ROWS, NST, SWIZZLE>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-    const int tile = blockIdx.x, cb = blockIdx.y;
+    // columns_first: a tile's column blocks are neighbours in launch order, so its B rows are read from HBM about
+    // once and then from L2 (tiles first: every column block's pass reads all of xh again); the bits are the same
+    const int tile = columns_first ? blockIdx.y : blockIdx.x, cb = columns_first ? blockIdx.x : blockIdx.y;
     int e = 0, first, count;
     if (table != nullptr) {
         wait_for_previous_kernel();  // the table is written by the launches before this one
@@ -1368,24 +1411,23 @@ exl3_prefill_r64(const u32* __restrict__ trellis, const u16* __restrict__ svh, c
         first = table[3 * tile + 1];
         count = table[3 * tile + 2];
     } else {
-        first = tile * PF_ROWS;
-        count = min(PF_ROWS, n_rows - first);
+        first = tile * ROWS;
+        count = min(ROWS, n_rows - first);
     }
     if (count <= 0) return;  // the whole block: before any barrier
-    Smem sm;
-    sm.stages = (u32*)pf_smem;
-    u16* bring = (u16*)(sm.stages + STAGES * STAGE_WORDS);
-    float* ys = (float*)bring;  // the epilogue's tile reuses the B ring once the k loop is done
+    u32* rings = (u32*)smem;
+    u16* bring = (u16*)(rings + WARPS * Loop::RING);
+    float* ys = (float*)smem;  // the epilogue's tile reuses the whole buffer once the k loop is done
     const long long row_stride_words = (long long)(n / 16) * TW;
     const int n_stages = k / 128;
     const u32* tile_col = trellis + (long long)e * (k / 16) * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;
     const uint2 sv = load_svh4(svh + (long long)e * n + cb * 128, lane);
-    PrefillLoop L;
-    float acc[4 * PF_GROUPS];
+    Loop L;
+    float acc[ROWS / 2];  // 4 per row group
 #pragma unroll
-    for (int i = 0; i < 4 * PF_GROUPS; ++i) acc[i] = 0.f;
+    for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
     L.acc = acc;
-    L.ring = sm.stages + warp * RING_WORDS;
+    L.ring = rings + warp * Loop::RING;
     L.bring = bring;
     L.xsrc = xh + (long long)(first + (tid >> 4)) * k + (tid & 15) * 8;
     lane_offsets(lane, L.off, &L.sh);
@@ -1393,27 +1435,28 @@ exl3_prefill_r64(const u32* __restrict__ trellis, const u16* __restrict__ svh, c
     L.lane = lane;
     L.tid = tid;
     L.k = k;
+    L.used = (count + PF_PART - 1) / PF_PART * PF_PART;
     wait_for_previous_kernel();  // xh is written by the launch before this one
-    // the first STAGES - 1 stages, weights and B together in one commit group each
+    // the first NST - 1 stages, weights and B together in one commit group each
     L.copy = stage_copy(L.ring, tile_col, row_stride_words, 0, lane);
     issue_stage<0>(L.copy, 0 < n_stages, lane);
-    L.issue_b<0>(0);
+    L.template issue_b<0>(0);
     cp_async_commit();
-    if (STAGES > 2) {
+    if constexpr (NST > 2) {
         issue_stage<1>(L.copy, 1 < n_stages, lane);
-        L.issue_b<1>(1);
+        L.template issue_b<1>(1);
         cp_async_commit();
     }
-    if (STAGES > 3) {
+    if constexpr (NST > 3) {
         issue_stage<2>(L.copy, 2 < n_stages, lane);
-        L.issue_b<2>(2);
+        L.template issue_b<2>(2);
         cp_async_commit();
     }
-    for (int base = 0; base < n_stages; base += STAGES) L.round_from<0>(base);
+    for (int base = 0; base < n_stages; base += NST) L.template round_from<0>(base);
     asm volatile("cp.async.wait_all;");
     let_next_kernel_start();
-    __syncthreads();  // every warp is done reading the B ring before the epilogue's tile overwrites it
-    stash_acc<PF_ROWS>(acc, ys, warp, lane);
+    __syncthreads();  // every warp is done reading both rings before the epilogue's tile overwrites them
+    stash_acc<ROWS>(acc, ys, warp, lane);
     __syncthreads();
     for (int r = warp; r < count; r += WARPS) {
         float v[4];
@@ -1424,4 +1467,13 @@ exl3_prefill_r64(const u32* __restrict__ trellis, const u16* __restrict__ svh, c
 #pragma unroll
         for (int i = 0; i < 4; ++i) store_value(out, dest * ldo + cb * 128 + 4 * lane + i, out_dtype, v[i]);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF_MIN_BLOCKS) exl3_prefill_r64(PREFILL_ARGS) {
+    extern __shared__ __align__(16) unsigned char pf_smem[];
+    prefill_body<64, STAGES, false>(pf_smem, PREFILL_PASS);
+}
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) exl3_prefill_r128(PREFILL_ARGS) {
+    extern __shared__ __align__(16) unsigned char pf_smem[];
+    prefill_body<128, EXL3_PF128_STAGES, true>(pf_smem, PREFILL_PASS);
 }

@@ -31,7 +31,7 @@ KERNELS = [
     "exl3_moe_gate_up_r8", "exl3_moe_gate_up_r16",
     "exl3_moe_down_r8", "exl3_moe_down_r16",
     "exl3_decode",
-    "exl3_prefill_r64",  # prefill tiles (kernels/exl3/prefill_cuda.py)
+    "exl3_prefill_r64", "exl3_prefill_r128",  # prefill tiles (kernels/exl3/prefill_cuda.py)
 ]
 # must match exl3_fused.cu; the pipeline shape (KR, STAGES) is a compile-time define chosen in cuda_build
 THREADS = 256

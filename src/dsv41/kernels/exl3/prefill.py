@@ -8,8 +8,9 @@ tensor cores with every row of its tile, and applies the output rotation and svh
 decoded once per row tile: for the routed experts, whose rows are grouped by expert, about once per chunk.
 
 Two backends, the EXL3 kernels' choice (`backend.use_cuda_backend`): on NVIDIA GPUs the CUDA tile kernel
-(`prefill_cuda`, `exl3_prefill_r64`: each lane decodes its weights straight into its mma operand registers, as the
-decode kernels do, and each fragment feeds the tile's 64 rows), elsewhere (the interpreter, other GPUs) the Triton
+(`prefill_cuda`, `exl3_prefill_r64` / `_r128`: each lane decodes its weights straight into its mma operand
+registers, as the decode kernels do, and each fragment feeds the tile's 64 or 128 rows, `DSV41_PREFILL_TILE_ROWS`:
+the same bits either way), elsewhere (the interpreter, other GPUs) the Triton
 tiles here (`_gate_up_kernel`, `_tile_matmul_kernel`: the same function, decoded through Triton's layouts). The two
 give other bits; each is row-invariant.
 
@@ -32,7 +33,9 @@ with the same epilogue (`prefill_dense.py`: at 8K rows the tiles decode each wei
 Row invariance (chunked == one-shot, batched == alone): the tile shape, BK and warps are fixed per kernel, never
 chosen from the row count; every product is a tensor-core dot whose output row depends on its own input row only;
 the rotations are per row (`rotate_rows_fp32` scales each row by its own maximum). So a row's bits do not depend
-on the other rows of its tile, on its place in it, or on the chunk (tests/test_exl3_prefill.py).
+on the other rows of its tile, on its place in it, or on the chunk (tests/test_exl3_prefill.py). The CUDA
+kernels' two tile sizes give the same bits (each output element one mma chain over k in the same order), so the
+64 / 128 choice is free to follow the device and K (tests/test_exl3_prefill.py's GPU part compares them).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from dsv41.kernels.exl3.decode import (
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
 from dsv41.kernels.exl3 import prefill_cuda
 from dsv41.kernels.exl3.prefill_dense import Workspace, dense_gemm_enabled, workspace_matmul
-from dsv41.kernels.exl3.prefill_cuda import PF_ROWS, prefill_tiles_cuda
+from dsv41.kernels.exl3.prefill_cuda import prefill_tiles_cuda
 
 
 @dataclass(frozen=True)
@@ -297,16 +300,19 @@ def tile_table(flat_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torc
     return order, flat[order].to(torch.int32).contiguous(), table
 
 
-def _cuda(device: torch.device, *Ks: int) -> bool:
-    """The CUDA tile kernel (`prefill_cuda`) where the EXL3 CUDA kernels run and its shared memory fits for these
-    K, else the Triton tiles here."""
-    return use_cuda_backend(device) and all(prefill_cuda.fits(K, device) for K in Ks)
+def _cuda_rows(device: torch.device, Ks: tuple[int, ...], tile_rows: int | None) -> int | None:
+    """The CUDA tile kernel's rows (`prefill_cuda.tile_rows`: 64 or 128) where the EXL3 CUDA kernels run and its
+    shared memory fits for these K; None: the Triton tiles here."""
+    if not use_cuda_backend(device):
+        return None
+    rows = prefill_cuda.tile_rows(device, Ks, tile_rows)
+    return rows if all(prefill_cuda.fits(K, device, rows) for K in Ks) else None
 
 
 def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False):
-    """The rotated input(s) of `rows` rows (fp16 [rows (+ PF_ROWS padding when permuted), k])."""
+    """The rotated input(s) of `rows` rows (fp16 [rows (+ the CUDA tiles' padding when permuted), k])."""
     rows = x.shape[0] if rows is None else rows
-    pad = PF_ROWS if permute else 0
+    pad = prefill_cuda.PAD_ROWS if permute else 0
     xa = torch.empty(rows + pad, k, dtype=torch.float16, device=x.device)
     xb = torch.empty_like(xa) if suh_b is not None else xa
     if rows:
@@ -320,9 +326,13 @@ def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permut
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: Exl3ExpertStack,
                 w3: Exl3ExpertStack, w2: Exl3ExpertStack, swiglu_limit: float = 10.0,
                 out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-                addend: torch.Tensor | None = None, config: PrefillConfig | None = None) -> torch.Tensor:
+                addend: torch.Tensor | None = None, config: PrefillConfig | None = None,
+                tile_rows: int | None = None, columns_first: bool | None = None) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i,
-    plus `addend` [T, hidden] when given: `moe.moe_forward`'s function for a prefill chunk of any length."""
+    plus `addend` [T, hidden] when given: `moe.moe_forward`'s function for a prefill chunk of any length.
+
+    tile_rows / columns_first (None: `DSV41_PREFILL_TILE_ROWS` / `_ORDER`): the CUDA tiles' rows (64, 128) and
+    launch order (`prefill_cuda`); the same bits whatever they are."""
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     T, hidden = x.shape
     out = moe_out(out, T, hidden, out_dtype, x.device)
@@ -331,9 +341,10 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     if addend is not None and (addend.shape != (T, hidden) or addend.stride(-1) != 1):
         raise ValueError(f"addend must be [{T}, {hidden}] with unit column stride, got {list(addend.shape)}")
     dev = x.device
-    cuda = _cuda(dev, w1.K, w2.K)
+    cuda_rows = _cuda_rows(dev, (w1.K, w2.K), tile_rows)
+    cuda = cuda_rows is not None
     cfg = _config(config or EXPERTS)
-    block_m = PF_ROWS if cuda else cfg.block_m
+    block_m = cuda_rows if cuda else cfg.block_m
     topk = topk_ids.shape[1]
     pairs = T * topk
     inter = w1.n
@@ -344,12 +355,15 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     had = hadamard_signs(dev, torch.float16)
     tiles = table.shape[0]
     xg, xu = _rotate(x, w1.suh, hidden, src=src, pair_e=pair_e, suh_b=w3.suh, rows=pairs, permute=cuda)
-    hh = torch.empty(pairs + (PF_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
+    hh = torch.empty(pairs + (prefill_cuda.PAD_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
+    tiling = {"rows": block_m, "columns_first": columns_first}
     if cuda:
         gate = torch.empty(pairs, inter, dtype=torch.float32, device=dev)
         up = torch.empty_like(gate)
-        prefill_tiles_cuda(xg, w1.words, w1.svh, w1.K, w1.codebook, hidden, inter, gate, pairs, tiles, table=table)
-        prefill_tiles_cuda(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table)
+        prefill_tiles_cuda(xg, w1.words, w1.svh, w1.K, w1.codebook, hidden, inter, gate, pairs, tiles, table=table,
+                           **tiling)
+        prefill_tiles_cuda(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table,
+                           **tiling)
         del xg, xu
         _swiglu_rotate_kernel[(triton.cdiv(pairs, 16), inter // 128)](
             gate, up, route, pair_e, w2.suh, had, hh, pairs, inter, float(swiglu_limit), PERMUTE=True)
@@ -364,7 +378,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     out_rows = order.to(torch.int32)
     if cuda:
         prefill_tiles_cuda(hh, w2.words, w2.svh, w2.K, w2.codebook, inter, hidden, y, pairs, tiles, table=table,
-                           out_rows=out_rows)
+                           out_rows=out_rows, **tiling)
     else:
         _tile_matmul_kernel[(tiles, hidden // 128)](
             table, hh, out_rows, w2.words, w2.svh, had, y, y.stride(0), pairs, inter, hidden,
@@ -378,11 +392,13 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
 def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype | None = None,
                    out: torch.Tensor | None = None, config: PrefillConfig | None = None,
-                   workspace: Workspace | None = None, dense_gemm: bool | None = None) -> torch.Tensor:
+                   workspace: Workspace | None = None, dense_gemm: bool | None = None, tile_rows: int | None = None,
+                   columns_first: bool | None = None) -> torch.Tensor:
     """`x @ W_eff` for a prefill chunk [T, k]: the input rotated once, then one tiled launch (module docstring).
 
     dense_gemm (None: the `DSV41_PREFILL_DENSE_GEMM` switch, read here at each launch): the matrix decoded once into
-    `workspace(k, n)` (a fresh tensor without one) and one tensor-core GEMM instead (`prefill_dense`)."""
+    `workspace(k, n)` (a fresh tensor without one) and one tensor-core GEMM instead (`prefill_dense`). tile_rows /
+    columns_first: the CUDA tiles' shape and order, as in `prefill_moe`."""
     T, k = x.shape
     if k != weight.k:
         raise ValueError(f"x has {k} columns, the matrix {weight.k} rows")
@@ -397,10 +413,11 @@ def prefill_linear(x: torch.Tensor, weight: Exl3Tensor, out_dtype: torch.dtype |
     if dense_gemm_enabled() if dense_gemm is None else dense_gemm:
         xh, _ = _rotate(x, weight.suh, k)
         return workspace_matmul(xh, weight, out, workspace)
-    if _cuda(dev, weight.K):
+    rows = _cuda_rows(dev, (weight.K,), tile_rows)
+    if rows is not None:
         xh, _ = _rotate(x, weight.suh, k, permute=True)
         return prefill_tiles_cuda(xh, weight.words, weight.svh, weight.K, weight.codebook, k, weight.n, out, T,
-                                  triton.cdiv(T, PF_ROWS))
+                                  triton.cdiv(T, rows), rows=rows, columns_first=columns_first)
     cfg = _config(config or DENSE)
     xh, _ = _rotate(x, weight.suh, k)
     _tile_matmul_kernel[(triton.cdiv(T, cfg.block_m), weight.n // 128)](
