@@ -30,7 +30,10 @@ LITE = {"hidden_size": 128, "num_attention_heads": 2, "o_groups": 2, "q_lora_ran
         "moe_intermediate_size": 256, "n_routed_experts": 3, "num_experts_per_tok": 2, "num_hidden_layers": 6,
         "compress_ratios": [0, 2, 2, 1, 1, 1, 0, 0, 0], "kv_source_layer_ids": [1, 3],
         "index_source_layer_ids": [1, 3, 4], "candidate_source_layer_id": 3, "engram_layer_ids": [1],
-        "engram_n_heads": 2, "index_n_heads": 2, "dspark_target_layer_ids": [3, 4, 5], "dspark_n_routed_experts": 3}
+        "engram_n_heads": 2, "index_n_heads": 2, "dspark_target_layer_ids": [3, 4, 5], "dspark_n_routed_experts": 3,
+        "hc_sinkhorn_iters": 4}
+# 4 Sinkhorn rounds, not the tiny model's 20: the loop still runs (3 row / column passes), and in Triton's interpreter
+# the mHC sites are ~a third of these tests' time, the loop a quarter of that (the kernels' own tests run 20)
 # two sequences long enough for every choice to be a real one: ratio-2 entries (10) and ratio-1 entries (20) above
 # the index top-k (8), more candidate blocks (5) than kept (3), a window (16) that has rolled
 PROMPTS = ([0] + [(i * 37) % 500 + 5 for i in range(19)], [0] + [(i * 91) % 500 + 7 for i in range(14)])
