@@ -106,7 +106,7 @@ def test_cuda_tile_rows_follow_the_switch_and_the_shared_memory(monkeypatch):
     assert prefill_cuda.tile_rows(dev, (3, 5), 128) == 128 and prefill_cuda.tile_rows(dev, (3, 6), 128) == 64
     with pytest.raises(ValueError, match="64 or 128"):
         prefill_cuda.tile_rows(dev, (3,), 96)
-    for raw, want in (("", 64), ("64", 64), ("128", 128), ("96", None)):
+    for raw, want in (("", 128), ("64", 64), ("128", 128), ("96", None)):
         prefill_cuda.configured_rows.cache_clear()
         monkeypatch.setenv(prefill_cuda.ROWS_ENV, raw)
         if want is None:
@@ -121,7 +121,7 @@ def test_cuda_tile_rows_follow_the_switch_and_the_shared_memory(monkeypatch):
     monkeypatch.setenv(prefill_cuda.ROWS_ENV, "64")
     assert prefill_cuda.tile_rows(dev, (3,)) == 128, "read once"
     prefill_cuda.configured_rows.cache_clear()
-    for raw, want in (("", False), ("columns", True), ("rows", None)):
+    for raw, want in (("", True), ("tiles", False), ("columns", True), ("rows", None)):
         prefill_cuda.configured_columns_first.cache_clear()
         monkeypatch.setenv(prefill_cuda.ORDER_ENV, raw)
         if want is None:

@@ -67,7 +67,7 @@ def new_gate(wait_s: float = 30.0, device="cpu"):
 def test_env_switches():
     from dsv41.runtime.engram_gate import env_gate, env_wait_s
 
-    assert not env_gate({}) and not env_gate({"DSV41_ENGRAM_GATE": "0"}) and env_gate({"DSV41_ENGRAM_GATE": "1"})
+    assert env_gate({}) and not env_gate({"DSV41_ENGRAM_GATE": "0"}) and env_gate({"DSV41_ENGRAM_GATE": "1"})
     assert env_wait_s({}) == 300.0 and env_wait_s({"DSV41_ENGRAM_WAIT_S": "2.5"}) == 2.5
     with pytest.raises(ValueError, match="DSV41_ENGRAM_WAIT_S"):
         env_wait_s({"DSV41_ENGRAM_WAIT_S": "0"})

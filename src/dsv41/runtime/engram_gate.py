@@ -44,9 +44,10 @@ GATE_STEP = "gate.step"  # the step's number in its tables
 
 
 def env_gate(environ=None) -> bool:
-    """`DSV41_ENGRAM_GATE`: 1 turns the gate on (where it can run: `for_model`); unset or 0: off."""
+    """`DSV41_ENGRAM_GATE`: on unless 0 (where it can run: `for_model`; on by default since its GPU A/B:
+    bench/results/decode_step_4ac1be8.json)."""
     value = (os.environ if environ is None else environ).get(ENV_GATE, "").strip().lower()
-    return value not in ("", "0", "off", "false", "no")
+    return value not in ("0", "off", "false", "no")
 
 
 def env_wait_s(environ=None) -> float:

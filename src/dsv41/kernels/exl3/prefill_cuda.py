@@ -48,8 +48,9 @@ def kernel_name(rows: int) -> str:
 
 @functools.cache
 def configured_rows() -> int:
-    """`DSV41_PREFILL_TILE_ROWS` (64 when unset), read once per process."""
-    raw = os.environ.get(ROWS_ENV, "").strip() or "64"
+    """`DSV41_PREFILL_TILE_ROWS` (128 when unset: bench/results/prefill_tiles128_4ac1be8.json), read once per
+    process."""
+    raw = os.environ.get(ROWS_ENV, "").strip() or "128"
     if raw not in {str(r) for r in TILE_ROWS}:
         raise ValueError(f"{ROWS_ENV}={raw!r}: the prefill tile kernels take {' or '.join(map(str, TILE_ROWS))} rows")
     return int(raw)
@@ -57,8 +58,8 @@ def configured_rows() -> int:
 
 @functools.cache
 def configured_columns_first() -> bool:
-    """`DSV41_PREFILL_TILE_ORDER` (`tiles` when unset) == `columns`, read once per process."""
-    raw = os.environ.get(ORDER_ENV, "").strip() or "tiles"
+    """`DSV41_PREFILL_TILE_ORDER` (`columns` when unset) == `columns`, read once per process."""
+    raw = os.environ.get(ORDER_ENV, "").strip() or "columns"
     if raw not in ORDERS:
         raise ValueError(f"{ORDER_ENV}={raw!r}: the launch order is one of {', '.join(ORDERS)}")
     return raw == "columns"
