@@ -185,9 +185,12 @@ class PeerlessComm:
         return torch.cat([x] * self.world, dim=dim)
 
 
-def _first_request(runner, prompt: list[int]) -> int:
-    """One prefill and one decode step through the runner, as the engine's first request: its greedy token."""
+def first_request(runner, device) -> int:
+    """One prefill and one decode step through the runner, as the engine's first request: its greedy token.
+    (bench/start.py's warm step runs it too.)"""
     from dsv41.engine.batch import DECODE, PREFILL, Batch, Row, RowSampling
+
+    prompt = PROMPT if device.type == "cuda" else PROMPT_OFF_GPU
 
     greedy = RowSampling(0.0, 1.0, 0, 0.0, 0, 0)
     pages = list(range(-(-(len(prompt) + 2) // runner.pool.page_tokens)))
@@ -223,7 +226,7 @@ def child(rank: int, serve_args: list[str]) -> None:
                             comm=comm, engram_dir=getattr(args, "engram_dir", None))
     runner = build_runner(args, model, serving_max_model_len(args, model), log=_log)
     phases.done("runner")
-    token = _first_request(runner, PROMPT if device.type == "cuda" else PROMPT_OFF_GPU)
+    token = first_request(runner, device)
     phases.done("first_token", f"token {token}")
     if device.type == "cuda":
         torch.cuda.synchronize()
