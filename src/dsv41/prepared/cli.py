@@ -107,8 +107,11 @@ def _warm_rank(args, rank: int) -> dict:
 
     env = _serve_env(args)
     instance = f"rank{rank}"
-    cache = Path(args.triton_cache_dir) if args.triton_cache_dir else triton_cache_dir(instance)
-    return warm_kernels(serve_argv(env, rank), rank=rank, cache_dir=cache, env=env, user=unit_user(),
+    if args.triton_cache_dir:  # a cache of the caller's own: the child runs as the caller
+        cache, user = Path(args.triton_cache_dir), None
+    else:  # the unit's cache: as the unit's user (when run as root)
+        cache, user = triton_cache_dir(instance), unit_user()
+    return warm_kernels(serve_argv(env, rank), rank=rank, cache_dir=cache, env=env, user=user,
                         toolchain=unit_environment(instance), log=_log)
 
 
@@ -149,7 +152,8 @@ def _placement_args(p) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default=None,
                    help="compute dtype, as serve's (auto: bfloat16 on CUDA, float32 on the CPU)")
     p.add_argument("--triton-cache-dir", metavar="DIR",
-                   help="where the Triton kernels go (default: the TRITON_CACHE_DIR of dsv41@rankR.service)")
+                   help="where the Triton kernels go (default: the TRITON_CACHE_DIR of dsv41@rankR.service, "
+                        "written as its User= when run as root)")
 
 
 def register(sub) -> None:

@@ -37,6 +37,7 @@ from dsv41.errors import ConfigError, DSV41Error
 SERVICE_UNIT = "dsv41@.service"
 CACHE_ROOT, STATE_ROOT = "/var/cache", "/var/lib"  # %C and %S of a system unit
 TOOLCHAIN = ("CC", "TRITON_LIBCUDA_PATH", "DSV41_CUBIN_DIR")  # the unit's; taken where their paths exist
+AS_UNIT = ("HOME", "TORCHINDUCTOR_CACHE_DIR")  # the unit's too when the child runs as its user
 # the first request: 16 ids on CUDA (as bench/start.py's first token; Triton specializes ints divisible by 16), 2
 # elsewhere (Triton's interpreter, tests: nothing compiles there, and each prompt row costs seconds)
 PROMPT = [0] + [(i * 37) % 500 + 5 for i in range(15)]
@@ -146,6 +147,8 @@ def warm_kernels(serve_args: list[str], *, rank: int, cache_dir: Path, env: Mapp
     child_env = {**os.environ, **(env or {}), "TRITON_CACHE_DIR": str(cache_dir),
                  "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the Nix wrapper's sys.path (launch's)
     child_env.update({k: v for k, v in (toolchain or {}).items() if k in TOOLCHAIN and Path(v).exists()})
+    if spawn:  # as the unit's user: its home and caches too (not root's)
+        child_env.update({k: v for k, v in (toolchain or {}).items() if k in AS_UNIT})
     log(f"warm-kernels: rank {rank}: compiling the start's Triton kernels into {cache_dir} ({before} files)")
     start = time.perf_counter()
     argv = [sys.executable, "-m", "dsv41.prepared.warm_kernels", "--rank", str(rank), "--", *serve_args]
