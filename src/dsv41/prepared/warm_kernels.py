@@ -5,8 +5,8 @@ compile on their first launch: ~42 s of the first start after an install (docs/W
 runs that first start ahead of time, so the service's next start is a restart:
 
 - in a child process (the same start the service runs: `dsv41 serve`'s own arguments from the env file,
-  `load_fast_model` from the prepared folder, `build_runner` with its KV pool and CUDA graphs, then one prefill and
-  one decode step through the runner, as the engine's first request), then the child exits and frees the GPU;
+  `load_fast_model` from the prepared folder, `build_runner` with its KV pool and CUDA graphs, then two short
+  requests through the runner, a prefill and a decode step each, as the engine runs them), then the child exits and frees the GPU;
 - with the unit's TRITON_CACHE_DIR: `unit_environment(instance)` reads it (and the Triton toolchain variables)
   from the rendered `dsv41@.service` itself, expanding %i/%C/%S as systemd does, so the two cannot drift;
 - as the unit's `User=` when run as root (deploy, `sudo dsv41 prepare`), with the unit's UMask: the files are the
@@ -38,10 +38,12 @@ SERVICE_UNIT = "dsv41@.service"
 CACHE_ROOT, STATE_ROOT = "/var/cache", "/var/lib"  # %C and %S of a system unit
 TOOLCHAIN = ("CC", "TRITON_LIBCUDA_PATH", "DSV41_CUBIN_DIR")  # the unit's; taken where their paths exist
 AS_UNIT = ("HOME", "TORCHINDUCTOR_CACHE_DIR")  # the unit's too when the child runs as its user
-# the first request: 16 ids on CUDA (as bench/start.py's first token; Triton specializes ints divisible by 16), 2
-# elsewhere (Triton's interpreter, tests: nothing compiles there, and each prompt row costs seconds)
-PROMPT = [0] + [(i * 37) % 500 + 5 for i in range(15)]
-PROMPT_OFF_GPU = PROMPT[:2]  # 16 ids (Triton specializes ints divisible by 16)
+# the first requests: 16 and 17 ids on CUDA (Triton specializes an int argument divisible by 16 apart from one that
+# is not: a prompt length of either kind); 2 and 3 elsewhere (Triton's interpreter, tests: nothing compiles there,
+# and each prompt row costs seconds)
+_IDS = [0] + [(i * 37) % 500 + 5 for i in range(16)]
+PROMPTS = (_IDS[:16], _IDS[:17])
+PROMPTS_OFF_GPU = (_IDS[:2], _IDS[:3])  # 16 ids (Triton specializes ints divisible by 16)
 TIMEOUT_S = 1800.0
 
 
@@ -189,18 +191,20 @@ class PeerlessComm:
 
 
 def first_request(runner, device) -> int:
-    """One prefill and one decode step through the runner, as the engine's first request: its greedy token.
-    (bench/start.py's warm step runs it too.)"""
+    """Requests through the runner as the engine runs them (a prefill row, then a decode row, one sequence after
+    the other in slot 0, as a freed slot is reused): the first one's greedy token. (bench/start.py runs it too.)"""
     from dsv41.engine.batch import DECODE, PREFILL, Batch, Row, RowSampling
 
-    prompt = PROMPT if device.type == "cuda" else PROMPT_OFF_GPU
-
     greedy = RowSampling(0.0, 1.0, 0, 0.0, 0, 0)
-    pages = list(range(-(-(len(prompt) + 2) // runner.pool.page_tokens)))
-    out = runner.execute(Batch(0, [Row(0, 0, list(prompt), 0, pages, phase=PREFILL, sample=greedy)]))
-    token = out.rows[0].token
-    runner.execute(Batch(1, [Row(0, 0, [token], len(prompt), pages, phase=DECODE, sample=greedy)]))
-    return token
+    tokens, step, first_page = [], 0, 0
+    for seq, prompt in enumerate(PROMPTS if device.type == "cuda" else PROMPTS_OFF_GPU):
+        pages = list(range(first_page, first_page + -(-(len(prompt) + 2) // runner.pool.page_tokens)))
+        first_page = pages[-1] + 1
+        out = runner.execute(Batch(step, [Row(seq, 0, list(prompt), 0, pages, phase=PREFILL, sample=greedy)]))
+        tokens.append(out.rows[0].token)
+        runner.execute(Batch(step + 1, [Row(seq, 0, [tokens[-1]], len(prompt), pages, phase=DECODE, sample=greedy)]))
+        step += 2
+    return tokens[0]
 
 
 def child(rank: int, serve_args: list[str]) -> None:
