@@ -86,6 +86,20 @@ def test_warm_kernels_runs_the_start_in_a_child_with_the_cache(lite, tmp_path):
         failed.stderr
 
 
+def test_warm_kernels_runs_rank_1_of_tp_2_alone(lite, tmp_path):
+    """At TP 2 each node warms its own rank with the peer not there (the collectives stood in for)."""
+    out, cache = tmp_path / "prepared", tmp_path / "triton"
+    assert _dsv41("prepare", "--model", str(lite), "--out", str(out), "--device", "cpu", "--tp", "2",
+                  "--rank", "1").returncode == 0
+    warm = _dsv41("warm-kernels", "--prepared", str(out), "--model", str(lite), "--device", "cpu", "--tp", "2",
+                  "--triton-cache-dir", str(cache))
+    assert warm.returncode == 0, warm.stderr
+    assert f"warm-kernels: skip rank 0: {out / 'rank0-of-2'} is not prepared (run `dsv41 prepare`)" in warm.stderr
+    manifest = [line for line in warm.stderr.splitlines() if line.startswith("  start: manifest ")]
+    assert len(manifest) == 1 and manifest[0].endswith(f"({out / 'rank1-of-2'})")
+    assert "  start: first_token" in warm.stderr
+
+
 @pytest.mark.gpu
 def test_gpu_after_warm_kernels_a_start_compiles_nothing(tiny_model_dir, tmp_path):
     """The EXL3 tiny model on the GPU: prepare (which warms), then warm-kernels again into the same cache adds no

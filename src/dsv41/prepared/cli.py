@@ -74,6 +74,13 @@ def cmd_prepare(args) -> int:
     args.prepared_root = args.out
     warm = args.warm_kernels if args.warm_kernels is not None else device.type == "cuda"
     if warm:  # the service's first start is then a restart (no Triton compile); a failure only warns
+        import gc
+
+        import torch
+
+        gc.collect()  # the child needs the GPU memory the build held (this process keeps only its CUDA context)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         for rank in ranks:
             try:
                 _warm_rank(args, rank)

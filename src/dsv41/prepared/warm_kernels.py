@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from dsv41.errors import ConfigError, DSV41Error
+from dsv41.parallel.comm import Comm
 
 SERVICE_UNIT = "dsv41@.service"
 CACHE_ROOT, STATE_ROOT = "/var/cache", "/var/lib"  # %C and %S of a system unit
@@ -173,10 +174,10 @@ def warm_kernels(serve_args: list[str], *, rank: int, cache_dir: Path, env: Mapp
 
 
 # ------------------------------------------------------------------------------------------------- the child
-class PeerlessComm:
+class PeerlessComm(Comm):
     """One rank of TP > 1 alone (its peer is not there): the collectives' shapes without the peer's values."""
 
-    graph_safe = True
+    graph_safe = True  # device work on the current stream only (as the service's NCCL comm)
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
