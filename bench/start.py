@@ -9,7 +9,9 @@ when current), then start from the folder and start from the source, each timed 
 `imports` (python, torch, dsv41), then `manifest` / `read` / `skeleton` (prepared) or `build` (checkpoint:
 `build_fast_model`; synthetic: generating the rank on the device, the only "checkpoint" it has), `runner` (KV pool
 and CUDA graph capture through the serving engine's `build_runner`; CUDA only), `first_token` (a 16-token prefill
-and its argmax). With `--drop-caches` (root) a cold start from the folder is timed too, after dropping the page
+and its argmax). Then the Triton cache is emptied and the warm step runs (`warm`: a start from the folder, the
+runner and the first request through it, as `dsv41 warm-kernels` runs them: prepared/warm_kernels.py), and a start
+after it (`prepared_after_warm`: its runner should take a restart's seconds). With `--drop-caches` (root) a cold start from the folder is timed too, after dropping the page
 cache: its read phase gives the disk's rate. Results (phases, totals, folder size and read rates, the device, the
 commit) go to `bench/results/start.json` (`--out`).
 
@@ -95,7 +97,14 @@ def child(args) -> None:
     else:
         model = load_prepared(args.root, None if args.synthetic else args.model, phases=phases,
                               source=_source(args) if args.synthetic else None, **kw)
-    if args.child != "prepare":
+    if args.child == "warm" and args.runner:  # `dsv41 warm-kernels`' start (no checkpoint here for serve's args)
+        from dsv41.compose.build import build_runner, engine_defaults
+        from dsv41.prepared.warm_kernels import first_request
+
+        runner = build_runner(engine_defaults(parallel=1, forward="fast"), model, 4096, log=lambda line: None)
+        phases.done("runner")
+        phases.done("first_token", f"token {first_request(runner, device)}")
+    elif args.child not in ("prepare", "warm"):
         if args.runner:
             from dsv41.compose.build import build_runner, engine_defaults
 
@@ -167,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--first-token", action=argparse.BooleanOptionalAction, default=True,
                    help="time a 16-token prefill (default on; the CPU runs EXL3 only in Triton's interpreter)")
     p.add_argument("--drop-caches", action="store_true", help="also a cold start from the folder (needs root)")
-    p.add_argument("--child", choices=("prepare", "prepared", "checkpoint"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("prepare", "prepared", "checkpoint", "warm"), help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.tp = args.tp or (2 if args.synthetic else 1)
@@ -196,6 +205,12 @@ def main(argv=None) -> int:
         first = run_child(args, "prepared", root)
         starts = {"prepared": run_child(args, "prepared", root), "checkpoint": run_child(args, "checkpoint", root),
                   "prepared_first_boot": first}
+        # `dsv41 prepare` / deploy's warm step into an empty cache, then the service's start after it
+        cache = root.parent / ".start-triton-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        starts["warm"] = run_child(args, "warm", root)
+        starts["warm"]["cache_files"] = sum(len(files) for _, _, files in os.walk(cache))
+        starts["prepared_after_warm"] = run_child(args, "prepared", root)
         if args.drop_caches:
             starts["prepared_cold" if drop_caches() else "prepared_cold_not_dropped"] = run_child(args, "prepared",
                                                                                                  root)
@@ -218,7 +233,9 @@ def main(argv=None) -> int:
               "prepare_s": round(prep["phases"]["prepare"], 3), "starts": starts,
               "note": "seconds from each child's spawn; runner = KV pool + CUDA graphs (build_runner); the children "
                       "share a Triton cache that starts empty: prepared_first_boot compiles (the first start after an "
-                      "install), prepared and checkpoint find the kernels compiled (a restart)"}
+                      "install), prepared and checkpoint find the kernels compiled (a restart); then the cache is emptied, warm is the "
+                      "warm step (`dsv41 warm-kernels`' start: runner + first request through it) and "
+                      "prepared_after_warm the service's start after it"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

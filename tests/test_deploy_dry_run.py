@@ -74,6 +74,8 @@ def expected_dry_run(config_lines: int) -> list[str]:
         f"{HEAD}: {PROFILE}/bin/dsv41 status  # unchanged and healthy -> no restart",
         f"{HEAD}: systemctl stop dsv41@rank0.service dsv41-warm@rank0.service" + skip,
         f"{WORKER}: systemctl stop dsv41@rank1.service dsv41-warm@rank1.service" + skip,
+        *(f"{host}: {PROFILE}/bin/dsv41 warm-kernels --env-file /etc/dsv41/dsv41.env --rank {rank}  # compile the "
+          "Triton kernels before the start (skips without a prepared folder)" for host, rank in ((HEAD, 0), (WORKER, 1))),
         f"{WORKER}: systemctl reset-failed dsv41@rank1.service",
         f"{WORKER}: systemctl start --no-block dsv41@rank1.service  # rank 1 waits for rank 0's rendezvous",
         f"{HEAD}: systemctl reset-failed dsv41@rank0.service",
@@ -158,6 +160,7 @@ class Nodes:
         self.files: dict[tuple[str, str], str] = {}
         self.active = {HEAD: False, WORKER: False}
         self.calls: list[tuple[str | None, str]] = []
+        self.warm_rc = 0  # `dsv41 warm-kernels` (compiles the rank's Triton kernels)
 
     def __call__(self, argv, host=None, timeout=None, input=None) -> Result:
         self.calls.append((host, shlex.join(argv)))
@@ -188,6 +191,9 @@ class Nodes:
             return Result(0)
         if cmd.endswith("/dsv41") and argv[1] == "status":
             return Result(0 if all(self.active.values()) else 1)
+        if cmd.endswith("/dsv41") and argv[1] == "warm-kernels":
+            assert not self.active[host], "warm-kernels needs the GPU: the rank must be stopped"
+            return Result(self.warm_rc, "", "warning: the start failed" if self.warm_rc else "")
         if cmd == "flock":  # the gate
             return Result(0 if self.gate_ok else 1, "canary: FAILED: forced-tool-call" if not self.gate_ok else "ok")
         if cmd == "systemctl" and argv[1] == "start" and "--no-block" in argv:
@@ -238,6 +244,26 @@ def test_changed_config_restarts_without_new_generation(tmp_path):
     assert rc == 0
     assert not any("--set" in c for _, c in nodes.calls)
     assert any("start --no-block dsv41@rank0" in c for _, c in nodes.calls)
+
+
+def test_a_new_closure_compiles_the_kernels_before_the_start():
+    """Each switched node runs `dsv41 warm-kernels` with its rank stopped, before the rank starts (so the start is a
+    restart); a config-only change does not; a failed warm step warns and the deploy goes on."""
+    nodes = Nodes()
+    deploy(nodes)
+    warm = f"{PROFILE}/bin/dsv41 warm-kernels --env-file /etc/dsv41/dsv41.env --rank "
+    for host, rank in ((HEAD, 0), (WORKER, 1)):
+        cmds = nodes.commands(host)
+        assert cmds.index(f"systemctl stop dsv41@rank{rank}.service dsv41-warm@rank{rank}.service") \
+            < cmds.index(f"{warm}{rank}") < cmds.index(f"systemctl start --no-block dsv41@rank{rank}.service")
+    nodes.calls.clear()
+    nodes.active[HEAD] = False  # unhealthy: restarted, same closure -> its kernels are in the cache already
+    deploy(nodes)
+    assert any("start --no-block" in c for _, c in nodes.calls) and not any("warm-kernels" in c for _, c in nodes.calls)
+    nodes.built, nodes.warm_rc = "/nix/store/newer-dsv41-appliance", 1
+    rc, lines = deploy(nodes)
+    assert rc == 0 and f"warning: {HEAD}: warm-kernels failed (rc 1); rank0 compiles the Triton kernels at its " \
+                      "start instead" in lines
 
 
 def test_failed_gate_rolls_back_to_the_previous_build():

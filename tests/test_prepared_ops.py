@@ -80,6 +80,7 @@ def test_deploy_prepare_runs_on_each_node_before_the_restart():
         f"root@a: {prof} prepare --env-file /etc/dsv41/dsv41.env --rank 0" + note,
         f"root@b: {prof} prepare --env-file /etc/dsv41/dsv41.env --rank 1" + note]
     assert at > max(i for i, s in enumerate(steps) if "systemctl enable" in s)
+    assert not any("warm-kernels" in s for s in steps)  # prepare compiles the kernels at its end (on CUDA)
     assert at < steps.index("root@b: systemctl start --no-block dsv41@rank1.service  # rank 1 waits for rank 0's "
                             "rendezvous")
 

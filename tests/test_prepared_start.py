@@ -197,6 +197,10 @@ def test_start_bench_times_both_starts(fp8_lite, tmp_path):
     assert list(result["starts"]["prepared"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
     assert list(result["starts"]["checkpoint"]["phases"]) == ["imports", "build"]
     assert list(result["starts"]["prepared_first_boot"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
+    # the warm step (the runner and its first request on CUDA only) into an emptied cache, and a start after it
+    assert list(result["starts"]["warm"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
+    assert result["starts"]["warm"]["cache_files"] == 0  # nothing compiles on the CPU
+    assert list(result["starts"]["prepared_after_warm"]["phases"]) == ["imports", "manifest", "read", "skeleton"]
     assert not (tmp_path / ".start-prepared").exists()  # the folder it prepared is removed
     assert not (tmp_path / ".start-triton-cache").exists()  # and the children's Triton cache
 

@@ -12,7 +12,9 @@ Steps (each printed as `[n] where: command`, and only printed with --dry-run):
     node.env, link the units from the profile into /etc/systemd/system, install the driver tmpfiles rules,
     daemon-reload, enable boot (+ watchdog timer on the head); then let the head's service user reach the worker's
     over ssh (its key, the worker's host key: the watchdog restarts rank 1 that way);
- 4. restart: stop rank 0 then rank 1, start rank 1 first (it retries the rendezvous until rank 0 listens), then
+ 4. restart: stop rank 0 then rank 1; on each node whose profile changed (and without --prepare, which does it),
+    `dsv41 warm-kernels` compiles the rank's Triton kernels into its unit's cache (prepared/warm_kernels.py; a
+    failure only warns); start rank 1 first (it retries the rendezvous until rank 0 listens), then
     rank 0 under the start lock, and gate on /health plus the canary;
  5. if the gate fails: roll each changed profile back (`nix-env --rollback`), restart the previous build, exit 1.
 Re-running with nothing changed rewrites identical files, keeps the profile, and skips the restart when the pair
@@ -145,7 +147,10 @@ class Deploy:
         if healthy_before:
             self.out("nothing changed and the pair is healthy: no restart")
         else:
-            self.restart(nodes, note="skipped when nothing changed and the pair is healthy" if opts.dry_run else "")
+            # a new closure may change a Triton kernel: compile them before the start (prepare already did)
+            warm = [n for n in nodes if opts.dry_run or n.switched] if not opts.prepare else []
+            self.restart(nodes, note="skipped when nothing changed and the pair is healthy" if opts.dry_run else "",
+                         warm=warm)
         ok = self.gate(nodes[0])
         if opts.dry_run:
             self.out("on a failed gate: on each switched node `nix-env -p /nix/var/nix/profiles/dsv41 --rollback` "
@@ -264,11 +269,18 @@ class Deploy:
                                   node.rank.removeprefix("rank")], timeout=None,
                       note="prepared folder of this rank (docs/WEIGHTS.md)")
 
-    def restart(self, nodes: list[Node], note: str = "") -> None:
+    def restart(self, nodes: list[Node], note: str = "", warm: list[Node] = ()) -> None:
         head, worker = nodes
         # rank 0 first: its stop leaves the deliberate-stop marker, so the watchdog stands down meanwhile
         self.step(head.host, ["systemctl", "stop", "dsv41@rank0.service", "dsv41-warm@rank0.service"], note=note)
         self.step(worker.host, ["systemctl", "stop", "dsv41@rank1.service", "dsv41-warm@rank1.service"], note=note)
+        for node in warm:  # the rank's start once, with the GPU free, into the unit's Triton cache (as its user)
+            result = self.step(node.host, [f"{PROFILE}/bin/dsv41", "warm-kernels", "--env-file", ENV_FILE, "--rank",
+                                           node.rank.removeprefix("rank")], check=False, timeout=None,
+                               note="compile the Triton kernels before the start (skips without a prepared folder)")
+            if not result.ok:
+                self.out(f"warning: {node.host}: warm-kernels failed (rc {result.rc}); {node.rank} compiles the "
+                         f"Triton kernels at its start instead")
         self.step(worker.host, ["systemctl", "reset-failed", "dsv41@rank1.service"], check=False)
         # rank 1 first and without blocking: its READY needs rank 0, and it retries the rendezvous meanwhile
         self.step(worker.host, ["systemctl", "start", "--no-block", "dsv41@rank1.service"],
