@@ -5,7 +5,10 @@
   every rank over the plan channel, then runs the same `execute` itself; the forward's collectives keep the ranks
   in step. The round runs on a worker thread so that the engine thread is released with `TPAborted` the moment
   the group fails (a collective with a dead peer cannot be interrupted).
-- `follow_batches` (every other rank): receive the next `Batch`, run `execute`, until the stop batch.
+  `launch` does the same for a step of the overlapped loop (docs/ENGINE.md §6): the batch travels marked
+  `launch`, every rank's runner launches it, and rank 0's tokens are read later (`LeaderPending`).
+- `follow_batches` (every other rank): receive the next `Batch`, run `execute` (or `launch`, as rank 0 did), until
+  the stop batch.
 
 Fail-fast is the group's (parallel/failfast.py): any exception in a round, on any rank, aborts the group (the
 ranks would otherwise disagree on what comes next); the heartbeat notices a vanished peer. The test hook
@@ -22,7 +25,7 @@ import torch
 
 from dsv41.engine.batch import StepAborted
 from dsv41.parallel.failfast import FailureInjector, TPAborted
-from dsv41.parallel.plan import PlanChannel, decode_batch, encode_batch
+from dsv41.parallel.plan import PlanChannel, decode_round, encode_batch
 
 
 def describe(exc: BaseException) -> str:
@@ -83,8 +86,7 @@ class LocalExecutor:
         return self.runner.execute(batch)
 
     def launch(self, batch):
-        """The step enqueued, its tokens read later (`.result()`): the overlapped loop (docs/ENGINE.md §6); at TP=1
-        only (the leader's rounds run on the round worker, the followers' loop is serial)."""
+        """The step enqueued, its tokens read later (`.result()`): the overlapped loop (docs/ENGINE.md §6)."""
         return self.runner.launch(batch)
 
     def watch_aborts(self, probe) -> None:
@@ -109,11 +111,21 @@ class LeaderExecutor:
     cfg = LocalExecutor.cfg
 
     def execute(self, batch):
+        return self._round(batch, self.runner.execute, launch=False)
+
+    def launch(self, batch) -> "LeaderPending":
+        """The overlapped loop at TP > 1 (docs/ENGINE.md §6): the step is sent marked `launch`, every rank's runner
+        launches it (its follow rows take their ids from the sample of the step each rank launched before: the
+        same logits on every rank, the same keyed choice), and its tokens are read later on the round worker."""
+        round_no = self.rounds
+        return LeaderPending(self, self._round(batch, self.runner.launch, launch=True), round_no)
+
+    def _round(self, batch, run, launch: bool):
         self._failfast.check()
         with self._lock:
             self._failfast.check()
             round_no = self.rounds
-            data = encode_batch(round_no, batch)  # a TypeError here sent nothing: the group is still in step
+            data = encode_batch(round_no, batch, launch)  # a TypeError here sent nothing: still in step
             self.rounds += 1
             try:
                 self._channel.send_encoded(round_no, data)
@@ -127,15 +139,20 @@ class LeaderExecutor:
                 except Exception:  # noqa: BLE001 - a stale key costs memory only; the monitor watches the store
                     pass
                 self._injector.at_round(round_no)
-                return self.runner.execute(batch)
+                return run(batch)
 
-            try:
-                return self._worker.run(work, self._failfast)
-            except (TPAborted, StepAborted):  # StepAborted: every rank stopped at the same layer, still in step
-                raise
-            except BaseException as exc:
-                self._failfast.abort(f"round {round_no} failed: {describe(exc)}")
-                raise TPAborted(f"round {round_no} failed on rank 0: {describe(exc)}") from exc
+            return self.on_worker(work, round_no)
+
+    def on_worker(self, work, round_no: int):
+        """`work()` on the round worker: TPAborted as soon as the group aborts; any failure but a step abort
+        (every rank stopped at the same layer, still in step) aborts the group."""
+        try:
+            return self._worker.run(work, self._failfast)
+        except (TPAborted, StepAborted):
+            raise
+        except BaseException as exc:
+            self._failfast.abort(f"round {round_no} failed: {describe(exc)}")
+            raise TPAborted(f"round {round_no} failed on rank 0: {describe(exc)}") from exc
 
     def watch_aborts(self, probe) -> None:
         self.runner.watch_aborts(probe)
@@ -159,6 +176,17 @@ class LeaderExecutor:
                 self._closed = True
 
 
+class LeaderPending:
+    """Rank 0's launched step: `result()` reads its tokens on the round worker (a read behind a collective with a
+    dead peer would never return), a failure there aborts the group like a failed round."""
+
+    def __init__(self, executor: LeaderExecutor, pending, round_no: int):
+        self._executor, self._pending, self.round_no = executor, pending, round_no
+
+    def result(self):
+        return self._executor.on_worker(self._pending.result, self.round_no)
+
+
 def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=None,
                    device: int | None = None) -> int:
     """A follower's main loop: run rank 0's step batches until the stop batch. Returns the rounds run.
@@ -171,14 +199,16 @@ def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=No
     try:
         with torch.inference_mode():
             while True:
-                got, batch = decode_batch(channel.receive_bytes(number))
+                got, batch, launch = decode_round(channel.receive_bytes(number))
                 if got != number:
                     raise ValueError(f"step batch tp/plan/{number} carries round {got}")
                 if batch.stop:
                     return number
                 injector.at_round(number)
                 try:
-                    runner.execute(batch)
+                    # launched (the overlapped loop): enqueued, not waited for; the next round's follow rows take
+                    # their ids from its sample, and the loop is at the next receive while it runs
+                    (runner.launch if launch else runner.execute)(batch)
                 except StepAborted:  # rank 0 stopped at the same layer (runtime/abort.py): the group is in step
                     pass
                 number += 1

@@ -124,14 +124,16 @@ def _wire(obj):
     return obj
 
 
-def encode_batch(number: int, batch) -> bytes:
+def encode_batch(number: int, batch, launch: bool = False) -> bytes:
     """The Batch's fields, the trailing ones that hold their defaults left out (a decode step carries no forks or
-    session operations: the receiver's dataclass fills them in)."""
+    session operations: the receiver's dataclass fills them in). `launch`: rank 0 launched the step rather than
+    executed it (the overlapped loop: every rank does the same, so that a follow row's id comes from the same
+    sample on every rank); a flag after the fields, present only when set."""
     fields = dataclasses.fields(batch)
     wire = _wire(batch)
     while len(wire) > 2 and wire[-1] == _default(fields[len(wire) - 1]):
         wire.pop()
-    return BATCH_MAGIC + encode_value([number, wire])
+    return BATCH_MAGIC + encode_value([number, wire, True] if launch else [number, wire])
 
 
 def _default(f: dataclasses.Field):
@@ -140,14 +142,22 @@ def _default(f: dataclasses.Field):
 
 def decode_batch(data: bytes):
     """(round number, Batch) from `encode_batch`'s bytes."""
+    number, batch, _ = decode_round(data)
+    return number, batch
+
+
+def decode_round(data: bytes):
+    """(round number, Batch, launch) from `encode_batch`'s bytes."""
     from dsv41.engine.batch import Batch, Row, RowSampling
 
     if data[:4] != BATCH_MAGIC:
         raise ValueError("corrupt step batch: bad magic")
-    number, (step, rows, *rest) = decode_value(data[4:])
+    number, (step, rows, *rest), *flags = decode_value(data[4:])
+    if flags not in ([], [True]):
+        raise ValueError(f"corrupt step batch: unknown flags {flags!r}")
     at = [f.name for f in dataclasses.fields(Row)].index("sample")
     rows = [Row(*f[:at], RowSampling(*f[at]) if f[at] is not None else None, *f[at + 1:]) for f in rows]
-    return number, Batch(step, rows, *rest)
+    return number, Batch(step, rows, *rest), bool(flags)
 
 
 # ---- channel ---------------------------------------------------------------------------------------------------
