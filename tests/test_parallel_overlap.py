@@ -9,6 +9,8 @@ chunks arriving while others decode, a cancellation):
 - the greedy requests get TP = 1's tokens, top ids and finish reasons in the same mode, and its logprobs within
   1e-5: TP = 2 is not bitwise TP = 1 (the pool forward sums its shards' partials, another order of additions;
   test_parallel_model.py's bound), so a seeded draw may differ where a logit's last bits do;
+- with an Engram gate on each rank (the verdict of each launched round's check joined on rank 0), rank 1's gate
+  abandoning a step fails that step's request on rank 0 with rank 1's `GateTimeout`, and the group goes on;
 - rank 1 raising in a launched round (steps launched behind one another) fails the step's requests on rank 0 with
   rank 1's reason, and both ranks end with status 70 (parallel/failfast.py).
 """
@@ -27,20 +29,28 @@ import torch
 
 from dsv41.parallel.failfast import EXIT_CODE, FailureInjector
 
-FAIL_KEY = "test/fail_at"
+FAIL_KEY, ABANDON_KEY = "test/fail_at", "test/abandon_at"
 GREEDY = (0, 3)  # the workload's T = 0 requests (a seeded draw may go another way where a logit's last bits differ)
 
 
 class StoreInjector(FailureInjector):
-    """Rank 1 raises at the round rank 0 names under `FAIL_KEY` (once it names one)."""
+    """Rank 1 raises at the round rank 0 names under `FAIL_KEY`, and its Engram gate abandons a step at the round
+    named under `ABANDON_KEY` (as where the host's read of the rows failed: its check then raises GateTimeout)."""
 
-    def __init__(self, store):
+    def __init__(self, store, gate):
         super().__init__(rank=1, spec="")
-        self.store = store
+        self.store, self.gate = store, gate
+
+    def named(self, key: str, round_no: int) -> bool:
+        return self.store.check([key]) and int(self.store.get(key)) == round_no
 
     def at_round(self, round_no: int) -> None:
-        if self.store.check([FAIL_KEY]) and int(self.store.get(FAIL_KEY)) == round_no:
+        if self.named(FAIL_KEY, round_no):
             raise RuntimeError(f"injected failure on rank 1 at round {round_no}")
+        if self.named(ABANDON_KEY, round_no):
+            step = self.gate.number()
+            self.gate.abandon(step)
+            self.gate.launched(step)  # the round's launch takes it with its check
 
 
 def summary(event):
@@ -77,18 +87,49 @@ def leader_runs(leader, model_dir: str) -> dict:
     return stats
 
 
-def failing_run(leader, group) -> dict:
-    """Rank 0: one request decoding overlapped; rank 1 raises in its third launched decode round."""
+def one_request(leader, k: int, tokens: int):
     from dsv41.compose.build import build_engine, engine_defaults
     from dsv41.engine import GenerationRequest, SamplingParams
-    from dsv41.engine.interface import EngineFailure, TokenEvent
-    from dsv41.parallel.failfast import TPAborted
     from test_engine_overlap import prompt
 
     engine = build_engine(engine_defaults(sessions="off", overlap="on"), leader, max_model_len=256,
                           log=lambda line: None)
-    core, events = engine.core, []
-    seq = engine.make_sequence(GenerationRequest(prompt(5, 7), 30, SamplingParams(temperature=0.0)), events.append)
+    events = []
+    seq = engine.make_sequence(GenerationRequest(prompt(k, 7), tokens, SamplingParams(temperature=0.0)),
+                               events.append)
+    return engine.core, seq, events
+
+
+def gate_timeout_run(leader, group) -> dict:
+    """Rank 0: rank 1's gate check fails in a launched round (its rows never came): that step's request fails with
+    rank 1's reason on rank 0, the group stays in step and the next request is served."""
+    from dsv41.engine.interface import EngineFailure, FinishEvent, TokenEvent
+    from dsv41.runtime.engram_gate import GateTimeout
+
+    core, seq, events = one_request(leader, 6, 30)
+    group.store.set(ABANDON_KEY, str(leader.rounds + 3))
+    core.add(seq)
+    raised = []
+    while core.has_work():
+        try:
+            core.step()
+        except GateTimeout as exc:
+            raised.append(str(exc))
+    after, seq2, events2 = one_request(leader, 7, 5)
+    after.add(seq2)
+    while after.has_work():
+        after.step()
+    return {"raised": raised, "tokens": sum(isinstance(e, TokenEvent) for e in events),
+            "failure": [str(e) for e in events if isinstance(e, EngineFailure)],
+            "after": [e.reason for e in events2 if isinstance(e, FinishEvent)] + [after.pool_idle()]}
+
+
+def failing_run(leader, group) -> dict:
+    """Rank 0: one request decoding overlapped; rank 1 raises in its third launched decode round."""
+    from dsv41.engine.interface import EngineFailure, TokenEvent
+    from dsv41.parallel.failfast import TPAborted
+
+    core, seq, events = one_request(leader, 5, 30)
     fail_at = leader.rounds + 3  # the prefill, then decode rounds launched behind one another
     group.store.set(FAIL_KEY, str(fail_at))
     core.add(seq)
@@ -112,15 +153,19 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
     from dsv41.parallel.failfast import FailFast, TPAborted
     from dsv41.parallel.plan import PlanChannel
     from dsv41.parallel.rendezvous import init_tp
+    from dsv41.runtime.engram_gate import EngramGate
 
     group = init_tp(rank, 2, master, deadline_s=120, backend="gloo")
     failfast = FailFast(group, peer_timeout_s=30.0, grace_s=2.0).start()
     channel = PlanChannel(group.store, rank, failfast.aborted)
     model = load_model(model_dir, torch.float32, "cpu", rank=rank, world=2, comm=group.comm, dspark=False)
+    # an Engram gate on every rank (the pool forward gates nothing: every launched round's verdict holds, so rank
+    # 0 joins rank 1's verdict of each; rank 1's injector abandons one step)
+    model.engram_gate = EngramGate("cpu", max_rows=8)
     runner = build_runner(engine_defaults(sessions="off"), model, 256, driver=rank == 0, log=lambda line: None)
     if rank == 1:
         try:
-            follow_batches(runner, channel, failfast, injector=StoreInjector(group.store))
+            follow_batches(runner, channel, failfast, injector=StoreInjector(group.store, model.engram_gate))
         except TPAborted:
             pass
     else:
@@ -131,6 +176,7 @@ def worker(rank: int, master: str, model_dir: str, out: str) -> None:
             record = {"error": traceback.format_exc()}
             Path(out).write_text(json.dumps(record))
             raise
+        record["gate"] = gate_timeout_run(leader, group)
         record["failing"] = failing_run(leader, group)
         Path(out).write_text(json.dumps(record))
     failfast.aborted.wait(120)
@@ -154,6 +200,11 @@ def test_tp2_overlapped_equals_serial_and_tp1_bitwise_and_a_follower_failure_fai
     assert stats["off"]["steps"] == 0 and not stats["off"]["on"]
     assert stats["on"]["on"] and stats["on"]["steps"] >= 0.4 * stats["on"]["steps_total"]
     assert stats["on"]["discarded_rows"] >= 1
+    gate = got["gate"]
+    print(f"rank 1's gate check failing in a launched round: {gate}")
+    assert len(gate["raised"]) == 1 and gate["raised"][0].startswith("rank 1: GateTimeout: Engram gate: step(s)")
+    assert len(gate["failure"]) == 1 and "rank 1: GateTimeout" in gate["failure"][0] and gate["tokens"] >= 2
+    assert gate["after"] == ["length", True]  # the group went on in step
     fail = got["failing"]
     print(f"rank 1 failing at a launched round: {fail}")
     assert fail["overlapped"] >= 2 and fail["tokens"] >= 2  # the failing round was launched behind another

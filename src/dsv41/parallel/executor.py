@@ -26,6 +26,8 @@ import torch
 from dsv41.engine.batch import StepAborted
 from dsv41.parallel.failfast import FailureInjector, TPAborted
 from dsv41.parallel.plan import PlanChannel, decode_round, encode_batch
+from dsv41.parallel.rendezvous import store_client
+from dsv41.runtime.engram_gate import GateTimeout
 
 
 def describe(exc: BaseException) -> str:
@@ -106,6 +108,7 @@ class LeaderExecutor:
         self._worker = RoundWorker()
         self._lock = threading.Lock()
         self._closed = False
+        self._verdicts: PlanChannel | None = None
         self.rounds = 0  # steps sent (the stop batch is not one)
 
     cfg = LocalExecutor.cfg
@@ -143,12 +146,18 @@ class LeaderExecutor:
 
             return self.on_worker(work, round_no)
 
+    def verdicts(self) -> PlanChannel:
+        """Where the followers' verdicts are read (the Engram gate: `LeaderPending`), opened at the first."""
+        if self._verdicts is None:
+            self._verdicts = verdict_channel(self._channel, self._failfast)
+        return self._verdicts
+
     def on_worker(self, work, round_no: int):
         """`work()` on the round worker: TPAborted as soon as the group aborts; any failure but a step abort
         (every rank stopped at the same layer, still in step) aborts the group."""
         try:
             return self._worker.run(work, self._failfast)
-        except (TPAborted, StepAborted):
+        except (TPAborted, StepAborted, GateTimeout):  # a gate's timeout: every rank ran the step, still in step
             raise
         except BaseException as exc:
             self._failfast.abort(f"round {round_no} failed: {describe(exc)}")
@@ -176,15 +185,61 @@ class LeaderExecutor:
                 self._closed = True
 
 
+def verdict_channel(channel: PlanChannel, failfast) -> PlanChannel:
+    """The channel over a second store connection, for the verdicts: a client blocked in a get (a follower waiting
+    for its next plan) serves no other thread."""
+    return PlanChannel(store_client(failfast.master, failfast.world, 60.0), channel.rank, failfast.aborted)
+
+
 class LeaderPending:
     """Rank 0's launched step: `result()` reads its tokens on the round worker (a read behind a collective with a
-    dead peer would never return), a failure there aborts the group like a failed round."""
+    dead peer would never return), a failure there aborts the group like a failed round. With the Engram gate
+    (`runner.gated`) it also waits for every follower's verdict of the step's check: a follower whose gate timed
+    out computed its partials from stale rows, so the gathered logits are wrong on every rank and the step's
+    requests fail (`GateTimeout`, the group still in step) rather than get its tokens."""
 
     def __init__(self, executor: LeaderExecutor, pending, round_no: int):
         self._executor, self._pending, self.round_no = executor, pending, round_no
 
     def result(self):
-        return self._executor.on_worker(self._pending.result, self.round_no)
+        return self._executor.on_worker(self._joined, self.round_no)
+
+    def _joined(self):
+        out = self._pending.result()
+        ex = self._executor
+        if ex.runner.gated:
+            for rank in range(1, ex._failfast.world):
+                verdict = ex.verdicts().receive_verdict(self.round_no, rank)
+                if verdict:
+                    raise GateTimeout(f"rank {rank}: {verdict}")
+        return out
+
+
+class Verdicts:
+    """A follower's checks of its launched steps (the Engram gate at TP > 1): one thread runs each step's check
+    once that step's sample is in (`PendingStep.verdict`) and sends rank 0 the verdict, never behind the loop's
+    next receive (rank 0 may read step k before it sends step k + 1)."""
+
+    def __init__(self, channel: PlanChannel, failfast):
+        self._channel, self._failfast = verdict_channel(channel, failfast), failfast
+        self._device = current_cuda_device()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="dsv41-tp-verdicts", daemon=True).start()
+
+    def put(self, number: int, pending) -> None:
+        self._jobs.put((number, pending))
+
+    def _loop(self):
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        while True:
+            number, pending = self._jobs.get()
+            try:
+                with torch.inference_mode():
+                    self._channel.send_verdict(number, pending.verdict())
+            except BaseException as exc:  # noqa: BLE001 - rank 0 waits for this verdict: fail the group instead
+                self._failfast.abort(f"round {number}: cannot send the check's verdict: {describe(exc)}")
+                return
 
 
 def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=None,
@@ -196,6 +251,7 @@ def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=No
     if device is not None:
         torch.cuda.set_device(device)
     number = 0
+    verdicts = Verdicts(channel, failfast) if getattr(runner, "gated", False) else None
     try:
         with torch.inference_mode():
             while True:
@@ -208,7 +264,9 @@ def follow_batches(runner, channel: PlanChannel, failfast, injector=None, log=No
                 try:
                     # launched (the overlapped loop): enqueued, not waited for; the next round's follow rows take
                     # their ids from its sample, and the loop is at the next receive while it runs
-                    (runner.launch if launch else runner.execute)(batch)
+                    pending = (runner.launch if launch else runner.execute)(batch)
+                    if launch and verdicts is not None:
+                        verdicts.put(number, pending)
                 except StepAborted:  # rank 0 stopped at the same layer (runtime/abort.py): the group is in step
                     pass
                 number += 1

@@ -171,6 +171,17 @@ class PlanChannel:
         self.store, self.rank, self.aborted, self.poll_s = store, rank, aborted, poll_s
         self._timeout_set = False
 
+    def send_verdict(self, number: int, verdict: str) -> None:
+        """A follower's verdict of launched round `number`'s check ("" = it holds; the Engram gate at TP > 1)."""
+        self.store.set(f"tp/gate/{number}/{self.rank}", verdict.encode())
+
+    def receive_verdict(self, number: int, rank: int) -> str:
+        """Rank `rank`'s verdict of round `number` (blocking: run where an abort releases the caller)."""
+        key = f"tp/gate/{number}/{rank}"
+        verdict = self.receive_key(key).decode()
+        self.store.delete_key(key)
+        return verdict
+
     def send_encoded(self, number: int, data: bytes) -> None:
         self.store.set(f"tp/plan/{number}", data)
 
@@ -180,13 +191,15 @@ class PlanChannel:
             self.store.delete_key(f"tp/plan/{number - KEEP_ROUNDS}")
 
     def receive_bytes(self, number: int) -> bytes:
-        key = f"tp/plan/{number}"
+        return self.receive_key(f"tp/plan/{number}")
+
+    def receive_key(self, key: str) -> bytes:
         if not self._timeout_set:
             self.store.set_timeout(datetime.timedelta(seconds=self.poll_s))
             self._timeout_set = True
         while True:
             if self.aborted is not None and self.aborted.is_set():
-                raise TPAborted("tensor-parallel group aborted while waiting for a step batch")
+                raise TPAborted(f"tensor-parallel group aborted while waiting for {key}")
             try:
                 data = self.store.get(key)  # blocks until rank 0 sets the key (one round trip when it is there)
                 break

@@ -131,6 +131,12 @@ class ModelRunner:
         check = self._gate_steps()
         return PendingStep(batch.step, self._last_sample, loads, self._row, check=check)
 
+    @property
+    def gated(self) -> bool:
+        """Whether this rank's forward has an Engram gate (its launched steps have a check: at TP > 1 every
+        follower sends rank 0 its verdict of each launched step, parallel/executor.py)."""
+        return getattr(getattr(self.forward, "model", None), "engram_gate", None) is not None
+
     def _gate_steps(self):
         """The Engram gate's check of the buckets the forward just launched (runtime/engram_gate.py), or None."""
         gate = getattr(getattr(self.forward, "model", None), "engram_gate", None)
