@@ -135,7 +135,7 @@ def test_overlapped_equals_serial_over_a_launching_fake_runner():
 
 
 def test_overlap_is_off_where_it_cannot_be_kept():
-    # an executor without `launch` (TP > 1's leader), or overlap turned off: every step serial
+    # a runner without `launch`, or overlap turned off: every step serial
     engine = LLMEngine(PagedFakeRunner(8), BlockManager(60, 5, 8), EngineConfig())
     events = {}
     engine.add(fake_request(1, events))
@@ -163,6 +163,11 @@ def run_model(model, requests, arrivals, cancel=None, **opts):
     from dsv41.compose.build import build_engine, engine_defaults
 
     engine = build_engine(engine_defaults(sessions="off", **opts), model, max_model_len=256, log=lambda line: None)
+    return drive(engine, requests, arrivals, cancel)
+
+
+def drive(engine, requests, arrivals, cancel=None):
+    """`run_model` over a built engine (its model in this process, or TP's `LeaderExecutor`)."""
     core = engine.core
     events, seqs = [], []
     for req in requests:
@@ -182,11 +187,11 @@ def run_model(model, requests, arrivals, cancel=None, **opts):
     return events, core
 
 
-def test_overlapped_equals_serial_on_the_tiny_model(model):
+def workload(stop: int) -> list:
+    """Requests for overlapped == serial (arrivals `ARRIVALS`, cancellation `CANCEL`); `stop`: a token the first
+    request's greedy reply produces (`first_reply`), so that it stops there."""
     greedy = SamplingParams(temperature=0.0)
-    first = run_model(model, [GenerationRequest(prompt(0, 9), 12, greedy)], [0], overlap="off")[0][0][0]
-    stop = first[4].token_id  # a token the greedy reply produces: it stops there
-    requests = [
+    return [
         GenerationRequest(prompt(0, 9), 12, greedy, stop_token_ids=frozenset({stop}), logprobs=2),
         GenerationRequest(prompt(1, 23), 9, SamplingParams(temperature=0.7, seed=11), logprobs=1),
         [GenerationRequest(prompt(2, 14), 7, SamplingParams(temperature=0.7, seed=5 + i, top_p=0.9), logprobs=0)
@@ -194,16 +199,31 @@ def test_overlapped_equals_serial_on_the_tiny_model(model):
         GenerationRequest(prompt(3, 40), 6, greedy),  # arrives while others decode: its prefill in chunks
         GenerationRequest(prompt(4, 12), 20, SamplingParams(temperature=0.7, top_k=20)),  # cancelled mid-decode
     ]
-    arrivals, cancel = [0, 0, 1, 4, 2], {9: 4}
-    opts = dict(prefill_chunk=16, prefill_share=1.0)  # (the share by the clock would move chunks between runs)
-    serial, _ = run_model(model, requests, arrivals, cancel, overlap="off", **opts)
-    events, core = run_model(model, requests, arrivals, cancel, overlap="on", **opts)
+
+
+ARRIVALS, CANCEL = [0, 0, 1, 4, 2], {9: 4}
+OPTS = dict(prefill_chunk=16, prefill_share=1.0)  # (the share by the clock would move chunks between runs)
+
+
+def first_reply(model) -> list:
+    return run_model(model, [GenerationRequest(prompt(0, 9), 12, SamplingParams(temperature=0.0))], [0],
+                     overlap="off")[0][0][0]
+
+
+def check_overlapped_equals_serial(events: list, serial: list) -> None:
     assert events[:4] == serial[:4]
     # the cancellation lands a step apart (a request arriving waits for the running step): prefixes of one reply
     short, long = sorted((events[4][0][:-1], serial[4][0][:-1]), key=len)
     assert len(short) >= 2 and long[:len(short)] == short
     assert events[0][0][-1].reason == "stop" and events[4][0][-1].reason == "cancelled"
     assert events[1][0][-2].logprob is not None and len(events[0][0][0].top_logprobs) == 2
+
+
+def test_overlapped_equals_serial_on_the_tiny_model(model):
+    requests = workload(first_reply(model)[4].token_id)
+    serial, _ = run_model(model, requests, ARRIVALS, CANCEL, overlap="off", **OPTS)
+    events, core = run_model(model, requests, ARRIVALS, CANCEL, overlap="on", **OPTS)
+    check_overlapped_equals_serial(events, serial)
     stats = core.stats()["overlap"]
     print(f"tiny model, overlapped: {stats}, {core.step_no} steps")
     assert stats["on"] and stats["steps"] >= 0.4 * core.step_no and stats["discarded_rows"] >= 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv41.engine.batch import Batch, Row, RowSampling
-from dsv41.parallel.plan import decode_batch, decode_value, encode_batch, encode_value
+from dsv41.engine.batch import FOLLOWS, Batch, Row, RowSampling
+from dsv41.parallel.plan import decode_batch, decode_round, decode_value, encode_batch, encode_value
 
 
 def test_values_keep_their_type_and_value():
@@ -26,6 +26,10 @@ def test_a_batch_round_trips_and_a_decode_row_is_small():
     number, back = decode_batch(encode_batch(5, batch))
     assert number == 5 and back == batch
     assert decode_batch(encode_batch(6, Batch(-1, [], stop=True)))[1].stop
+    # a launched round (the overlapped loop): its follow row's id a placeholder, the flag after the fields
+    follow = Row(7, 2, [FOLLOWS], 43, [3, 9], "decode", sample=RowSampling(0.7, 0.9, 20, 0.0, 5, 13), follows=True)
+    assert decode_round(encode_batch(7, Batch(34, [follow]), launch=True)) == (7, Batch(34, [follow]), True)
+    assert decode_round(encode_batch(7, batch)) == (7, batch, False)
     decode = Row(1, 0, [42], 100, list(range(40)), sample=RowSampling(0.7, 1.0, 0, 0.0, 12345, 99))
     assert len(encode_batch(0, Batch(1, [decode]))) < 400  # ids and page tables travel as packed int32
 

@@ -73,6 +73,20 @@ def test_env_switches():
         env_wait_s({"DSV41_ENGRAM_WAIT_S": "0"})
 
 
+def test_tp2_gets_the_gate_only_where_asked_for_explicitly():
+    # at TP > 1 the gate is opt-in (no GPU run of the gated TP = 2 step yet): by default a rank's model gets none
+    from types import SimpleNamespace
+
+    from dsv41.runtime.engram_gate import for_model
+
+    rank = SimpleNamespace(engram={1: None}, engram_hasher=object(), device=torch.device("cuda"),
+                           comm=SimpleNamespace(world=2))
+    assert for_model(rank, 8, {}) is None and for_model(rank, 8, {"DSV41_ENGRAM_GATE": "0"}) is None
+    if torch.cuda.is_available():
+        assert for_model(rank, 8, {"DSV41_ENGRAM_GATE": "1"}) is not None
+        assert for_model(SimpleNamespace(**{**vars(rank), "comm": SimpleNamespace(world=1)}), 8, {}) is not None
+
+
 def test_layout_numbering_and_publishing_by_parity():
     gate = new_gate()
     assert gate.ready and [gate.number() for _ in range(3)] == [1, 2, 3]

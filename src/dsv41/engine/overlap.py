@@ -32,7 +32,7 @@ class OverlapLoop:
     """`LLMEngine`'s overlapped steps (a mixin: the engine's scheduler, rows, batches and postprocessing)."""
 
     def _overlap_ready(self) -> bool:
-        """Whether steps may be launched ahead: asked for, an executor that launches (TP = 1's), and no entries
+        """Whether steps may be launched ahead: asked for, an executor that launches (every one does), and no entries
         at a reply's end (a finished sequence's discarded row would write its slot before the entry's snapshot)."""
         return self.config.overlap and hasattr(self.executor, "launch") and \
             (self.sessions is None or not self.sessions.config.reply_entries)

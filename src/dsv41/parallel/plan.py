@@ -124,14 +124,16 @@ def _wire(obj):
     return obj
 
 
-def encode_batch(number: int, batch) -> bytes:
+def encode_batch(number: int, batch, launch: bool = False) -> bytes:
     """The Batch's fields, the trailing ones that hold their defaults left out (a decode step carries no forks or
-    session operations: the receiver's dataclass fills them in)."""
+    session operations: the receiver's dataclass fills them in). `launch`: rank 0 launched the step rather than
+    executed it (the overlapped loop: every rank does the same, so that a follow row's id comes from the same
+    sample on every rank); a flag after the fields, present only when set."""
     fields = dataclasses.fields(batch)
     wire = _wire(batch)
     while len(wire) > 2 and wire[-1] == _default(fields[len(wire) - 1]):
         wire.pop()
-    return BATCH_MAGIC + encode_value([number, wire])
+    return BATCH_MAGIC + encode_value([number, wire, True] if launch else [number, wire])
 
 
 def _default(f: dataclasses.Field):
@@ -140,14 +142,22 @@ def _default(f: dataclasses.Field):
 
 def decode_batch(data: bytes):
     """(round number, Batch) from `encode_batch`'s bytes."""
+    number, batch, _ = decode_round(data)
+    return number, batch
+
+
+def decode_round(data: bytes):
+    """(round number, Batch, launch) from `encode_batch`'s bytes."""
     from dsv41.engine.batch import Batch, Row, RowSampling
 
     if data[:4] != BATCH_MAGIC:
         raise ValueError("corrupt step batch: bad magic")
-    number, (step, rows, *rest) = decode_value(data[4:])
+    number, (step, rows, *rest), *flags = decode_value(data[4:])
+    if flags not in ([], [True]):
+        raise ValueError(f"corrupt step batch: unknown flags {flags!r}")
     at = [f.name for f in dataclasses.fields(Row)].index("sample")
     rows = [Row(*f[:at], RowSampling(*f[at]) if f[at] is not None else None, *f[at + 1:]) for f in rows]
-    return number, Batch(step, rows, *rest)
+    return number, Batch(step, rows, *rest), bool(flags)
 
 
 # ---- channel ---------------------------------------------------------------------------------------------------
@@ -161,6 +171,17 @@ class PlanChannel:
         self.store, self.rank, self.aborted, self.poll_s = store, rank, aborted, poll_s
         self._timeout_set = False
 
+    def send_verdict(self, number: int, verdict: str) -> None:
+        """A follower's verdict of launched round `number`'s check ("" = it holds; the Engram gate at TP > 1)."""
+        self.store.set(f"tp/gate/{number}/{self.rank}", verdict.encode())
+
+    def receive_verdict(self, number: int, rank: int) -> str:
+        """Rank `rank`'s verdict of round `number` (blocking: run where an abort releases the caller)."""
+        key = f"tp/gate/{number}/{rank}"
+        verdict = self.receive_key(key).decode()
+        self.store.delete_key(key)
+        return verdict
+
     def send_encoded(self, number: int, data: bytes) -> None:
         self.store.set(f"tp/plan/{number}", data)
 
@@ -170,13 +191,15 @@ class PlanChannel:
             self.store.delete_key(f"tp/plan/{number - KEEP_ROUNDS}")
 
     def receive_bytes(self, number: int) -> bytes:
-        key = f"tp/plan/{number}"
+        return self.receive_key(f"tp/plan/{number}")
+
+    def receive_key(self, key: str) -> bytes:
         if not self._timeout_set:
             self.store.set_timeout(datetime.timedelta(seconds=self.poll_s))
             self._timeout_set = True
         while True:
             if self.aborted is not None and self.aborted.is_set():
-                raise TPAborted("tensor-parallel group aborted while waiting for a step batch")
+                raise TPAborted(f"tensor-parallel group aborted while waiting for {key}")
             try:
                 data = self.store.get(key)  # blocks until rank 0 sets the key (one round trip when it is there)
                 break

@@ -74,9 +74,7 @@ class TPGroup:
 
     def store_client(self, timeout_s: float) -> dist.TCPStore:
         """A second connection to rank 0's store, for a thread that must not share the main one."""
-        host, port = parse_master(self.master)
-        return dist.TCPStore(host, port, self.world, False, datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return store_client(self.master, self.world, timeout_s)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -300,3 +298,9 @@ def init_tp(rank: int, world: int, master: str, deadline_s: float = 120.0, backe
                             timeout=datetime.timedelta(seconds=collective_timeout_s))
     return TPGroup(rank=rank, world=world, master=master, backend=backend, store=store, comm=TorchComm(),
                    peers=peers, secret=secret)
+
+
+def store_client(master: str, world: int, timeout_s: float) -> dist.TCPStore:
+    """A new connection to rank 0's store at `master` (a store client blocked in a get serves no other thread)."""
+    host, port = parse_master(master)
+    return dist.TCPStore(host, port, world, False, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -61,10 +61,15 @@ def env_wait_s(environ=None) -> float:
 
 def for_model(model, max_rows: int, environ=None) -> "EngramGate | None":
     """The gate a built FastModel gets (`max_rows`: its most rows a step): on where asked for, the model has Engram
-    layers, its device is CUDA and it runs alone (TP = 1: the overlapped loop's case)."""
+    layers and its device is CUDA. At TP > 1 (each rank gates its own rows; a follower's check reaches rank 0
+    through parallel/executor.py's verdicts) only where `DSV41_ENGRAM_GATE` asks for it explicitly (1/on): that
+    path has no GPU run yet."""
     if not env_gate(environ) or not model.engram or model.engram_hasher is None:
         return None
-    if model.device.type != "cuda" or getattr(model.comm, "world", 1) != 1:
+    if model.device.type != "cuda":
+        return None
+    value = (os.environ if environ is None else environ).get(ENV_GATE, "").strip().lower()
+    if getattr(model.comm, "world", 1) != 1 and value not in ("1", "on", "true", "yes"):
         return None
     return EngramGate(model.device, env_wait_s(environ), max_rows=max_rows)
 

@@ -4,7 +4,7 @@ The runner owns the pool and a forward (`forward.execute(rows, pool) -> per row 
 row.logit_offsets()`: `PoolForward` on the CPU, the fast path where it is built). It keeps no per-request state:
 everything a row needs travels in the `Row`; a step's forks (`Batch.copies`: a group's siblings taking a copy of
 their leader's ring slot and partial page) are made before its forward. On every rank of a TP group the same `execute` runs (the forward's
-collectives keep the ranks in step); only the driver (rank 0) samples and reports.
+collectives keep the ranks in step); only the driver (rank 0) reports (a launched step is sampled on every rank).
 
 `launch(batch)` runs the same step without waiting for its tokens (the overlapped loop, docs/ENGINE.md §6): a
 `PendingStep` whose `result()` reads them (runtime/step_handoff.py); a follow row's id comes from the step launched
@@ -101,9 +101,11 @@ class ModelRunner:
         """The step enqueued without waiting for its tokens (the overlapped loop, ENGINE.md §6): the forward, the
         greedy picks on the device and an event after them; `result()` reads the tokens. Its follow rows take their
         ids from the step launched before (`Handoff`: on the device where the forward can, else from the host's
-        read of that step's sample). The driver's steps without drafts (the engine runs those through `execute`)."""
-        if not self.driver or any(r.n_draft or r.propose for r in batch.rows):
-            raise ValueError(f"step {batch.step}: launch runs the driver's steps without drafts")
+        read of that step's sample). Steps without drafts (the engine runs those through `execute`). At TP > 1 every
+        rank launches the same steps: each samples the gathered logits itself (the same keyed choice), so that its
+        follow rows take the same ids; a follower's `PendingStep` is never read."""
+        if any(r.n_draft or r.propose for r in batch.rows):
+            raise ValueError(f"step {batch.step}: launch runs steps without drafts")
         loads = self._before_forward(batch)
         if not batch.rows:
             return PendingStep(batch.step, None, loads, self._row)
@@ -128,6 +130,12 @@ class ModelRunner:
         self._last_sample = StepSample(rows, logits, self.device, self._choose, self._side)
         check = self._gate_steps()
         return PendingStep(batch.step, self._last_sample, loads, self._row, check=check)
+
+    @property
+    def gated(self) -> bool:
+        """Whether this rank's forward has an Engram gate (its launched steps have a check: at TP > 1 every
+        follower sends rank 0 its verdict of each launched step, parallel/executor.py)."""
+        return getattr(getattr(self.forward, "model", None), "engram_gate", None) is not None
 
     def _gate_steps(self):
         """The Engram gate's check of the buckets the forward just launched (runtime/engram_gate.py), or None."""

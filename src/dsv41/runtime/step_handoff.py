@@ -8,7 +8,8 @@ engine plans and launches the next step meanwhile, then asks `PendingStep.result
   event. Everything that reads a value on the host (the other rows' keyed draws, logprobs, the ids themselves)
   runs on a side stream that waits for that event only (`host_reads`), so it never waits for the step launched
   behind this one on the main stream. On the CPU there are no streams: the same code runs in order.
-- `PendingStep.result()` also runs the step's check (the Engram gate's: runtime/engram_gate.py), after the sample.
+- `PendingStep.result()` also runs the step's check (the Engram gate's: runtime/engram_gate.py), after the sample;
+  `verdict()` runs only the check (a follower rank's launched step at TP > 1, joined with rank 0's read).
 - `Handoff`: a follow row's token id (`Row.follows`) is its sequence's token in the previous step's sample. Where
   the forward takes it itself (`FastForward.takes_handoff`: every follow row in place) it plans the step's tables
   first, then gathers the ids on the device (`device_ids`: they never leave it) or, where Engram rows are hashed
@@ -154,3 +155,15 @@ class PendingStep:
                     rows = [self._build(r, lg, choice=c) for r, lg, c in zip(s.rows, s.logits, choices)]
                 self._out = StepOutput(self.step, rows, loads=self.loads)
         return self._out
+
+    def verdict(self) -> str:
+        """"" or why the step's check failed, without building its rows (waits for its sample only): a follower
+        rank's launched step at TP > 1, whose verdict rank 0 joins with its own read (parallel/executor.py)."""
+        if self._check is None or self.sample is None:
+            return ""
+        try:
+            with self.sample.host_reads():
+                self._check()
+        except Exception as exc:  # noqa: BLE001 - handed to rank 0, which fails the step with it
+            return f"{type(exc).__name__}: {exc}"
+        return ""
