@@ -203,7 +203,7 @@ ENV_KNOBS: tuple[EnvKnob, ...] = (
             more="TP = 1 decode steps; prefill chunks, drafts and grammars run serial either way. Empty = 1."),
     EnvKnob("DSV41_ENGRAM_GATE", "1 = a decode step's graph starts before its Engram rows are read and waits for "
             "them on the GPU before the first Engram layer; 0 = the host reads them before the launch",
-            more="TP = 1 on CUDA (docs/ENGINE.md §6). Empty = 1."),
+            more="CUDA (docs/ENGINE.md §6). Empty = 1 at TP = 1; at TP > 1 only with 1 (not yet run on a GPU there)."),
     EnvKnob("DSV41_ENGRAM_WAIT_S", "seconds the GPU waits at the Engram gate for a step's rows before it gives up "
             "and the step's requests fail", more="Empty = 300."),
 )
