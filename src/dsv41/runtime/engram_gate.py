@@ -43,11 +43,14 @@ DEFAULT_WAIT_S = 300.0  # RECIPE.md §2.9's TF_DSV41_ENGRAM_WAIT_S
 GATE_STEP = "gate.step"  # the step's number in its tables
 
 
+def _gate_value(environ=None) -> str:
+    return (os.environ if environ is None else environ).get(ENV_GATE, "").strip().lower()
+
+
 def env_gate(environ=None) -> bool:
     """`DSV41_ENGRAM_GATE`: on unless 0 (where it can run: `for_model`; on by default since its GPU A/B:
     bench/results/decode_step_4ac1be8.json)."""
-    value = (os.environ if environ is None else environ).get(ENV_GATE, "").strip().lower()
-    return value not in ("0", "off", "false", "no")
+    return _gate_value(environ) not in ("0", "off", "false", "no")
 
 
 def env_wait_s(environ=None) -> float:
@@ -68,8 +71,7 @@ def for_model(model, max_rows: int, environ=None) -> "EngramGate | None":
         return None
     if model.device.type != "cuda":
         return None
-    value = (os.environ if environ is None else environ).get(ENV_GATE, "").strip().lower()
-    if getattr(model.comm, "world", 1) != 1 and value not in ("1", "on", "true", "yes"):
+    if getattr(model.comm, "world", 1) != 1 and _gate_value(environ) not in ("1", "on", "true", "yes"):
         return None
     return EngramGate(model.device, env_wait_s(environ), max_rows=max_rows)
 
