@@ -231,12 +231,14 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     """One layer's prefill attention core (`FastAttention._core_blocked`) over a `chunk`-row segment at `pos`:
     window + top-k slots over `entries` compressed entries, the pool's FP8 / FP4 values in bf16; gathered
     (DSV41_PREFILL_CORE_INDEXED=0: the slots' torch index ops, cat(window, entries), one gather per 256-row block)
-    against indexed (one slot-index launch, one core launch pair). Whole-call device time, index building included;
-    reports whether the two give the same bits. (`device` / `timer`: a CPU dry run under the interpreter.)"""
+    against indexed (one slot-index launch, one core launch pair) and the indexed one-pass core
+    (DSV41_PREFILL_CORE_ONEPASS=1: one slot-index launch, one core launch, no split scratch). Whole-call device time,
+    index building included; reports whether the first two give the same bits and the one-pass core's distance to
+    the indexed one (its own bits). (`device` / `timer`: a CPU dry run under the interpreter.)"""
     from types import SimpleNamespace
 
     from dsv41.model.quant import fp4_block_e4m3, fp8_block_ue8m0
-    from dsv41.runtime.layers.attention import INDEXED_ENV, Segment
+    from dsv41.runtime.layers.attention import INDEXED_ENV, ONEPASS_ENV, Segment
 
     dev = torch.device(device)
     cfg, H = attn.cfg, attn.heads
@@ -256,22 +258,26 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
 
     res = {"rows": chunk, "heads": H, "head_dim": hd, "slots": window + topk, "entries": entries}
     outs = {}
-    before = os.environ.get(INDEXED_ENV)
-    for name, flag in (("gathered", "0"), ("indexed", "1")):
-        os.environ[INDEXED_ENV] = flag
+    before = {env: os.environ.get(env) for env in (INDEXED_ENV, ONEPASS_ENV)}
+    for name, flag, onepass in (("gathered", "0", "0"), ("indexed", "1", "0"), ("onepass", "1", "1")):
+        os.environ[INDEXED_ENV], os.environ[ONEPASS_ENV] = flag, onepass
         try:
             res[f"{name}_ms"] = timer(run, reps=5)
             run()
             outs[name] = o.clone()
         finally:
-            os.environ.pop(INDEXED_ENV)
-            if before is not None:
-                os.environ[INDEXED_ENV] = before
+            for env, value in before.items():
+                os.environ.pop(env)
+                if value is not None:
+                    os.environ[env] = value
     res["same_bits"] = bool(torch.equal(outs["gathered"].view(torch.int32), outs["indexed"].view(torch.int32)))
+    diff = (outs["onepass"].double() - outs["indexed"].double()).norm()
+    res["onepass_rel_to_indexed"] = float(diff / outs["indexed"].double().norm())
     res["gathered_key_bytes"] = chunk * (window + topk) * hd * 2  # written by the gathers, then read by the core
     res["cat_bytes"] = (W + entries) * hd * 2
     log(f"attention core, one layer, {chunk} rows x {H} heads x {window + topk} slots over {entries} entries: "
-        f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}")
+        f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}; "
+        f"one-pass {res['onepass_ms']:.2f} ms (rel {res['onepass_rel_to_indexed']:.1e} to indexed)")
     return res
 
 
