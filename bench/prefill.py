@@ -6,7 +6,8 @@ One call measures, in this order (results saved after each stage, so a run cut s
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer both ways
   (`ms`: the tiles; `gemm_ms`: decoded once into the workspace + one GEMM, `kernels/exl3/prefill_dense.py`, with
   `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the
-  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); the indexer's top-k
+  attention core of one layer's chunk, gathered, indexed and one-pass (`attention_core_alone`; the one-pass
+  launch alone at 1x and 4x the chunk over a few tilings: `onepass_tilings`); the indexer's top-k
   over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); the routed
   experts' CUDA tiles at `--tile-ab` rows (2,048, 8,192, 32,768), 64- vs 128-row tiles in both launch orders, evenly
   loaded and skewed routing, the bits compared (`expert_tiles_ab`, `kernels.expert_tiles`; exit status 1 if
@@ -121,6 +122,11 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
     except Exception as exc:  # noqa: BLE001
         out["attention_core"] = {"error": repr(exc)}
         log(f"attention core alone failed: {exc!r}")
+    try:
+        out["onepass_tilings"] = onepass_tilings(block.attn, (chunk, 4 * chunk))
+    except Exception as exc:  # noqa: BLE001
+        out["onepass_tilings"] = [{"error": repr(exc)}]
+        log(f"one-pass core tilings failed: {exc!r}")
     try:
         out["index_topk"] = topk_alone(k=block.attn.cfg.index_topk)
     except Exception as exc:  # noqa: BLE001
@@ -278,6 +284,40 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     log(f"attention core, one layer, {chunk} rows x {H} heads x {window + topk} slots over {entries} entries: "
         f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}; "
         f"one-pass {res['onepass_ms']:.2f} ms (rel {res['onepass_rel_to_indexed']:.1e} to indexed)")
+    return res
+
+
+def onepass_tilings(attn, rows_list, entries: int = 8192, pos: int = 6000, device: str = "cuda",
+                    timer=cuda_ms) -> list:
+    """The one-pass core launch alone (`attention_onepass`, slot index built once) at each row count, over a few
+    tilings: (heads a program, warps, pipeline stages; None: Triton's default). The bits should not follow them
+    (`same_bits` against the first, the default tiling)."""
+    from dsv41.kernels.step.prefill_core import attention_onepass
+    from dsv41.kernels.step.prefill_slots import prefill_slot_index
+    from dsv41.model.quant import fp4_block_e4m3, fp8_block_ue8m0
+
+    dev, cfg, H = torch.device(device), attn.cfg, attn.heads
+    hd, window, topk = cfg.head_dim, cfg.sliding_window, cfg.index_topk
+    g, res = torch.Generator(device=dev).manual_seed(5), []
+    kv = fp4_block_e4m3(torch.randn(entries, hd, generator=g, device=dev).bfloat16(), 16, True)
+    for rows in rows_list:
+        W = rows + window - 1
+        win = fp8_block_ue8m0(torch.randn(W, hd, generator=g, device=dev).bfloat16(), 32, True)
+        ids = torch.rand(rows, entries, generator=g, device=dev).topk(topk, dim=1).indices.sort(dim=1).values
+        slots = prefill_slot_index(rows, pos, W, window, width=topk, ids=ids, entries=entries, device=dev)
+        q = torch.randn(rows, H, hd, generator=g, device=dev).bfloat16()
+        first = None
+        for hb, warps, stages in ((32, 8, None), (16, 4, None), (32, 8, 2), (16, 4, 2)):
+            run = functools.partial(attention_onepass, q, win, kv, slots, attn.sink, hd ** -0.5, keys_bf16=True,
+                                    head_block=hb, num_warps=warps, num_stages=stages)
+            r = {"rows": rows, "heads": H, "head_block": hb, "num_warps": warps, "num_stages": stages,
+                 "ms": timer(run, reps=5)}
+            o = run()
+            first = o if first is None else first
+            r["same_bits"] = bool(torch.equal(o.view(torch.int32), first.view(torch.int32)))
+            res.append(r)
+            log(f"one-pass core {rows} rows x {H} heads, {hb} heads / {warps} warps / stages {stages}: "
+                f"{r['ms']:.3f} ms, same bits {r['same_bits']}")
     return res
 
 

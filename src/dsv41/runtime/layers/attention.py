@@ -13,7 +13,8 @@ padding and the other rows). Prefill rows there take the same kernel per sequenc
 (`_core_indexed`: the segment's int32 slot index into the window rows and the source's entries, one launch pair for
 up to `PREFILL_INDEXED_ROWS` rows, the split scratch bounded by it); `DSV41_PREFILL_CORE_INDEXED=0` keeps the
 gathered form (the same bits: `PREFILL_CORE_ROWS` rows per launch, each block's key slots gathered just before its
-launch). Plain CPU without the interpreter keeps the reference's
+launch); `DSV41_PREFILL_CORE_ONEPASS=1` takes the indexed slots through the one-pass core (`kernels.step.prefill_core`:
+no key splits, no combine; its own bits, row-invariant). Plain CPU without the interpreter keeps the reference's
 `_core` in every phase. Where the step kernels run, the indexer of every phase (scores, candidate blocks, top-k) runs
 for the rows of all sequences together (`_index_kernels`, `kernels.step.indexer`); plain CPU keeps the per-sequence
 reference math (`_topk`).
