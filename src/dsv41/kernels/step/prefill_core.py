@@ -39,9 +39,10 @@ from .pdl import launch as pdl_launch, wait_previous
 # no GPU needed): with raw keys each block's [64, 512] bf16 tile goes to shared memory by cp.async, pipelined across
 # blocks, and into the tensor cores by ldmatrix (47 cp.async, 120 ldmatrix, 59 shared loads a thread; 255 registers,
 # 4 B spilled); through fp32 copies (the split kernel's form) it is loaded to registers, widened, and transposed
-# through shared memory (8 cp.async for the index only, 16 ldmatrix, 219 shared loads). 16 heads a program spills
-# (~700 B at 4 warps), 32-slot blocks do not (247 registers) but halve the products' width. key_block fixes the bits;
-# head_block and num_warps do not change a row's math (heads are independent rows of the products).
+# through shared memory (8 cp.async for the index only, 16 ldmatrix, 219 shared loads). 16 heads a program spill at
+# 4 warps (~700 B), not at 8 (236 registers: the keys then read twice a row); 32-slot blocks do not spill (247) but
+# halve the products' width. bench/prefill.py `onepass_tilings` times these. key_block fixes the bits; head_block and
+# num_warps do not change a row's math (heads are independent rows of the products).
 ONEPASS_TILING = dict(head_block=32, key_block=64, num_warps=8, raw=True)
 
 
