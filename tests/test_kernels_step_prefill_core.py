@@ -5,6 +5,8 @@ CPU part: the kernel runs in Triton's interpreter in one child process (this fil
 tests/test_kernels_step_attention.py), which saves the outputs; the tests rebuild the inputs and judge. GPU part
 (`-m gpu`): the full shape (32 and 64 heads, hd 512, window 128 + top-k 512 slots, 2,048 rows over 8,192 entries)
 against the split + combine core it replaces (`attention_indexed`), and the same row-invariance checks compiled.
+The interpreter has no bf16 dot, so there the products are fp32 dots of the same values (`attention.MMA`) and the
+raw-key loads (`_raw_keys`, compiled only) are the GPU part's to check.
 
 Tolerance: the kernel and the reference compute the same sum in fp32 in another order (blocks of slots, online
 rescaling; the reference's softmax rounds exp and the log-sum-exp through fp64), so each output is the exact value
