@@ -6,7 +6,8 @@ One call measures, in this order (results saved after each stage, so a run cut s
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer both ways
   (`ms`: the tiles; `gemm_ms`: decoded once into the workspace + one GEMM, `kernels/exl3/prefill_dense.py`, with
   `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the
-  attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); the indexer's top-k
+  attention core of one layer's chunk, gathered, indexed and one-pass (`attention_core_alone`; the one-pass
+  launch alone at 1x and 4x the chunk over a few tilings: `onepass_tilings`); the indexer's top-k
   over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); the routed
   experts' CUDA tiles at `--tile-ab` rows (2,048, 8,192, 32,768), 64- vs 128-row tiles in both launch orders, evenly
   loaded and skewed routing, the bits compared (`expert_tiles_ab`, `kernels.expert_tiles`; exit status 1 if
@@ -122,6 +123,11 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
         out["attention_core"] = {"error": repr(exc)}
         log(f"attention core alone failed: {exc!r}")
     try:
+        out["onepass_tilings"] = onepass_tilings(block.attn, (chunk, 4 * chunk))
+    except Exception as exc:  # noqa: BLE001
+        out["onepass_tilings"] = [{"error": repr(exc)}]
+        log(f"one-pass core tilings failed: {exc!r}")
+    try:
         out["index_topk"] = topk_alone(k=block.attn.cfg.index_topk)
     except Exception as exc:  # noqa: BLE001
         out["index_topk"] = {"error": repr(exc)}
@@ -231,12 +237,14 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     """One layer's prefill attention core (`FastAttention._core_blocked`) over a `chunk`-row segment at `pos`:
     window + top-k slots over `entries` compressed entries, the pool's FP8 / FP4 values in bf16; gathered
     (DSV41_PREFILL_CORE_INDEXED=0: the slots' torch index ops, cat(window, entries), one gather per 256-row block)
-    against indexed (one slot-index launch, one core launch pair). Whole-call device time, index building included;
-    reports whether the two give the same bits. (`device` / `timer`: a CPU dry run under the interpreter.)"""
+    against indexed (one slot-index launch, one core launch pair) and the indexed one-pass core
+    (DSV41_PREFILL_CORE_ONEPASS=1: one slot-index launch, one core launch, no split scratch). Whole-call device time,
+    index building included; reports whether the first two give the same bits and the one-pass core's distance to
+    the indexed one (its own bits). (`device` / `timer`: a CPU dry run under the interpreter.)"""
     from types import SimpleNamespace
 
     from dsv41.model.quant import fp4_block_e4m3, fp8_block_ue8m0
-    from dsv41.runtime.layers.attention import INDEXED_ENV, Segment
+    from dsv41.runtime.layers.attention import INDEXED_ENV, ONEPASS_ENV, Segment
 
     dev = torch.device(device)
     cfg, H = attn.cfg, attn.heads
@@ -256,22 +264,60 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
 
     res = {"rows": chunk, "heads": H, "head_dim": hd, "slots": window + topk, "entries": entries}
     outs = {}
-    before = os.environ.get(INDEXED_ENV)
-    for name, flag in (("gathered", "0"), ("indexed", "1")):
-        os.environ[INDEXED_ENV] = flag
+    before = {env: os.environ.get(env) for env in (INDEXED_ENV, ONEPASS_ENV)}
+    for name, flag, onepass in (("gathered", "0", "0"), ("indexed", "1", "0"), ("onepass", "1", "1")):
+        os.environ[INDEXED_ENV], os.environ[ONEPASS_ENV] = flag, onepass
         try:
             res[f"{name}_ms"] = timer(run, reps=5)
             run()
             outs[name] = o.clone()
         finally:
-            os.environ.pop(INDEXED_ENV)
-            if before is not None:
-                os.environ[INDEXED_ENV] = before
+            for env, value in before.items():
+                os.environ.pop(env)
+                if value is not None:
+                    os.environ[env] = value
     res["same_bits"] = bool(torch.equal(outs["gathered"].view(torch.int32), outs["indexed"].view(torch.int32)))
+    diff = (outs["onepass"].double() - outs["indexed"].double()).norm()
+    res["onepass_rel_to_indexed"] = float(diff / outs["indexed"].double().norm())
     res["gathered_key_bytes"] = chunk * (window + topk) * hd * 2  # written by the gathers, then read by the core
     res["cat_bytes"] = (W + entries) * hd * 2
     log(f"attention core, one layer, {chunk} rows x {H} heads x {window + topk} slots over {entries} entries: "
-        f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}")
+        f"gathered {res['gathered_ms']:.2f} ms, indexed {res['indexed_ms']:.2f} ms, same bits {res['same_bits']}; "
+        f"one-pass {res['onepass_ms']:.2f} ms (rel {res['onepass_rel_to_indexed']:.1e} to indexed)")
+    return res
+
+
+def onepass_tilings(attn, rows_list, entries: int = 8192, pos: int = 6000, device: str = "cuda",
+                    timer=cuda_ms) -> list:
+    """The one-pass core launch alone (`attention_onepass`, slot index built once) at each row count, over a few
+    tilings (prefill_core.ONEPASS_TILING first; stages None: Triton's default), each against the first."""
+    from dsv41.kernels.step.prefill_core import attention_onepass
+    from dsv41.kernels.step.prefill_slots import prefill_slot_index
+    from dsv41.model.quant import fp4_block_e4m3, fp8_block_ue8m0
+
+    dev, cfg, H, g, res = torch.device(device), attn.cfg, attn.heads, torch.Generator(device=device).manual_seed(5), []
+    hd, window, topk = cfg.head_dim, cfg.sliding_window, cfg.index_topk
+    kv = fp4_block_e4m3(torch.randn(entries, hd, generator=g, device=dev).bfloat16(), 16, True)
+    for rows in rows_list:
+        W = rows + window - 1
+        win = fp8_block_ue8m0(torch.randn(W, hd, generator=g, device=dev).bfloat16(), 32, True)
+        ids = torch.rand(rows, entries, generator=g, device=dev).topk(topk, dim=1).indices.sort(dim=1).values
+        slots = prefill_slot_index(rows, pos, W, window, width=topk, ids=ids, entries=entries, device=dev)
+        q, first = torch.randn(rows, H, hd, generator=g, device=dev).bfloat16(), None
+        for hb, bs, warps, stages, raw in ((32, 64, 8, None, True), (32, 64, 8, None, False), (16, 64, 8, None, True),
+                                           (32, 64, 8, 4, True), (32, 32, 8, None, True)):
+            run = functools.partial(attention_onepass, q, win, kv, slots, attn.sink, hd ** -0.5, keys_bf16=True,
+                                    head_block=hb, key_block=bs, num_warps=warps, num_stages=stages, raw=raw)
+            res.append(dict(rows=rows, head_block=hb, key_block=bs, num_warps=warps, num_stages=stages, raw=raw))
+            try:
+                res[-1]["ms"], o = timer(run, reps=5), run()
+            except Exception as exc:  # noqa: BLE001  (one tiling failing must not cost the others)
+                res[-1]["error"] = repr(exc)
+                continue
+            first = o if first is None else first  # 32-slot blocks: other bits by design
+            res[-1].update(same_bits=bool(torch.equal(o.view(torch.int32), first.view(torch.int32))),
+                           rel_to_first=float((o.double() - first.double()).norm() / first.double().norm()))
+            log(f"one-pass core, {H} heads: {res[-1]}")
     return res
 
 

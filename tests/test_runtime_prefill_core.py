@@ -59,15 +59,39 @@ def _gathered(fn):
     """fn() with prefill rows on the gathered core (`INDEXED_ENV` off), the environment restored after."""
     from dsv41.runtime.layers.attention import INDEXED_ENV
 
-    old = os.environ.get(INDEXED_ENV)
-    os.environ[INDEXED_ENV] = "0"
+    return _with_env(INDEXED_ENV, "0", fn)
+
+
+def _onepass(fn):
+    """(fn(), launches of the one-pass core it made) with prefill rows on the one-pass core (`ONEPASS_ENV` on),
+    the environment and the module restored after (at small S its bits can be the split core's: the count says
+    which core ran)."""
+    from dsv41.kernels.step import prefill_core
+    from dsv41.runtime.layers.attention import ONEPASS_ENV
+
+    calls, real = [0], prefill_core.attention_onepass
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return real(*args, **kw)
+
+    prefill_core.attention_onepass = counted
+    try:
+        return _with_env(ONEPASS_ENV, "1", fn), calls[0]
+    finally:
+        prefill_core.attention_onepass = real
+
+
+def _with_env(name: str, value: str, fn):
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         return fn()
     finally:
         if old is None:
-            os.environ.pop(INDEXED_ENV)
+            os.environ.pop(name)
         else:
-            os.environ[INDEXED_ENV] = old
+            os.environ[name] = old
 
 
 def _check(device: str, heads: int, hd: int, window: int, topk: int, T: int, split: int, C: int | None = None,
@@ -108,6 +132,14 @@ def _check(device: str, heads: int, hd: int, window: int, topk: int, T: int, spl
         layer._core_blocked(q, chunked, first, full[: pos + split], None if sel is None else sel[:split], src, 7)
         layer._core_blocked(q, chunked, second, full[pos + split - window:], None if sel is None else sel[split:],
                             src, None)
+
+        def two_chunks(s=sel):  # the same cut on the one-pass core
+            o = torch.zeros(B, heads, hd, dtype=torch.float32, device=dev)
+            layer._core_blocked(q, o, first, full[: pos + split], None if s is None else s[:split], src, 7)
+            layer._core_blocked(q, o, second, full[pos + split - window:], None if s is None else s[split:], src, None)
+            return o
+
+        onepass, launches = _onepass(lambda: [core(None), core(5), two_chunks()])
         keys, ok = layer._slots(seg, full, sel, src, slice(0, T))
         ref = layer.ref._core(q[start:start + T], keys, ok)
         rows = slice(start, start + T)
@@ -116,7 +148,13 @@ def _check(device: str, heads: int, hd: int, window: int, topk: int, T: int, spl
                      "indexed == gathered": all(_same_bits(one, g) for g in gathered),
                      "chunked": bool(torch.equal(one, chunked)),
                      "others zero": bool(one[:start].eq(0).all() and one[start + T:].eq(0).all()),
-                     "rel": _rel(one[rows], ref), "finite": bool(torch.isfinite(one).all())}
+                     "rel": _rel(one[rows], ref), "finite": bool(torch.isfinite(one).all()),
+                     # the one-pass core (its own bits): whole, in blocks (ignored: one launch) and chunked alike
+                     "onepass ran": launches == 4,  # one a segment: whole, whole (blocks ignored), two chunks
+                     "onepass same": all(_same_bits(onepass[0], o) for o in onepass[1:]),
+                     "onepass rel": _rel(onepass[0][rows], ref),
+                     "onepass others zero": bool(onepass[0][:start].eq(0).all()
+                                                 and onepass[0][start + T:].eq(0).all())}
     out["direct"] = _direct(q[start:start + T], full, kv, ids, layer, pos, window, topk)
     return out
 
@@ -167,6 +205,10 @@ def _assert(results: dict, tol: float = 1e-5) -> None:
         assert r["chunked"], f"{name}: chunked != one-shot"
         assert r["others zero"] and r["finite"], name
         assert r["rel"] < tol, f"{name}: rel {r['rel']:.2e} from the reference core"
+        assert r["onepass ran"], f"{name}: the one-pass knob did not route prefill rows to the one-pass core"
+        assert r["onepass same"], f"{name}: the one-pass core's rows depend on the chunk"
+        assert r["onepass others zero"], name
+        assert r["onepass rel"] < tol, f"{name}: one-pass rel {r['onepass rel']:.2e} from the reference core"
 
 
 def test_interpreted_prefill_core_chunk_invariant():

@@ -68,6 +68,27 @@ def prefill_slot_index(T: int, pos: int, W: int, window: int, *, width: int = 0,
     return out
 
 
+def indexed_sources(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None,
+                    slots: torch.Tensor) -> tuple:
+    """(window_rows, entries, W, C, slots) of an indexed core's call, checked and with unit column strides (the
+    entries' pointer is the window rows' when there are none: never read then)."""
+    T, H, hd = q.shape
+    if slots.dim() != 2 or slots.shape[0] != T or slots.dtype != torch.int32:
+        raise ValueError(f"slots must be int32 [T={T}, S], got {slots.dtype} {list(slots.shape)}")
+    for name, x in (("window_rows", window_rows), ("entries", entries)):
+        if x is None:
+            continue
+        if x.dim() != 2 or x.shape[1] != hd or x.device != q.device or x.dtype != window_rows.dtype:
+            raise ValueError(f"{name} must be [rows, {hd}] of window_rows' dtype on {q.device}, got {x.dtype} "
+                             f"{list(x.shape)} on {x.device}")
+    window_rows = window_rows if window_rows.stride(1) == 1 else window_rows.contiguous()
+    ents = window_rows if entries is None else entries if entries.stride(1) == 1 else entries.contiguous()
+    W, C = window_rows.shape[0], 0 if entries is None else entries.shape[0]
+    if slots.stride(1) != 1:
+        slots = slots.contiguous()
+    return window_rows, ents, W, C, slots
+
+
 def attention_indexed(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None, slots: torch.Tensor,
                       sink: torch.Tensor, scale: float, *, keys_bf16: bool | None = None,
                       split_keys: int = SPLIT_KEYS, key_block: int = KEY_BLOCK, num_warps: int = 8,
@@ -84,20 +105,7 @@ def attention_indexed(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
     attention_core's (default: the rows' dtype is bf16). Returns o [T, H, hd] fp32 (written into `out` when given:
     contiguous fp32 [T, H, hd], e.g. the segment's rows of the layer's o: no copy); no host sync, one split launch
     and one combine launch whatever T (their scratch: T x splits x H x hd fp32)."""
-    T, H, hd = q.shape
-    if slots.dim() != 2 or slots.shape[0] != T or slots.dtype != torch.int32:
-        raise ValueError(f"slots must be int32 [T={T}, S], got {slots.dtype} {list(slots.shape)}")
-    for name, x in (("window_rows", window_rows), ("entries", entries)):
-        if x is None:
-            continue
-        if x.dim() != 2 or x.shape[1] != hd or x.device != q.device or x.dtype != window_rows.dtype:
-            raise ValueError(f"{name} must be [rows, {hd}] of window_rows' dtype on {q.device}, got {x.dtype} "
-                             f"{list(x.shape)} on {x.device}")
-    window_rows = window_rows if window_rows.stride(1) == 1 else window_rows.contiguous()
-    ents = window_rows if entries is None else entries if entries.stride(1) == 1 else entries.contiguous()
-    W, C = window_rows.shape[0], 0 if entries is None else entries.shape[0]
-    if slots.stride(1) != 1:
-        slots = slots.contiguous()
+    window_rows, ents, W, C, slots = indexed_sources(q, window_rows, entries, slots)
     t = slots
     pool = (t, 0, 0, 1, t, t, W, ents, 0, ents.stride(0), t, 0, 0, 1, t, 0, 0, W + C)
     return _rows_launch(q, sink, scale, slots.shape[1],

@@ -13,7 +13,8 @@ padding and the other rows). Prefill rows there take the same kernel per sequenc
 (`_core_indexed`: the segment's int32 slot index into the window rows and the source's entries, one launch pair for
 up to `PREFILL_INDEXED_ROWS` rows, the split scratch bounded by it); `DSV41_PREFILL_CORE_INDEXED=0` keeps the
 gathered form (the same bits: `PREFILL_CORE_ROWS` rows per launch, each block's key slots gathered just before its
-launch). Plain CPU without the interpreter keeps the reference's
+launch); `DSV41_PREFILL_CORE_ONEPASS=1` takes the indexed slots through the one-pass core (`kernels.step.prefill_core`:
+no key splits, no combine; its own bits, row-invariant). Plain CPU without the interpreter keeps the reference's
 `_core` in every phase. Where the step kernels run, the indexer of every phase (scores, candidate blocks, top-k) runs
 for the rows of all sequences together (`_index_kernels`, `kernels.step.indexer`); plain CPU keeps the per-sequence
 reference math (`_topk`).
@@ -55,6 +56,10 @@ PREFILL_INDEXED_ROWS = 2048
 # 0 / off: prefill rows take the gathered core (each block's slots copied out of cat(window, entries) first) instead
 # of the indexed one (the slots read in place through an int32 index); the same bits (A/B runs, a fallback)
 INDEXED_ENV = "DSV41_PREFILL_CORE_INDEXED"
+# 1 / on: the indexed core in one pass (`kernels.step.prefill_core`: one program per row and head block over all the
+# slots, no key splits, no scratch, no combine; within fp32 rounding of the split core, not its bits); default off
+# until a GPU A/B. Only with the indexed core (it reads the slot index).
+ONEPASS_ENV = "DSV41_PREFILL_CORE_ONEPASS"
 
 
 def indexed_core_enabled() -> bool:
@@ -63,6 +68,14 @@ def indexed_core_enabled() -> bool:
     from dsv41.kernels.step.knobs import switched_on
 
     return switched_on(INDEXED_ENV)
+
+
+def onepass_core_enabled() -> bool:
+    """Whether the indexed core runs in one pass (`ONEPASS_ENV`, off unless set to an on spelling); read at each
+    call, as `indexed_core_enabled`."""
+    from dsv41.kernels.step.knobs import switched_on
+
+    return switched_on(ONEPASS_ENV, default=False)
 
 @dataclass
 class Segment:
@@ -343,7 +356,8 @@ class FastAttention(InPlaceAttention, FastIndexer):
         `kernels.step.prefill_slots`) into the window rows and the source's entries where they are, and the core
         reading each slot's row through it (`attention_indexed`), `block` (default PREFILL_INDEXED_ROWS) rows a
         launch, straight into o's rows. The same slots, values, tiling and keys_bf16 rule as the gathered path, so
-        the same bits (tests/test_runtime_prefill_core.py); a row's bits again depend only on that row."""
+        the same bits (tests/test_runtime_prefill_core.py); a row's bits again depend only on that row. With
+        `ONEPASS_ENV` on, the one-pass core over the same slots (`attention_onepass`: other bits, row-invariant)."""
         from dsv41.kernels.step.prefill_slots import attention_indexed, prefill_slot_index
 
         cfg = self.cfg
@@ -354,8 +368,14 @@ class FastAttention(InPlaceAttention, FastIndexer):
                                    width=0 if src is None else cfg.index_topk, ids=ids,
                                    entries=0 if entries is None else entries.shape[0], device=win.device,
                                    floor=s.pos + s.T - win.shape[0])  # `window_slots`' rule
-        block = block or PREFILL_INDEXED_ROWS
         exact = self._keys_bf16(win)
+        if onepass_core_enabled():  # no scratch: all the segment's rows in one launch
+            from dsv41.kernels.step.prefill_core import attention_onepass
+
+            attention_onepass(q[s.rows], win, entries, slots, self.sink, cfg.head_dim ** -0.5, keys_bf16=exact,
+                              out=o[s.rows])
+            return
+        block = block or PREFILL_INDEXED_ROWS
         for start in range(0, s.T, block):
             stop = min(start + block, s.T)
             at = slice(s.start + start, s.start + stop)
