@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention import MMA, _split_dot
 from .knobs import switched_on
 from .live import live_rows as _live_rows
 from .mhc import _COUNTERS, _cast, _coeff, _rsqrt64, _sigmoid, _streams
@@ -118,9 +119,22 @@ def _coefficients_tile(mix, sq, rows, r_in, r_live, K, base_ptr, scale_ptr, pre_
 
 
 @triton.jit
+def _mix_dot(x, f, XP: tl.constexpr):
+    """x [BM, K] @ f [K, NP], fp32, from zero. Compiled: on the bf16 tensor cores (attention.py `_split_dot`): x as
+    XP bf16 parts (1: bf16 streams, whose values are bf16 ones: x itself), fn as 3 (hi + mid + lo == fn exactly), each
+    part product exact in fp32, accumulated in fp32; the terms below 2^-16 relative of fp32 streams' (mid x lo, lo x
+    lo) left out. Interpreted (no bf16 dot there): the fp32 products summed over k by numpy's reduction, not a BLAS
+    matmul, whose order for a row depends on the row's position in the tile (OpenBLAS's edge kernels at M = 32)."""
+    if MMA:
+        return _split_dot(x, f, tl.zeros((x.shape[0], f.shape[1]), tl.float32), XP, 3)
+    else:
+        return tl.sum(x[:, :, None] * f[None, :, :], axis=1)
+
+
+@triton.jit
 def _tile_step(x_ptr, y_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, pre_in, post_in, rows, rows64,
                r_in, r_live, d0, d, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr,
-               BM: tl.constexpr, BLOCK: tl.constexpr):
+               BM: tl.constexpr, BLOCK: tl.constexpr, XP: tl.constexpr):
     """One TILE_BLOCK-column step of a program: [X' stored,] returns the step's [BM, NP] dot (from zero), its
     [BM, HCP, BLOCK] squares and the [BM, BLOCK] squares of the rounded collapse (stored in h)."""
     NMIX: tl.constexpr = (2 + HC) * HC
@@ -156,7 +170,7 @@ def _tile_step(x_ptr, y_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, 
     ki = kk % BLOCK
     f = tl.load(fn_ptr + (kc[:, None] * d + d0 + ki[:, None]).to(tl.int64) * stride_fk + n[None, :] * stride_fn,
                 mask=((kc < HC) & (d0 + ki < d))[:, None] & (n < NMIX)[None, :], other=0.0)  # [KB, NP]
-    prod = tl.dot(tl.reshape(xs, (BM, KB)), f, input_precision="ieee")
+    prod = _mix_dot(tl.reshape(xs, (BM, KB)), f, XP)
     u = _cast(tl.sum(pre_in[:, :, None] * xs, axis=1), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
     tl.store(h_ptr + rows64[:, None] * d + cols[None, :], u, mask=r_in[:, None] & col_ok[None, :])
     u32 = u.to(tl.float32)
@@ -168,7 +182,7 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, B, d, chunk, norm_eps,
                  hc_eps, rms_eps, iters, live_rows, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
                  SPLITS: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, PDL: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, XP: tl.constexpr, PDL: tl.constexpr = False):
     """Program (tile, split): rows [tile BM, tile BM + BM) over the split's `chunk` columns of d (module
     docstring). Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC d, NMIX] strided; part
     [tiles, SPLITS, BM, NP] fp32 (lanes: the products, then Σx², then Σu²)."""
@@ -196,7 +210,7 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
         # over hc d, not one of 20,480 terms)
         prod, sq_step, usq_step = _tile_step(x_ptr, y_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr,
                                              pre_in, post_in, rows, rows64, r_in, r_live, d0, d, HC, HCP, NP, EXPAND,
-                                             BM, BLOCK)
+                                             BM, BLOCK, XP)
         acc += prod
         sq += sq_step
         usq += usq_step
@@ -265,7 +279,7 @@ def _tiles(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_
             _COUNTERS.get(x.device, tiles, kernel="mhc_prefill"), B, d, chunk, float(norm_eps), float(hc_eps),
             float(rms_eps), int(iters), rows, HC=hc, HCP=triton.next_power_of_2(hc), NP=np_, SPLITS=splits,
             EXPAND=expand, BM=TILE_ROWS, BLOCK=block, BLOCK_N=min(TILE_NORM, triton.next_power_of_2(d)),
-            num_warps=TILE_WARPS, **pdl_launch(x.device))
+            XP=1 if x.dtype == torch.bfloat16 else 3, num_warps=TILE_WARPS, **pdl_launch(x.device))
     return (xo, h, pre, post, comb) if expand else (h, pre, post, comb)
 
 
