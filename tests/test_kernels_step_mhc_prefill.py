@@ -286,6 +286,42 @@ def test_the_split_of_d_is_a_function_of_d_alone():
     assert k.splits_of(5120) == 20 and k.splits_of(4096) == 16 and k.splits_of(128) == 1
 
 
+@pytest.mark.parametrize("arch", [90, 121])
+def test_tile_kernel_compiles_for_the_targets(arch):
+    """Ahead-of-time compile (Triton's own ptxas, no GPU) at the release's constants, bf16 streams, the expand site
+    (the plain site is its subset): a cubin for sm_90 (H100 / H200) and GB10's sm_121, the mixing product on the
+    bf16 tensor cores (the path the interpreter does not run) and no tf32. (~30 s a compile on 2 busy cores: the
+    fp32 streams' and sm_80's variants are left to the GPU.)"""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from dsv41.kernels.step import mhc_prefill as k
+
+    if not isinstance(k._tile_kernel, JITFunction) or not k.MMA:
+        pytest.skip("kernels decorated for the interpreter in this process")
+    names = ("x_ptr y_ptr post_in_ptr comb_in_ptr xo_ptr fn_ptr stride_fk stride_fn base_ptr scale_ptr pre_in_ptr "
+             "w_ptr h_ptr pre_ptr post_ptr comb_ptr part_ptr count_ptr B d chunk norm_eps hc_eps rms_eps iters "
+             "live_rows").split()
+    for dt, xp in (("bf16", 1),):
+        types = (f"*{dt} *{dt} *fp32 *fp32 *{dt} *fp32 i32 i32 *fp32 *fp32 *fp32 *{dt} *{dt} *fp32 *fp32 *fp32 *fp32 "
+                 "*i32 i32 i32 i32 fp32 fp32 fp32 i32 i32").split()
+        for expand in (True,):
+            const = dict(HC=4, HCP=4, NP=32, SPLITS=k.splits_of(5120), EXPAND=expand, BM=k.TILE_ROWS,
+                         BLOCK=k.TILE_BLOCK, BLOCK_N=k.TILE_NORM, XP=xp, PDL=arch >= 90)
+            src = ASTSource(fn=k._tile_kernel, signature={**dict(zip(names, types)),
+                                                          **{c: "constexpr" for c in const}}, constexprs=const)
+            try:
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                          options=dict(num_warps=k.TILE_WARPS))
+            except RuntimeError as exc:  # no ptxas for this target in this Triton
+                pytest.skip(f"Triton cannot compile for sm_{arch} here: {exc}")
+            assert compiled.asm.get("cubin"), (arch, dt, expand)
+            ptx = compiled.asm["ptx"]
+            assert "mma" in ptx and "bf16" in ptx and "tf32" not in ptx, (arch, dt, expand)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the release's shape, 2,048 and 8,192 rows, compiled
 # ---------------------------------------------------------------------------------------------------------------
