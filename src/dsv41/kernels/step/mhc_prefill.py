@@ -11,13 +11,14 @@ a 2,048-row chunk is 64 tiles x 20 splits = 1,280 programs (5,120 at 8K), fn rea
 site at 2K rows, not 4 GB), each program a short chain.
 
 Program (tile, split), per TILE_BLOCK-column step of its slice: [X' = expand(y, X, post_in, comb_in), stored;] the
-mixing product's step as one `tl.dot` of the tile's [rows, hc TILE_BLOCK] streams by fn's [hc TILE_BLOCK, NP] rows
-(IEEE fp32, `input_precision="ieee"`: fn's values are not bf16 ones; the (2 + hc) hc = 24 columns padded to 32),
-from zero, added to the split's sum; Σx²; the collapse u = Σ_c pre_in[c] X[c] (c in order) rounded to the stream
-dtype and stored in h; Σu². The split's partials (products, Σx², Σu² per row) go to `part`; the tile's last program
-to arrive (an arrival counter per tile, no float atomics) sums them in split order and finishes the tile's rows: the
-row kernels' tail vectorised over the rows (rsqrt of the mean square in fp64, sigmoids, softmax + Sinkhorn on
-[rows, hc, hc] tiles), then h = rms_norm(u) * w over the tile's h (its own programs' stores, from L2).
+mixing product's step, the tile's [rows, hc TILE_BLOCK] streams by fn's [hc TILE_BLOCK, NP] rows (the (2 + hc) hc =
+24 columns padded to 32) from zero, added to the split's sum: compiled, on the bf16 tensor cores (`_mix_dot`: fn
+as three bf16 parts whose sum is fn exactly, bf16 streams as themselves: every part product exact in fp32, summed
+in fp32); Σx²; the collapse u = Σ_c pre_in[c] X[c] rounded to the stream dtype and stored in h; Σu². The split's
+partials (products, Σx², Σu² per row) go to `part`; the tile's last program to arrive (an arrival counter per
+tile, no float atomics) sums them in split order and finishes the tile's rows: the row kernels' tail vectorised
+over the rows (rsqrt of the mean square in fp64, sigmoids, softmax + Sinkhorn on [rows, hc, hc] tiles), then
+h = rms_norm(u) * w over the tile's h (its own programs' stores, from L2).
 
 Row invariance: the tile shape, the split of d, the column steps and every reduction order are constants or
 functions of (hc, d), never of B; a row meets the other rows of its tile only as another row of the dot's operands
@@ -27,8 +28,8 @@ are the same alone, in any slice of the chunk and at any position of its tile (c
 the row kernels' bits (another sum order over d): prefill rows take these launches, decode and verify rows the row
 kernels (docs/ENGINE.md §4-5), as the EXL3 tiles do.
 
-Numerics: the row kernels' class. fp32 sums (the mixing product in three levels: 128-term dot chains, the steps of
-a split, the splits in order; Σx² and Σu² elementwise per column then reduced), the two rsqrt's in fp64, divisions
+Numerics: the row kernels' class. fp32 sums (the mixing product in three levels: a step's 128 terms (3 x 128
+exact part products on the tensor cores), the steps of a split, the splits in order; Σx² and Σu² elementwise per column then reduced), the two rsqrt's in fp64, divisions
 correctly rounded, exp in fp32; the collapse rounded to the stream dtype before the norm and X' before its
 coefficients, as the reference does. Tolerances argued in tests/test_kernels_step_mhc_prefill.py.
 
