@@ -31,7 +31,8 @@ kernels (docs/ENGINE.md §4-5), as the EXL3 tiles do.
 Numerics: the row kernels' class. fp32 sums (the mixing product in three levels: a step's 128 terms (3 x 128
 exact part products on the tensor cores), the steps of a split, the splits in order; Σx² and Σu² elementwise per
 column, then reduced), the two rsqrt's in fp64, divisions correctly rounded, exp in fp32; the collapse rounded to
-the stream dtype before the norm and X' before its coefficients, as the reference does. Tolerances argued in tests/test_kernels_step_mhc_prefill.py.
+the stream dtype before the norm and X' before its coefficients, as the reference does. Tolerances argued in
+tests/test_kernels_step_mhc_prefill.py.
 
 `DSV41_PREFILL_MHC_TILES` (`tiles_on`, read when a forward starts; off by default until the GPU A/B): prefill rows'
 sites take these launches (runtime/mhc_sites.py `MhcSites.of(phase=)`). The lone expand and the final collapse +
