@@ -137,8 +137,8 @@ def _mix_dot(x, f, XP: tl.constexpr):
 def _tile_step(x_ptr, y_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, pre_in, post_in, rows, rows64,
                r_in, r_live, d0, d, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr,
                BM: tl.constexpr, BLOCK: tl.constexpr, XP: tl.constexpr):
-    """One TILE_BLOCK-column step of a program: [X' stored,] returns the step's [BM, NP] dot (from zero), its
-    [BM, HCP, BLOCK] squares and the [BM, BLOCK] squares of the rounded collapse (stored in h)."""
+    """One TILE_BLOCK-column step of a program: [X' stored,] returns the step's [BM, NP] dot (from zero), the
+    [BM, BLOCK] sums over the streams of its squares and the squares of the rounded collapse (stored in h)."""
     NMIX: tl.constexpr = (2 + HC) * HC
     KB: tl.constexpr = HCP * BLOCK
     c = tl.arange(0, HCP)
@@ -176,7 +176,7 @@ def _tile_step(x_ptr, y_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, 
     u = _cast(tl.sum(pre_in[:, :, None] * xs, axis=1), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
     tl.store(h_ptr + rows64[:, None] * d + cols[None, :], u, mask=r_in[:, None] & col_ok[None, :])
     u32 = u.to(tl.float32)
-    return prod, xs * xs, u32 * u32
+    return prod, tl.sum(xs * xs, axis=1), u32 * u32
 
 
 @triton.jit(do_not_specialize=["live_rows"])
@@ -204,7 +204,7 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
     if EXPAND:
         post_in = tl.load(post_in_ptr + rows[:, None] * HC + c[None, :], mask=rc, other=0.0)
     acc = tl.zeros((BM, NP), tl.float32)
-    sq = tl.zeros((BM, HCP, BLOCK), tl.float32)
+    sq = tl.zeros((BM, BLOCK), tl.float32)
     usq = tl.zeros((BM, BLOCK), tl.float32)
     first = split * chunk
     for d0 in range(first, tl.minimum(first + chunk, d), BLOCK):
@@ -217,7 +217,7 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
         sq += sq_step
         usq += usq_step
     part = tl.where((n < NMIX)[None, :], acc, 0.0)
-    part = tl.where((n == NMIX)[None, :], tl.sum(tl.sum(sq, axis=2), axis=1)[:, None], part)
+    part = tl.where((n == NMIX)[None, :], tl.sum(sq, axis=1)[:, None], part)
     part = tl.where((n == NMIX + 1)[None, :], tl.sum(usq, axis=1)[:, None], part)
     tile_part = part_ptr + tile.to(tl.int64) * SPLITS * BM * NP
     slot = tl.arange(0, BM)[:, None] * NP + n[None, :]
