@@ -8,7 +8,8 @@ One call measures, in this order (results saved after each stage, so a run cut s
   `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the
   attention core of one layer's chunk, gathered, indexed and one-pass (`attention_core_alone`; the one-pass
   launch alone at 1x and 4x the chunk over a few tilings: `onepass_tilings`); the indexer's top-k
-  over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); the routed
+  over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); layer 0's two mHC
+  sites at the chunk and at 8,192 rows, row kernels against the prefill tiles (`mhc_sites_alone`); the routed
   experts' CUDA tiles at `--tile-ab` rows (2,048, 8,192, 32,768), 64- vs 128-row tiles in both launch orders, evenly
   loaded and skewed routing, the bits compared (`expert_tiles_ab`, `kernels.expert_tiles`; exit status 1 if
   they differ);
@@ -128,11 +129,42 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
         out["onepass_tilings"] = [{"error": repr(exc)}]
         log(f"one-pass core tilings failed: {exc!r}")
     try:
+        out["mhc"] = [mhc_sites_alone(model, rows) for rows in sorted({chunk, 8192})]
+    except Exception as exc:  # noqa: BLE001
+        out["mhc"] = {"error": repr(exc)}
+        log(f"mhc sites alone failed: {exc!r}")
+    try:
         out["index_topk"] = topk_alone(k=block.attn.cfg.index_topk)
     except Exception as exc:  # noqa: BLE001
         out["index_topk"] = {"error": repr(exc)}
         log(f"index top-k alone failed: {exc!r}")
     return out
+
+
+def mhc_sites_alone(model, rows: int) -> dict:
+    """Layer 0's two mHC sites (each with the expand before it, as a layer runs them) at `rows` prefill rows: the
+    row kernels (kernels/step/mhc.py) against the prefill tiles (kernels/step/mhc_prefill.py, DSV41_PREFILL_MHC_TILES),
+    ms a layer, and the largest coefficient difference between the two (another sum order: a few fp32 ulp)."""
+    from dsv41.kernels.step import mhc as row_k, mhc_prefill as tile_k
+
+    block, cfg, dev = model.blocks[0], model.cfg, torch.device("cuda")
+    hc, d = cfg.hc_mult, block.attn_norm.numel()
+    g = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(rows, hc, d, generator=g, device=dev).bfloat16()
+    y = torch.randn(rows, d, generator=g, device=dev)  # the reduced partial: fp32, as the runtime passes it
+    pre, post = torch.rand(rows, hc, generator=g, device=dev) + 1e-6, 2 * torch.rand(rows, hc, generator=g, device=dev)
+    comb = torch.softmax(torch.randn(rows, hc, hc, generator=g, device=dev), dim=-1)
+    k = dict(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_norm_eps)
+    sites = ((block.hc_attn, block.attn_norm), (block.hc_ffn, block.ffn_norm))
+    layer = {name: (lambda f=f: [f(y, x, post, comb, p.fn_t, p.base, p.scale, pre, w, **k) for p, w in sites])
+             for name, f in (("row_kernels", row_k.hc_expand_site), ("tiles", tile_k.hc_expand_site_tiles))}
+    res = {"rows": rows, **{f"{n}_ms": cuda_ms(f, reps=5) for n, f in layer.items()}}
+    a, b = layer["row_kernels"](), layer["tiles"]()
+    res["coeff_max_abs_diff"] = max(float((u - v).abs().max()) for sa, sb in zip(a, b) for u, v in zip(sa[2:], sb[2:]))
+    res["speedup"] = res["row_kernels_ms"] / res["tiles_ms"]
+    log(f"mhc sites of one layer at {rows} rows: row kernels {res['row_kernels_ms']:.3f} ms, tiles "
+        f"{res['tiles_ms']:.3f} ms ({res['speedup']:.1f}x; coefficients within {res['coeff_max_abs_diff']:.1e})")
+    return res
 
 
 def _routing(rows: int, experts: int, topk: int, skew: float, gen: torch.Generator) -> torch.Tensor:

@@ -15,7 +15,8 @@ The head takes the fused kernel in every phase: its rows are sampling rows (`log
 
 mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: two
 launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
-final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math. The rest of the
+final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math; prefill rows'
+sites as tiles with DSV41_PREFILL_MHC_TILES=1 (kernels/step/mhc_prefill.py, `MhcSites.of(phase=)`). The rest of the
 forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
 `SequenceState`s, the states' tensors on the model's device. With the drafter (`dspark`: runtime/draft_fast.py) every
 row's taps (the streams' mean entering each DSpark target layer: an extra output of that layer's "attn_in" piece)
@@ -257,7 +258,8 @@ class FastModel:
         piece = self._piece_runner(phase, n, trace)
         x, pre, P = piece("embed", self._streams, ids_b.to(dev), pos_b.to(dev))
         # what the blocks run on: the replay cut (`_replay_cut`) leaves fewer rows, segments and positions
-        at = Rows(MhcSites.of(cfg, dev, rows=n), n, segs, P, rows, live, self._seeds([s.state for s in segs]))
+        at = Rows(MhcSites.of(cfg, dev, rows=n, phase=phase), n, segs, P, rows, live,
+                  self._seeds([s.state for s in segs]))
 
         def run_block(block, x, pre, pending):
             layer_trace = {} if trace is not None else None
@@ -309,7 +311,7 @@ class FastModel:
         gone = torch.from_numpy(np.flatnonzero(drop)).to(dev)
         keep = torch.from_numpy(np.flatnonzero(~drop)).to(dev)
         sub = lambda t: None if t is None else tuple(v[gone] for v in t)  # noqa: E731
-        gone_sites = MhcSites.of(self.cfg, dev, rows=g)
+        gone_sites = MhcSites.of(self.cfg, dev, rows=g, phase=phase)
         with section("mhc"):
             if pending is None:
                 h = gone_sites.site(x[gone], block.hc_attn, pre[gone], block.attn_norm)[0]
@@ -317,7 +319,7 @@ class FastModel:
                 y, post, comb = sub(pending)
                 h = gone_sites.expand_site(y, x[gone], post, comb, block.hc_attn, pre[gone], block.attn_norm)[1]
         block.attn.compress_only(h, g, gone_segs, phase)
-        at.sites, at.n, at.segs, at.P = MhcSites.of(self.cfg, dev, rows=k), k, kept_segs, at.P[keep]
+        at.sites, at.n, at.segs, at.P = MhcSites.of(self.cfg, dev, rows=k, phase=phase), k, kept_segs, at.P[keep]
         if at.engram_rows is not None:
             at.engram_rows = {L: r[keep] for L, r in at.engram_rows.items()}
             at.live = at.live[keep]
