@@ -248,6 +248,41 @@ def rope_pairs(ev, od, pos, freq_ptr, col, live, D, R: tl.constexpr, INVERSE: tl
     return tl.where(rot, ra, ev), tl.where(rot, rb, od)
 
 
+@triton.jit(do_not_specialize=["live_rows"])
+def _rope_tail_kernel(x_ptr, stride_xr, stride_xh, pos_ptr, freq_ptr, D, H, live_rows, R: tl.constexpr,
+                      HP: tl.constexpr, INVERSE: tl.constexpr, OUT: tl.constexpr, ZB: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """`rope_rows(inplace=True)`: program (row, HP heads) rotates the last R dims of its heads in x, the cos and sin
+    made once for the row (not once a head); the other dims are left where they are (with no norm, no quantiser
+    and the same dtype, `_rowops_kernel` writes them back unchanged: `_cast` of a value of OUT is itself). Each
+    rotated value is `rope_pairs`' arithmetic on the same operands (per element, unfused), so its bits. A padding
+    row (>= live_rows) is zeroed whole, as `_rowops_kernel` writes it."""
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HP + tl.arange(0, HP)
+    hok = (heads < H)[:, None]
+    base = x_ptr + row * stride_xr + heads.to(tl.int64)[:, None] * stride_xh
+    if row >= live_rows:
+        zero = tl.zeros((HP, ZB), dtype=x_ptr.dtype.element_ty)
+        for c0 in range(0, D, ZB):
+            c = c0 + tl.arange(0, ZB)[None, :]
+            tl.store(base + c, zero, mask=hok & (c < D))
+    else:
+        j = tl.arange(0, R // 2)
+        f = tl.load(freq_ptr + j)
+        ang = (tl.load(pos_ptr + row).to(tl.float32) * f).to(tl.float64)
+        c = tl.cos(ang).to(tl.float32)[None, :]
+        s = tl.sin(ang).to(tl.float32)
+        if INVERSE:
+            s = _neg(s)
+        s = s[None, :]
+        at = base + (D - R + 2 * j)[None, :]
+        ev = tl.load(at, mask=hok, other=0.0).to(tl.float32)
+        od = tl.load(at + 1, mask=hok, other=0.0).to(tl.float32)
+        tl.store(at, _cast(ev * c - od * s, OUT).to(x_ptr.dtype.element_ty), mask=hok)
+        tl.store(at + 1, _cast(ev * s + od * c, OUT).to(x_ptr.dtype.element_ty), mask=hok)
+
+
 @triton.jit
 def _rowops_row(x_ptr, stride_xr, stride_xh, dst, w_ptr, pos_ptr, freq_ptr, eps, D, row, head, col, live,
                 NORM: tl.constexpr, ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr,
@@ -300,7 +335,7 @@ def _store_args(store, x: torch.Tensor, blk: int, fixed_tile: bool, live: int) -
 
 def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, inv_freq=None, rope_dim: int = 0,
             inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None, rows=None,
-            store=None):
+            store=None, inplace: bool = False):
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [rows, dim] or [rows, heads, dim], got {list(x.shape)}")
     if quant not in QUANT_MODES:
@@ -339,6 +374,8 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
         if D % blk:
             mode = 0  # the reference skips a quantiser whose block does not divide the vector (MODEL.md §15b.6)
     live = _live_rows(rows, B)
+    if inplace:
+        return _rope_in_place(x, positions, inv_freq, rope_dim, inverse, live, B, H, D, stride_h)
     sargs, scid = (x, x, 0), -1
     if store is not None:
         # the tile block fixes the norm's reduction tree and the quantiser's blocks; without either it is free
@@ -359,6 +396,18 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
     return out
 
 
+def _rope_in_place(x, positions, inv_freq, rope_dim, inverse, live, B, H, D, stride_h):
+    """`_launch`'s in-place RoPE (`_rope_tail_kernel`): x itself (made contiguous first if its last dim is not)."""
+    if B == 0 or H == 0:
+        return x
+    hp = min(triton.next_power_of_2(H), 8)  # the heads are independent, each element's arithmetic its own
+    _rope_tail_kernel[(B, triton.cdiv(H, hp))](
+        x, x.stride(0), stride_h, positions, inv_freq, D, H, live, R=rope_dim, HP=hp, INVERSE=bool(inverse),
+        OUT=_DTYPES[x.dtype], ZB=128, num_warps=1 if hp * rope_dim <= 256 else 2, enable_fp_fusion=False,
+        **pdl_launch(x.device))
+    return x
+
+
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
                   rows: int | None = None):
     """`rms_norm(x, weight, eps)` for x [rows, n] (or [rows, heads, n], each head normalised on its own), one
@@ -370,16 +419,21 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
 
 def rope_rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, *,
               inverse: bool = False, quant: str | None = None, block: int | None = None,
-              out_dtype: torch.dtype | None = None, rows: int | None = None, store=None):
+              out_dtype: torch.dtype | None = None, rows: int | None = None, store=None, inplace: bool = False):
     """`quant(RopeTable(inv_freq).apply(x.to(out_dtype), positions, rope_dim, inverse))` for x [rows, heads, dim]
     (or [rows, dim]), positions [rows] (any integer dtype), inv_freq the table's fp32 [rope_dim / 2]; quant None,
     "fp8_ue8m0", "fp4_ue8m0" or "fp4_e4m3" (`block` defaults to 32 / 32 / 16). Replaces the q RoPE, the output's
     inverse RoPE (x the fp32 o, out_dtype the activations'), the index queries' RoPE + FP4 and the compressed
     entries' RoPE + FP4 (e4m3 scales / 16). `store=(store, dest, codec)` (one vector a row, a quantised pool codec
     over its whole dim): also row dest[r] of the store := `codec.encode(out[r])` (`cache.store_rows`' bytes; dest
-    < 0 writes nothing), in the same launch."""
+    < 0 writes nothing), in the same launch. `inplace` (no quant, no store, out_dtype None or x's, rope_dim / 2 a
+    power of two): the same values written into x (returned; a copy first if its last dim is strided) by a launch
+    that reads and writes the rotated tail only (the prefill queries: 1/8 of the bytes at head_dim 512)."""
+    if inplace and (quant is not None or store is not None or out_dtype not in (None, x.dtype)
+                    or rope_dim < 2 or rope_dim & (rope_dim - 1)):
+        raise ValueError("rope_rows(inplace=True) takes no quant, no store, x's dtype and a power-of-two rope_dim")
     return _launch(x, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim, inverse=inverse, quant=quant,
-                   block=block, out_dtype=out_dtype, rows=rows, store=store)
+                   block=block, out_dtype=out_dtype, rows=rows, store=store, inplace=inplace)
 
 
 def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
