@@ -5,7 +5,8 @@ One call measures, in this order (results saved after each stage, so a run cut s
 - the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer both ways
   (`ms`: the tiles; `gemm_ms`: decoded once into the workspace + one GEMM, `kernels/exl3/prefill_dense.py`, with
-  `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the
+  `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the prefill row
+  kernels, old work distribution vs new (`row_kernels`: rotations, SwiGLU + rotation, the queries' RoPE); the
   attention core of one layer's chunk, gathered against indexed (`attention_core_alone`); the indexer's top-k
   over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); the routed
   experts' CUDA tiles at `--tile-ab` rows (2,048, 8,192, 32,768), 64- vs 128-row tiles in both launch orders, evenly
@@ -117,6 +118,11 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
         f"{len(dense)} matrices (tiles), {out['dense_gemm_ms']:.2f} ms decoded once + GEMM (the decodes "
         f"{out['dense_decode_ms']:.2f} ms)")
     try:  # a failure here must not cost the rest of the run
+        out["row_kernels"] = row_kernels_ab(block, x, ids)
+    except Exception as exc:  # noqa: BLE001
+        out["row_kernels"] = {"error": repr(exc)}
+        log(f"row kernels A/B failed: {exc!r}")
+    try:
         out["attention_core"] = attention_core_alone(block.attn, chunk)
     except Exception as exc:  # noqa: BLE001
         out["attention_core"] = {"error": repr(exc)}
@@ -127,6 +133,39 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
         out["index_topk"] = {"error": repr(exc)}
         log(f"index top-k alone failed: {exc!r}")
     return out
+
+
+def row_kernels_ab(block, x, ids) -> dict:
+    """The prefill row kernels, old distribution vs new (the same bits: tests/test_prefill_rowops.py), in us: the
+    input rotation of a dense matrix and of the experts' pairs, the experts' SwiGLU + rotation, the queries' RoPE."""
+    from dsv41.kernels.exl3.prefill import _rotate, swiglu_rotate, tile_table
+    from dsv41.kernels.step.rowops import _launch, rope_rows
+
+    s, attn = block.moe.experts, block.attn
+    T, k = x.shape
+    order, pair_e, _ = tile_table(ids, s.w1.experts, 128)
+    src, pairs = (order // ids.shape[1]).int(), order.numel()
+    gate = torch.randn(pairs, s.w1.n, device=x.device)
+    route, hh = torch.rand(pairs, device=x.device), torch.empty(pairs, s.w1.n, dtype=torch.float16, device=x.device)
+    q = torch.randn(T, attn.heads, attn.cfg.head_dim, device=x.device).bfloat16()
+    iq = torch.randn(T, attn.cfg.index_n_heads, attn.cfg.index_head_dim, device=x.device).bfloat16()
+    pos, freq, R = torch.arange(T, device=x.device), attn._inv_freq(x.device), attn.cfg.qk_rope_head_dim
+    rope = dict(positions=pos, inv_freq=freq, rope_dim=R)
+    res = {}
+    for name, new in (("old", False), ("new", True)):
+        rb = None if new else 1
+        res[name] = {
+            "rotate_dense_us": cuda_ms(lambda: _rotate(x, s.w1.suh[0], k, row_blocks=rb), 5) * 1e3,
+            "rotate_experts_us": cuda_ms(lambda: _rotate(x, s.w1.suh, k, src=src, pair_e=pair_e, suh_b=s.w3.suh,
+                                                         rows=pairs, permute=True, row_blocks=rb), 5) * 1e3,
+            "swiglu_rotate_us": cuda_ms(lambda: swiglu_rotate(gate, gate, route, pair_e, s.w2.suh, hh, pairs,
+                                                              s.w1.n, 10.0, row_blocks=rb), 5) * 1e3,
+            "q_rope_us": cuda_ms(lambda: rope_rows(q, pos, freq, R, inplace=new), 5) * 1e3,
+            "index_q_rope_fp4_us": cuda_ms(lambda: _launch(iq, quant="fp4_ue8m0", heads_per_program=None if new else 1,
+                                                           **rope), 5) * 1e3}
+    log(f"row kernels at {T} rows (us, old -> new): " + ", ".join(
+        f"{key[:-3]} {res['old'][key]:.0f} -> {res['new'][key]:.0f}" for key in res["old"]))
+    return res
 
 
 def _routing(rows: int, experts: int, topk: int, skew: float, gen: torch.Generator) -> torch.Tensor:

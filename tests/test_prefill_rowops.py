@@ -76,6 +76,21 @@ def _rope_pair(x, pos, freq, rope_dim, inverse, rows):
     return fresh, got
 
 
+def _heads_pair(x, pos, freq, rope_dim, quant, out_dtype, rows):
+    """(one head a program, several) of the same RoPE (+ quantiser) launch; pos None: the quantiser alone."""
+    from dsv41.kernels.step.rowops import _launch
+
+    kw = dict(quant=quant, out_dtype=out_dtype, rows=rows)
+    if pos is not None:
+        kw.update(positions=pos, inv_freq=freq, rope_dim=rope_dim)
+    return _launch(x, heads_per_program=1, **kw), _launch(x, **kw)
+
+
+# (rows, heads, dim, rope dim, input dtype, quantiser, out dtype, live rows, with RoPE)
+HEADS_CASES = [(6, 5, 128, 64, torch.bfloat16, "fp4_ue8m0", None, 4, True),
+               (5, 3, 64, 16, torch.float32, None, torch.bfloat16, 5, True),
+               (4, 9, 64, 32, torch.bfloat16, "fp8_ue8m0", None, 3, True),
+               (3, 6, 64, 0, torch.bfloat16, "fp4_e4m3", None, 3, False)]
 ROPE_CASES = [(6, 5, 128, 64, torch.bfloat16, False, 4), (7, 3, 64, 16, torch.float16, True, 7),
               (5, 9, 32, 8, torch.float32, True, 3), (4, 2, 512, 64, torch.bfloat16, True, 4)]
 
@@ -83,13 +98,17 @@ ROPE_CASES = [(6, 5, 128, 64, torch.bfloat16, False, 4), (7, 3, 64, 16, torch.fl
 def _worker(out_path: str) -> None:
     gen = torch.Generator().manual_seed(31)
     res = {}
-    args = _rotate_inputs(gen, 53, 384, 4, 70, "cpu")
-    res["rotate"] = {rb: _rotations(*args, row_blocks=rb) for rb in (1, 2, 4, 8)}
+    args = _rotate_inputs(gen, 53, 256, 4, 70, "cpu")
+    res["rotate"] = {rb: _rotations(*args, row_blocks=rb) for rb in (1, 4)}
     sw = _swiglu_inputs(gen, 70, 256, 4, "cpu")
     res["swiglu"] = {rb: _swiglu(*sw, row_blocks=rb) for rb in (1, 4)}
     for i, (rows, heads, dim, rope_dim, dtype, inverse, live) in enumerate(ROPE_CASES):
         x, pos = _rope_inputs(gen, rows, heads, dim, dtype, "cpu")
         res[f"rope/{i}"] = _rope_pair(x, pos, _inv_freq(rope_dim, "cpu"), rope_dim, inverse, live)
+    for i, (rows, heads, dim, rope_dim, dtype, quant, out_dtype, live, rope) in enumerate(HEADS_CASES):
+        x, pos = _rope_inputs(gen, rows, heads, dim, dtype, "cpu")
+        res[f"heads/{i}"] = _heads_pair(x, pos if rope else None, _inv_freq(rope_dim, "cpu") if rope else None,
+                                        rope_dim, quant, out_dtype, live)
     torch.save(res, out_path)
 
 
@@ -105,9 +124,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_interpreted_rotations_keep_their_bits_whatever_the_rows_a_program(interp):
     old = interp["rotate"][1]
-    for rb in (2, 4, 8):
-        for a, b in zip(old, interp["rotate"][rb]):
-            assert _same_bits(a, b), rb
+    for a, b in zip(old, interp["rotate"][4]):
+        assert _same_bits(a, b)
     assert old[0].abs().sum() > 0 and old[1].abs().sum() > 0  # the rows were written
     assert _same_bits(interp["swiglu"][1], interp["swiglu"][4])
     assert interp["swiglu"][1].abs().sum() > 0
@@ -119,6 +137,14 @@ def test_interpreted_rope_in_place_is_the_fresh_launchs_bits(interp, case):
     assert _same_bits(fresh, inplace)
     live = ROPE_CASES[case][-1]
     assert (inplace[live:] == 0).all() and (inplace[:live] != 0).any()
+
+
+@pytest.mark.parametrize("case", range(len(HEADS_CASES)))
+def test_interpreted_heads_a_program_keep_the_one_head_launchs_bits(interp, case):
+    one, several = interp[f"heads/{case}"]
+    assert _same_bits(one, several)
+    live = HEADS_CASES[case][-2]
+    assert (several[live:] == 0).all() and (several[:live] != 0).any()
 
 
 def test_row_blocks_leave_enough_programs():
@@ -197,7 +223,29 @@ def test_gpu_query_rope_in_place_keeps_its_bits(rows, heads):
     y = x.clone()
     t_old = _ms(lambda: rope_rows(x, pos, freq, 64, rows=rows))
     t_new = _ms(lambda: rope_rows(y, pos, freq, 64, rows=rows, inplace=True))
-    print(f"q rope {rows} x {heads} x 512: fresh {t_old * 1e3:.1f} us, in place {t_new * 1e3:.1f} us")
+    t_heads = _ms(lambda: rope_rows(x, pos, freq, 64, rows=rows))
+    print(f"q rope {rows} x {heads} x 512: one head a program {t_old * 1e3:.1f} us, in place {t_new * 1e3:.1f} us"
+          f", fresh with 8 heads a program {t_heads * 1e3:.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2048, 8192])
+def test_gpu_index_query_rope_fp4_heads_a_program_keep_their_bits(rows):
+    need_compiled_cuda()
+    gen = torch.Generator().manual_seed(rows + 7)
+    freq = _inv_freq(64, "cuda")
+    x, pos = _rope_inputs(gen, rows, 32, 128, torch.bfloat16, "cuda")
+    one, several = _heads_pair(x, pos, freq, 64, "fp4_ue8m0", None, rows)
+    assert _same_bits(one, several)
+    o, _ = _rope_inputs(gen, rows, 32, 512, torch.float32, "cuda")  # the output's inverse RoPE, fp32 -> bf16
+    one, several = _heads_pair(o, pos, freq, 64, None, torch.bfloat16, rows - 3)
+    assert _same_bits(one, several)
+    from dsv41.kernels.step.rowops import _launch
+
+    kw = dict(positions=pos, inv_freq=freq, rope_dim=64, quant="fp4_ue8m0")
+    t_one, t_new = (_ms(lambda: _launch(x, heads_per_program=hp, **kw)) for hp in (1, None))
+    print(f"index q rope + fp4 {rows} x 32 x 128: one head a program {t_one * 1e3:.1f} us, "
+          f"8 heads {t_new * 1e3:.1f} us")
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[1] == "--interp-worker":
