@@ -31,7 +31,8 @@ or (`DSV41_PREFILL_DENSE_GEMM=1`, off by default) the matrix decoded once into a
 with the same epilogue (`prefill_dense.py`: at 8K rows the tiles decode each weight 128 times).
 
 Row invariance (chunked == one-shot, batched == alone): the tile shape, BK and warps are fixed per kernel, never
-chosen from the row count; every product is a tensor-core dot whose output row depends on its own input row only;
+chosen from the row count (the rotations' 16-row blocks a program, `_row_blocks`, follow it: each block is the
+same fixed dot, so the same bits); every product is a tensor-core dot whose output row depends on its own input row only;
 the rotations are per row (`rotate_rows_fp32` scales each row by its own maximum). So a row's bits do not depend
 on the other rows of its tile, on its place in it, or on the chunk (tests/test_exl3_prefill.py). The CUDA
 kernels' two tile sizes give the same bits (each output element one mma chain over k in the same order), so the
