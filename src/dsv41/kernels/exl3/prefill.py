@@ -31,7 +31,8 @@ or (`DSV41_PREFILL_DENSE_GEMM=1`, off by default) the matrix decoded once into a
 with the same epilogue (`prefill_dense.py`: at 8K rows the tiles decode each weight 128 times).
 
 Row invariance (chunked == one-shot, batched == alone): the tile shape, BK and warps are fixed per kernel, never
-chosen from the row count; every product is a tensor-core dot whose output row depends on its own input row only;
+chosen from the row count (the rotations' 16-row blocks a program, `_row_blocks`, follow it: each block is the
+same fixed dot, so the same bits); every product is a tensor-core dot whose output row depends on its own input row only;
 the rotations are per row (`rotate_rows_fp32` scales each row by its own maximum). So a row's bits do not depend
 on the other rows of its tile, on its place in it, or on the chunk (tests/test_exl3_prefill.py). The CUDA
 kernels' two tile sizes give the same bits (each output element one mma chain over k in the same order), so the
@@ -122,57 +123,63 @@ def _block_offsets(rows, width, kb, PERMUTE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _rotate_kernel(x_ptr, stride_x, src_ptr, pair_e_ptr, suh_a_ptr, suh_b_ptr, had_ptr, xa_ptr, xb_ptr, n_rows, k,
-                   GATHER: tl.constexpr, PER_EXPERT: tl.constexpr, TWO: tl.constexpr, PERMUTE: tl.constexpr):
-    """xa[i] = fp16(fp16(fp16(x[row_i]) ⊙ suh_a[e_i]) · H/√128) for 16 rows and one 128-wide input block
-    (`rotate_input_kernel`'s math), and xb with suh_b when TWO. GATHER: row_i = src[i] (else i); PER_EXPERT: the
-    signs of expert e_i = pair_e[i] (else the one matrix's); PERMUTE: each 128-block stored in the CUDA tile
-    kernel's B-operand order."""
+                   GATHER: tl.constexpr, PER_EXPERT: tl.constexpr, TWO: tl.constexpr, PERMUTE: tl.constexpr,
+                   ROW_BLOCKS: tl.constexpr = 1):
+    """xa[i] = fp16(fp16(fp16(x[row_i]) ⊙ suh_a[e_i]) · H/√128) for ROW_BLOCKS blocks of 16 rows and one 128-wide
+    input block (`rotate_input_kernel`'s math), and xb with suh_b when TWO. GATHER: row_i = src[i] (else i);
+    PER_EXPERT: the signs of expert e_i = pair_e[i] (else the one matrix's); PERMUTE: each 128-block stored in the
+    CUDA tile kernel's B-operand order. ROW_BLOCKS (`_row_blocks`): the 32 KB Hadamard is loaded once for them all
+    (with one block a program it was re-read for every 4 KB of rows); each block is the same [16, 128] x
+    [128, 128] dot as with one, so the same bits whatever ROW_BLOCKS is."""
     pb = tl.program_id(0)
     kb = tl.program_id(1)
-    rows = pb * 16 + tl.arange(0, 16)
-    ok = rows < n_rows
     cols = tl.arange(0, 128)
     xk = kb * 128 + cols
-    if GATHER:
-        src = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
-    else:
-        src = rows.to(tl.int64)
-    if PER_EXPERT:
-        e = tl.load(pair_e_ptr + rows, mask=ok, other=0).to(tl.int64)
-    else:
-        e = rows.to(tl.int64) * 0
-    x = tl.load(x_ptr + src[:, None] * stride_x + xk[None, :], mask=ok[:, None], other=0.0)
-    x16 = x.to(tl.float16).to(tl.float32)
     h = tl.load(had_ptr + cols[:, None] * 128 + cols[None, :])
-    out = _block_offsets(rows, k, kb, PERMUTE)
-    tl.store(xa_ptr + out, _rotate_block(x16, suh_a_ptr + e[:, None] * k + xk[None, :], ok, h), mask=ok[:, None])
-    if TWO:
-        tl.store(xb_ptr + out, _rotate_block(x16, suh_b_ptr + e[:, None] * k + xk[None, :], ok, h),
+    for i in tl.static_range(ROW_BLOCKS):
+        rows = (pb * ROW_BLOCKS + i) * 16 + tl.arange(0, 16)
+        ok = rows < n_rows
+        if GATHER:
+            src = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            src = rows.to(tl.int64)
+        if PER_EXPERT:
+            e = tl.load(pair_e_ptr + rows, mask=ok, other=0).to(tl.int64)
+        else:
+            e = rows.to(tl.int64) * 0
+        x = tl.load(x_ptr + src[:, None] * stride_x + xk[None, :], mask=ok[:, None], other=0.0)
+        x16 = x.to(tl.float16).to(tl.float32)
+        out = _block_offsets(rows, k, kb, PERMUTE)
+        tl.store(xa_ptr + out, _rotate_block(x16, suh_a_ptr + e[:, None] * k + xk[None, :], ok, h),
                  mask=ok[:, None])
+        if TWO:
+            tl.store(xb_ptr + out, _rotate_block(x16, suh_b_ptr + e[:, None] * k + xk[None, :], ok, h),
+                     mask=ok[:, None])
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _swiglu_rotate_kernel(gate_ptr, up_ptr, route_ptr, pair_e_ptr, suh2_ptr, had_ptr, hh_ptr, n_pairs, n1, LIMIT,
-                          PERMUTE: tl.constexpr):
-    """The CUDA path's gate/up epilogue for 16 pairs and one 128-column block: clamped SwiGLU of the rotated gate
-    and up (fp32) times the routing weight, rounded to fp16, rotated with the down matrix's suh (`_gate_up_kernel`'s
-    epilogue, the same math)."""
+                          PERMUTE: tl.constexpr, ROW_BLOCKS: tl.constexpr = 1):
+    """The CUDA path's gate/up epilogue for ROW_BLOCKS blocks of 16 pairs and one 128-column block: clamped SwiGLU
+    of the rotated gate and up (fp32) times the routing weight, rounded to fp16, rotated with the down matrix's suh
+    (`_gate_up_kernel`'s epilogue, the same math). ROW_BLOCKS: as `_rotate_kernel` (the same bits)."""
     pb = tl.program_id(0)
     nb = tl.program_id(1)
-    pairs = pb * 16 + tl.arange(0, 16)
-    ok = pairs < n_pairs
     idx = tl.arange(0, 128)
     cols = nb * 128 + idx
-    at = pairs[:, None].to(tl.int64) * n1 + cols[None, :]
-    gate = tl.minimum(tl.load(gate_ptr + at, mask=ok[:, None], other=0.0), LIMIT)
-    up = tl.load(up_ptr + at, mask=ok[:, None], other=0.0)
-    up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-    route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
-    h16 = (gate * tl.sigmoid(gate) * up * route[:, None]).to(tl.float16)
-    e = tl.load(pair_e_ptr + pairs, mask=ok, other=0).to(tl.int64)
     had = tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
-    hh = _rotate_block(h16.to(tl.float32), suh2_ptr + e[:, None] * n1 + cols[None, :], ok, had)
-    tl.store(hh_ptr + _block_offsets(pairs, n1, nb, PERMUTE), hh, mask=ok[:, None])
+    for i in tl.static_range(ROW_BLOCKS):
+        pairs = (pb * ROW_BLOCKS + i) * 16 + tl.arange(0, 16)
+        ok = pairs < n_pairs
+        at = pairs[:, None].to(tl.int64) * n1 + cols[None, :]
+        gate = tl.minimum(tl.load(gate_ptr + at, mask=ok[:, None], other=0.0), LIMIT)
+        up = tl.load(up_ptr + at, mask=ok[:, None], other=0.0)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        route = tl.load(route_ptr + pairs, mask=ok, other=0.0).to(tl.float32)
+        h16 = (gate * tl.sigmoid(gate) * up * route[:, None]).to(tl.float16)
+        e = tl.load(pair_e_ptr + pairs, mask=ok, other=0).to(tl.int64)
+        hh = _rotate_block(h16.to(tl.float32), suh2_ptr + e[:, None] * n1 + cols[None, :], ok, had)
+        tl.store(hh_ptr + _block_offsets(pairs, n1, nb, PERMUTE), hh, mask=ok[:, None])
 
 
 @triton.jit
@@ -309,18 +316,41 @@ def _cuda_rows(device: torch.device, Ks: tuple[int, ...], tile_rows: int | None)
     return rows if all(prefill_cuda.fits(K, device, rows) for K in Ks) else None
 
 
-def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False):
-    """The rotated input(s) of `rows` rows (fp16 [rows (+ the CUDA tiles' padding when permuted), k])."""
+def _row_blocks(rows: int, col_blocks: int) -> int:
+    """Blocks of 16 rows per program of the rotation kernels: up to 8 while that leaves at least ~1,024 programs
+    (an H100's 132 SMs kept busy). Free to follow the row count: each 16-row block is the same dot and the same
+    per-element epilogue whatever the program holds, so the bits do not depend on it (tests/test_prefill_rowops)."""
+    units = triton.cdiv(rows, 16) * col_blocks
+    blocks = 1
+    while blocks < 8 and units // (2 * blocks) >= 1024:
+        blocks *= 2
+    return blocks
+
+
+def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False, row_blocks=None):
+    """The rotated input(s) of `rows` rows (fp16 [rows (+ the CUDA tiles' padding when permuted), k]).
+    row_blocks (None: `_row_blocks`): 16-row blocks per program, for the tests and the bench's A/B."""
     rows = x.shape[0] if rows is None else rows
     pad = prefill_cuda.PAD_ROWS if permute else 0
     xa = torch.empty(rows + pad, k, dtype=torch.float16, device=x.device)
     xb = torch.empty_like(xa) if suh_b is not None else xa
     if rows:
-        _rotate_kernel[(triton.cdiv(rows, 16), k // 128)](
+        rb = row_blocks or _row_blocks(rows, k // 128)
+        _rotate_kernel[(triton.cdiv(rows, 16 * rb), k // 128)](
             x, x.stride(0), src if src is not None else xa, pair_e if pair_e is not None else xa, suh_a,
             suh_b if suh_b is not None else suh_a, hadamard_signs(x.device, torch.float16), xa, xb, rows, k,
-            GATHER=src is not None, PER_EXPERT=pair_e is not None, TWO=suh_b is not None, PERMUTE=permute)
+            GATHER=src is not None, PER_EXPERT=pair_e is not None, TWO=suh_b is not None, PERMUTE=permute,
+            ROW_BLOCKS=rb)
     return xa, xb
+
+
+def swiglu_rotate(gate, up, route, pair_e, suh2, hh, pairs, inter, limit, *, permute=True, row_blocks=None):
+    """`_swiglu_rotate_kernel` over `pairs` pairs into hh (row_blocks: as `_rotate`)."""
+    rb = row_blocks or _row_blocks(pairs, inter // 128)
+    _swiglu_rotate_kernel[(triton.cdiv(pairs, 16 * rb), inter // 128)](
+        gate, up, route, pair_e, suh2, hadamard_signs(gate.device, torch.float16), hh, pairs, inter, float(limit),
+        PERMUTE=permute, ROW_BLOCKS=rb)
+    return hh
 
 
 def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w1: Exl3ExpertStack,
@@ -365,8 +395,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         prefill_tiles_cuda(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table,
                            **tiling)
         del xg, xu
-        _swiglu_rotate_kernel[(triton.cdiv(pairs, 16), inter // 128)](
-            gate, up, route, pair_e, w2.suh, had, hh, pairs, inter, float(swiglu_limit), PERMUTE=True)
+        swiglu_rotate(gate, up, route, pair_e, w2.suh, hh, pairs, inter, swiglu_limit)
         del gate, up
     else:
         _gate_up_kernel[(tiles, inter // 128)](

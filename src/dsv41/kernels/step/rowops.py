@@ -235,6 +235,13 @@ def rope_pairs(ev, od, pos, freq_ptr, col, live, D, R: tl.constexpr, INVERSE: tl
     rotated where they lie in the last R dims, each result rounded to OUT; the others passed through. Shared with
     the attention combine (its inverse RoPE of o), so both give these bits; their launches pass
     enable_fp_fusion=False (module docstring)."""
+    rot, c, s = rope_trig(pos, freq_ptr, col, live, D, R, INVERSE)
+    return rope_apply(ev, od, rot, c, s, OUT)
+
+
+@triton.jit
+def rope_trig(pos, freq_ptr, col, live, D, R: tl.constexpr, INVERSE: tl.constexpr):
+    """`rope_pairs`' (rotated?, cos, sin) at even columns `col`: the position's only (a row's heads share it)."""
     j = col // 2 - (D - R) // 2  # frequency index of the pair; < 0 outside the rotated tail
     rot = live & (j >= 0)
     f = tl.load(freq_ptr + j, mask=rot, other=0.0)
@@ -243,9 +250,89 @@ def rope_pairs(ev, od, pos, freq_ptr, col, live, D, R: tl.constexpr, INVERSE: tl
     s = tl.sin(ang).to(tl.float32)
     if INVERSE:
         s = _neg(s)
+    return rot, c, s
+
+
+@triton.jit
+def rope_apply(ev, od, rot, c, s, OUT: tl.constexpr):
+    """`rope_pairs`' rotation with `rope_trig`'s cos and sin, each result rounded to OUT."""
     ra = _cast(ev * c - od * s, OUT)
     rb = _cast(ev * s + od * c, OUT)
     return tl.where(rot, ra, ev), tl.where(rot, rb, od)
+
+
+@triton.jit(do_not_specialize=["live_rows"])
+def _rowops_heads_kernel(x_ptr, stride_xr, stride_xh, out_ptr, pos_ptr, freq_ptr, D, H, live_rows,
+                         ROPE: tl.constexpr, R: tl.constexpr, INVERSE: tl.constexpr, QUANT: tl.constexpr,
+                         NB: tl.constexpr, HB: tl.constexpr, OUT: tl.constexpr, HP: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """`_rowops_kernel` with no norm and no store (RoPE and / or a quantiser) for HP heads of one row: the cos and
+    sin made once for the row, not once a head (fp64, the old launch's main cost at prefill). Each head is the same
+    [NB, HB] tiles through the same per-element operations and block maxima, so the old launch's bits."""
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head0 = tl.program_id(1) * HP
+    b = tl.arange(0, NB)[:, None]
+    k = tl.arange(0, HB)[None, :]
+    col = b * (2 * HB) + 2 * k  # the even member's column
+    live = col < D
+    if row >= live_rows:
+        zero = tl.zeros((NB, HB), dtype=out_ptr.dtype.element_ty)
+        for i in tl.static_range(HP):
+            dst = out_ptr + (row * H + head0 + i) * D + col
+            tl.store(dst, zero, mask=live & (head0 + i < H))
+            tl.store(dst + 1, zero, mask=live & (head0 + i < H))
+    else:
+        if ROPE:
+            rot, c, s = rope_trig(tl.load(pos_ptr + row), freq_ptr, col, live, D, R, INVERSE)
+        for i in tl.static_range(HP):
+            ok = live & (head0 + i < H)
+            src = x_ptr + row * stride_xr + (head0 + i) * stride_xh + col
+            ev = _cast(tl.load(src, mask=ok, other=0.0).to(tl.float32), OUT)
+            od = _cast(tl.load(src + 1, mask=ok, other=0.0).to(tl.float32), OUT)
+            if ROPE:
+                ev, od = rope_apply(ev, od, rot, c, s, OUT)
+            if QUANT != 0:
+                ev, od = _fake_quant(ev, od, QUANT)
+                ev = _cast(ev, OUT)
+                od = _cast(od, OUT)
+            dst = out_ptr + (row * H + head0 + i) * D + col
+            tl.store(dst, ev.to(dst.dtype.element_ty), mask=ok)
+            tl.store(dst + 1, od.to(dst.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["live_rows"])
+def _rope_tail_kernel(x_ptr, stride_xr, stride_xh, pos_ptr, freq_ptr, D, H, live_rows, R: tl.constexpr,
+                      HP: tl.constexpr, INVERSE: tl.constexpr, OUT: tl.constexpr, ZB: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    """`rope_rows(inplace=True)`: program (row, HP heads) rotates the last R dims of its heads in x, cos and sin made
+    once for the row; the other dims stay (with no norm, no quantiser and x's dtype the old launch writes them back
+    unchanged: `_cast` of a value of OUT is itself). Each rotated value is `rope_pairs`' arithmetic (per element,
+    unfused): its bits. A padding row (>= live_rows) is zeroed whole, as `_rowops_kernel` writes it."""
+    wait_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * HP + tl.arange(0, HP)
+    hok = (heads < H)[:, None]
+    base = x_ptr + row * stride_xr + heads.to(tl.int64)[:, None] * stride_xh
+    if row >= live_rows:
+        zero = tl.zeros((HP, ZB), dtype=x_ptr.dtype.element_ty)
+        for c0 in range(0, D, ZB):
+            c = c0 + tl.arange(0, ZB)[None, :]
+            tl.store(base + c, zero, mask=hok & (c < D))
+    else:
+        j = tl.arange(0, R // 2)
+        f = tl.load(freq_ptr + j)
+        ang = (tl.load(pos_ptr + row).to(tl.float32) * f).to(tl.float64)
+        c = tl.cos(ang).to(tl.float32)[None, :]
+        s = tl.sin(ang).to(tl.float32)
+        if INVERSE:
+            s = _neg(s)
+        s = s[None, :]
+        at = base + (D - R + 2 * j)[None, :]
+        ev = tl.load(at, mask=hok, other=0.0).to(tl.float32)
+        od = tl.load(at + 1, mask=hok, other=0.0).to(tl.float32)
+        tl.store(at, _cast(ev * c - od * s, OUT).to(x_ptr.dtype.element_ty), mask=hok)
+        tl.store(at + 1, _cast(ev * s + od * c, OUT).to(x_ptr.dtype.element_ty), mask=hok)
 
 
 @triton.jit
@@ -300,7 +387,7 @@ def _store_args(store, x: torch.Tensor, blk: int, fixed_tile: bool, live: int) -
 
 def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, inv_freq=None, rope_dim: int = 0,
             inverse: bool = False, quant: str | None = None, block: int | None = None, out_dtype=None, rows=None,
-            store=None):
+            store=None, inplace: bool = False, heads_per_program: int | None = None):
     if x.dim() not in (2, 3):
         raise ValueError(f"x must be [rows, dim] or [rows, heads, dim], got {list(x.shape)}")
     if quant not in QUANT_MODES:
@@ -339,6 +426,8 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
         if D % blk:
             mode = 0  # the reference skips a quantiser whose block does not divide the vector (MODEL.md §15b.6)
     live = _live_rows(rows, B)
+    if inplace:
+        return _rope_in_place(x, positions, inv_freq, rope_dim, inverse, live, B, H, D, stride_h) if B * H else x
     sargs, scid = (x, x, 0), -1
     if store is not None:
         # the tile block fixes the norm's reduction tree and the quantiser's blocks; without either it is free
@@ -349,6 +438,15 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
     nb = triton.next_power_of_2(triton.cdiv(D, blk))
     hb = blk // 2
     dummy = x
+    hp = heads_per_program or min(triton.next_power_of_2(H), 8)
+    if weight is None and store is None and hp > 1:
+        # several heads a program (no norm: its reduction tree stays the one-head launch's): the same bits
+        _rowops_heads_kernel[(B, triton.cdiv(H, hp))](
+            x, x.stride(0), stride_h, out, positions if rope else dummy, inv_freq if rope else dummy, D, H, live,
+            ROPE=rope, R=rope_dim if rope else 0, INVERSE=bool(inverse), QUANT=mode, NB=nb, HB=hb,
+            OUT=_DTYPES[out_dtype], HP=hp, num_warps=1 if nb * hb <= 256 else 4, enable_fp_fusion=False,
+            **pdl_launch(dev))
+        return out
     _rowops_kernel[(B, H)](  # the padding rows' programs write zeros: no memset launch beside the kernel
         x, x.stride(0), stride_h, out, weight if weight is not None else dummy,
         positions if rope else dummy, inv_freq if rope else dummy, float(eps), D, live, *sargs,
@@ -357,6 +455,16 @@ def _launch(x: torch.Tensor, *, weight=None, eps: float = 0.0, positions=None, i
         enable_fp_fusion=False,
         **pdl_launch(dev))
     return out
+
+
+def _rope_in_place(x, positions, inv_freq, rope_dim, inverse, live, B, H, D, stride_h):
+    """`_launch`'s in-place RoPE (`_rope_tail_kernel`): x itself (made contiguous first if its last dim is not)."""
+    hp = min(triton.next_power_of_2(H), 8)  # the heads are independent, each element's arithmetic its own
+    _rope_tail_kernel[(B, triton.cdiv(H, hp))](
+        x, x.stride(0), stride_h, positions, inv_freq, D, H, live, R=rope_dim, HP=hp, INVERSE=bool(inverse),
+        OUT=_DTYPES[x.dtype], ZB=128, num_warps=1 if hp * rope_dim <= 256 else 2, enable_fp_fusion=False,
+        **pdl_launch(x.device))
+    return x
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None, *,
@@ -370,16 +478,21 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: 
 
 def rope_rows(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rope_dim: int, *,
               inverse: bool = False, quant: str | None = None, block: int | None = None,
-              out_dtype: torch.dtype | None = None, rows: int | None = None, store=None):
+              out_dtype: torch.dtype | None = None, rows: int | None = None, store=None, inplace: bool = False):
     """`quant(RopeTable(inv_freq).apply(x.to(out_dtype), positions, rope_dim, inverse))` for x [rows, heads, dim]
     (or [rows, dim]), positions [rows] (any integer dtype), inv_freq the table's fp32 [rope_dim / 2]; quant None,
     "fp8_ue8m0", "fp4_ue8m0" or "fp4_e4m3" (`block` defaults to 32 / 32 / 16). Replaces the q RoPE, the output's
     inverse RoPE (x the fp32 o, out_dtype the activations'), the index queries' RoPE + FP4 and the compressed
     entries' RoPE + FP4 (e4m3 scales / 16). `store=(store, dest, codec)` (one vector a row, a quantised pool codec
     over its whole dim): also row dest[r] of the store := `codec.encode(out[r])` (`cache.store_rows`' bytes; dest
-    < 0 writes nothing), in the same launch."""
+    < 0 writes nothing), in the same launch. `inplace` (no quant, no store, out_dtype None or x's, rope_dim / 2 a
+    power of two): the same values written into x (returned; a copy first if its last dim is strided) by a launch
+    that reads and writes the rotated tail only (the prefill queries: 1/8 of the bytes at head_dim 512)."""
+    if inplace and (quant is not None or store is not None or out_dtype not in (None, x.dtype)
+                    or rope_dim < 2 or rope_dim & (rope_dim - 1)):
+        raise ValueError("rope_rows(inplace=True) takes no quant, no store, x's dtype and a power-of-two rope_dim")
     return _launch(x, positions=positions, inv_freq=inv_freq, rope_dim=rope_dim, inverse=inverse, quant=quant,
-                   block=block, out_dtype=out_dtype, rows=rows, store=store)
+                   block=block, out_dtype=out_dtype, rows=rows, store=store, inplace=inplace)
 
 
 def norm_rope_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,

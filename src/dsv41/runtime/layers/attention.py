@@ -195,7 +195,9 @@ class FastAttention(InPlaceAttention, FastIndexer):
             qr = rms_norm_rows(qa, w.q_norm, eps, rows=n)
         qb, ib = self._project_qr(qr, n, phase)
         with section("norms"):
-            q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R, rows=n)
+            # in place: qb is this call's own fresh output, and only its rotated tail is read and written (the
+            # same bits as a fresh output: the other dims pass through unchanged)
+            q = rope_rows(qb.view(B, self.heads, cfg.head_dim), P, freqs, R, rows=n, inplace=True)
             kv = norm_rope_rows(kva, w.kv_norm, eps, P, freqs, R, quant="fp8_ue8m0" if self.fq else None, block=32,
                                 rows=n, store=window)
         iq = iw = None
