@@ -43,7 +43,7 @@ LONGEST_FILES = (
     "test_kernels_step_mhc.py",
     "test_runtime_fast_engine.py",
     "test_runtime_fast_dspark.py",  # interpreted child: taps, drafts, three engine runs
-    "test_runtime_boot_graphs.py",  # two interpreted children
+    "test_runtime_boot_graphs.py",  # one interpreted child (the padded bucket, then the boot scratch steps)
     "test_server_tools.py",
     "test_kernels_step_indexer.py",
     "test_runtime_fast.py",

@@ -50,13 +50,14 @@ def _codebooks_of(K: int) -> list[str]:
 
 
 @pytest.mark.parametrize("K", range(1, 9))
-def test_cuda_source_compiles_for_hopper_every_codebook(tmp_path, K):
+def test_cuda_source_compiles_for_hopper_every_codebook(tmp_path_factory, K):
     """This K's variants (`_codebooks_of`) for sm_90 through the ahead-of-time builder the Nix closure uses."""
     from dsv41.kernels import cuda_build
 
     _nvcc_or_skip()
     variants = cuda_build.exl3_variants(Ks=[K], codebooks=tuple(_codebooks_of(K)))
-    built = cuda_build.build_all(["sm_90"], tmp_path, jobs=1, variants=variants)
+    # one folder for the K tests: test_prebuilt_cubin_... reuses K = 3 mul1 from it (a compile: ~10-15 s of a core)
+    built = cuda_build.build_all(["sm_90"], tmp_path_factory.getbasetemp() / "sm90", jobs=1, variants=variants)
     assert len(built) == len(variants) == len(_codebooks_of(K)) and all(p.stat().st_size > 0 for p in built)
     assert len({p.name for p in built}) == len(built)
 
@@ -98,19 +99,21 @@ def test_cuda_source_compiles_for_gb10_without_warnings(tmp_path):
             assert found is not None and found.group(1) == "0", (rows, proc.stderr[-3000:])
 
 
-def test_prebuilt_cubin_is_used_without_compiling(tmp_path, monkeypatch):
+def test_prebuilt_cubin_is_used_without_compiling(tmp_path_factory, tmp_path, monkeypatch):
     """The runtime finds a prebuilt cubin without compiling anything, and every kernel the host launches is an entry
     point of the image."""
     from dsv41.kernels import cuda_build, cuda_module
 
     _nvcc_or_skip()
     defines = cuda_build.exl3_defines(3, "mul1", cuda_build.DEFAULT_TUNING)
-    cuda_build.build_all(["sm_90"], tmp_path / "prebuilt", jobs=1, variants=[defines])
-    monkeypatch.setenv("DSV41_CUBIN_DIR", str(tmp_path / "prebuilt"))
+    cubins = tmp_path_factory.getbasetemp() / "sm90"  # the K tests' folder (run alone: built here first)
+    prebuilt = cubins / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")
+    if not prebuilt.exists():
+        cuda_build.build_all(["sm_90"], cubins, jobs=1, variants=[defines])
+    monkeypatch.setenv("DSV41_CUBIN_DIR", str(cubins))
     monkeypatch.setenv("DSV41_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(cuda_module, "find_nvcc", lambda: pytest.fail("compiled although a prebuilt cubin exists"))
     image = cuda_module.compile_image(cuda_build.EXL3_SOURCE, defines, "sm_90")
-    prebuilt = tmp_path / "prebuilt" / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")
     assert image == prebuilt.read_bytes()
     # every kernel the host launches is an entry point of the image (a symbol of the cubin's string table)
     from dsv41.kernels.exl3.cuda import KERNELS

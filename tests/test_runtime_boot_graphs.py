@@ -160,18 +160,20 @@ def test_nothing_is_captured_without_graphs_or_budget(lite, monkeypatch):
 
 
 def _interp_worker(out_path: str, model_dir: str) -> None:
-    """A prefilled pool, then the boot capture's scratch steps run for real (the step's function, eagerly, in the
-    interpreter): the pool's bytes before and after, and the logits' shapes."""
-    from dsv41.engine.batch import PREFILL, Row
+    """Both interpreted checks of this file in one child (one interpreter start and one model build): the padded
+    bucket's (`_bucket_worker`) and the boot capture's scratch steps (`_scratch_worker`)."""
     from dsv41.runtime.build import build_fast_model
-    from dsv41.runtime.fast_forward import pool_layout
-    from dsv41.runtime.kv_pool import pool_for_model
 
     torch.set_num_threads(1)
     model = build_fast_model(model_dir, "cpu", torch.float32, fake_quant=True)
-    pool = pool_for_model(pool_layout(model), num_slots=2, num_pages=4, page_tokens=PAGE_TOKENS, device="cpu")
-    prompt = [0] + [(i * 37) % 500 + 5 for i in range(12)]
-    FastForward(model, in_place=False).execute([Row(0, 1, prompt, 0, [2, 0], phase=PREFILL)], pool)
+    bucket, pool = _bucket_worker(model)
+    torch.save({"bucket": bucket, "boot": _scratch_worker(model, pool)}, out_path)
+
+
+def _scratch_worker(model, pool) -> dict:
+    """On the bucket check's pool (three prefilled and decoded sequences: the scratch rows, slot 0 pages 0-1, sit
+    on sequence 0's written slot and pages), the boot capture's scratch steps run for real (the step's function,
+    eagerly, in the interpreter): the pool's bytes before and after, and the logits' shapes."""
     before = pool.buffer.clone()
     ran, shapes = [], []
 
@@ -185,17 +187,26 @@ def _interp_worker(out_path: str, model_dir: str) -> None:
             shapes.append(tuple(out.shape))
             return out
 
-    model.graphs = Eager()
-    FastForward(model).capture_graphs(pool, max_rows=1, max_len=2 * PAGE_TOKENS, budget_s=1e9)
-    torch.save({"before": before, "after": pool.buffer.clone(), "ran": ran, "shapes": shapes}, out_path)
+    graphs, model.graphs = model.graphs, Eager()
+    try:
+        FastForward(model).capture_graphs(pool, max_rows=1, max_len=2 * PAGE_TOKENS, budget_s=1e9)
+    finally:
+        model.graphs = graphs
+    return {"before": before, "after": pool.buffer.clone(), "ran": ran, "shapes": shapes}
 
 
-def test_interpreted_scratch_steps_leave_the_pool_as_it_was(lite, tmp_path_factory):
+@pytest.fixture(scope="module")
+def interp(tmp_path_factory):
+    """The child's results for both interpreted tests (one run: `_interp_worker`)."""
     from dsv41.tiny.model import make_tiny
     from test_runtime_fast import LITE
 
     model_dir = make_tiny(tmp_path_factory.mktemp("lite_boot") / "model", "exl3", seed=0, overrides=LITE)
-    res = interpreted(tmp_path_factory, __file__, "boot_graphs", timeout=600, extra_args=[str(model_dir)])
+    return interpreted(tmp_path_factory, __file__, "boot_graphs", timeout=900, extra_args=[str(model_dir)])
+
+
+def test_interpreted_scratch_steps_leave_the_pool_as_it_was(lite, interp):
+    res = interp["boot"]
     assert res["ran"] == [("decode", 1, 1), ("decode", 1, 2)]
     vocab = lite[0].vocab_end - lite[0].vocab_start
     assert res["shapes"] == [(1, vocab)] * 2
@@ -231,18 +242,15 @@ def test_gpu_boot_capture_leaves_the_pool_and_replays(tmp_path_factory):
     assert model.graphs.stats.captures == captures and not torch.equal(pool.buffer, before)
 
 
-def _bucket_worker(out_path: str, model_dir: str) -> None:
+def _bucket_worker(model) -> tuple:
     """Three decode rows in place, run padded to a bucket of five (`row_bucket` patched: the real buckets pad from
     nine rows up, which the interpreter runs too slowly for the suite) and unpadded, each from the same pool: the
-    logits and the pool's bytes after each."""
+    logits and the pool's bytes after each; and the pool (`_scratch_worker` runs on it next)."""
     from dsv41.engine.batch import DECODE, PREFILL, Row
     from dsv41.runtime import model as model_mod
-    from dsv41.runtime.build import build_fast_model
     from dsv41.runtime.fast_forward import pool_layout
     from dsv41.runtime.kv_pool import pool_for_model
 
-    torch.set_num_threads(1)
-    model = build_fast_model(model_dir, "cpu", torch.float32, fake_quant=True)
     pool = pool_for_model(pool_layout(model), num_slots=3, num_pages=6, page_tokens=PAGE_TOKENS, device="cpu")
     prompts = [[0] + [(i * (31 + 2 * s)) % 500 + 5 for i in range(6 + 3 * s)] for s in range(3)]
     FastForward(model, in_place=False).execute([Row(s, s, p, 0, [2 * s, 2 * s + 1], phase=PREFILL)
@@ -250,23 +258,22 @@ def _bucket_worker(out_path: str, model_dir: str) -> None:
     start = pool.buffer.clone()
     rows = [Row(s, s, [7 + s], len(p), [2 * s, 2 * s + 1], phase=DECODE, scores=[(0, 0, 0)],
                 lookback=p[-3:]) for s, p in enumerate(prompts)]
-    out = {"start": start}
-    for name, bucket in (("padded", lambda n: 5), ("exact", lambda n: n)):
-        pool.buffer.copy_(start)
-        model_mod.row_bucket = bucket
-        logits = FastForward(model).execute(rows, pool)
-        out[name] = {"logits": [t.clone() for t in logits], "pool": pool.buffer.clone()}
-    torch.save(out, out_path)
+    out, row_bucket = {"start": start}, model_mod.row_bucket
+    try:
+        for name, bucket in (("padded", lambda n: 5), ("exact", lambda n: n)):
+            pool.buffer.copy_(start)
+            model_mod.row_bucket = bucket
+            logits = FastForward(model).execute(rows, pool)
+            out[name] = {"logits": [t.clone() for t in logits], "pool": pool.buffer.clone()}
+    finally:
+        model_mod.row_bucket = row_bucket
+    return out, pool
 
 
-def test_interpreted_a_padded_bucket_gives_the_rows_their_own_bits(tmp_path_factory):
+def test_interpreted_a_padded_bucket_gives_the_rows_their_own_bits(interp):
     """Rows run in a bucket larger than their count (the rows past them mirroring row 0, writing nothing) give
     every row's logits and every pool byte of the unpadded step bit for bit."""
-    from dsv41.tiny.model import make_tiny
-    from test_runtime_fast import LITE
-
-    model_dir = make_tiny(tmp_path_factory.mktemp("lite_bucket") / "model", "exl3", seed=0, overrides=LITE)
-    res = interpreted(tmp_path_factory, __file__, "bucket", timeout=900, extra_args=[str(model_dir), "bucket"])
+    res = interp["bucket"]
     a, b = res["padded"], res["exact"]
     assert len(a["logits"]) == 3
     for u, v in zip(a["logits"], b["logits"]):
@@ -313,4 +320,4 @@ def test_gpu_rows_of_the_large_buckets_keep_their_bits_alone(tmp_path_factory, c
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--interp-worker"]:
-    (_bucket_worker if sys.argv[4:5] == ["bucket"] else _interp_worker)(sys.argv[2], sys.argv[3])
+    _interp_worker(sys.argv[2], sys.argv[3])

@@ -113,8 +113,9 @@ def _index_choices(ref_scores: torch.Tensor, ref_ids: torch.Tensor, fast_scores:
     return out
 
 
-def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: int = 1, comm=None) -> dict:
-    """Prefill both prompts in one fast forward (and one reference forward each), then DECODE_STEPS decode steps
+def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: int = 1, comm=None,
+               decode_steps: int = DECODE_STEPS) -> dict:
+    """Prefill both prompts in one fast forward (and one reference forward each), then `decode_steps` decode steps
     of both rows, greedy on the reference's logits. Returns errors, argmax agreement and the choice analysis."""
     from dsv41.model.loader import load_model
     from dsv41.runtime.build import build_fast_model
@@ -141,7 +142,7 @@ def run_parity(model_dir, device: str, fake_quant: bool, rank: int = 0, world: i
     fast_out = fast.forward(list(zip(fast_states, PROMPTS)), "prefill", logits="all", trace=tr)
     fast_traces.append(tr)
     steps.append(("prefill", torch.cat(ref_out), fast_out))
-    for _ in range(DECODE_STEPS):
+    for _ in range(decode_steps):
         nxt = [[int(o[-1].argmax())] for o in ref_out]
         ref_out = reference(nxt)
         tr = {}
@@ -242,13 +243,14 @@ def _child(args: dict) -> None:
         group = init_tp(args["rank"], args["world"], args["master"], deadline_s=120, backend="gloo")
         comm = group.comm
     device = args.get("device", "cpu")
-    res = run_parity(args["model"], device, args["fake_quant"], args["rank"], args["world"], comm)
+    res = run_parity(args["model"], device, args["fake_quant"], args["rank"], args["world"], comm,
+                     args.get("decode_steps", DECODE_STEPS))
     torch.save(res.pop("logits"), args["out"] + ".pt")
     Path(args["out"]).write_text(json.dumps(res))
 
 
-def interpreted(model_dir: Path, fake_quant: bool, tmp_path: Path, world: int = 1, device: str = "cpu"
-                ) -> list[dict]:
+def interpreted(model_dir: Path, fake_quant: bool, tmp_path: Path, world: int = 1, device: str = "cpu",
+                decode_steps: int = DECODE_STEPS) -> list[dict]:
     """Run the parity schedule in `world` child processes (gloo ranks when world > 1), interpreted on the CPU."""
     import socket
 
@@ -260,7 +262,7 @@ def interpreted(model_dir: Path, fake_quant: bool, tmp_path: Path, world: int = 
     for rank in range(world):
         out = str(tmp_path / f"parity-{world}-{rank}.json")
         args = dict(model=str(model_dir), fake_quant=fake_quant, rank=rank, world=world, master=master, out=out,
-                    device=device)
+                    device=device, decode_steps=decode_steps)
         procs.append(subprocess.Popen([sys.executable, __file__, json.dumps(args)], env=env))
         outs.append(out)
     codes = [p.wait(timeout=900) for p in procs]

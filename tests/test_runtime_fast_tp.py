@@ -19,7 +19,14 @@ def _check_tp2(ranks, what):
 
 
 def test_interpreted_parity_tp2(lite_dir, tmp_path):  # noqa: F811
-    _check_tp2(interpreted(lite_dir, False, tmp_path, world=2), "CPU TP=2 fake quant off")
+    """One decode step after the prefill, not TP=1's two: the TP-specific work (each rank's slices, the rank-order
+    reductions and gathers) is the same code in every decode step, and the first one already runs it over caches a
+    prefill wrote; a decode reading caches a decode wrote is TP=1's second step (test_runtime_fast.py), the same
+    per-rank code. Every row of both steps is still checked: the ranks' logits bitwise, the choices and logits
+    against the reference."""
+    ranks = interpreted(lite_dir, False, tmp_path, world=2, decode_steps=1)
+    assert len(ranks[0]["logits"]) == 2  # the prefill and one decode step
+    _check_tp2(ranks, "CPU TP=2 fake quant off")
 
 
 @pytest.mark.gpu
