@@ -249,8 +249,7 @@ def _rows_of(args: dict, idx) -> dict:
 def _pool_results(case: dict, alone: bool = True) -> dict:
     """attention_pool together / each row alone / rows reversed, and attention_core on the gathered slots
     (`alone` False: the first two only)."""
-    from dsv41.kernels.step.attention import (DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, attention_pool,
-                                              codecs_hold_bf16)
+    from dsv41.kernels.step.attention import attention_core, attention_pool, codecs_hold_bf16, decode_tiling
 
     q, sink, scale, args = case["q"], case["sink"], case["scale"], case["args"]
     B = q.shape[0]
@@ -258,7 +257,7 @@ def _pool_results(case: dict, alone: bool = True) -> dict:
     exact = codecs_hold_bf16(args["window_codec"], args.get("entry_codec"))  # the gathered keys' values
     res = {
         "core": attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=exact,
-                               split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS),  # attention_pool's tiling
+                               **decode_tiling()),  # attention_pool's tiling
         "pool": attention_pool(q, sink, scale, **args),
     }
     if not alone:

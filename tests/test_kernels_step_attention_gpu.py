@@ -103,12 +103,12 @@ def test_gpu_pool_real_shapes_is_the_gathered_core_bitwise(H, fake_quant):
     assert rel < 1e-5 and worst < 1e-4, (rel, worst)
     swa = {k: args[k] for k in ("window_store", "window_codec", "slot", "pos", "window")}
     w = args["window"]
-    from dsv41.kernels.step.attention import DECODE_SPLIT_KEYS, DECODE_WARPS, attention_core, codecs_hold_bf16
+    from dsv41.kernels.step.attention import attention_core, codecs_hold_bf16, decode_tiling
 
     exact = codecs_hold_bf16(args["window_codec"])
     swa_pool = attention_pool(q, sink, scale, **swa)
     swa_core = attention_core(q, case["keys"][:, :w], case["ok"][:, :w], sink, scale, keys_bf16=exact,
-                              split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS)
+                              **decode_tiling())
     if fake_quant:
         assert torch.equal(_bits(swa_pool), _bits(swa_core))
     else:
@@ -122,8 +122,7 @@ def test_gpu_fold_is_the_two_launch_path_bitwise_and_replays(H, monkeypatch):
     path's bits for the gathered core (prefill and decode tilings) and the in-place pool over decode and verify
     rows, launch after launch; captured in a CUDA graph and replayed on new queries it gives the eager bits (the
     counters are back at zero after every launch)."""
-    from dsv41.kernels.step.attention import (DECODE_SPLIT_KEYS, DECODE_WARPS, FOLD_ENV, attention_core,
-                                              attention_pool)
+    from dsv41.kernels.step.attention import FOLD_ENV, attention_core, attention_pool, decode_tiling
 
     _need_cuda()
     monkeypatch.setenv(FOLD_ENV, "1")  # the capture and the eager launches below fold (`_folds` restores it)
@@ -155,7 +154,7 @@ def test_gpu_fold_is_the_two_launch_path_bitwise_and_replays(H, monkeypatch):
         eager = attention_pool(q, sink, scale, **args)
         assert torch.equal(_bits(out), _bits(eager))
     core = _folds(lambda: attention_core(q, case["keys"], case["ok"], sink, scale, keys_bf16=True,
-                                         split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS), False)
+                                         **decode_tiling()), False)
     assert torch.equal(_bits(out), _bits(core))
 
 

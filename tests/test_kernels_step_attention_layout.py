@@ -82,3 +82,21 @@ def test_indexed_prefill_core_compiles_to_the_gathered_cores_product_layout(arch
     core = _dot_layouts(arch, _PREFILL, num_warps=8)
     assert ("4", "") in core, core
     assert _dot_layouts(arch, _PREFILL, _INDEXED_PTRS, 8, INDEXED=True) == core
+
+
+def test_decode_tiling_candidate_compiles_to_the_gathered_cores_product_layout():
+    """bench/attention_decode_sweep.py's leading candidate (DSV41_DECODE_CORE_TILING=16,16,4 with the one-store
+    blocks: one key block a split): the pool at the release's quantisers compiles to the gathered core's layout at
+    the same tiling, the condition for pool == gathered on the GPU (test_kernels_step_attention_tiling.py's GPU
+    test checks the bits). sm_90 only: the layout rule is the same for sm_121 (the test above)."""
+    from triton.runtime.jit import JITFunction
+
+    from dsv41.kernels.step import attention as A
+    from dsv41.kernels.step.codecs import FP4_E4M3 as fp4, FP8_UE8M0 as fp8
+
+    if not isinstance(A._core_split_kernel, JITFunction):
+        pytest.skip("kernels decorated for the interpreter in this process")
+    shape = dict(_SHAPE, BLOCKS=1)
+    core = _dot_layouts(90, shape, num_warps=4)
+    assert ("4", "") in core, core
+    assert _dot_layouts(90, shape, num_warps=4, POOL=True, WCODEC=fp8, ECODEC=fp4, ALIGNED=True) == core

@@ -75,7 +75,9 @@ from .pdl import launch as pdl_launch, wait_previous
 
 from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
-from .attention_args import check_store, entry_args, int_vector, rope_args
+from .attention_args import TILING_ENV  # noqa: F401 - the decode tiling's switch, by FOLD_ENV's side
+from .attention_args import check_store, check_tiling, decode_tiling as _tiling, entry_args, int_vector
+from .attention_args import rope_args
 from .rowops import _DTYPES
 from .attention_combine import _combine_heads, _core_combine_kernel
 from .mhc import _COUNTERS
@@ -89,7 +91,7 @@ SPLIT_KEYS = 128  # slots per split of a prefill block (8 key blocks): its scrat
 # slots: 219 us (1 row) / 499 us (16 rows) with the IEEE FMA dot at 128 / 8 warps; with the bf16 parts 33-40 us /
 # 126-145 us at 32-slot splits (docs/perf/decode_step.md).
 DECODE_SPLIT_KEYS = 32
-DECODE_WARPS = 4
+DECODE_WARPS = 4  # (the head block: HEAD_BLOCK; another tiling through `decode_tiling`'s TILING_ENV, for GPU A/Bs)
 FOLD_ENV = "DSV41_ATTN_FOLD"  # 1 / on: the combine folded into the split launch (`fold_enabled`); default off
 # 1 / on: when the window is a whole number of key blocks a pool block reads and decodes one store (the split's
 # window-block loop, then its entry-block loop; `aligned_enabled`); default off until the H200 shows it bitwise
@@ -321,6 +323,12 @@ def _entry_keys(t64, j, col, col_ok, HD, window, e_ptr, sep, ser, pages_ptr, spb
     return e_live, load_values(e_row[:, None], col[None, :], e_live[:, None] & col_ok[None, :], HD, ECODEC)
 
 
+def decode_tiling() -> dict:
+    """split_keys / key_block / num_warps / head_block of decode and verify rows (pool and gathered alike): the
+    defaults above, or DSV41_DECODE_CORE_TILING (`attention_args.decode_tiling`)."""
+    return _tiling(DECODE_SPLIT_KEYS, KEY_BLOCK, DECODE_WARPS, HEAD_BLOCK)
+
+
 def fold_enabled() -> bool:
     """Whether the combine runs in the split launch's last arrivers (`FOLD_ENV`=1) or as its own launch (the
     default: faster on the H200, module docstring). Read at each launch, as `pdl.enabled`: the A/B switch needs no
@@ -421,11 +429,11 @@ def _no_pool(t: torch.Tensor) -> tuple:
 def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_store: torch.Tensor, window_codec,
                    slot: torch.Tensor, pos: torch.Tensor, window: int, entry_store: torch.Tensor | None = None,
                    entry_codec=None, pages: torch.Tensor | None = None, per_page: int = 0,
-                   ids: torch.Tensor | None = None, width: int = 0, split_keys: int = DECODE_SPLIT_KEYS,
-                   key_block: int = KEY_BLOCK, num_warps: int = DECODE_WARPS,
+                   ids: torch.Tensor | None = None, width: int = 0, split_keys: int | None = None,
+                   key_block: int | None = None, num_warps: int | None = None, head_block: int | None = None,
                    out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """`attention_core` over the key slots read from the KV pool in place, bit for bit the gathered call (at the
-    same `split_keys` / `key_block`: the split and block boundaries fix the bits; `num_warps` does not).
+    same `split_keys` / `key_block` / `head_block`: they fix the bits, `num_warps` does not; None: `decode_tiling`).
 
     q [B, H, hd] (bf16 / fp16 / fp32, read as fp32), sink [H] fp32. Window slots j < window of row b: position
     kp = pos[b] - window + 1 + j, live iff kp >= 0, ring row kp % ring_rows of ring slot slot[b] of
@@ -478,12 +486,15 @@ def attention_pool(q: torch.Tensor, sink: torch.Tensor, scale: float, *, window_
         if rope is not None:
             out.zero_()
         return out
+    tiling = {k: v for k, v in dict(split_keys=split_keys, key_block=key_block, num_warps=num_warps,
+                                    head_block=head_block).items() if v is not None}
+    split_keys, key_block, num_warps, head_block = check_tiling(**{**decode_tiling(), **tiling}).values()
     n_splits, m, l, acc, hdp = _split_scratch(B, S, H, hd, split_keys, key_block, q.device)
-    _launch((B, triton.cdiv(H, HEAD_BLOCK), n_splits),
+    _launch((B, triton.cdiv(H, head_block), n_splits),
             (q, q.stride(0), q.stride(1), q, 0, 0, q, 0, sink, m, l, acc, H, S, hd, float(scale),
              window_store, window_store.stride(0), window_store.stride(1), window_store.shape[1], slot, pos, window,
              *ents),
-            dict(HB=HEAD_BLOCK, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
+            dict(HB=head_block, BS=key_block, BLOCKS=split_keys // key_block, HDP=hdp,
                  QP=_parts(q.dtype == torch.bfloat16), KP=_parts(keys_bf16), POOL=True, WCODEC=wcodec,
                  ECODEC=ecodec, ALIGNED=aligned_enabled() and window % key_block == 0, num_warps=num_warps),
             m, l, acc, sink, out, H, hd, n_splits, hdp, combine_rope)

@@ -3,6 +3,8 @@ launchers). Each names the argument and what it should be; none launches anythin
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .codecs import codec_id
@@ -82,3 +84,37 @@ def rope_args(rope: tuple, B: int, hd: int, device) -> tuple:
         raise ValueError(f"rope positions must be int32/int64 [>= {B}] on {device}, got {positions.dtype} "
                          f"{list(positions.shape)} on {positions.device}")
     return (positions.contiguous(), inv_freq.contiguous(), rope_dim), dtype
+
+
+# "split_keys,key_block,num_warps[,head_block]": the tiling of decode / verify rows (the pool's and the gathered core's
+# alike: `attention.decode_tiling`); unset: the module's defaults. A developer switch until a GPU A/B picks one
+TILING_ENV = "DSV41_DECODE_CORE_TILING"
+
+
+def decode_tiling(split_keys: int, key_block: int, num_warps: int, head_block: int) -> dict:
+    """The decode / verify tiling: the defaults given, or the four (the head block optional) of `TILING_ENV`, read at
+    each launch as the other switches (a captured graph keeps the tiling it was captured with). Split and block
+    boundaries and the head block fix the bits, so every launch of decode and verify rows, in place or gathered,
+    takes its tiling from here: drafted == serial and pool == gathered hold at any setting."""
+    text = os.environ.get(TILING_ENV, "").strip()
+    if text:
+        try:
+            vals = [int(v) for v in text.split(",")]
+        except ValueError:
+            vals = []
+        if len(vals) not in (3, 4):
+            raise ValueError(f"{TILING_ENV}={text!r}: expected split_keys,key_block,num_warps[,head_block]")
+        split_keys, key_block, num_warps = vals[:3]
+        head_block = vals[3] if len(vals) == 4 else head_block
+    return check_tiling(split_keys, key_block, num_warps, head_block)
+
+
+def check_tiling(split_keys: int, key_block: int, num_warps: int, head_block: int) -> dict:
+    """The tiling as a dict, checked: key and head blocks powers of two >= 16, a split a whole number of key
+    blocks, warps a power of two."""
+    pow2 = lambda v, lo: v >= lo and not v & (v - 1)  # noqa: E731
+    if not (pow2(key_block, 16) and split_keys % key_block == 0 and pow2(head_block, 16) and pow2(num_warps, 1)):
+        raise ValueError(f"decode tiling split_keys={split_keys} key_block={key_block} num_warps={num_warps} "
+                         f"head_block={head_block}: key and head blocks powers of two >= 16, splits a whole "
+                         f"number of key blocks, warps a power of two")
+    return dict(split_keys=split_keys, key_block=key_block, num_warps=num_warps, head_block=head_block)

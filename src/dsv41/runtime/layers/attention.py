@@ -310,10 +310,11 @@ class FastAttention(InPlaceAttention, FastIndexer):
                                                                 codec_for("kv", hd, keys.dtype, self.fq))
 
     def _decode_tiling(self, keys: torch.Tensor) -> dict:
-        """The gathered core of decode / verify rows on `attention_pool`'s tiling (the same bits)."""
-        from dsv41.kernels.step.attention import DECODE_SPLIT_KEYS, DECODE_WARPS
+        """The gathered core of decode / verify rows on `attention_pool`'s tiling (the same bits; both read
+        `decode_tiling`, DSV41_DECODE_CORE_TILING included)."""
+        from dsv41.kernels.step.attention import decode_tiling
 
-        return dict(keys_bf16=self._keys_bf16(keys), split_keys=DECODE_SPLIT_KEYS, num_warps=DECODE_WARPS)
+        return dict(keys_bf16=self._keys_bf16(keys), **decode_tiling())
 
     def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
                       ids: torch.Tensor | None, src, block: int | None = None) -> None:
