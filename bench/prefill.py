@@ -104,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--ab", action="store_true", help="the 2K chunk on the reconstruct path too (DSV41_PREFILL_TILES=0)")
     p.add_argument("--budget-s", type=float, default=None, help="skip the longer prompts past this many seconds")
     p.add_argument("--kernels-only", action="store_true", help="stop after the kernels alone (A/B of kernel options)")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the kernels alone first (--no-kernels: prompts only; the kernels' scratch, up to 4x "
+                        "the chunk, otherwise stays in the caching allocator beside the prompts)")
     p.add_argument("--tile-ab", default="2048,8192,32768",
                    help="row counts at which the experts' CUDA tiles are timed with 64 vs 128 rows and both launch "
                         "orders, the bits compared (kernels.expert_tiles; empty: none)")
@@ -137,11 +140,12 @@ def main(argv=None) -> int:
     log(f"{res['gpu']}: {n_layers} layers built in {res['build_s']:.1f} s, {res['held_gib']:.1f} GiB; bf16 "
         f"{tflops:.0f} TFLOP/s")
     save()
-    res["kernels"] = kernels_alone(model, args.chunk, tflops)
+    res["kernels"] = kernels_alone(model, args.chunk, tflops) if args.kernels else {"skipped": "--no-kernels"}
     save()
-    tile_rows = [int(v) for v in args.tile_ab.split(",") if v]
+    tile_rows = [int(v) for v in args.tile_ab.split(",") if v] if args.kernels else []
     res["kernels"]["expert_tiles"] = expert_tiles_ab(model, tile_rows) if tile_rows else []
     save()
+    torch.cuda.empty_cache()  # the kernels' scratch back to the device before the prompts
     bits_ok = all(r.get("same_bits", True) for r in res["kernels"]["expert_tiles"])
     if not bits_ok:
         log("ERROR: the 64- and 128-row prefill tiles gave different bits (kernels.expert_tiles)")
