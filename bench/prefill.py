@@ -190,9 +190,9 @@ def main(argv=None) -> int:
         weights += touched * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
         weights += sum(lin.in_features * lin.out_features for lin in block.attn.linears())
         weights += sum(lin.in_features * lin.out_features for trio in block.moe.shared for lin in trio)
-    rate = res["kernels"]["experts"]["weights_per_s"]
+    rate = res["kernels"].get("experts", {}).get("weights_per_s")  # None under --no-kernels
     res["floors"] = {"chunk_gemm_tflop": flops / 1e12, "gemm_floor_ms": flops / (tflops * 1e12) * 1e3,
-                     "chunk_weights": weights, "decode_floor_ms": weights / rate * 1e3,
+                     "chunk_weights": weights, "decode_floor_ms": weights / rate * 1e3 if rate else None,
                      "experts_touched_per_layer": distinct / n_layers,
                      "note": "decode floor at the grouped kernel's measured rate of weights decoded once"}
     save()
