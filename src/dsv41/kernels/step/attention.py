@@ -94,8 +94,8 @@ DECODE_SPLIT_KEYS = 32
 DECODE_WARPS = 4  # (the head block: HEAD_BLOCK; another tiling through `decode_tiling`'s TILING_ENV, for GPU A/Bs)
 FOLD_ENV = "DSV41_ATTN_FOLD"  # 1 / on: the combine folded into the split launch (`fold_enabled`); default off
 # 1 / on: when the window is a whole number of key blocks a pool block reads and decodes one store (the split's
-# window-block loop, then its entry-block loop; `aligned_enabled`); default off until the H200 shows it bitwise
-# the gathered core (the compiled layout and the interpreter do: docs/perf/decode_step.md)
+# window-block loop, then its entry-block loop; `aligned_enabled`); on by default since the H100 showed it bitwise
+# the gathered core (b4c0e7f; the compiled layout and the interpreter did before: docs/perf/decode_step.md)
 ALIGN_ENV = "DSV41_ATTN_ALIGNED"
 
 
@@ -337,9 +337,11 @@ def fold_enabled() -> bool:
 
 
 def aligned_enabled() -> bool:
-    """Whether a pool block reads one store when the window allows it (`ALIGN_ENV`=1; default off), read at each
+    """Whether a pool block reads one store when the window allows it (`ALIGN_ENV`; on unless set to an off spelling
+    since the H100 showed it bitwise the gathered core and the default tiling, b4c0e7f:
+    `test_gpu_one_store_blocks_are_the_gathered_core_bitwise`, bench/attention_decode_sweep.py), read at each
     launch as `fold_enabled`."""
-    return _opted_in(ALIGN_ENV)
+    return os.environ.get(ALIGN_ENV, "").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _opted_in(env: str) -> bool:
