@@ -102,7 +102,7 @@ def _folds(results, fold: bool) -> dict:
 
 
 def _aligned(results) -> dict:
-    """`results()` with the one-store pool blocks (DSV41_ATTN_ALIGNED=1; off by default)."""
+    """`results()` with the one-store pool blocks (DSV41_ATTN_ALIGNED=1; on by default since b4c0e7f)."""
     from dsv41.kernels.step.attention import ALIGN_ENV
 
     return _switched(ALIGN_ENV, True, results)

@@ -94,8 +94,16 @@ def _with_env(name: str, value: str, fn):
             os.environ[name] = old
 
 
-def _check(device: str, heads: int, hd: int, window: int, topk: int, T: int, split: int, C: int | None = None,
-           values: str = "bf16", pos: int = 20) -> dict:
+def _check(*args, **kwargs) -> dict:
+    """`_check_cores` with the split core as the default path (`ONEPASS_ENV` off; `_onepass` turns it on for its
+    own checks): the indexed == gathered and chunked claims are the split core's."""
+    from dsv41.runtime.layers.attention import ONEPASS_ENV
+
+    return _with_env(ONEPASS_ENV, "0", lambda: _check_cores(*args, **kwargs))
+
+
+def _check_cores(device: str, heads: int, hd: int, window: int, topk: int, T: int, split: int, C: int | None = None,
+                 values: str = "bf16", pos: int = 20) -> dict:
     from dsv41.runtime.layers.attention import Segment
 
     dev = torch.device(device)
