@@ -179,7 +179,7 @@ def _tile_step(x_ptr, y_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, 
     return prod, tl.sum(xs * xs, axis=1), u32 * u32
 
 
-@triton.jit(do_not_specialize=["live_rows"])
+@triton.jit(do_not_specialize=["B", "live_rows"])
 def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, base_ptr, scale_ptr,
                  pre_in_ptr, w_ptr, h_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, B, d, chunk, norm_eps,
                  hc_eps, rms_eps, iters, live_rows, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
