@@ -47,8 +47,8 @@ import triton.language as tl
 
 from .attention import MMA, _split_dot
 from .knobs import switched_on
-from .live import live_rows as _live_rows
-from .mhc import _COUNTERS, _cast, _coeff, _rsqrt64, _sigmoid, _streams
+from .mhc import _COUNTERS, _cast, _rsqrt64, _sigmoid
+from .mhc_args import site_args
 from .pdl import launch as pdl_launch, wait_previous
 
 ENV = "DSV41_PREFILL_MHC_TILES"
@@ -247,26 +247,8 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
 
 def _tiles(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, rows,
            split_columns):
-    B, hc, d = _streams(x)
-    rows = _live_rows(rows, B)
-    nmix = (2 + hc) * hc
-    if tuple(fn_t.shape) != (hc * d, nmix) or fn_t.dtype != torch.float32:
-        raise ValueError(f"fn_t must be fp32 [{hc * d}, {nmix}], got {fn_t.dtype} {list(fn_t.shape)}")
-    if base.numel() != nmix or scale.numel() != 3 or norm_weight.numel() != d or iters < 1:
-        raise ValueError("base [(2 + hc) * hc], scale [3], norm_weight [d] and iters >= 1 expected")
-    pre_in = _coeff(pre_in, (B, hc), "pre_in")
-    expand = y is not None
-    xo = torch.empty_like(x) if expand else x
-    if expand:
-        if tuple(y.shape) != (B, d) or y.dtype not in (x.dtype, torch.float32):
-            raise ValueError(f"y must be [{B}, {d}] {x.dtype} or fp32, got {y.dtype} {list(y.shape)}")
-        y, post_in, comb_in = y.contiguous(), _coeff(post_in, (B, hc), "post"), _coeff(comb_in, (B, hc, hc), "comb")
-    else:
-        y, post_in, comb_in = x, pre_in, pre_in  # unused (EXPAND off)
-    h = torch.empty(B, d, dtype=x.dtype, device=x.device)
-    pre = torch.empty(B, hc, dtype=torch.float32, device=x.device)
-    post = torch.empty_like(pre)
-    comb = torch.empty(B, hc, hc, dtype=torch.float32, device=x.device)
+    B, hc, d, nmix, rows, expand, y, post_in, comb_in, pre_in, xo, h, pre, post, comb = site_args(
+        x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, iters, rows)
     block = min(TILE_BLOCK, triton.next_power_of_2(d))
     splits = splits_of(d, split_columns)
     chunk = triton.cdiv(triton.cdiv(d, splits), block) * block  # a whole number of steps a split
