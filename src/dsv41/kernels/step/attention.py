@@ -77,7 +77,7 @@ from ..exl3.backend import interpreting
 from .codecs import codec_id, load_values
 from .attention_args import TILING_ENV  # noqa: F401 - the decode tiling's switch, by FOLD_ENV's side
 from .attention_args import check_store, check_tiling, decode_tiling as _tiling, entry_args, int_vector
-from .attention_args import rope_args
+from .attention_args import core_io, rope_args
 from .rowops import _DTYPES
 from .attention_combine import _combine_heads, _core_combine_kernel
 from .mhc import _COUNTERS
@@ -400,16 +400,7 @@ def _rows_launch(q: torch.Tensor, sink: torch.Tensor, scale: float, S: int, keys
     """The split + combine launches of `attention_core` / `attention_indexed` over q's rows: `keys` (k_ptr, skt,
     skj, ok_ptr, sot) and `pool` (the pool arguments) as the variant reads them."""
     T, H, hd = q.shape
-    if sink.shape != (H,):
-        raise ValueError(f"sink {list(sink.shape)} must be [H={H}]")
-    sink = sink.float().contiguous()
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
-    elif out.shape != (T, H, hd) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != q.device:
-        raise ValueError(f"out must be contiguous fp32 [{T}, {H}, {hd}] on {q.device}, got {out.dtype} "
-                         f"{list(out.shape)} on {out.device}")
+    q, sink, out = core_io(q, sink, out)
     if T == 0:
         return out
     if head_block < 16 or head_block & (head_block - 1):

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .attention import MMA, _indexed_block, _online_block, _parts
+from .attention_args import core_io
 from .pdl import launch as pdl_launch, wait_previous
 
 # The one-pass core's tiling for prefill rows: all 32 local heads of a TP=2 rank per program (the keys read once per
@@ -112,16 +113,7 @@ def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
     for name, v in (("head_block", head_block), ("key_block", key_block)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    if sink.shape != (H,):
-        raise ValueError(f"sink {list(sink.shape)} must be [H={H}]")
-    sink = sink.float().contiguous()
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    if out is None:
-        out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
-    elif out.shape != (T, H, hd) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != q.device:
-        raise ValueError(f"out must be contiguous fp32 [{T}, {H}, {hd}] on {q.device}, got {out.dtype} "
-                         f"{list(out.shape)} on {out.device}")
+    q, sink, out = core_io(q, sink, out)
     if T == 0:
         return out
     exact = window_rows.dtype == torch.bfloat16 if keys_bf16 is None else bool(keys_bf16)
