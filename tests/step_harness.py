@@ -35,3 +35,26 @@ def need_compiled_cuda() -> None:
         pytest.skip("needs a CUDA GPU")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         pytest.skip("TRITON_INTERPRET is set: GPU tests need compiled kernels")
+
+
+def caught(fn, *args, **kw):
+    """fn(...) or {"error": ...}: an interpreted worker reports a case's error instead of dying, so the test that
+    reads the case shows it."""
+    try:
+        return fn(*args, **kw)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def cuda_median_ms(fn, reps: int = 5) -> float:
+    """Median ms of fn() over reps runs after one warm-up (CUDA events): the GPU tests' timing prints."""
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_harness import cuda_median_ms  # noqa: E402
 from test_exl3_kernels import _max_elem, _random_group, _rel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,19 +182,6 @@ def test_each_devices_config_fits_its_shared_memory_and_pipelines(arch, name):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _cuda_ms(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n,K", [(4096, 5120, 4), (1280, 16384, 5)])
 def test_gpu_dense_gemm_is_the_tile_path_and_row_invariant(k, n, K):
@@ -228,9 +216,9 @@ def test_gpu_dense_gemm_is_the_tile_path_and_row_invariant(k, n, K):
     assert torch.equal(gemm(slice(None), torch.bfloat16).float().view(torch.int32),
                        y.bfloat16().float().view(torch.int32)), "the bf16 output is the fp32 one rounded once"
     flop = 2.0 * T * k * n
-    tile_ms = _cuda_ms(lambda: prefill_linear(x, w, dense_gemm=False))
-    gemm_ms = _cuda_ms(lambda: prefill_linear(x, w, dense_gemm=True, workspace=space))
-    decode_ms = _cuda_ms(lambda: decode_into(w, space))
+    tile_ms = cuda_median_ms(lambda: prefill_linear(x, w, dense_gemm=False))
+    gemm_ms = cuda_median_ms(lambda: prefill_linear(x, w, dense_gemm=True, workspace=space))
+    decode_ms = cuda_median_ms(lambda: decode_into(w, space))
     print(f"\n[{k} x {n}, K {K}, {T} rows, {torch.cuda.get_device_name()}] tile {tile_ms:.3f} ms "
           f"({flop / tile_ms / 1e9:.0f} TFLOP/s); workspace + GEMM {gemm_ms:.3f} ms ({flop / gemm_ms / 1e9:.0f} "
           f"TFLOP/s), of which the decode {decode_ms:.3f} ms ({k * n / decode_ms / 1e9:.2f} T weights/s)")

@@ -277,11 +277,7 @@ def _fp32_y_is_its_rounding(seed: int = 5) -> dict:
 
 
 def _interp_worker(out_path: str) -> None:
-    def caught(fn, *args, **kw):  # report errors, so the tests show the worker's
-        try:
-            return fn(*args, **kw)
-        except Exception as exc:  # noqa: BLE001
-            return {"error": f"{type(exc).__name__}: {exc}"}
+    from step_harness import caught
 
     results = {json.dumps(case): caught(measure, case, "cpu", seed=i) for i, case in enumerate(CPU_CASES)}
     results.update(rows=caught(measure_rows, CPU_ROWS_CASE, "cpu", seed=11), sites=caught(_sites_both_ways),

@@ -215,11 +215,7 @@ def full_d_errors(seed: int = 3) -> dict:
 
 
 def _interp_worker(out_path: str) -> None:
-    def caught(fn, *args, **kw):  # report errors, so the tests show the worker's
-        try:
-            return fn(*args, **kw)
-        except Exception as exc:  # noqa: BLE001
-            return {"error": f"{type(exc).__name__}: {exc}"}
+    from step_harness import caught
 
     res = {str(case): caught(measure, case, "cpu", seed=i) for i, case in enumerate(CPU_CASES)}
     res.update(live=caught(measure_live_rows, CPU_ROWS_CASE, "cpu", seed=11), sites=caught(sites_both_ways),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from step_harness import interpreted, need_compiled_cuda  # noqa: E402
+from step_harness import cuda_median_ms, interpreted, need_compiled_cuda  # noqa: E402
 
 
 def _rotate_inputs(gen, rows, k, experts, pairs, device):
@@ -172,19 +172,6 @@ def test_rope_in_place_rejects_what_it_cannot_do():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _ms(fn, reps=5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [2048, 8192])
 def test_gpu_prefill_rotations_keep_their_bits(rows):
@@ -200,10 +187,10 @@ def test_gpu_prefill_rotations_keep_their_bits(rows):
 
     x, suh, suh_b, src, pair_e = args
     for rb in (1, None):
-        t_dense = _ms(lambda: _rotate(x, suh[0], 5120, row_blocks=rb))
-        t_moe = _ms(lambda: _rotate(x, suh, 5120, src=src, pair_e=pair_e, suh_b=suh_b, rows=src.shape[0],
+        t_dense = cuda_median_ms(lambda: _rotate(x, suh[0], 5120, row_blocks=rb))
+        t_moe = cuda_median_ms(lambda: _rotate(x, suh, 5120, src=src, pair_e=pair_e, suh_b=suh_b, rows=src.shape[0],
                                     permute=True, row_blocks=rb))
-        t_sw = _ms(lambda: _swiglu(*sw, row_blocks=rb))
+        t_sw = cuda_median_ms(lambda: _swiglu(*sw, row_blocks=rb))
         print(f"rows {rows} row_blocks {rb or 'auto'}: rotate dense {t_dense * 1e3:.1f} us, experts (x6, two) "
               f"{t_moe * 1e3:.1f} us, swiglu_rotate {t_sw * 1e3:.1f} us")
 
@@ -221,9 +208,9 @@ def test_gpu_query_rope_in_place_keeps_its_bits(rows, heads):
         fresh, inplace = _rope_pair(x, pos, freq, 64, inverse, live)
         assert _same_bits(fresh, inplace), (inverse, live)
     y = x.clone()
-    t_old = _ms(lambda: rope_rows(x, pos, freq, 64, rows=rows))
-    t_new = _ms(lambda: rope_rows(y, pos, freq, 64, rows=rows, inplace=True))
-    t_heads = _ms(lambda: rope_rows(x, pos, freq, 64, rows=rows))
+    t_old = cuda_median_ms(lambda: rope_rows(x, pos, freq, 64, rows=rows))
+    t_new = cuda_median_ms(lambda: rope_rows(y, pos, freq, 64, rows=rows, inplace=True))
+    t_heads = cuda_median_ms(lambda: rope_rows(x, pos, freq, 64, rows=rows))
     print(f"q rope {rows} x {heads} x 512: one head a program {t_old * 1e3:.1f} us, in place {t_new * 1e3:.1f} us"
           f", fresh with 8 heads a program {t_heads * 1e3:.1f} us")
 
@@ -243,7 +230,7 @@ def test_gpu_index_query_rope_fp4_heads_a_program_keep_their_bits(rows):
     from dsv41.kernels.step.rowops import _launch
 
     kw = dict(positions=pos, inv_freq=freq, rope_dim=64, quant="fp4_ue8m0")
-    t_one, t_new = (_ms(lambda: _launch(x, heads_per_program=hp, **kw)) for hp in (1, None))
+    t_one, t_new = (cuda_median_ms(lambda: _launch(x, heads_per_program=hp, **kw)) for hp in (1, None))
     print(f"index q rope + fp4 {rows} x 32 x 128: one head a program {t_one * 1e3:.1f} us, "
           f"8 heads {t_new * 1e3:.1f} us")
 
