@@ -30,6 +30,11 @@ if ! compgen -G "$DSV41_CUBIN_DIR/*$arch*" >/dev/null; then
   export DSV41_CUBIN_DIR=/tmp/cubins
   python3 -m dsv41.kernels.cuda_build --arch "$arch" --out "$DSV41_CUBIN_DIR" --jobs "$(nproc)" || exit 1
 fi
+if [ "$arch" = sm_90 ] && ! compgen -G "$DSV41_CUBIN_DIR/*sm_90a*" >/dev/null; then
+  # Hopper's own image (the wgmma prefill tiles, DSV41_PREFILL_WGMMA): the pack's expert K (2, 3) and the tests' 8
+  python3 -m dsv41.kernels.cuda_build --arch sm_90a --K 2 --K 3 --K 8 --codebook mul1 --out "$DSV41_CUBIN_DIR" \
+    --jobs "$(nproc)" || exit 1
+fi
 mark setup
 
 rc=0

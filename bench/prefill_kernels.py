@@ -179,11 +179,24 @@ def _routing(rows: int, experts: int, topk: int, skew: float, gen: torch.Generat
     return (popularity[None, :] - torch.log(-torch.log(u))).topk(topk, dim=1).indices.int()
 
 
+def _tile_variants(dev) -> list[tuple[str, dict]]:
+    """The experts' tile launches compared: 64-row tiles first (the reference bits), the 128-row tiles in both
+    orders, and on Hopper the wgmma tiles (`DSV41_PREFILL_WGMMA`'s kernel, other bits allowed)."""
+    from dsv41.kernels.exl3 import prefill_wgmma
+
+    out = [("r64_tiles", {"tile_rows": 64, "columns_first": False, "wgmma": False})]
+    out += [(f"r128_{'columns' if c else 'tiles'}", {"tile_rows": 128, "columns_first": c, "wgmma": False})
+            for c in (True, False)]
+    if prefill_wgmma.available(dev):
+        out.append(("wg128_columns", {"columns_first": True, "wgmma": True}))
+    return out
+
+
 def expert_tiles_ab(model, rows_list: list[int], skews=(0.0, 0.8)) -> list[dict]:
     """The routed experts of layer 0 through the CUDA tile kernels at each row count and routing spread: 64- vs
     128-row tiles (`DSV41_PREFILL_TILE_ROWS`), each in both launch orders (`DSV41_PREFILL_TILE_ORDER`), ms and
     TFLOP/s, the tiles (= decodes of an expert's trellis) each needs; every output's bits against 64 rows, tiles
-    first (`same_bits`)."""
+    first (`same_bits`); the wgmma tiles' bits and largest relative difference apart (`wgmma_*`)."""
     from dsv41.kernels.exl3 import prefill_cuda
     from dsv41.kernels.exl3.backend import use_cuda_backend
     from dsv41.kernels.exl3.prefill import prefill_moe
@@ -210,32 +223,34 @@ def expert_tiles_ab(model, rows_list: list[int], skews=(0.0, 0.8)) -> list[dict]
                  "tiles": {str(bm): int(((counts + bm - 1) // bm).sum()) for bm in prefill_cuda.TILE_ROWS},
                  "ms": {}, "tflops": {}, "same_bits": True}
             ref = None
-            for bm in prefill_cuda.TILE_ROWS:
-                for cols in (False, True):
-                    name = f"r{bm}_{'columns' if cols else 'tiles'}"
-                    run = functools.partial(prefill_moe, x, ids, w, s.w1, s.w3, s.w2, tile_rows=bm,
-                                            columns_first=cols)
-                    try:
-                        ms = cuda_ms(run)
-                        y = run().view(torch.int32)
-                    except torch.OutOfMemoryError as exc:
-                        r["ms"][name] = None
-                        r.setdefault("errors", {})[name] = repr(exc)[:300]
-                        torch.cuda.empty_cache()
-                        continue
-                    r["ms"][name], r["tflops"][name] = ms, flops / ms / 1e9
-                    if ref is None:
-                        ref = y
-                    elif not torch.equal(y, ref):
-                        r["same_bits"] = False
-                        r.setdefault("differ", []).append(name)
-                    del y
+            for name, kw in _tile_variants(dev):
+                run = functools.partial(prefill_moe, x, ids, w, s.w1, s.w3, s.w2, **kw)
+                try:
+                    ms = cuda_ms(run)
+                    y = run()
+                except torch.OutOfMemoryError as exc:
+                    r["ms"][name] = None
+                    r.setdefault("errors", {})[name] = repr(exc)[:300]
+                    torch.cuda.empty_cache()
+                    continue
+                r["ms"][name], r["tflops"][name] = ms, flops / ms / 1e9
+                if ref is None:
+                    ref = y
+                elif kw.get("wgmma"):  # other bits allowed: its own row invariance is its GPU test's
+                    r["wgmma_same_bits"] = bool(torch.equal(y.view(torch.int32), ref.view(torch.int32)))
+                    r["wgmma_max_rel"] = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+                elif not torch.equal(y.view(torch.int32), ref.view(torch.int32)):
+                    r["same_bits"] = False
+                    r.setdefault("differ", []).append(name)
+                del y
             del ref, run
             torch.cuda.empty_cache()
             ms = r["ms"]
             log(f"experts at {rows} rows, skew {skew}: tiles {r['tiles']}; " + ", ".join(
                 f"{k} {v:.2f} ms" if v is not None else f"{k} out of memory" for k, v in ms.items())
-                + ("; same bits" if r["same_bits"] else f"; BITS DIFFER: {r['differ']}"))
+                + ("; same bits" if r["same_bits"] else f"; BITS DIFFER: {r['differ']}")
+                + (f"; wgmma same bits {r['wgmma_same_bits']}, max rel {r['wgmma_max_rel']:.2e}"
+                   if "wgmma_same_bits" in r else ""))
             out.append(r)
     return out
 

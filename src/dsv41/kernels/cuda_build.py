@@ -74,13 +74,19 @@ def nvcc_cubin(nvcc: str, source: Path, defines: dict[str, int], arch: str, out:
     tmp.replace(out)
 
 
+def arch_defines(defines: dict[str, int], arch: str) -> dict[str, int]:
+    """An architecture-specific target (sm_90a) builds the image with its own kernels too: on Hopper the prefill
+    tiles on warpgroup MMA (EXL3_WGMMA, kernels/exl3/prefill_wgmma.py), which loads the image under these names."""
+    return {**defines, "EXL3_WGMMA": 1} if arch == "sm_90a" else defines
+
+
 def build_all(archs: list[str], out_dir: Path, jobs: int = os.cpu_count() or 1,
               variants: list[dict[str, int]] | None = None) -> list[Path]:
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("no nvcc found (set DSV41_NVCC or put nvcc on PATH)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    work = [(d, a, out_dir / image_name(EXL3_SOURCE, d, a, "cubin"))
+    work = [(arch_defines(d, a), a, out_dir / image_name(EXL3_SOURCE, arch_defines(d, a), a, "cubin"))
             for a in archs for d in (variants if variants is not None else exl3_variants())]
     with ThreadPoolExecutor(max(1, jobs)) as pool:
         list(pool.map(lambda w: nvcc_cubin(nvcc, EXL3_SOURCE, w[0], w[1], w[2]), work))

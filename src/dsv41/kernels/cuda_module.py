@@ -206,10 +206,12 @@ def _ensure_context(lib, index: int) -> None:
     _check(lib, lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def load_kernels(source_name: str, defines: dict[str, int], names: list[str], device: torch.device) -> dict:
-    """The named `extern "C"` kernels of `cuda/<source_name>` built with `defines`, loaded on `device`."""
+def load_kernels(source_name: str, defines: dict[str, int], names: list[str], device: torch.device,
+                 arch_suffix: str = "") -> dict:
+    """The named `extern "C"` kernels of `cuda/<source_name>` built with `defines`, loaded on `device`.
+    arch_suffix "a": the architecture's own features (sm_90a: wgmma), for an image only that device runs."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (source_name, tuple(sorted(defines.items())), index)
+    key = (source_name, tuple(sorted(defines.items())), index, arch_suffix)
     with _LOCK:
         if key in _MODULES:
             return _MODULES[key]
@@ -217,7 +219,7 @@ def load_kernels(source_name: str, defines: dict[str, int], names: list[str], de
             _DRIVER.append(_driver())
         lib = _DRIVER[0]
         major, minor = torch.cuda.get_device_capability(index)
-        image = compile_image(SOURCE_DIR / source_name, defines, f"sm_{major}{minor}")
+        image = compile_image(SOURCE_DIR / source_name, defines, f"sm_{major}{minor}{arch_suffix}")
         torch.cuda.init()
         with torch.cuda.device(index):  # makes the device's primary context current in this thread
             _ensure_context(lib, index)

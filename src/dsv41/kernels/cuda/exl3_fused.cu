@@ -1477,3 +1477,252 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
     extern __shared__ __align__(16) unsigned char pf_smem[];
     prefill_body<128, EXL3_PF128_STAGES, true>(pf_smem, PREFILL_PASS);
 }
+
+// ------------------------------------------------------------------------------------------------------------
+// prefill on Hopper's warpgroup MMA (issue 31; compiled only with -DEXL3_WGMMA=1 for sm_90a): exl3_prefill_wg128
+// ------------------------------------------------------------------------------------------------------------
+// The tile of exl3_prefill_r128 (up to 128 rows x one 128-column block, the whole k, the same table, out_rows,
+// epilogue and arguments) with each warpgroup's products as one wgmma.m64nNk16 a k step instead of 16 mma.m16n8k16
+// a warp: each warp still decodes its 16 columns' fragment straight into registers (the A operand: wgmma's register
+// A fragment of a warp is mma.m16n8k16's), and the tile's rows are the B operand, read by the tensor cores from
+// shared memory (K-major, 128-byte swizzle) instead of by every warp through its registers (the r128 kernel reads
+// the whole B tile once a warp: 8x the bytes, and as many load instructions as mma). N is the tile's used rows (32,
+// 64, 96 or 128: whole row parts, as r128's row parts), so a small expert's tile multiplies its own rows only.
+// The input here is in natural k order (kernels/exl3/prefill.py's rotation without PERMUTE), with PAD rows past
+// the last real one, as r128's.
+// Bits: one fp32 accumulation chain per output element over the k steps in k order, each step one k16 product of
+// the tensor core; whether the wgmma's k16 product rounds as mma.sync's is the GPU's to say (tests/
+// test_exl3_prefill_wgmma.py compares the two bitwise and reports); a row's element never depends on the other
+// rows or on N (the same test, rows alone / in full tiles / permuted).
+#if defined(EXL3_WGMMA)
+#if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "EXL3_WGMMA needs sm_90a (wgmma)"
+#endif
+#ifndef EXL3_WG_STAGES
+#define EXL3_WG_STAGES 2
+#endif
+#ifndef EXL3_WG_MIN_BLOCKS
+#define EXL3_WG_MIN_BLOCKS 1
+#endif
+#define WG_ROWS 128
+#define WG_ATOM_BYTES (WG_ROWS * 128)          // one 64-deep k half of a B stage: 128 rows x 128 B (8-row atoms)
+#define WG_B_STAGE_BYTES (2 * WG_ATOM_BYTES)  // a 128-deep B stage: 32 KiB
+
+__device__ __forceinline__ void wgmma_n32(float* d, const u32* a, unsigned long long desc) {
+    asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+        "}, {%16,%17,%18,%19}, %20, p, 1, 1, 0;}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_n64(float* d, const u32* a, unsigned long long desc) {
+    asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_n96(float* d, const u32* a, unsigned long long desc) {
+    asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %53, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n96k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+        "}, {%48,%49,%50,%51}, %52, p, 1, 1, 0;}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+__device__ __forceinline__ void wgmma_n128(float* d, const u32* a, unsigned long long desc) {
+    asm volatile(
+        "{.reg .pred p; setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+        "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+        "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+        "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// keeps the compiler from moving accumulator reads or writes across the asynchronous products
+__device__ __forceinline__ void fence_acc(float* acc) {
+#pragma unroll
+    for (int i = 0; i < WG_ROWS / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+}
+
+// Descriptor of a K-major B operand of 8-row, 128-byte swizzled atoms (rows 128 B apart, atoms 1024 B apart);
+// `addr` is the shared address of the k step's first row (the atom's base + 32 B a k16 step; atoms 1024-aligned).
+__device__ __forceinline__ unsigned long long b_desc(u32 addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_rows(float* acc, const u32* a, unsigned long long desc) {
+    if constexpr (N == 32) wgmma_n32(acc, a, desc);
+    else if constexpr (N == 64) wgmma_n64(acc, a, desc);
+    else if constexpr (N == 96) wgmma_n96(acc, a, desc);
+    else wgmma_n128(acc, a, desc);
+}
+
+struct WgState {
+    const u32* ring;   // this warp's weight ring [WG_STAGES][KR][TW]
+    u32 bring;         // shared address of the block's B ring [WG_STAGES][2][128 rows][128 B], 1024-aligned
+    const u16* xrow;   // row first + tid / 16 of xh
+    int off[NW];
+    u32 sh;
+    int n_stages, lane, tid, k, used;
+    StageCopy copy;
+};
+
+// This thread's share of B stage `it` into ring slot `slot`: rows tid / 16 + 16 j, 16-byte chunk tid % 16 (k
+// 8c .. 8c + 7 of the 128-deep block) at its swizzled place; only the used rows.
+__device__ __forceinline__ void wg_issue_b(const WgState& S, int it, int slot) {
+    if (it >= S.n_stages) return;
+    const int c = S.tid & 15, half = c >> 3, cc = c & 7;
+#pragma unroll
+    for (int j = 0; j < WG_ROWS / 16; ++j) {
+        if (16 * j >= S.used) break;
+        const int row = (S.tid >> 4) + 16 * j;
+        const u32 dst = S.bring + slot * WG_B_STAGE_BYTES + half * WG_ATOM_BYTES + row * 128 + ((cc ^ (row & 7)) << 4);
+        cp_async16(dst, S.xrow + 16LL * j * S.k + (long long)it * 128 + c * 8);
+    }
+}
+
+__device__ __forceinline__ void wg_issue_weights(WgState& S, int slot, bool load) {
+#pragma unroll
+    for (int j = 0; j < LANE_CHUNKS; ++j) {
+        if (load && (STAGE_CHUNKS % 32 == 0 || j + 1 < LANE_CHUNKS || S.lane + 32 * j < STAGE_CHUNKS))
+            cp_async16(S.copy.dst[j] + slot * KR * TW * 4, S.copy.src[j]);
+        S.copy.src[j] += S.copy.step;
+    }
+}
+
+// The k loop: per 128-deep stage one wait and one block barrier (the stage's weights and B visible, every warp's
+// products of the stage before done), the copies of a later stage, then 8 k steps, each a decode into registers and
+// one wgmma of the warpgroup; fragments rotate through 4 register sets, so a step's decode overlaps the 3 products
+// before it.
+template <int N>
+__device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
+    for (int it = 0; it < S.n_stages; ++it) {
+        const int slot = it % EXL3_WG_STAGES;
+        asm volatile("cp.async.wait_group %0;" ::"n"(EXL3_WG_STAGES - 2));
+        fence_async_shared();  // the cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy)
+        __syncthreads();
+        const int next = it + EXL3_WG_STAGES - 1, nslot = next % EXL3_WG_STAGES;
+        wg_issue_weights(S, nslot, next < S.n_stages);
+        wg_issue_b(S, next, nslot);
+        cp_async_commit();
+        const u32* stage = S.ring + slot * KR * TW;
+        const u32 bbase = S.bring + slot * WG_B_STAGE_BYTES;
+        u32 frag[4][4];
+#pragma unroll
+        for (int s = 0; s < KR; ++s) {
+            if (s >= 4) wgmma_wait<3>();  // step s - 4, the last reader of frag[s % 4], is done
+            decode_tile(stage + s * TW, S.off, S.sh, frag[s & 3]);
+            wgmma_fence();
+            fence_acc(acc);
+            wgmma_rows<N>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));
+            fence_acc(acc);
+            wgmma_commit();
+        }
+        wgmma_wait<0>();  // the stage's B slot is overwritten after the next barrier
+        fence_acc(acc);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
+    const int tile = columns_first ? blockIdx.y : blockIdx.x, cb = columns_first ? blockIdx.x : blockIdx.y;
+    int e = 0, first, count;
+    if (table != nullptr) {
+        wait_for_previous_kernel();
+        e = table[3 * tile];
+        first = table[3 * tile + 1];
+        count = table[3 * tile + 2];
+    } else {
+        first = tile * WG_ROWS;
+        count = min(WG_ROWS, n_rows - first);
+    }
+    if (count <= 0) return;
+    // the B ring first, at the first 1024-aligned shared address (the swizzle is of absolute address bits)
+    const u32 base = smem_addr(wg_smem);
+    const u32 pad = (1024 - (base & 1023)) & 1023;
+    unsigned char* aligned = wg_smem + pad;
+    u32* rings = (u32*)(aligned + EXL3_WG_STAGES * WG_B_STAGE_BYTES);
+    float* ys = (float*)aligned;  // the epilogue's tile reuses the buffer once the k loop is done
+    const long long row_stride_words = (long long)(n / 16) * TW;
+    const u32* tile_col = trellis + (long long)e * (k / 16) * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;
+    const uint2 sv = load_svh4(svh + (long long)e * n + cb * 128, lane);
+    WgState S;
+    S.ring = rings + warp * EXL3_WG_STAGES * KR * TW;
+    S.bring = base + pad;
+    S.xrow = xh + (long long)(first + (tid >> 4)) * k;
+    lane_offsets(lane, S.off, &S.sh);
+    S.n_stages = k / 128;
+    S.lane = lane;
+    S.tid = tid;
+    S.k = k;
+    S.used = (count + PF_PART - 1) / PF_PART * PF_PART;
+    float acc[WG_ROWS / 2];
+#pragma unroll
+    for (int i = 0; i < WG_ROWS / 2; ++i) acc[i] = 0.f;
+    wait_for_previous_kernel();
+    S.copy = stage_copy(S.ring, tile_col, row_stride_words, 0, lane);
+#pragma unroll
+    for (int s = 0; s < EXL3_WG_STAGES - 1; ++s) {
+        wg_issue_weights(S, s, s < S.n_stages);
+        wg_issue_b(S, s, s);
+        cp_async_commit();
+    }
+    switch (S.used >> 5) {  // uniform over the block
+        case 1: wg_loop<32>(S, acc); break;
+        case 2: wg_loop<64>(S, acc); break;
+        case 3: wg_loop<96>(S, acc); break;
+        default: wg_loop<128>(S, acc); break;
+    }
+    asm volatile("cp.async.wait_all;");
+    let_next_kernel_start();
+    __syncthreads();
+    stash_acc<WG_ROWS>(acc, ys, warp, lane);  // wgmma's D fragment of a warp is mma's, a row group per 8 columns
+    __syncthreads();
+    for (int r = warp; r < count; r += WARPS) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = ys[r * YS_STRIDE + 4 * lane + i];
+        rotate_output(v, sv, lane);
+        const long long dest = out_rows != nullptr ? (long long)out_rows[first + r] : (long long)(first + r);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) store_value(out, dest * ldo + cb * 128 + 4 * lane + i, out_dtype, v[i]);
+    }
+}
+#endif  // EXL3_WGMMA

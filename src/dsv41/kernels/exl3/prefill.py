@@ -41,6 +41,7 @@ kernels' two tile sizes give the same bits (each output element one mma chain ov
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ from dsv41.kernels.exl3.decode import (
     rotate_rows_fp32,
 )
 from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inputs, moe_out
-from dsv41.kernels.exl3 import prefill_cuda
+from dsv41.kernels.exl3 import prefill_cuda, prefill_wgmma
 from dsv41.kernels.exl3.prefill_dense import Workspace, dense_gemm_enabled, workspace_matmul
 from dsv41.kernels.exl3.prefill_cuda import prefill_tiles_cuda
 
@@ -327,11 +328,12 @@ def _row_blocks(rows: int, col_blocks: int) -> int:
     return blocks
 
 
-def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False, row_blocks=None):
-    """The rotated input(s) of `rows` rows (fp16 [rows (+ the CUDA tiles' padding when permuted), k]).
-    row_blocks (None: `_row_blocks`): 16-row blocks per program, for the tests and the bench's A/B."""
+def _rotate(x, suh_a, k, *, src=None, pair_e=None, suh_b=None, rows=None, permute=False, row_blocks=None,
+            padded=None):
+    """The rotated input(s) of `rows` rows (fp16 [rows (+ the CUDA tiles' padding when `padded`, None: when
+    permuted), k]). row_blocks (None: `_row_blocks`): 16-row blocks per program, for the tests and the bench's A/B."""
     rows = x.shape[0] if rows is None else rows
-    pad = prefill_cuda.PAD_ROWS if permute else 0
+    pad = prefill_cuda.PAD_ROWS if (permute if padded is None else padded) else 0
     xa = torch.empty(rows + pad, k, dtype=torch.float16, device=x.device)
     xb = torch.empty_like(xa) if suh_b is not None else xa
     if rows:
@@ -357,12 +359,14 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 w3: Exl3ExpertStack, w2: Exl3ExpertStack, swiglu_limit: float = 10.0,
                 out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
                 addend: torch.Tensor | None = None, config: PrefillConfig | None = None,
-                tile_rows: int | None = None, columns_first: bool | None = None) -> torch.Tensor:
+                tile_rows: int | None = None, columns_first: bool | None = None,
+                wgmma: bool | None = None) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i,
     plus `addend` [T, hidden] when given: `moe.moe_forward`'s function for a prefill chunk of any length.
 
     tile_rows / columns_first (None: `DSV41_PREFILL_TILE_ROWS` / `_ORDER`): the CUDA tiles' rows (64, 128) and
-    launch order (`prefill_cuda`); the same bits whatever they are."""
+    launch order (`prefill_cuda`); the same bits whatever they are. wgmma (None: `DSV41_PREFILL_WGMMA`): on a
+    Hopper GPU the 128-row tiles on warpgroup MMA (`prefill_wgmma`), fed the rotation in natural k order."""
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     T, hidden = x.shape
     out = moe_out(out, T, hidden, out_dtype, x.device)
@@ -373,8 +377,9 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     dev = x.device
     cuda_rows = _cuda_rows(dev, (w1.K, w2.K), tile_rows)
     cuda = cuda_rows is not None
+    wg = cuda and prefill_wgmma.use_wgmma(dev, wgmma)
     cfg = _config(config or EXPERTS)
-    block_m = cuda_rows if cuda else cfg.block_m
+    block_m = prefill_wgmma.ROWS if wg else cuda_rows if cuda else cfg.block_m
     topk = topk_ids.shape[1]
     pairs = T * topk
     inter = w1.n
@@ -384,18 +389,21 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     route = topk_weights.reshape(-1).float()[order].contiguous()
     had = hadamard_signs(dev, torch.float16)
     tiles = table.shape[0]
-    xg, xu = _rotate(x, w1.suh, hidden, src=src, pair_e=pair_e, suh_b=w3.suh, rows=pairs, permute=cuda)
+    xg, xu = _rotate(x, w1.suh, hidden, src=src, pair_e=pair_e, suh_b=w3.suh, rows=pairs, permute=cuda and not wg,
+                     padded=cuda)
     hh = torch.empty(pairs + (prefill_cuda.PAD_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
-    tiling = {"rows": block_m, "columns_first": columns_first}
+    if wg:
+        order_cols = prefill_cuda.configured_columns_first() if columns_first is None else columns_first
+        tiles_of = functools.partial(prefill_wgmma.prefill_tiles_wgmma, columns_first=order_cols)
+    else:
+        tiles_of = functools.partial(prefill_tiles_cuda, rows=block_m, columns_first=columns_first)
     if cuda:
         gate = torch.empty(pairs, inter, dtype=torch.float32, device=dev)
         up = torch.empty_like(gate)
-        prefill_tiles_cuda(xg, w1.words, w1.svh, w1.K, w1.codebook, hidden, inter, gate, pairs, tiles, table=table,
-                           **tiling)
-        prefill_tiles_cuda(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table,
-                           **tiling)
+        tiles_of(xg, w1.words, w1.svh, w1.K, w1.codebook, hidden, inter, gate, pairs, tiles, table=table)
+        tiles_of(xu, w3.words, w3.svh, w3.K, w3.codebook, hidden, inter, up, pairs, tiles, table=table)
         del xg, xu
-        swiglu_rotate(gate, up, route, pair_e, w2.suh, hh, pairs, inter, swiglu_limit)
+        swiglu_rotate(gate, up, route, pair_e, w2.suh, hh, pairs, inter, swiglu_limit, permute=not wg)
         del gate, up
     else:
         _gate_up_kernel[(tiles, inter // 128)](
@@ -406,8 +414,8 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=dev)
     out_rows = order.to(torch.int32)
     if cuda:
-        prefill_tiles_cuda(hh, w2.words, w2.svh, w2.K, w2.codebook, inter, hidden, y, pairs, tiles, table=table,
-                           out_rows=out_rows, **tiling)
+        tiles_of(hh, w2.words, w2.svh, w2.K, w2.codebook, inter, hidden, y, pairs, tiles, table=table,
+                 out_rows=out_rows)
     else:
         _tile_matmul_kernel[(tiles, hidden // 128)](
             table, hh, out_rows, w2.words, w2.svh, had, y, y.stride(0), pairs, inter, hidden,

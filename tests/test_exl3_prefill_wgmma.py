@@ -1,0 +1,116 @@
+"""The prefill tiles on Hopper's warpgroup MMA (`exl3_prefill_wg128`, kernels/exl3/prefill_wgmma.py).
+
+CPU part (CI, where a CUDA toolkit is present): the kernel compiles for sm_90a at the pack's K and at the largest K
+without spilling and without a warning (ptxas warns where it must serialise the asynchronous products); the switch
+never takes the kernel off Hopper. GPU part (`-m gpu`, an H100 / H200): the routed experts of a full-shape layer
+against the portable 128-row tiles (within fp32 rounding; whether the bits are the same is printed), and the wgmma
+tiles' own row invariance: rows alone, in slices that cut tiles anywhere (so other N of the wgmma), reordered.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+import torch
+
+from test_exl3_cuda import SOURCE, _nvcc_or_skip
+
+
+@pytest.mark.parametrize("K,cb", [(3, 2), (8, 0)])
+def test_wgmma_kernel_compiles_for_hopper_without_spills_or_warnings(tmp_path, K, cb):
+    from dsv41.kernels import cuda_build
+
+    nvcc = _nvcc_or_skip()
+    proc = subprocess.run(
+        [nvcc, "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", f"-DEXL3_K={K}", f"-DEXL3_CB={cb}", "-DEXL3_WGMMA=1",
+         "-Xptxas", "-v", *cuda_build.flags_of(cuda_build.DEFAULT_TUNING), "-o", str(tmp_path / "wg.cubin"),
+         str(SOURCE)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
+    found = re.search(r"Function properties for exl3_prefill_wg128\n.*?(\d+) bytes spill stores", proc.stderr)
+    assert found is not None and found.group(1) == "0", proc.stderr[-3000:]
+
+
+def test_the_switch_takes_the_wgmma_tiles_only_on_hopper(monkeypatch):
+    from dsv41.kernels.exl3 import prefill_wgmma
+
+    monkeypatch.setenv(prefill_wgmma.ENV, "1")
+    assert prefill_wgmma.enabled()
+    assert not prefill_wgmma.use_wgmma(torch.device("cpu"))
+    monkeypatch.setenv(prefill_wgmma.ENV, "0")
+    assert not prefill_wgmma.enabled()
+    monkeypatch.delenv(prefill_wgmma.ENV)
+    assert not prefill_wgmma.enabled(), "off by default until a GPU A/B"
+    # shared memory: the B ring and the weight rings fit an H100's 227 KiB a block at every K
+    assert all(prefill_wgmma.shared_bytes(K) <= 227 * 1024 for K in range(1, 9))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    bad = (_bits(got) != _bits(want)).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten()
+    diff = float((got.double() - want.double()).abs().max())
+    return f"{bad.numel()} of {got.shape[0]} rows differ (first {bad[:8].tolist()}), max |diff| {diff:.3g}"
+
+
+def _expert_case(E, hidden, inter, K, topk, T, seed):
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    stacks = []
+    for k, n in ((hidden, inter), (hidden, inter), (inter, hidden)):
+        trellis = torch.randint(-32768, 32768, (E, k // 16, n // 16, 16 * K), generator=g, device=dev,
+                                dtype=torch.int32).to(torch.int16)
+        suh = (torch.randn(E, k, generator=g, device=dev) * 0.03).half()
+        svh = torch.randn(E, n, generator=g, device=dev).half()
+        stacks.append(Exl3ExpertStack.from_stacked(trellis, suh, svh, "mul1"))
+    popularity = torch.randn(E, generator=g, device=dev) * 0.8  # a router's skew (Gumbel top-k)
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=dev).clamp_(1e-20, 1 - 1e-7)))
+    ids = (popularity[None, :] + gumbel).topk(topk, dim=1).indices.int()
+    x = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
+    wts = torch.rand(T, topk, generator=g, device=dev)
+    add = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
+    return stacks, ids, x, wts, add, g
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,inter,K,T", [(384, 1152, 3, 8192), (64, 512, 8, 3000)])
+def test_gpu_wgmma_tiles_match_the_mma_tiles_and_are_row_invariant(E, inter, K, T, monkeypatch):
+    """Experts from a few rows to several 128-row tiles (skewed routing): the wgmma tiles == the portable 128-row
+    tiles within fp32 rounding (bits equal or not: printed); their rows alone / sliced / reordered == the batch's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("DSV41_EXL3_BACKEND", "cuda")
+    from dsv41.kernels.exl3 import prefill_wgmma
+    from dsv41.kernels.exl3.prefill import prefill_moe
+
+    if not prefill_wgmma.available(torch.device("cuda")):
+        pytest.skip(f"wgmma needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name()}")
+    (w1, w3, w2), ids, x, wts, add, g = _expert_case(E, 5120, inter, K, 6, T, seed=E + K)
+    counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+    assert int(counts.max()) > 128 and int(((counts > 0) & (counts <= 32)).sum()) > 0, sorted(counts.tolist())
+
+    def run(rows=slice(None), **kw):
+        return prefill_moe(x[rows], ids[rows], wts[rows], w1, w3, w2, addend=add[rows], **kw)
+
+    mma = run(tile_rows=128, wgmma=False)
+    wg = run(wgmma=True)
+    assert torch.isfinite(wg).all()
+    diff = float((wg.double() - mma.double()).abs().max()) / float(mma.double().abs().max())
+    print(f"wgmma vs mma tiles (E {E}, K {K}, {T} rows): same bits {torch.equal(_bits(wg), _bits(mma))}, "
+          f"max |diff| / max |y| {diff:.2e}")
+    assert diff <= 1e-5, _mismatch(wg, mma)
+    for rows in (slice(0, 1), slice(100, 117), slice(1000, 2900)):
+        got = run(rows, wgmma=True)
+        assert torch.equal(_bits(got), _bits(wg[rows])), f"rows {rows} alone: {_mismatch(got, wg[rows])}"
+    perm = torch.randperm(T, generator=g, device=x.device)[:2000]
+    got = run(perm, wgmma=True)
+    assert torch.equal(_bits(got), _bits(wg[perm])), f"2,000 rows reordered: {_mismatch(got, wg[perm])}"
+    got = run(wgmma=True, columns_first=False)
+    assert torch.equal(_bits(got), _bits(wg)), f"tiles first vs columns first: {_mismatch(got, wg)}"
