@@ -94,7 +94,8 @@ def test_gpu_wgmma_tiles_match_the_mma_tiles_and_are_row_invariant(E, inter, K, 
         pytest.skip(f"wgmma needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name()}")
     (w1, w3, w2), ids, x, wts, add, g = _expert_case(E, 5120, inter, K, 6, T, seed=E + K)
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
-    assert int(counts.max()) > 128 and int(((counts > 0) & (counts <= 32)).sum()) > 0, sorted(counts.tolist())
+    # experts of several tiles and partial tiles (other N of the wgmma than 128)
+    assert int(counts.max()) > 128 and int((counts % 128 != 0).sum()) > 0, sorted(counts.tolist())
 
     def run(rows=slice(None), **kw):
         return prefill_moe(x[rows], ids[rows], wts[rows], w1, w3, w2, addend=add[rows], **kw)

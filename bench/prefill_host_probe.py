@@ -1,0 +1,64 @@
+"""Host cost of the experts' prefill launches (`prefill_moe`) on layer 0 of the synthetic rank: per call, the host
+seconds (no sync), the wall with a sync, and the top host functions under cProfile, for the default tiles and the
+wgmma tiles (`DSV41_PREFILL_WGMMA`). `python3 bench/prefill_host_probe.py --rows 2048`."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=2048)
+    p.add_argument("--calls", type=int, default=10)
+    args = p.parse_args(argv)
+    from dsv41.kernels.exl3.prefill import prefill_moe
+    from dsv41.runtime.synthetic import synthetic_rank
+    from decode_step import StubComm  # noqa: E402
+
+    dev = torch.device("cuda")
+    model = synthetic_rank(None, rank=0, world=2, device=dev, dtype=torch.bfloat16, comm=StubComm(), layers=1)
+    s, topk = model.blocks[0].moe.experts, model.blocks[0].moe.topk
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(args.rows, s.w1.k, generator=g, device=dev).bfloat16()
+    ids = torch.rand(args.rows, s.w1.experts, generator=g, device=dev).topk(topk, dim=1).indices.int()
+    w = torch.rand(args.rows, topk, generator=g, device=dev)
+    for wg in (False, True):
+        def call():
+            return prefill_moe(x, ids, w, s.w1, s.w3, s.w2, wgmma=wg)
+        call()
+        torch.cuda.synchronize()
+        host, wall = [], []
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            call()
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            host.append(t1 - t0)
+            wall.append(time.perf_counter() - t0)
+        prof = cProfile.Profile()
+        prof.enable()
+        call()
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(18)
+        print(f"wgmma={wg}: host {sorted(host)[len(host) // 2] * 1e3:.2f} ms, wall {sorted(wall)[len(wall) // 2] * 1e3:.2f} ms")
+        print(buf.getvalue()[-3500:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
