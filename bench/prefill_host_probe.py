@@ -23,6 +23,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--model-layers", type=int, default=0,
+                   help="also a whole chunk of `rows` rows through a synthetic rank of this many layers, each way")
     args = p.parse_args(argv)
     from dsv41.kernels.exl3.prefill import prefill_moe
     from dsv41.runtime.synthetic import synthetic_rank
@@ -57,7 +59,44 @@ def main(argv=None) -> int:
         pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(18)
         print(f"wgmma={wg}: host {sorted(host)[len(host) // 2] * 1e3:.2f} ms, wall {sorted(wall)[len(wall) // 2] * 1e3:.2f} ms")
         print(buf.getvalue()[-3500:])
+    if args.model_layers:
+        del model
+        torch.cuda.empty_cache()
+        model_chunks(args.rows, args.model_layers)
     return 0
+
+
+def model_chunks(rows: int, layers: int) -> None:
+    """A chunk of `rows` rows through `layers` layers, the wgmma switch off and on (read at each launch): the wall
+    of a few chunks each way and cProfile's top host functions of one."""
+    import os
+
+    from dsv41.runtime.synthetic import synthetic_rank
+    from decode_step import StubComm  # noqa: E402
+
+    dev = torch.device("cuda")
+    model = synthetic_rank(None, rank=0, world=2, device=dev, dtype=torch.bfloat16, comm=StubComm(), layers=layers)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
+    for flag in ("0", "1", "0", "1"):
+        os.environ["DSV41_PREFILL_WGMMA"] = flag
+        model.forward([(model.new_state(), ids)], "prefill")
+        torch.cuda.synchronize()
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            model.forward([(model.new_state(), ids)], "prefill")
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+        prof = cProfile.Profile()
+        prof.enable()
+        model.forward([(model.new_state(), ids)], "prefill")
+        torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+        print(f"model {layers} layers, {rows} rows, DSV41_PREFILL_WGMMA={flag}: walls "
+              f"{', '.join(f'{w * 1e3:.0f}' for w in walls)} ms")
+        print(buf.getvalue()[-3000:])
 
 
 if __name__ == "__main__":
