@@ -151,8 +151,10 @@ def main(argv=None) -> int:
         log("ERROR: the 64- and 128-row prefill tiles gave different bits (kernels.expert_tiles)")
     if args.kernels_only:
         return 0 if bits_ok else 1
-    # warm-up: every kernel compiled (a chunk of each kind of position)
-    model.forward([(model.new_state(), torch.randint(0, model.cfg.vocab_size, (256,)))], "prefill")
+    # warm-up: every kernel compiled (a chunk of each kind of position), at the chunks' row counts too (some launch
+    # shapes follow the rows: e.g. the rotations' row blocks a program, a constexpr of their Triton kernels)
+    for rows in sorted({256, *(min(args.chunk, int(v)) for v in args.lengths.split(",") if v)}):
+        model.forward([(model.new_state(), torch.randint(0, model.cfg.vocab_size, (rows,)))], "prefill")
     sync(dev)
     runs = []
     last = None

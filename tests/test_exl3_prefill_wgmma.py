@@ -115,3 +115,27 @@ def test_gpu_wgmma_tiles_match_the_mma_tiles_and_are_row_invariant(E, inter, K, 
     assert torch.equal(_bits(got), _bits(wg[perm])), f"2,000 rows reordered: {_mismatch(got, wg[perm])}"
     got = run(wgmma=True, columns_first=False)
     assert torch.equal(_bits(got), _bits(wg)), f"tiles first vs columns first: {_mismatch(got, wg)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_gpu_prefill_moe_reads_nothing_back_to_the_host(wgmma, monkeypatch):
+    """The experts' prefill (the tile table, the rotations, the tiles, the slot sums) runs without a host sync: a
+    read-back each layer (torch.bincount on CUDA sizes its output from the largest id) leaves the GPU idle while the
+    host launches the rest of the layer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("DSV41_EXL3_BACKEND", "cuda")
+    from dsv41.kernels.exl3 import prefill_wgmma
+    from dsv41.kernels.exl3.prefill import prefill_moe
+
+    if wgmma and not prefill_wgmma.available(torch.device("cuda")):
+        pytest.skip(f"wgmma needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name()}")
+    (w1, w3, w2), ids, x, wts, add, _ = _expert_case(16, 512, 256, 3, 6, 300, seed=5)
+    prefill_moe(x, ids, wts, w1, w3, w2, addend=add, wgmma=wgmma)  # compiled and loaded first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        prefill_moe(x, ids, wts, w1, w3, w2, addend=add, wgmma=wgmma)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1504,6 +1504,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
 #ifndef EXL3_WG_MIN_BLOCKS
 #define EXL3_WG_MIN_BLOCKS 1
 #endif
+// A/B (DSV41_EXL3_TUNING): PREFETCH loads the next k step's trellis words before this step's decode and product
+// (their shared-memory latency behind the decode); RELAXED drops the compiler memory clobbers of the wgmma fences
+// (the asynchronous products read only B, which the stage's barrier orders), so the compiler may schedule the
+// decode's loads across them. The same products in the same order either way: the same bits.
+#ifndef EXL3_WG_PREFETCH
+#define EXL3_WG_PREFETCH 0
+#endif
+#ifndef EXL3_WG_RELAXED
+#define EXL3_WG_RELAXED 0
+#endif
+#if EXL3_WG_RELAXED
+#define WG_MEM
+#define WG_MEM_IN
+#define WG_MEM_OUT
+#else
+#define WG_MEM ::: "memory"   // the clobber of an asm without operands,
+#define WG_MEM_IN : "memory"  // with inputs only,
+#define WG_MEM_OUT :: "memory"  // with outputs only
+#endif
 #define WG_ROWS 128
 #define WG_ATOM_BYTES (WG_ROWS * 128)          // one 64-deep k half of a B stage: 128 rows x 128 B (8-row atoms)
 #define WG_B_STAGE_BYTES (2 * WG_ATOM_BYTES)  // a 128-deep B stage: 32 KiB
@@ -1567,15 +1586,15 @@ __device__ __forceinline__ void wgmma_n128(float* d, const u32* a, unsigned long
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" WG_MEM); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" WG_MEM); }
 template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) WG_MEM_IN); }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // keeps the compiler from moving accumulator reads or writes across the asynchronous products
 __device__ __forceinline__ void fence_acc(float* acc) {
 #pragma unroll
-    for (int i = 0; i < WG_ROWS / 2; ++i) asm volatile("" : "+f"(acc[i])::"memory");
+    for (int i = 0; i < WG_ROWS / 2; ++i) asm volatile("" : "+f"(acc[i]) WG_MEM_OUT);
 }
 
 // Descriptor of a K-major B operand of 8-row, 128-byte swizzled atoms (rows 128 B apart, atoms 1024 B apart);
@@ -1644,10 +1663,25 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
         const u32* stage = S.ring + slot * KR * TW;
         const u32 bbase = S.bring + slot * WG_B_STAGE_BYTES;
         u32 frag[4][4];
+#if EXL3_WG_PREFETCH
+        u32 words[2][NW];
+#pragma unroll
+        for (int i = 0; i < NW; ++i) words[0][i] = stage[S.off[i]];
+#endif
 #pragma unroll
         for (int s = 0; s < KR; ++s) {
+#if EXL3_WG_PREFETCH
+            if (s + 1 < KR) {
+#pragma unroll
+                for (int i = 0; i < NW; ++i) words[(s + 1) & 1][i] = stage[(s + 1) * TW + S.off[i]];
+            }
+#endif
             if (s >= 4) wgmma_wait<3>();  // step s - 4, the last reader of frag[s % 4], is done
+#if EXL3_WG_PREFETCH
+            decode_words(words[s & 1], S.sh, frag[s & 3]);
+#else
             decode_tile(stage + s * TW, S.off, S.sh, frag[s & 3]);
+#endif
             wgmma_fence();
             fence_acc(acc);
             wgmma_rows<N>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));

@@ -294,7 +294,9 @@ def tile_table(flat_ids: torch.Tensor, experts: int, block_m: int) -> tuple[torc
     flat = flat_ids.reshape(-1).long()
     pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    # not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync each layer, which
+    # left the GPU idle while the host launched the rest of the layer: ~35 ms of a 2,048-row chunk at 26 layers)
+    counts = torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0)
