@@ -7,13 +7,14 @@ Hopper only (sm_90a: the image is built with `-DEXL3_WGMMA=1` for the device's o
 sm_80 keep the portable tiles, which stay the reference twin. The input is the rotation in natural k order (no
 PERMUTE) with `prefill_cuda.PAD_ROWS` rows of padding.
 
-A/B switch `DSV41_PREFILL_WGMMA` (read at each call; off by default until a GPU run has timed it and compared its
-bits with the mma tiles: tests/test_exl3_prefill_wgmma.py).
+The same bits as the portable 128-row tiles (the H100 says so: every output of a full-shape layer's experts at
+2,048 and 8,192 rows, skewed routing, bench/results/prefill_tiles_ab_95e36f2.json, and
+tests/test_exl3_prefill_wgmma.py), so the switch never changes a reply. Switch `DSV41_PREFILL_WGMMA` (read at each
+call; on by default since that run: experts of a layer at 8,192 rows 9.95 -> 7.5 ms, 2,048 rows 4.90 -> 3.97 ms;
+`=0` for the mma tiles).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -21,6 +22,7 @@ from dsv41.kernels.cuda_build import arch_defines, exl3_defines
 from dsv41.kernels.cuda_module import load_kernels
 from dsv41.kernels.exl3.cuda import DTYPE_CODES, SOURCE, THREADS, TUNING, YS_STRIDE, _shared_limit
 from dsv41.kernels.exl3.prefill_cuda import NULL
+from dsv41.kernels.step.knobs import switched_on
 
 ENV = "DSV41_PREFILL_WGMMA"
 KERNEL = "exl3_prefill_wg128"
@@ -30,8 +32,8 @@ B_STAGE_BYTES = ROWS * 128 * 2  # 128 rows x 128 k fp16 a stage
 
 
 def enabled() -> bool:
-    """`DSV41_PREFILL_WGMMA` is 1 (read at each call: benches flip it in one process)."""
-    return os.environ.get(ENV, "").strip().lower() in {"1", "on", "true", "yes"}
+    """`DSV41_PREFILL_WGMMA` is not 0 (on by default; read at each call: benches flip it in one process)."""
+    return switched_on(ENV)
 
 
 def available(device: torch.device) -> bool:
