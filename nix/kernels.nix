@@ -8,7 +8,9 @@
 let
   root = ../.;
   kernelsSrc = root + "/src/dsv41/kernels";
-  archs = map (c: "sm_" + lib.replaceStrings [ "." ] [ "" ] c) cudaPackages.flags.cudaCapabilities;
+  baseArchs = map (c: "sm_" + lib.replaceStrings [ "." ] [ "" ] c) cudaPackages.flags.cudaCapabilities;
+  # Hopper's own image beside the portable one: the wgmma prefill tiles (kernels/exl3/prefill_wgmma.py)
+  archs = baseArchs ++ lib.optional (lib.elem "sm_90" baseArchs) "sm_90a";
   archFlags = lib.concatMapStringsSep " " (a: "--arch ${a}") archs;
 in
 assert lib.assertMsg (archs != [ ]) "dsv41-kernels: config.cudaCapabilities is empty";

@@ -29,9 +29,14 @@ def warm(cache_dir: str | None = None, ks: tuple[int, ...] = tuple(range(1, 9)))
         log.info("CUDA kernels: skipped (no NVIDIA GPU of sm_80 or newer here)")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
+    from dsv41.kernels.exl3 import prefill_wgmma
+
+    wgmma = prefill_wgmma.use_wgmma(device)  # Hopper: its own image too (the prefill's wgmma tiles)
     for K in ks:
         for codebook in CODEBOOKS:
             kernels_for(device, K, codebook)
-    ready = len(ks) * len(CODEBOOKS)
+            if wgmma:
+                prefill_wgmma.kernel_for(device, K, codebook)
+    ready = len(ks) * len(CODEBOOKS) * (2 if wgmma else 1)
     log.info("CUDA kernels: %d variants ready for %s", ready, torch.cuda.get_device_name(device))
     return ready
