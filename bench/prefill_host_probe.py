@@ -25,7 +25,12 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--model-layers", type=int, default=0,
                    help="also a whole chunk of `rows` rows through a synthetic rank of this many layers, each way")
+    p.add_argument("--sync-report", type=int, default=0, metavar="LAYERS",
+                   help="only: the host syncs torch reports in one chunk through this many layers, by call site")
     args = p.parse_args(argv)
+    if args.sync_report:
+        sync_report(args.rows, args.sync_report)
+        return 0
     from dsv41.kernels.exl3.prefill import prefill_moe
     from dsv41.runtime.synthetic import synthetic_rank
     from decode_step import StubComm  # noqa: E402
@@ -64,6 +69,44 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
         model_chunks(args.rows, args.model_layers)
     return 0
+
+
+def sync_report(rows: int, layers: int) -> None:
+    """One prefill chunk under `torch.cuda.set_sync_debug_mode("warn")`: each synchronizing torch call's innermost
+    dsv41 frame (and the one above it), with counts."""
+    import collections
+    import traceback
+    import warnings
+
+    from dsv41.runtime.synthetic import synthetic_rank
+    from decode_step import StubComm  # noqa: E402
+
+    dev = torch.device("cuda")
+    model = synthetic_rank(None, rank=0, world=2, device=dev, dtype=torch.bfloat16, comm=StubComm(), layers=layers)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
+    model.forward([(model.new_state(), ids)], "prefill")
+    torch.cuda.synchronize()
+    sites = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/dsv41/" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in frames[-2:][::-1])
+        sites[f"{str(message)[:60]} @ {where or f'{filename}:{lineno}'}"] += 1
+
+    old = warnings.showwarning
+    warnings.showwarning = record
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model.forward([(model.new_state(), ids)], "prefill")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    torch.cuda.synchronize()
+    print(f"host syncs in one {rows}-row chunk through {layers} layers: {sum(sites.values())}")
+    for site, n in sites.most_common():
+        print(f"{n:5d}  {site}")
 
 
 def model_chunks(rows: int, layers: int) -> None:
