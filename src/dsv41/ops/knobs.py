@@ -258,7 +258,7 @@ DEVELOPER_SWITCHES = {  # A/B switches of the kernels for benches (docs/perf); t
         "DSV41_CUDA_PDL", "DSV41_ATTN_FOLD", "DSV41_ATTN_ALIGNED", "DSV41_MHC_PIPELINE", "DSV41_ROUTER_FOLD",
         "DSV41_PREFILL_TILES", "DSV41_PREFILL_CORE_INDEXED", "DSV41_PREFILL_CORE_ONEPASS", "DSV41_TOPK_RADIX",
         "DSV41_PREFILL_DENSE_GEMM", "DSV41_PREFILL_TILE_ROWS", "DSV41_PREFILL_TILE_ORDER", "DSV41_PREFILL_MHC_TILES",
-        "DSV41_DECODE_CORE_TILING")
+        "DSV41_PREFILL_MHC_BLOCKS", "DSV41_DECODE_CORE_TILING")
 }
 INTERNAL = {  # between processes of one run, or test hooks
     "DSV41_TP_LOCAL_CHILD": "set by `serve --tp N` for the ranks it starts itself",
