@@ -143,20 +143,24 @@ def mhc_sites_alone(model, rows: int) -> dict:
         f"{res['tiles_ms']:.3f} ms ({res['tiles_speedup']:.1f}x), blocks {res['blocks_ms']:.3f} ms "
         f"({res['blocks_speedup']:.1f}x; coefficients within {res['blocks_coeff_max_abs_diff']:.1e})")
     res["block_tilings"] = {}
-    default = (block_k.BLOCK_ROWS, block_k.BLOCK_COLS, block_k.MIX_WARPS)
+    names = ("BLOCK_ROWS", "BLOCK_COLS", "MIX_WARPS", "MIX_MAXNREG")
+    default = tuple(getattr(block_k, n) for n in names)
     try:
         for tiling in BLOCK_TILINGS:
-            block_k.BLOCK_ROWS, block_k.BLOCK_COLS, block_k.MIX_WARPS = tiling
+            for n, v in zip(names, tiling):
+                setattr(block_k, n, v)
             res["block_tilings"]["x".join(map(str, tiling))] = cuda_ms(layer["blocks"], reps=5)
     finally:
-        block_k.BLOCK_ROWS, block_k.BLOCK_COLS, block_k.MIX_WARPS = default
-    log(f"  blocks' tilings (rows x columns x warps: ms a layer): {res['block_tilings']}")
+        for n, v in zip(names, default):
+            setattr(block_k, n, v)
+    log(f"  blocks' tilings (rows x columns x warps x register cap: ms a layer): {res['block_tilings']}")
     return res
 
 
-# the row blocks' (rows a block, columns a step, warps) for the A/B: the default first; 16 x 16 x 4 is 148 registers
-# without spills on sm_90, 32 x 32 x 8 254, 32 x 16 x 4 255 (ptxas -v)
-BLOCK_TILINGS = ((32, 16, 8), (16, 16, 4), (64, 16, 8), (32, 32, 8), (32, 16, 4))
+# the row blocks' (rows a block, columns a step, warps, register cap or 0) for the A/B, the default first. sm_90,
+# ptxas -v: 32 x 16 x 8 180 registers uncapped (one block an SM); 16 x 16 x 4 128 capped / 168; 32 x 32 x 8 254;
+# 64 x 16 x 8 255; none spills (32 x 16 x 4 does: 255 and spill stores)
+BLOCK_TILINGS = ((32, 16, 8, 128), (32, 16, 8, 0), (16, 16, 4, 128), (32, 32, 8, 0), (64, 16, 8, 0))
 
 
 def row_kernels_ab(block, x, ids) -> dict:

@@ -60,9 +60,11 @@ COMPILED = tl.constexpr(not interpreting())  # the IEEE FMA dot (compiled) or nu
 BLOCK_ROWS = 32  # rows a mixing program (the dot's M: each fn value loaded feeds 32 rows); never chosen from B
 BLOCK_COLS = 16  # columns of d a step (the dot's K a stream; >= 16 for the dot whatever d)
 SPLIT_COLUMNS = 256  # columns of d a split: d 5120 -> 20 splits of 16 steps; from d only
-# sm_90, ptxas -v, the expand site (bf16): 128 registers a thread, no spills, at 32 rows x 16 columns on 8 warps;
-# 4 warps or 32 columns a step take all 255 and spill (the FMA dot holds each thread's rows x K of its operands)
+# sm_90, ptxas -v, the expand site (bf16), 32 rows x 16 columns on 8 warps: 180 registers a thread unbounded (one
+# block an SM), 128 without spills under MIX_MAXNREG (two blocks an SM, 16 warps); 4 warps or 32 columns a step
+# take all 255 and spill (the FMA dot holds each thread's rows x K of both operands)
 MIX_WARPS = 8
+MIX_MAXNREG = 128
 FINISH_ROWS = 16  # rows a finishing program: 128 programs at 2,048 rows, Sinkhorn on [16, hc, hc]
 FINISH_NORM = 256  # columns a step of the norm pass ([FINISH_ROWS, 256] values: 32 a thread)
 FINISH_WARPS = 4
@@ -95,8 +97,23 @@ def _mix(xs, f, acc, XP: tl.constexpr, MMA: tl.constexpr):
 
 
 @triton.jit
-def _stream(x_in, y, post_in_ptr, comb_in_ptr, xo_ptr, rows, rows64, r_in, r_live, cols, col_ok, k, d,
-            HC: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
+def _row_coefficients(pre_in_ptr, post_in_ptr, comb_in_ptr, rows, r_live, HC: tl.constexpr, EXPAND: tl.constexpr):
+    """The block's per-row coefficients, loaded once a program (not once a step): a tuple of [BM] fp32 vectors,
+    pre_in[k] for k < HC, then with EXPAND post_in[k], then comb_in[j, k] at 2 HC + j HC + k (rows not live: 0)."""
+    coef = ()
+    for k in tl.static_range(HC):
+        coef = coef + (tl.load(pre_in_ptr + rows * HC + k, mask=r_live, other=0.0),)
+    if EXPAND:
+        for k in tl.static_range(HC):
+            coef = coef + (tl.load(post_in_ptr + rows * HC + k, mask=r_live, other=0.0),)
+        for jk in tl.static_range(HC * HC):
+            coef = coef + (tl.load(comb_in_ptr + rows * HC * HC + jk, mask=r_live, other=0.0),)
+    return coef
+
+
+@triton.jit
+def _stream(x_in, y, coef, xo_ptr, rows64, r_in, cols, col_ok, k, d, HC: tl.constexpr, EXPAND: tl.constexpr,
+            BM: tl.constexpr, BLOCK: tl.constexpr):
     """Stream k of a step's rows and columns as fp32 [BM, BLOCK] from the step's streams `x_in` (a tuple of HC fp32
     tiles): X_k, or with EXPAND X'_k (rounded to the stream dtype, stored in xo; rows not live come out +0.0 from
     zero inputs)."""
@@ -104,10 +121,8 @@ def _stream(x_in, y, post_in_ptr, comb_in_ptr, xo_ptr, rows, rows64, r_in, r_liv
         # Σ_j comb[j, k] X_j in j order, then post_k y added (the reference's order: the mix, then the sum)
         mixed = tl.zeros((BM, BLOCK), tl.float32)
         for j in tl.static_range(HC):
-            cjk = tl.load(comb_in_ptr + rows * HC * HC + j * HC + k, mask=r_live, other=0.0)
-            mixed += cjk[:, None] * x_in[j]
-        post_k = tl.load(post_in_ptr + rows * HC + k, mask=r_live, other=0.0)
-        xn = _cast(post_k[:, None] * y + mixed, xo_ptr.dtype.element_ty)
+            mixed += coef[2 * HC + j * HC + k][:, None] * x_in[j]
+        xn = _cast(coef[HC + k][:, None] * y + mixed, xo_ptr.dtype.element_ty)
         tl.store(xo_ptr + rows64[:, None] * HC * d + k * d + cols[None, :], xn, mask=r_in[:, None] & col_ok[None, :])
         return xn.to(tl.float32)
     else:
@@ -115,8 +130,7 @@ def _stream(x_in, y, post_in_ptr, comb_in_ptr, xo_ptr, rows, rows64, r_in, r_liv
 
 
 @triton.jit
-def _step(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, pre_in_ptr, h_ptr, rows,
-          rows64, r_in, r_live, d0, d, HC: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr,
+def _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows64, r_in, r_live, d0, d, HC: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr,
           BLOCK: tl.constexpr, XP: tl.constexpr, MMA: tl.constexpr):
     """One BLOCK-column step of a mixing program over every stream: returns the step's [BM, NP] dot (from zero) and
     the [BM, BLOCK] squares of the streams (summed over them) and of the rounded collapse (stored in h)."""
@@ -139,14 +153,12 @@ def _step(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, str
     sq = tl.zeros((BM, BLOCK), tl.float32)
     u = tl.zeros((BM, BLOCK), tl.float32)
     for k in tl.static_range(HC):
-        xs = _stream(x_in, y, post_in_ptr, comb_in_ptr, xo_ptr, rows, rows64, r_in, r_live, cols, col_ok, k, d, HC,
-                     EXPAND, BM, BLOCK)
+        xs = _stream(x_in, y, coef, xo_ptr, rows64, r_in, cols, col_ok, k, d, HC, EXPAND, BM, BLOCK)
         # fn's rows of stream k and the step's columns: fn_t[k d + d0 + i, n]
         f = tl.load(fn_ptr + (k * d + d0 + i)[:, None] * stride_fk + n[None, :] * stride_fn, mask=f_ok, other=0.0)
         prod = _mix(xs, f, prod, XP, MMA)
         sq += xs * xs
-        pre_k = tl.load(pre_in_ptr + rows * HC + k, mask=r_live, other=0.0)
-        u += pre_k[:, None] * xs  # the collapse Σ_k pre_k X_k in k order
+        u += coef[k][:, None] * xs  # the collapse Σ_k pre_k X_k in k order
     ub = _cast(u, h_ptr.dtype.element_ty)  # in the stream dtype, as the reference's collapse
     tl.store(h_ptr + rows64[:, None] * d + cols[None, :], ub, mask=r_in[:, None] & col_ok[None, :])
     u32 = ub.to(tl.float32)
@@ -173,11 +185,11 @@ def _mix_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_f
     acc = tl.zeros((BM, NP), tl.float32)
     sq = tl.zeros((BM, BLOCK), tl.float32)
     usq = tl.zeros((BM, BLOCK), tl.float32)
+    coef = _row_coefficients(pre_in_ptr, post_in_ptr, comb_in_ptr, rows, r_live, HC, EXPAND)
     first = split * chunk
     for d0 in range(first, tl.minimum(first + chunk, d), BLOCK):
-        prod, sq_step, usq_step = _step(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn,
-                                        pre_in_ptr, h_ptr, rows, rows64, r_in, r_live, d0, d, HC, NP, EXPAND, BM,
-                                        BLOCK, XP, MMA)
+        prod, sq_step, usq_step = _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows64, r_in,
+                                        r_live, d0, d, HC, NP, EXPAND, BM, BLOCK, XP, MMA)
         acc += prod
         sq += sq_step
         usq += usq_step
@@ -230,7 +242,8 @@ def _blocks(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm
         part = torch.empty(B, splits, np_, dtype=torch.float32, device=x.device)
         _mix_kernel[(triton.cdiv(B, BLOCK_ROWS), splits)](
             x, y, post_in, comb_in, xo, fn_t, fn_t.stride(0), fn_t.stride(1), pre_in, h, part, B, d, chunk, rows,
-            HC=hc, NP=np_, SPLITS=splits, EXPAND=expand, BM=BLOCK_ROWS, BLOCK=BLOCK_COLS, num_warps=MIX_WARPS, **pdl)
+            HC=hc, NP=np_, SPLITS=splits, EXPAND=expand, BM=BLOCK_ROWS, BLOCK=BLOCK_COLS, num_warps=MIX_WARPS,
+            **({"maxnreg": MIX_MAXNREG} if MIX_MAXNREG else {}), **pdl)
         _finish_kernel[(triton.cdiv(B, FINISH_ROWS),)](
             part, base.float().contiguous(), scale.float().contiguous(), norm_weight.contiguous(), h, pre, post, comb,
             B, d, float(norm_eps), float(hc_eps), float(rms_eps), int(iters), rows, HC=hc,
