@@ -162,6 +162,55 @@ def test_the_split_of_d_is_a_function_of_d_alone():
     assert k.split_of(144, 96) == (80, 2) and k.split_of(160, 64) == (64, 3)
 
 
+def _ptxas_report(ptx: str, arch: int, tmp_path) -> str:
+    """`ptxas -v` on a kernel's PTX with Triton's own ptxas: its registers and spill lines."""
+    import subprocess
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    src = tmp_path / f"k{arch}.ptx"
+    src.write_text(ptx)
+    proc = subprocess.run([get_ptxas(arch).path, "-v", f"-arch=sm_{arch}{'a' if arch == 90 else ''}", str(src), "-o",
+                           str(tmp_path / f"k{arch}.cubin")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stderr
+
+
+def test_mixing_kernel_compiles_for_sm90_on_cuda_cores_without_spills(tmp_path):
+    """Ahead-of-time compile (Triton's own ptxas, no GPU) of the mixing launch at the release's constants, bf16
+    streams, the expand site (the plain site is its subset): a cubin for sm_90 (H100 / H200), the product as FMA
+    loops (no mma, no tf32), and no register spills at MIX_MAXNREG (the design's point: the row kernels take 255
+    registers, the tiles spill). ~5 s on 2 busy cores."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from dsv41.kernels.step import mhc_blocks as k
+
+    if not isinstance(k._mix_kernel, JITFunction) or not k.COMPILED:
+        pytest.skip("kernels decorated for the interpreter in this process")
+    names = ("x_ptr y_ptr post_in_ptr comb_in_ptr xo_ptr fn_ptr stride_fk stride_fn pre_in_ptr h_ptr part_ptr B d "
+             "chunk live_rows").split()
+    types = "*bf16 *fp32 *fp32 *fp32 *bf16 *fp32 i32 i32 *fp32 *bf16 *fp32 i32 i32 i32 i32".split()
+    chunk, splits = k.split_of(5120)
+    const = dict(HC=4, NP=32, SPLITS=splits, EXPAND=True, BM=k.BLOCK_ROWS, BLOCK=k.BLOCK_COLS, PDL=True)
+    src = ASTSource(fn=k._mix_kernel, signature={**dict(zip(names, types)), **{c: "constexpr" for c in const}},
+                    constexprs=const)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=k.MIX_WARPS, maxnreg=k.MIX_MAXNREG))
+    except RuntimeError as exc:  # no ptxas for this target in this Triton
+        pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+    ptx = compiled.asm["ptx"]
+    assert compiled.asm.get("cubin") and "fma.rn.f32" in ptx and "mma" not in ptx and "tf32" not in ptx
+    report = _ptxas_report(ptx, 90, tmp_path)
+    spills = [int(v) for v in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
+    assert spills and not any(spills), report
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the release's shape, 2,048 and 8,192 rows, compiled
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ thread: [32, 4, 32] int64 address tiles, the three bf16 parts of fn, the reshape
 32 rows in the tile's last program. Here every per-step value is a 2-D [rows, columns] tile of one stream, and the
 tail is its own launch.
 
-Mixing launch, program (block, split), per BLOCK_COLS-column step of its split, per stream k in order:
+Mixing launch, program (block, split): the block's per-row coefficients (pre_in, post_in, comb_in) loaded once;
+then per BLOCK_COLS-column step of its split, the step's hc streams loaded once, and per stream k in order:
 [X'_k = post_k y + Σ_j comb[j, k] X_j (j in order), rounded to the stream dtype and stored;] the product
-X'_k [rows, 32] @ fn's 32 rows of stream k [32, NP] added to the step's dot (compiled: the IEEE fp32 dot, FMA loops,
-one chain over the step's hc x 32 terms per output element, from zero); Σx² and the collapse Σ_k pre_k X'_k per
+X'_k [rows, 16] @ fn's 16 rows of stream k [16, NP] added to the step's dot (compiled: the IEEE fp32 dot, FMA loops,
+one chain over the step's hc x 16 terms per output element, from zero); Σx² and the collapse Σ_k pre_k X'_k per
 element; then u rounded to the stream dtype and stored in h, Σu². The step's dot is added to the split's sum; the
 split's partials (products, Σx², Σu² per row) go to `part` [B, splits, NP]. No arrival counters, no atomics.
 
@@ -30,7 +31,7 @@ partial last block load nothing and store nothing; rows from `rows=` (live rows)
 row's bits are the same alone, in any slice of the chunk and at any position of its block (chunked == one-shot).
 They are not the row kernels' bits (other sum orders over d and over the streams), nor the tiles'.
 
-Numerics: the row kernels' class. fp32 sums (the mixing product in three levels: a step's hc x 32 terms, the steps
+Numerics: the row kernels' class. fp32 sums (the mixing product in three levels: a step's hc x 16 terms, the steps
 of a split, the splits in order; Σx² and Σu² per column, then reduced), the two rsqrt's in fp64, divisions
 correctly rounded, exp in fp32; the collapse rounded to the stream dtype before the norm and X' before its
 coefficients, as the reference does. Interpreted (no FMA dot there), the step's products per stream are summed over
@@ -49,7 +50,6 @@ import triton.language as tl
 
 from ..exl3.backend import interpreting
 from .knobs import switched_on
-from .attention import _split_dot
 from .mhc import _cast, _rsqrt64
 from .mhc_args import site_args
 from .mhc_prefill import _coefficients_tile, _div
@@ -84,13 +84,11 @@ def split_of(d: int, split_columns: int = SPLIT_COLUMNS) -> tuple[int, int]:
 
 
 @triton.jit
-def _mix(xs, f, acc, XP: tl.constexpr, MMA: tl.constexpr):
+def _mix(xs, f, acc):
     """acc + xs [BM, K] @ f [K, NP], fp32, each output element its own chain (module docstring). Compiled: the IEEE
     fp32 dot, FMA loops from acc in k order (no tf32, no tensor cores). Interpreted: the products summed over k by
     numpy's reduction, then added to acc (one order for every row)."""
-    if COMPILED and MMA:
-        return _split_dot(xs, f, acc, XP, 3)
-    elif COMPILED:
+    if COMPILED:
         return tl.dot(xs, f, acc, input_precision="ieee")
     else:
         return acc + tl.sum(xs[:, :, None] * f[None, :, :], axis=1)
@@ -130,8 +128,8 @@ def _stream(x_in, y, coef, xo_ptr, rows64, r_in, cols, col_ok, k, d, HC: tl.cons
 
 
 @triton.jit
-def _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows64, r_in, r_live, d0, d, HC: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr,
-          BLOCK: tl.constexpr, XP: tl.constexpr, MMA: tl.constexpr):
+def _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows64, r_in, r_live, d0, d,
+          HC: tl.constexpr, NP: tl.constexpr, EXPAND: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
     """One BLOCK-column step of a mixing program over every stream: returns the step's [BM, NP] dot (from zero) and
     the [BM, BLOCK] squares of the streams (summed over them) and of the rounded collapse (stored in h)."""
     NMIX: tl.constexpr = (2 + HC) * HC
@@ -156,7 +154,7 @@ def _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows6
         xs = _stream(x_in, y, coef, xo_ptr, rows64, r_in, cols, col_ok, k, d, HC, EXPAND, BM, BLOCK)
         # fn's rows of stream k and the step's columns: fn_t[k d + d0 + i, n]
         f = tl.load(fn_ptr + (k * d + d0 + i)[:, None] * stride_fk + n[None, :] * stride_fn, mask=f_ok, other=0.0)
-        prod = _mix(xs, f, prod, XP, MMA)
+        prod = _mix(xs, f, prod)
         sq += xs * xs
         u += coef[k][:, None] * xs  # the collapse Σ_k pre_k X_k in k order
     ub = _cast(u, h_ptr.dtype.element_ty)  # in the stream dtype, as the reference's collapse
@@ -168,8 +166,7 @@ def _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows6
 @triton.jit(do_not_specialize=["B", "live_rows"])
 def _mix_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk, stride_fn, pre_in_ptr, h_ptr,
                 part_ptr, B, d, chunk, live_rows, HC: tl.constexpr, NP: tl.constexpr, SPLITS: tl.constexpr,
-                EXPAND: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, XP: tl.constexpr = 1,
-                MMA: tl.constexpr = False, PDL: tl.constexpr = False):
+                EXPAND: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (block, split): rows [block BM, block BM + BM) over the split's `chunk` columns of d (module
     docstring). Streams [B, HC, d] contiguous; coefficients fp32 contiguous; fn_t [HC d, NMIX] strided; part
     [B, SPLITS, NP] fp32 (lanes: the products, then Σx², then Σu²)."""
@@ -189,7 +186,7 @@ def _mix_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_f
     first = split * chunk
     for d0 in range(first, tl.minimum(first + chunk, d), BLOCK):
         prod, sq_step, usq_step = _step(x_ptr, y_ptr, coef, xo_ptr, fn_ptr, stride_fk, stride_fn, h_ptr, rows64, r_in,
-                                        r_live, d0, d, HC, NP, EXPAND, BM, BLOCK, XP, MMA)
+                                        r_live, d0, d, HC, NP, EXPAND, BM, BLOCK)
         acc += prod
         sq += sq_step
         usq += usq_step
