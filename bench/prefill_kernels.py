@@ -133,13 +133,25 @@ def mhc_sites_alone(model, rows: int) -> dict:
              for name, f in (("row_kernels", row_k.hc_expand_site), ("tiles", tile_k.hc_expand_site_tiles),
                              ("blocks", block_k.hc_expand_site_blocks))}
     res = {"rows": rows, **{f"{n}_ms": cuda_ms(f, reps=5) for n, f in layer.items()}}
+    # the row kernels without the prefetch and the whole-row norm load (DSV41_MHC_PIPELINE=0: the same bits, 162
+    # registers on sm_90 against 255, so 3 programs an SM, not 2)
+    before = os.environ.get("DSV41_MHC_PIPELINE")
+    os.environ["DSV41_MHC_PIPELINE"] = "0"
+    try:
+        res["row_kernels_unpipelined_ms"] = cuda_ms(layer["row_kernels"], reps=5)
+    finally:
+        if before is None:
+            del os.environ["DSV41_MHC_PIPELINE"]
+        else:
+            os.environ["DSV41_MHC_PIPELINE"] = before
     a = layer["row_kernels"]()
     for name in ("tiles", "blocks"):
         b = layer[name]()
         res[f"{name}_coeff_max_abs_diff"] = max(float((u - v).abs().max()) for sa, sb in zip(a, b)
                                                 for u, v in zip(sa[2:], sb[2:]))
         res[f"{name}_speedup"] = res["row_kernels_ms"] / res[f"{name}_ms"]
-    log(f"mhc sites of one layer at {rows} rows: row kernels {res['row_kernels_ms']:.3f} ms, tiles "
+    log(f"mhc sites of one layer at {rows} rows: row kernels {res['row_kernels_ms']:.3f} ms (unpipelined "
+        f"{res['row_kernels_unpipelined_ms']:.3f}), tiles "
         f"{res['tiles_ms']:.3f} ms ({res['tiles_speedup']:.1f}x), blocks {res['blocks_ms']:.3f} ms "
         f"({res['blocks_speedup']:.1f}x; coefficients within {res['blocks_coeff_max_abs_diff']:.1e})")
     res["block_tilings"] = {}
