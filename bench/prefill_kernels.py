@@ -1,8 +1,8 @@
 """The prefill kernels alone on layer 0's shapes, for `bench/prefill.py --kernels-only` (and the first stage of every
 prefill bench run): the routed experts' tiles, the dense shapes both ways, the prefill row kernels old vs new, the
-attention core (gathered, indexed, one-pass), the index top-k, the mHC sites (row kernels vs prefill tiles) and the
-experts' 64- vs 128-row tiles. Each function returns a JSON-ready dict; `bench/prefill.py`'s docstring says what
-each field means."""
+attention core (gathered, indexed, one-pass), the index top-k, the mHC sites (row kernels vs prefill tiles vs row
+blocks) and the experts' 64- vs 128-row tiles. Each function returns a JSON-ready dict; `bench/prefill.py`'s
+docstring says what each field means."""
 
 from __future__ import annotations
 
@@ -114,9 +114,11 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
 
 def mhc_sites_alone(model, rows: int) -> dict:
     """Layer 0's two mHC sites (each with the expand before it, as a layer runs them) at `rows` prefill rows: the
-    row kernels (kernels/step/mhc.py) against the prefill tiles (kernels/step/mhc_prefill.py, DSV41_PREFILL_MHC_TILES),
-    ms a layer, and the largest coefficient difference between the two (another sum order: a few fp32 ulp)."""
-    from dsv41.kernels.step import mhc as row_k, mhc_prefill as tile_k
+    row kernels (kernels/step/mhc.py) against the prefill tiles (kernels/step/mhc_prefill.py, DSV41_PREFILL_MHC_TILES)
+    and the row blocks (kernels/step/mhc_blocks.py, DSV41_PREFILL_MHC_BLOCKS), ms a layer, and the largest
+    coefficient difference of each to the row kernels (another sum order: a few fp32 ulp); then the blocks' tilings
+    (rows a block, columns a step, warps: `BLOCK_TILINGS`, the first the default)."""
+    from dsv41.kernels.step import mhc as row_k, mhc_blocks as block_k, mhc_prefill as tile_k
 
     block, cfg, dev = model.blocks[0], model.cfg, torch.device("cuda")
     hc, d = cfg.hc_mult, block.attn_norm.numel()
@@ -128,13 +130,49 @@ def mhc_sites_alone(model, rows: int) -> dict:
     k = dict(norm_eps=cfg.rms_norm_eps, hc_eps=cfg.hc_eps, iters=cfg.hc_sinkhorn_iters, rms_eps=cfg.rms_norm_eps)
     sites = ((block.hc_attn, block.attn_norm), (block.hc_ffn, block.ffn_norm))
     layer = {name: (lambda f=f: [f(y, x, post, comb, p.fn_t, p.base, p.scale, pre, w, **k) for p, w in sites])
-             for name, f in (("row_kernels", row_k.hc_expand_site), ("tiles", tile_k.hc_expand_site_tiles))}
+             for name, f in (("row_kernels", row_k.hc_expand_site), ("tiles", tile_k.hc_expand_site_tiles),
+                             ("blocks", block_k.hc_expand_site_blocks))}
     res = {"rows": rows, **{f"{n}_ms": cuda_ms(f, reps=5) for n, f in layer.items()}}
-    a, b = layer["row_kernels"](), layer["tiles"]()
-    res["coeff_max_abs_diff"] = max(float((u - v).abs().max()) for sa, sb in zip(a, b) for u, v in zip(sa[2:], sb[2:]))
-    res["speedup"] = res["row_kernels_ms"] / res["tiles_ms"]
-    log(f"mhc sites of one layer at {rows} rows: row kernels {res['row_kernels_ms']:.3f} ms, tiles "
-        f"{res['tiles_ms']:.3f} ms ({res['speedup']:.1f}x; coefficients within {res['coeff_max_abs_diff']:.1e})")
+    # the row kernels without the prefetch and the whole-row norm load (DSV41_MHC_PIPELINE=0: the same bits, 162
+    # registers on sm_90 against 255, so 3 programs an SM, not 2)
+    before = os.environ.get("DSV41_MHC_PIPELINE")
+    os.environ["DSV41_MHC_PIPELINE"] = "0"
+    try:
+        res["row_kernels_unpipelined_ms"] = cuda_ms(layer["row_kernels"], reps=5)
+    finally:
+        if before is None:
+            del os.environ["DSV41_MHC_PIPELINE"]
+        else:
+            os.environ["DSV41_MHC_PIPELINE"] = before
+    a = layer["row_kernels"]()
+    for name in ("tiles", "blocks"):
+        b = layer[name]()
+        res[f"{name}_coeff_max_abs_diff"] = max(float((u - v).abs().max()) for sa, sb in zip(a, b)
+                                                for u, v in zip(sa[2:], sb[2:]))
+        res[f"{name}_speedup"] = res["row_kernels_ms"] / res[f"{name}_ms"]
+    log(f"mhc sites of one layer at {rows} rows: row kernels {res['row_kernels_ms']:.3f} ms (unpipelined "
+        f"{res['row_kernels_unpipelined_ms']:.3f}), tiles "
+        f"{res['tiles_ms']:.3f} ms ({res['tiles_speedup']:.1f}x), blocks {res['blocks_ms']:.3f} ms "
+        f"({res['blocks_speedup']:.1f}x; coefficients within {res['blocks_coeff_max_abs_diff']:.1e})")
+    res["block_tilings"] = {}
+    names = ("BLOCK_ROWS", "BLOCK_COLS", "MIX_WARPS", "MIX_MAXNREG")
+    default = tuple(getattr(block_k, n) for n in names)
+    try:
+        for tiling in BLOCK_TILINGS:
+            for n, v in zip(names, tiling):
+                setattr(block_k, n, v)
+            res["block_tilings"]["x".join(map(str, tiling))] = cuda_ms(layer["blocks"], reps=5)
+    finally:
+        for n, v in zip(names, default):
+            setattr(block_k, n, v)
+    log(f"  blocks' tilings (rows x columns x warps x register cap: ms a layer): {res['block_tilings']}")
+    return res
+
+
+# the row blocks' (rows a block, columns a step, warps, register cap or 0) for the A/B, the default first. sm_90,
+# ptxas -v: 32 x 16 x 8 180 registers uncapped (one block an SM); 16 x 16 x 4 128 capped / 168; 32 x 32 x 8 254;
+# 64 x 16 x 8 255; none spills (32 x 16 x 4 does: 255 and spill stores)
+BLOCK_TILINGS = ((32, 16, 8, 128), (32, 16, 8, 0), (16, 16, 4, 128), (32, 32, 8, 0), (64, 16, 8, 0))
 
 
 def row_kernels_ab(block, x, ids) -> dict:

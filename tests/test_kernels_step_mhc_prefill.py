@@ -143,9 +143,11 @@ def _same(a: dict, b: dict, at) -> bool:
     return all(torch.equal(a[n].view(torch.uint8), b[n][at].view(torch.uint8)) for n in a)
 
 
-def measure(case, device: str, seed: int, alone=None, slices=None) -> dict:
+def measure(case, device: str, seed: int, alone=None, slices=None, run=None) -> dict:
     """Errors against the reference, and the row invariance (module docstring): rows `alone` (default: at the tile
-    edges) each alone, the `slices` (default: cutting tiles), the rows permuted, and the rows in a bigger batch."""
+    edges) each alone, the `slices` (default: cutting tiles), the rows permuted, and the rows in a bigger batch.
+    `run`: the launchers measured (default `run_tiles`; test_kernels_step_mhc_blocks.py passes its own)."""
+    run_tiles = run or globals()["run_tiles"]
     hc, d, B, iters, dtype, cols = case
     t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
     out = run_tiles(t, iters, cols)
@@ -165,9 +167,11 @@ def measure(case, device: str, seed: int, alone=None, slices=None) -> dict:
     return res
 
 
-def measure_live_rows(case, device: str, seed: int) -> dict:
+def measure_live_rows(case, device: str, seed: int, run=None) -> dict:
     """`rows=k`: rows [0, k) bitwise the full launch's, rows [k, B) +0.0, for k = 0, inside a tile, B;
-    and a full launch after them gives the first one's bits (the per-tile counters left clean)."""
+    and a full launch after them gives the first one's bits (the per-tile counters left clean). `run`: as
+    `measure`'s."""
+    run_tiles = run or globals()["run_tiles"]
     hc, d, B, iters, dtype, cols = case
     t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
     full = run_tiles(t, iters, cols)

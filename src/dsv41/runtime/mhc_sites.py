@@ -9,6 +9,7 @@ import torch
 
 from dsv41.config import ModelConfig
 from dsv41.kernels.step import mhc as step_mhc
+from dsv41.kernels.step import mhc_blocks as step_mhc_blocks
 from dsv41.kernels.step import mhc_prefill as step_mhc_prefill
 from dsv41.model import mhc
 from dsv41.model.norm import rms_norm
@@ -44,8 +45,10 @@ class MhcSites:
     Sinkhorn, collapse and norm, fused with the expand before the site) wherever Triton runs them (CUDA, or the
     interpreter), else the reference math of `hc_coefficients`, `mhc` and `rms_norm`. Prefill rows' sites take the
     tile launches where `DSV41_PREFILL_MHC_TILES=1` (kernels/step/mhc_prefill.py: tiles of rows x splits of d, fn read
-    once a tile, not once a row; other bits than the row kernels', row-invariant too); decode and verify rows keep the
-    row kernels."""
+    once a tile, not once a row; other bits than the row kernels', row-invariant too), or the row-block launches where
+    `DSV41_PREFILL_MHC_BLOCKS=1` (kernels/step/mhc_blocks.py: blocks of 32 rows x splits of d on CUDA cores, then a
+    finishing launch; other bits again, row-invariant; over the tiles where both are set); decode and verify rows keep
+    the row kernels."""
 
     hc: int
     eps: float  # the norms' and the mixing rsqrt's
@@ -54,13 +57,15 @@ class MhcSites:
     kernels: bool
     rows: int | None = None  # the kernels run the first `rows` rows (the real ones); the others come out zero
     tiles: bool = False  # the sites as tiles of rows (prefill rows, `DSV41_PREFILL_MHC_TILES=1`)
+    blocks: bool = False  # the sites as row blocks (prefill rows, `DSV41_PREFILL_MHC_BLOCKS=1`; over `tiles`)
 
     @classmethod
     def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None,
            phase: str = "decode") -> "MhcSites":
         kernels = step_kernels_run(device)
+        prefill = kernels and not is_fused(phase)
         return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, kernels, rows,
-                   kernels and not is_fused(phase) and step_mhc_prefill.tiles_on())
+                   prefill and step_mhc_prefill.tiles_on(), prefill and step_mhc_blocks.blocks_on())
 
     def _k(self) -> dict:
         return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps, rows=self.rows)
@@ -68,7 +73,8 @@ class MhcSites:
     def site(self, x, p: HC, pre_in, norm):
         """(h = rms_norm(collapse(x, pre_in)), pre, post, comb = H(x))."""
         if self.kernels:
-            launch = step_mhc_prefill.hc_site_tiles if self.tiles else step_mhc.hc_site
+            launch = (step_mhc_blocks.hc_site_blocks if self.blocks else
+                      step_mhc_prefill.hc_site_tiles if self.tiles else step_mhc.hc_site)
             return launch(x, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
         pre, post, comb = hc_coefficients(x, p, self.hc, self.eps, self.hc_eps, self.iters)
         return rms_norm(mhc.collapse(x, pre_in), norm, self.eps), pre, post, comb
@@ -76,7 +82,8 @@ class MhcSites:
     def expand_site(self, y, x, post, comb, p: HC, pre_in, norm):
         """x' = expand(y, x, post, comb), then `site(x', p, pre_in, norm)`: (x', h, pre', post', comb')."""
         if self.kernels:
-            launch = step_mhc_prefill.hc_expand_site_tiles if self.tiles else step_mhc.hc_expand_site
+            launch = (step_mhc_blocks.hc_expand_site_blocks if self.blocks else
+                      step_mhc_prefill.hc_expand_site_tiles if self.tiles else step_mhc.hc_expand_site)
             return launch(y, x, post, comb, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
         x = mhc.expand(y, x, post, comb)
         return (x, *self.site(x, p, pre_in, norm))

@@ -16,7 +16,8 @@ The head takes the fused kernel in every phase: its rows are sampling rows (`log
 mHC (each site's coefficients, Sinkhorn, collapse and norm) runs in the step kernels (kernels/step/mhc.py: two
 launches per layer, each site fused with the expand before it; a lone expand before an Engram layer and before the
 final collapse + norm) wherever Triton runs (CUDA, the interpreter), else as the reference's math; prefill rows'
-sites as tiles with DSV41_PREFILL_MHC_TILES=1 (kernels/step/mhc_prefill.py, `MhcSites.of(phase=)`). The rest of the
+sites as tiles with DSV41_PREFILL_MHC_TILES=1 (kernels/step/mhc_prefill.py) or as row blocks with
+DSV41_PREFILL_MHC_BLOCKS=1 (kernels/step/mhc_blocks.py; `MhcSites.of(phase=)` picks). The rest of the
 forward is the reference's math (`model/`): norms, attention, indexer, compressor and Engram on per-sequence
 `SequenceState`s, the states' tensors on the model's device. With the drafter (`dspark`: runtime/draft_fast.py) every
 row's taps (the streams' mean entering each DSpark target layer: an extra output of that layer's "attn_in" piece)
