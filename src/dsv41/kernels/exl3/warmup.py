@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from dsv41.kernels.exl3 import prefill_wgmma
 from dsv41.kernels.exl3.backend import cuda_path_available
 from dsv41.weights.exl3 import CODEBOOKS
 
@@ -29,8 +30,6 @@ def warm(cache_dir: str | None = None, ks: tuple[int, ...] = tuple(range(1, 9)))
         log.info("CUDA kernels: skipped (no NVIDIA GPU of sm_80 or newer here)")
         return 0
     device = torch.device("cuda", torch.cuda.current_device())
-    from dsv41.kernels.exl3 import prefill_wgmma
-
     wgmma = prefill_wgmma.use_wgmma(device)  # Hopper: its own image too (the prefill's wgmma tiles)
     for K in ks:
         for codebook in CODEBOOKS:
