@@ -14,11 +14,11 @@ the tile path; other bits (another summation order of the k products).
 
 Row invariance (chunked == one-shot, batched == alone): ONE launch shape per device (`GEMM`; `COMPACT` where a block
 has less shared memory, GB10; `INTERPRETED` in Triton's CPU interpreter: BLOCK_M / BLOCK_K / warps / stages fixed,
-never chosen from the row count; `DSV41_PREFILL_DENSE_TILE` names another fixed shape of `TILES` for GPU A/Bs),
-the output rotation's 128-column blocks (one a program, or two sharing the A tiles: BN 256), the whole k in one
-program (no split-K, no atomics), every product a tensor-core dot whose output row depends on its own input row only; rows past
-the chunk are masked loads (zeros) whose outputs are never stored. The programs' order over the tiles (grouped by
-GROUP_M row tiles, for L2 reuse of the workspace's column blocks) changes which program computes a tile, never a
+never chosen from the row count; `DSV41_PREFILL_DENSE_TILE` names another fixed shape of `TILES`: GPU A/Bs), the
+output rotation's 128-column blocks (one a program, or two sharing the A tiles: BN 256), the whole k in one program
+(no split-K, no atomics), every product a tensor-core dot whose output row depends on its own input row only; rows
+past the chunk are masked loads (zeros) whose outputs are never stored. The programs' order over the tiles (grouped
+by GROUP_M row tiles, for L2 reuse of the workspace's column blocks) changes which program computes a tile, never a
 tile's arithmetic.
 
 A/B switch (`DSV41_PREFILL_DENSE_GEMM`, read at each launch; on by default since the H100 run at 63be457: 8.61 ms

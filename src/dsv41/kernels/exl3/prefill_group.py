@@ -112,7 +112,8 @@ def _gemm_group_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, me
     w_ptrs = w_ptr + w_off + kk[:, None].to(tl.int64) * n + cols[None, :]
     if BN == 128:
         acc = product_tile(x_ptrs, ok, w_ptrs, k, n, BM, BK)
-        _member_store(acc, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a, CONCAT, TWO)
+        _member_store(acc, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a, CONCAT,
+                      TWO)
     else:
         n_ok1 = nb * BN + 128 < n
         acc0, acc1 = product_tile2(x_ptrs, ok, w_ptrs, n_ok1, k, n, BM, BK)
