@@ -73,14 +73,14 @@ def _tile_sweep(lins, xh, ws, rows: int, gen: torch.Generator, tiles=None, timer
 
     dev = gen.device
     perm = torch.randperm(rows, generator=gen, device=dev)
-    ref = {lin.name: gemm_rotated(xh[lin.name], ws[lin.name], lin.weight,
-                                  torch.empty(rows, lin.out_features, device=dev), GEMM) for lin in lins}
+    ref = [gemm_rotated(xh[i], ws[i], lin.weight, torch.empty(rows, lin.out_features, device=dev), GEMM)
+           for i, lin in enumerate(lins)]
     out = {}
     for name, cfg in (tiles or TILES).items():
         res = {"config": cfg.__dict__, "matrices": [], "row_invariant": True, "same_bits": True, "max_abs_diff": 0.0}
         try:
-            for lin in lins:
-                w, x = ws[lin.name], xh[lin.name]
+            for i, lin in enumerate(lins):
+                w, x = ws[i], xh[i]
                 y = torch.empty(rows, lin.out_features, device=dev)
                 ms, how = timer(lambda: gemm_rotated(x, w, lin.weight, y, cfg))
                 flop = 2.0 * rows * lin.in_features * lin.out_features
@@ -90,9 +90,9 @@ def _tile_sweep(lins, xh, ws, rows: int, gen: torch.Generator, tiles=None, timer
                     part = gemm_rotated(x[sel].contiguous(), w, lin.weight,
                                         torch.empty(x[sel].shape[0], lin.out_features, device=dev), cfg)
                     inv[label] = _same(part, full[sel])
-                diff = float((full - ref[lin.name]).abs().max())
+                diff = float((full - ref[i]).abs().max())
                 res["matrices"].append({"name": lin.name, "ms": ms, "tflops": flop / ms / 1e9, "timer": how,
-                                        "max_abs_diff": diff, "same_bits": _same(full, ref[lin.name]),
+                                        "max_abs_diff": diff, "same_bits": _same(full, ref[i]),
                                         "row_invariant": inv})
                 res["row_invariant"] &= all(inv.values())
                 res["same_bits"] &= res["matrices"][-1]["same_bits"]
@@ -173,17 +173,16 @@ def dense_sweep(model, rows_list=(2048, 8192), device: str = "cuda", timer=timed
     block = max(model.blocks, key=lambda b: len(dense_linears(b)))
     lins = dense_linears(block)
     space = model.workspace
-    ws = {lin.name: decode_into(lin.weight).clone() for lin in lins}  # each matrix decoded once, held apart
+    ws = [decode_into(lin.weight).clone() for lin in lins]  # each matrix decoded once, held apart
     out = {"layer": model.blocks.index(block), "matrices": [lin.name for lin in lins], "rows": {}}
     for rows in rows_list:
         gen = torch.Generator(device=dev).manual_seed(rows)
-        xs = {lin.name: torch.randn(rows, lin.in_features, generator=gen, device=dev).bfloat16() for lin in lins}
-        xh = {lin.name: _rotate(xs[lin.name], lin.weight.suh, lin.in_features)[0] for lin in lins}
+        xs = [torch.randn(rows, lin.in_features, generator=gen, device=dev).bfloat16() for lin in lins]
+        xh = [_rotate(x, lin.weight.suh, lin.in_features)[0] for x, lin in zip(xs, lins)]
         r = {}
         try:
             parts = []
-            for lin in lins:
-                x = xs[lin.name]
+            for x, lin in zip(xs, lins):
                 p = {"name": lin.name, "k": lin.in_features, "n": lin.out_features}
                 p["rotate_ms"], p["timer"] = timer(lambda: _rotate(x, lin.weight.suh, lin.in_features))
                 p["decode_ms"], _ = timer(lambda: decode_into(lin.weight, space.matrix))

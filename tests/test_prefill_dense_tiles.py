@@ -102,38 +102,38 @@ def _group_worker(results: dict) -> None:
     from dsv41.kernels.exl3.prefill_group import DenseGroup, prefill_linear_group
 
     gen = torch.Generator().manual_seed(32)
-    ws = [_matrix(gen, 256, n)[0] for n in (384, 128, 256)]
-    x = torch.randn(37, 256, generator=gen).bfloat16()
+    ws = [_matrix(gen, 128, n)[0] for n in (384, 128)]
+    x = torch.randn(20, 128, generator=gen).bfloat16()
     f32, bf16 = torch.float32, torch.bfloat16
-    dtypes = [f32, bf16, f32]
+    dtypes = [f32, bf16]
     alone = [prefill_linear(x, w, out_dtype=d, dense_gemm=True) for w, d in zip(ws, dtypes)]
     got = {}
-    got["one_x_two_dtypes"] = all(map(_same, prefill_linear_group([x] * 3, ws, dtypes), alone))
+    got["one_x_two_dtypes"] = all(map(_same, prefill_linear_group([x] * 2, ws, dtypes), alone))
     # inputs side by side in one tensor (wo_a's groups), concatenated outputs (u)
-    o = torch.randn(37, 3 * 256, generator=gen).bfloat16()
-    xs = [o[:, i * 256:(i + 1) * 256] for i in range(3)]
+    o = torch.randn(20, 2 * 128, generator=gen).bfloat16()
+    xs = [o[:, i * 128:(i + 1) * 128] for i in range(2)]
     alone_o = [prefill_linear(xi, w, out_dtype=bf16, dense_gemm=True) for xi, w in zip(xs, ws)]
-    got["side_by_side"] = all(map(_same, prefill_linear_group(xs, ws, [bf16] * 3), alone_o))
-    got["concat"] = _same(prefill_linear_group(xs, ws, [bf16] * 3, concat=True), torch.cat(alone_o, dim=1))
+    got["side_by_side"] = all(map(_same, prefill_linear_group(xs, ws, [bf16] * 2), alone_o))
+    got["concat"] = _same(prefill_linear_group(xs, ws, [bf16] * 2, concat=True), torch.cat(alone_o, dim=1))
     # inputs apart (one rotation launch a member)
-    apart = [torch.randn(37, 256, generator=gen).bfloat16() for _ in ws]
+    apart = [torch.randn(20, 128, generator=gen).bfloat16() for _ in ws]
     alone_a = [prefill_linear(xi, w, out_dtype=f32, dense_gemm=True) for xi, w in zip(apart, ws)]
-    got["apart"] = all(map(_same, prefill_linear_group(apart, ws, [f32] * 3), alone_a))
+    got["apart"] = all(map(_same, prefill_linear_group(apart, ws, [f32] * 2), alone_a))
     # BN 256 members (384: an odd number of 128-column blocks) == the single launch at the same shape
     cfg = D.TILES["128x256x64w8s3"]
     from dsv41.kernels.exl3.prefill import _rotate
 
-    single = [D.workspace_matmul(_rotate(x, w.suh, 256)[0], w, torch.empty(37, w.n), cfg=cfg) for w in ws]
-    got["bn256"] = all(map(_same, prefill_linear_group([x] * 3, ws, [f32] * 3, cfg=cfg), single))
+    single = [D.workspace_matmul(_rotate(x, w.suh, 128)[0], w, torch.empty(20, w.n), cfg=cfg) for w in ws]
+    got["bn256"] = all(map(_same, prefill_linear_group([x] * 2, ws, [f32] * 2, cfg=cfg), single))
     # row invariance of the group launch itself, and a workspace with stale values
     group = DenseGroup(ws)
-    full = group([x] * 3, [f32] * 3)
-    for n in (1, 20):
-        got[f"first_{n}"] = all(_same(a, b[:n]) for a, b in zip(group([x[:n]] * 3, [f32] * 3), full))
-    got["row_36_alone"] = all(_same(a, b[36:]) for a, b in zip(group([x[36:]] * 3, [f32] * 3), full))
+    full = group([x] * 2, [f32] * 2)
+    for n in (1, 17):
+        got[f"first_{n}"] = all(_same(a, b[:n]) for a, b in zip(group([x[:n]] * 2, [f32] * 2), full))
+    got["row_19_alone"] = all(_same(a, b[19:]) for a, b in zip(group([x[19:]] * 2, [f32] * 2), full))
     stale = torch.full((group.numel + 100,), float("nan"), dtype=torch.float16)
-    got["workspace"] = all(map(_same, group([x] * 3, [f32] * 3, stale), full))
-    got["empty"] = [tuple(t.shape) for t in group([x[:0]] * 3, [f32] * 3)] == [(0, 384), (0, 128), (0, 256)]
+    got["workspace"] = all(map(_same, group([x] * 2, [f32] * 2, stale), full))
+    got["empty"] = [tuple(t.shape) for t in group([x[:0]] * 2, [f32] * 2)] == [(0, 384), (0, 128)]
     results["group"] = got
 
 
@@ -142,21 +142,21 @@ def _runtime_worker(results: dict) -> None:
 
     gen = torch.Generator().manual_seed(33)
     space = PrefillWorkspace(torch.device("cpu"))
-    lins = [Exl3Linear(_matrix(gen, 256, n)[0], space, f"m{n}") for n in (256, 128, 128, 384)]
-    big = Exl3Linear(_matrix(gen, 256, 512)[0], space, "big")  # reserves 256 x 512: two of the others fit at most
-    x = torch.randn(29, 256, generator=gen).bfloat16()
+    lins = [Exl3Linear(_matrix(gen, 128, n)[0], space, f"m{i}") for i, n in enumerate((256, 128, 128, 384))]
+    big = Exl3Linear(_matrix(gen, 128, 512)[0], space, "big")  # reserves 128 x 512: the first three fit together
+    x = torch.randn(20, 128, generator=gen).bfloat16()
     group = LinearGroup(lins + [big])
     dtypes = [torch.bfloat16, torch.float32, torch.bfloat16, torch.float32, torch.bfloat16]
     os.environ["DSV41_PREFILL_DENSE_GROUP"] = "0"
-    off = group([x] * 5, 29, "prefill", dtypes)
+    off = group([x] * 5, 20, "prefill", dtypes)
     os.environ["DSV41_PREFILL_DENSE_GROUP"] = "1"
-    on = group([x] * 5, 29, "prefill", dtypes)
+    on = group([x] * 5, 20, "prefill", dtypes)
     r = {"same_bits": all(map(_same, on, off)),
          "runs": [run for run, _ in group.dense_batches()],
          "runs_fit": all(g.numel <= space.numel for _, g in group.dense_batches())}
-    o = torch.randn(29, 3 * 256, generator=gen).bfloat16()
+    o = torch.randn(20, 3 * 128, generator=gen).bfloat16()
     wo = LinearGroup(lins[:3])
-    xs = [o[:, i * 256:(i + 1) * 256] for i in range(3)]
+    xs = [o[:, i * 128:(i + 1) * 128] for i in range(3)]
     u = wo.prefill_concat(xs, "prefill")
     r["concat"] = u is not None and _same(u, torch.cat([lin(xi, phase="prefill") for lin, xi in zip(lins, xs)], 1))
     os.environ["DSV41_PREFILL_DENSE_GROUP"] = "0"
@@ -169,23 +169,25 @@ def _runtime_worker(results: dict) -> None:
 
     from dsv41.kernels.exl3.prefill_dense import TILES
 
-    attn = SimpleNamespace(linears=lambda: lins + [big], x_group=LinearGroup(lins[:2]), qr_group=LinearGroup([big]),
+    attn = SimpleNamespace(linears=lambda: lins[:3], x_group=LinearGroup(lins[:2]), qr_group=LinearGroup([big]),
                            wo_a_group=LinearGroup(lins[1:3]))
     model = SimpleNamespace(blocks=[SimpleNamespace(attn=attn, moe=SimpleNamespace(shared=[], shared_gate_up=[]))],
                             workspace=space)
     tiles = {name: TILES[name] for name in ("128x128x64w8s3", "128x256x64w8s3")}
-    out = dense_sweep(model, rows_list=(40,), device="cpu", timer=_cpu_timer, tiles=tiles)
-    rows = out["rows"]["40"]
+    out = dense_sweep(model, rows_list=(20,), device="cpu", timer=_cpu_timer, tiles=tiles)
+    rows = out["rows"]["20"]
     results["sweep"] = {"tiles_invariant": all(t.get("row_invariant") for t in rows["tiles"].values()),
+                        "default_same": rows["tiles"]["128x128x64w8s3"]["same_bits"],
                         "errors": [t.get("error") for t in rows["tiles"].values() if "error" in t],
                         "groups_same": [g.get("same_bits") for g in rows["groups"]],
                         "best": rows.get("best_tile")}
 
 
-def _interp_worker(out_path: str, which: str) -> None:
+def _interp_worker(out_path: str) -> None:
     results: dict = {}
     try:
-        {"tiles": _tiles_worker, "group": _group_worker, "runtime": _runtime_worker}[which](results)
+        for part in (_tiles_worker, _group_worker, _runtime_worker):
+            part(results)
     except Exception as exc:  # reported so the tests show the worker's error
         import traceback
 
@@ -193,63 +195,50 @@ def _interp_worker(out_path: str, which: str) -> None:
     Path(out_path).write_text(json.dumps(results, indent=1))
 
 
-def _run_worker(tmp_path_factory, which: str) -> dict:
-    out = tmp_path_factory.mktemp(f"dense_{which}") / "results.json"
+@pytest.fixture(scope="module")
+def interp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dense_tiles") / "results.json"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     for name in ENVS:
         env.pop(name, None)
-    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out), which], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, f"interpreted worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     results = json.loads(out.read_text())
     assert "error" not in results, results.get("error")
     return results
 
 
-@pytest.fixture(scope="module")
-def tiles(tmp_path_factory):
-    return _run_worker(tmp_path_factory, "tiles")
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    return _run_worker(tmp_path_factory, "group")
-
-
-@pytest.fixture(scope="module")
-def runtime(tmp_path_factory):
-    return _run_worker(tmp_path_factory, "runtime")
-
-
-def test_interpreted_every_tile_shape_is_the_linear_and_row_invariant(tiles):
-    names = [key for key in tiles if key.startswith("tile/")]
+def test_interpreted_every_tile_shape_is_the_linear_and_row_invariant(interp):
+    names = [key for key in interp if key.startswith("tile/")]
     assert len(names) >= 6, names  # BN 128 / 256, BM 64 / 128 / 256, BK 64 / 128, the program orders
     for key in names:
-        r = tiles[key]
+        r = interp[key]
         assert r["rel_fp64"] <= 1.5e-3 and r["max_elem"] <= 1e-2, (key, r)
         assert r["rel_default"] <= 1e-5, (key, r)  # the same fp16 products, the fp32 sums in another order at most
         assert all(r["invariance"].values()), (key, r["invariance"])
 
 
-def test_the_tile_knob_names_a_shape_rejects_others_and_defaults_to_gemm(tiles):
-    assert tiles["knob_named"] and tiles["knob_rejects"] and tiles["knob_default"], tiles
+def test_the_tile_knob_names_a_shape_rejects_others_and_defaults_to_gemm(interp):
+    assert interp["knob_named"] and interp["knob_rejects"] and interp["knob_default"], interp
 
 
-def test_interpreted_group_launch_is_each_members_bits_and_row_invariant(group):
-    r = group["group"]
+def test_interpreted_group_launch_is_each_members_bits_and_row_invariant(interp):
+    r = interp["group"]
     assert all(r.values()), {k: v for k, v in r.items() if not v}
 
 
-def test_interpreted_runtime_group_is_the_members_one_by_one_within_the_workspace(runtime):
-    r = runtime["runtime"]
+def test_interpreted_runtime_group_is_the_members_one_by_one_within_the_workspace(interp):
+    r = interp["runtime"]
     assert r["same_bits"] and r["runs_fit"] and r["concat"] and r["concat_off"], r
     assert r["runs"] and all(len(run) >= 2 for run in r["runs"]), r["runs"]  # the big one runs alone
 
 
-def test_interpreted_bench_dense_sweep_dry_run(runtime):
-    r = runtime["sweep"]
-    assert not r["errors"] and r["tiles_invariant"] and r["groups_same"] and all(r["groups_same"]), r
+def test_interpreted_bench_dense_sweep_dry_run(interp):
+    r = interp["sweep"]
+    assert not r["errors"] and r["tiles_invariant"] and r["default_same"], r
+    assert r["groups_same"] and all(r["groups_same"]), r
     assert r["best"] in ("128x128x64w8s3", "128x256x64w8s3"), r
 
 
@@ -335,6 +324,6 @@ def test_gpu_group_launches_are_the_members_bits():
     assert _same(u, torch.cat([prefill_linear(xi, w, dense_gemm=True) for xi, w in zip(xs, wo)], dim=1))
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--interp-worker":
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":
     os.environ["TRITON_INTERPRET"] = "1"
-    _interp_worker(sys.argv[2], sys.argv[3])
+    _interp_worker(sys.argv[2])
