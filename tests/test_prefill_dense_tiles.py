@@ -6,8 +6,10 @@ every launch shape's kernel code (BN 256 with a masked last half, BM 64 / 256, 1
 against the fp64 reference and the default shape, its rows bitwise the same alone / as a prefix / permuted /
 chunked; the group launch's outputs bitwise the members' own (one x, two output dtypes, inputs side by side, inputs
 apart, concatenated, at BN 256 too), row invariant; the runtime's LinearGroup with the switch on == off bitwise and
-its runs within the workspace; the bench's dense sweep as a dry run. GPU part (`-m gpu`): every launch shape row
-invariant at 2,048 and 8,192 rows and its distance to the default; the group launches == the members bitwise.
+its runs within the workspace; the bench's dense sweep as a dry run. sm_90 compile (no GPU): the group kernel
+pipelines into wgmma; the early-Hadamard shape runs the default's float ops in order. GPU part (`-m gpu`): every
+launch shape row invariant at 2,048 and 8,192 rows and its distance to the default; the group launches == the
+members bitwise.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def _tiles_worker(results: dict) -> None:
     perm = torch.randperm(70, generator=gen)
     shapes = {}
     for name, cfg in D.TILES.items():  # the interpreter runs warps / stages alike: one run a tile shape and order
-        shapes.setdefault((cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m), name)
+        shapes.setdefault((cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.h_early, cfg.rotate_parts), name)
     for name in shapes.values():
         cfg = D.TILES[name]
         y = gemm(slice(None), cfg)
@@ -125,6 +127,9 @@ def _group_worker(results: dict) -> None:
 
     single = [D.workspace_matmul(_rotate(x, w.suh, 128)[0], w, torch.empty(20, w.n), cfg=cfg) for w in ws]
     got["bn256"] = all(map(_same, prefill_linear_group([x] * 2, ws, [f32] * 2, cfg=cfg), single))
+    cfg = D.TILES["128x128x64w8s3hp2"]
+    single = [D.workspace_matmul(_rotate(x, w.suh, 128)[0], w, torch.empty(20, w.n), cfg=cfg) for w in ws]
+    got["h_early_two_parts"] = all(map(_same, prefill_linear_group([x] * 2, ws, [f32] * 2, cfg=cfg), single))
     # row invariance of the group launch itself, and a workspace with stale values
     group = DenseGroup(ws)
     full = group([x] * 2, [f32] * 2)
@@ -249,6 +254,54 @@ def test_group_switch_is_off_by_default(monkeypatch):
     assert not group_enabled()
     monkeypatch.setenv("DSV41_PREFILL_DENSE_GROUP", "1")
     assert group_enabled()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# compiled for sm_90 without a GPU: Triton's ahead-of-time compile
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _sm90(fn, cfg, **extra):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    const = dict(BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, BN=cfg.block_n, H_EARLY=cfg.h_early,
+                 PARTS=cfg.rotate_parts, **extra)
+    ptrs = {"xh_ptr": "*fp16", "w_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*fp16", "out_ptr": "*fp32",
+            "out_a_ptr": "*bf16", "out_b_ptr": "*fp32", "meta_ptr": "*i64"}
+    sig = {a: "constexpr" if a in const else ptrs.get(a, "i32") for a in fn.arg_names}
+    sixteen = {*ptrs, "k", "n", "stride_out"}  # as a launch on torch's tensors specialises them
+    aligned = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a in sixteen}
+    try:
+        return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    except RuntimeError as exc:  # no ptxas for this target in this Triton
+        pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+
+
+def _float_ops(ptx: str) -> list[str]:
+    """The opcodes that touch a float value, in program order (the arithmetic a launch's bits follow from)."""
+    keys = ("mma", "cvt", "fma", ".f32", ".f16", "max")
+    return [line.split()[0] for line in ptx.splitlines() if line.strip() and any(t in line.split()[0] for t in keys)]
+
+
+def test_sm90_group_kernel_pipelines_and_the_early_hadamard_keeps_the_default_arithmetic():
+    """The group GEMM at the default shape compiles for sm_90 pipelined into wgmma within the default's shared memory;
+    the early-Hadamard shape (`128x128x64w8s3h`) runs the default kernel's float ops in the same order (only the
+    Hadamard's load moves before the k loop): the same bits, so it could be the default on a measured win."""
+    from dsv41.kernels.exl3 import prefill_dense as D
+    from dsv41.kernels.exl3 import prefill_group as G
+
+    group = _sm90(G._gemm_group_kernel, D.GEMM, MEMBERS=4, CONCAT=False, TWO=True)
+    assert group.metadata.shared <= D.GEMM.shared_kb * 1024, group.metadata.shared
+    assert "async_copy_global_to_local" in group.asm["ttgir"] and "warp_group_dot" in group.asm["ttgir"]
+    base = _sm90(D._gemm_rotate_kernel, D.GEMM).asm["ptx"]
+    early = _sm90(D._gemm_rotate_kernel, D.TILES["128x128x64w8s3h"]).asm["ptx"]
+    assert _float_ops(early) == _float_ops(base)
+    two = _sm90(D._gemm_rotate_kernel, D.TILES["128x128x64w8s3p2"]).asm["ptx"]
+    assert _float_ops(two) != _float_ops(base)  # the check sees a change of the arithmetic (one part fewer)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from dsv41.kernels.exl3.backend import cuda_path_available, interpreting
-from dsv41.kernels.exl3.decode import hadamard_signs, rotate_rows_fp32
+from dsv41.kernels.exl3.decode import INV_SQRT128, hadamard_signs, rotate_rows_fp32
 from dsv41.kernels.exl3.layout import Exl3Tensor
 from dsv41.kernels.exl3.reconstruct import reconstruct
 from dsv41.kernels.step.knobs import switched_on
@@ -64,6 +64,8 @@ class GemmConfig:
     group_m: int = 8  # row tiles a group of programs sweeps before the next column block (L2 reuse only)
     shared_kb: int = 128  # its shared memory a block, the most over sm_80 / sm_90 / sm_121 (Triton 3.7's compile)
     block_n: int = 128  # 128, or 256: two 128-column accumulators sharing each A tile, each rotated on its own
+    h_early: bool = False  # the epilogue's 32 KB Hadamard loaded before the k loop (its L2 latency hidden by it)
+    rotate_parts: int = 3  # the output rotation's exact fp16 parts: 3 (fp32 accuracy, the tiles' bits) or 2
 
 
 # Hopper: 128 x 128 x 64 tiles, two warpgroups (wgmma m64 each), 3 stages of A + B in shared memory: 96 KB on sm_90
@@ -94,6 +96,10 @@ TILES = {
     "128x256x64w8s2": GemmConfig(block_n=256, num_stages=2, shared_kb=160),
     "256x128x64w8s3": GemmConfig(block_m=256, num_stages=3, shared_kb=192),
     "64x128x64w4s4": GemmConfig(block_m=64, num_warps=4, num_stages=4, shared_kb=128),
+    "128x128x64w8s3h": GemmConfig(h_early=True),
+    "128x128x64w8s3p2": GemmConfig(rotate_parts=2),
+    "128x128x64w8s3hp2": GemmConfig(h_early=True, rotate_parts=2),
+    "64x128x64w4s3h": GemmConfig(block_m=64, num_warps=4, num_stages=3, shared_kb=112, h_early=True),
     "128x128x64w8s3g1": GemmConfig(group_m=1),
     "128x128x64w8s3g16": GemmConfig(group_m=16),
 }
@@ -174,6 +180,37 @@ def store_rotated(acc, svh_ptrs, had_ptr, out_ptrs, ok):
 
 
 @triton.jit
+def hadamard_tile(had_ptr):
+    idx = tl.arange(0, 128)
+    return tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
+
+
+@triton.jit
+def store_rotated_with(acc, h, svh_ptrs, out_ptrs, ok, PARTS: tl.constexpr):
+    """store_rotated with the Hadamard h already loaded (H_EARLY) and PARTS fp16 parts: 3 is `rotate_rows_fp32`'s
+    very arithmetic (the same ops in the same order); 2 drops the third part (22 of the row-scaled values' bits:
+    other bits, a relative error ~2^-22 before the output's rounding) for a third less epilogue work."""
+    row_max = tl.max(tl.abs(acc), axis=1)
+    exponent = tl.minimum((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 253)
+    scale = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
+    unscale = (exponent << 23).to(tl.float32, bitcast=True)
+    scaled = acc * scale[:, None]
+    a1 = scaled.to(tl.float16)
+    rest = scaled - a1.to(tl.float32)
+    a2 = rest.to(tl.float16)
+    if PARTS == 3:
+        rest = rest - a2.to(tl.float32)
+        a3 = rest.to(tl.float16)
+        out = tl.dot(a3, h)
+        out = tl.dot(a2, h, out)
+    else:
+        out = tl.dot(a2, h)
+    out = tl.dot(a1, h, out)
+    y = out * (unscale * INV_SQRT128)[:, None] * tl.load(svh_ptrs).to(tl.float32)[None, :]
+    tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
 def tile_of(pid, m_blocks, n_blocks, GROUP_M: tl.constexpr):
     """(row tile, column block) of program pid: GROUP_M row tiles x every column block, then the next group (the
     workspace's column blocks stay in L2); which program computes a tile, never the tile's arithmetic."""
@@ -185,7 +222,8 @@ def tile_of(pid, m_blocks, n_blocks, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _gemm_rotate_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_rows, k, n,
-                        BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BN: tl.constexpr = 128):
+                        BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BN: tl.constexpr = 128,
+                        H_EARLY: tl.constexpr = False, PARTS: tl.constexpr = 3):
     """out[r, cols] = rot(xh[r] @ W[:, cols]) ⊙ svh[cols] for BM rows r and one BN-column block (BN 128, or 256 as
     two 128-column blocks, each rotated on its own), the whole k.
 
@@ -198,7 +236,11 @@ def _gemm_rotate_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_
     x_ptrs = xh_ptr + rows[:, None].to(tl.int64) * k + kk[None, :]
     w_ptrs = w_ptr + kk[:, None].to(tl.int64) * n + cols[None, :]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
-    if BN == 128:
+    if H_EARLY or PARTS != 3:  # BN 128 (gemm_rotated checks)
+        h = hadamard_tile(had_ptr)
+        acc = product_tile(x_ptrs, ok, w_ptrs, k, n, BM, BK)
+        store_rotated_with(acc, h, svh_ptr + cols, out_ptrs, ok, PARTS)
+    elif BN == 128:
         store_rotated(product_tile(x_ptrs, ok, w_ptrs, k, n, BM, BK), svh_ptr + cols, had_ptr, out_ptrs, ok)
     else:
         n_ok1 = nb * BN + 128 < n
@@ -228,12 +270,15 @@ def gemm_rotated(xh: torch.Tensor, w: torch.Tensor, weight: Exl3Tensor, out: tor
     cfg = cfg or config(xh.device)
     if k % cfg.block_k or n % BLOCK_N:
         raise ValueError(f"[{k}, {n}] is not a whole number of {cfg.block_k} x {BLOCK_N} blocks")
+    if (cfg.h_early or cfg.rotate_parts != 3) and cfg.block_n != 128:
+        raise ValueError("h_early / rotate_parts are built for 128-column programs")
     if T == 0:
         return out
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _gemm_rotate_kernel[grid](xh, w, weight.svh, hadamard_signs(xh.device, torch.float16), out, out.stride(0), T, k,
                               n, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, BN=cfg.block_n,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                              H_EARLY=cfg.h_early, PARTS=cfg.rotate_parts, num_warps=cfg.num_warps,
+                              num_stages=cfg.num_stages)
     return out
 
 

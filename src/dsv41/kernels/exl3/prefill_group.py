@@ -33,8 +33,8 @@ import triton.language as tl
 from dsv41.kernels.exl3.decode import hadamard_signs
 from dsv41.kernels.exl3.layout import Exl3Tensor
 from dsv41.kernels.exl3.prefill import _rotate_block, _row_blocks
-from dsv41.kernels.exl3.prefill_dense import (BLOCK_N, GemmConfig, config, product_tile, product_tile2, store_rotated,
-                                              tile_of)
+from dsv41.kernels.exl3.prefill_dense import (BLOCK_N, GemmConfig, config, hadamard_tile, product_tile, product_tile2,
+                                              store_rotated, store_rotated_with, tile_of)
 from dsv41.kernels.exl3.reconstruct import reconstruct
 from dsv41.kernels.step.knobs import switched_on
 
@@ -70,8 +70,16 @@ def _rotate_members_kernel(x_ptr, stride_x, x_step, suh_ptr, had_ptr, xh_ptr, n_
 
 
 @triton.jit
-def _member_store(acc, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a,
-                  CONCAT: tl.constexpr, TWO: tl.constexpr):
+def _store(acc, h, svh, had_ptr, out_ptrs, ok, H_EARLY: tl.constexpr, PARTS: tl.constexpr):
+    if H_EARLY or PARTS != 3:
+        store_rotated_with(acc, h, svh, out_ptrs, ok, PARTS)
+    else:
+        store_rotated(acc, svh, had_ptr, out_ptrs, ok)
+
+
+@triton.jit
+def _member_store(acc, h, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a,
+                  CONCAT: tl.constexpr, TWO: tl.constexpr, H_EARLY: tl.constexpr, PARTS: tl.constexpr):
     """One 128-column block's epilogue into the member's output (table row `meta`): out buffer a or b, its region
     ([T, n] at column offset · T) or its columns of the [T, Σn] tensor (CONCAT)."""
     col0 = tl.multiple_of(tl.load(meta + 4), 128)
@@ -83,17 +91,18 @@ def _member_store(acc, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_
     svh = svh_ptr + tl.load(meta + 3) + cols
     if TWO:
         if tl.load(meta + 5) == 0:
-            store_rotated(acc, svh, had_ptr, out_a_ptr + at, ok)
+            _store(acc, h, svh, had_ptr, out_a_ptr + at, ok, H_EARLY, PARTS)
         else:
-            store_rotated(acc, svh, had_ptr, out_b_ptr + at, ok)
+            _store(acc, h, svh, had_ptr, out_b_ptr + at, ok, H_EARLY, PARTS)
     else:
-        store_rotated(acc, svh, had_ptr, out_a_ptr + at, ok)
+        _store(acc, h, svh, had_ptr, out_a_ptr + at, ok, H_EARLY, PARTS)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _gemm_group_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, meta_ptr, stride_a, n_rows, k,
                        n_blocks, MEMBERS: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                       BN: tl.constexpr, CONCAT: tl.constexpr, TWO: tl.constexpr):
+                       BN: tl.constexpr, CONCAT: tl.constexpr, TWO: tl.constexpr, H_EARLY: tl.constexpr = False,
+                       PARTS: tl.constexpr = 3):
     """`_gemm_rotate_kernel`'s tile for global column block gb of the members' blocks side by side: member m (the
     table's rows: first block, n, ...) from xh[m] [n_rows, k] and its W at its workspace offset."""
     mb, gb = tile_of(tl.program_id(0), tl.cdiv(n_rows, BM), n_blocks, GROUP_M)
@@ -110,18 +119,17 @@ def _gemm_group_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, me
     kk = tl.arange(0, BK)
     x_ptrs = xh_ptr + m.to(tl.int64) * n_rows * k + rows[:, None].to(tl.int64) * k + kk[None, :]
     w_ptrs = w_ptr + w_off + kk[:, None].to(tl.int64) * n + cols[None, :]
+    h = hadamard_tile(had_ptr) if H_EARLY or PARTS != 3 else had_ptr  # loaded here: before the k loop
+    args = (svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a)
     if BN == 128:
         acc = product_tile(x_ptrs, ok, w_ptrs, k, n, BM, BK)
-        _member_store(acc, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a, CONCAT,
-                      TWO)
+        _member_store(acc, h, meta, cols, rows, ok, n_rows, n, *args, CONCAT, TWO, H_EARLY, PARTS)
     else:
         n_ok1 = nb * BN + 128 < n
         acc0, acc1 = product_tile2(x_ptrs, ok, w_ptrs, n_ok1, k, n, BM, BK)
-        _member_store(acc0, meta, cols, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr, stride_a,
-                      CONCAT, TWO)
+        _member_store(acc0, h, meta, cols, rows, ok, n_rows, n, *args, CONCAT, TWO, H_EARLY, PARTS)
         if n_ok1:
-            _member_store(acc1, meta, cols + 128, rows, ok, n_rows, n, svh_ptr, had_ptr, out_a_ptr, out_b_ptr,
-                          stride_a, CONCAT, TWO)
+            _member_store(acc1, h, meta, cols + 128, rows, ok, n_rows, n, *args, CONCAT, TWO, H_EARLY, PARTS)
 
 
 class DenseGroup:
@@ -221,8 +229,8 @@ class DenseGroup:
             _gemm_group_kernel[(triton.cdiv(T, cfg.block_m) * n_blocks,)](
                 xh, w, self.svh, hadamard_signs(dev, torch.float16), bufs[0], bufs[1], meta,
                 bufs[0].stride(0) if concat else 0, T, self.k, n_blocks, MEMBERS=M, BM=cfg.block_m, BK=cfg.block_k,
-                GROUP_M=cfg.group_m, BN=cfg.block_n, CONCAT=concat, TWO=len(kinds) == 2, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                GROUP_M=cfg.group_m, BN=cfg.block_n, CONCAT=concat, TWO=len(kinds) == 2, H_EARLY=cfg.h_early,
+                PARTS=cfg.rotate_parts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if concat:
             return bufs[0]
         outs, at = [], [0, 0]
