@@ -10,7 +10,8 @@
   (`layer_ms`: what a layer's dense projections cost today, one by one);
 - `groups`: each linear group of the layer (x's projections, q_a's, wo_a's, the shared expert's gate / up) one by
   one against one `DenseGroup` launch pair (`kernels/exl3/prefill_group.py`, `DSV41_PREFILL_DENSE_GROUP`): ms and
-  whether the bits are the members' own (`same_bits`).
+  whether the bits are the members' own (`same_bits`); the group's rotation launch alone with 16-row dots (the
+  default's bits) and 64-row dots (`rotate64_same_bits`).
 Times are CUDA-graph replays of 10 calls (`timer`: "graph"), so a 2,048-row call's ~20-40 us of Python launch
 overhead is not counted; where a capture fails, back-to-back calls between two events ("events").
 """
@@ -155,10 +156,15 @@ def _groups(block, rows: int, gen: torch.Generator, space, timer=timed_ms) -> li
 
         res["alone_ms"], res["timer"] = timer(alone)
         res["group_ms"], _ = timer(grouped)
+        for rows_a in (16, 64):  # the group's rotation launch alone: 16-row dots (the default's bits) or 64
+            res[f"rotate{rows_a}_ms"], _ = timer(lambda: group.rotate(xs, rows=rows_a))
+        res["rotate64_same_bits"] = _same(group.rotate(xs, rows=64), group.rotate(xs))
         a, g = alone(), grouped()
         res["same_bits"] = _same(torch.cat(a, dim=1), g) if how == "concat" else all(map(_same, a, g))
         log(f"dense group {label} ({len(lins)} matrices) at {rows} rows: one by one {res['alone_ms']:.3f} ms, one "
-            f"group launch pair {res['group_ms']:.3f} ms; {'same bits' if res['same_bits'] else 'BITS DIFFER'}")
+            f"group launch pair {res['group_ms']:.3f} ms; {'same bits' if res['same_bits'] else 'BITS DIFFER'}; its "
+            f"rotation {res['rotate16_ms']:.3f} ms (64-row dots {res['rotate64_ms']:.3f}, same bits "
+            f"{res['rotate64_same_bits']})")
         out.append(res)
     return out
 

@@ -139,6 +139,10 @@ def _group_worker(results: dict) -> None:
     stale = torch.full((group.numel + 100,), float("nan"), dtype=torch.float16)
     got["workspace"] = all(map(_same, group([x] * 2, [f32] * 2, stale), full))
     got["empty"] = [tuple(t.shape) for t in group([x[:0]] * 2, [f32] * 2)] == [(0, 384), (0, 128)]
+    xh16 = group.rotate([x] * 2)
+    got["rotate_is_prefill_rotate"] = all(_same(xh16[i], _rotate(x, w.suh, 128)[0]) for i, w in enumerate(ws))
+    got["rotate_rows64"] = _same(group.rotate([x] * 2, rows=64), xh16)
+    got["rotate_rows64_alone"] = _same(group.rotate([x[5:6]] * 2, rows=64), xh16[:, 5:6])
     results["group"] = got
 
 

@@ -8,8 +8,8 @@ second 28 programs), each wo_a slice 128. Here (`DSV41_PREFILL_DENSE_GROUP=1`, o
 
   1. `_rotate_members_kernel`: every member's xh = rot(fp16(x_m) ⊙ suh_m) in one launch (each matrix has its own
      suh: the magnitudes of its Hessian's grid search live there, spec/EXL3-ENGRAM.md §2.4, so one rotation cannot
-     serve two matrices); x read once a member from L2 when the members share it. `prefill._rotate_block`'s math,
-     the same bits as `prefill._rotate`;
+     serve two matrices); x read once a member from L2 when the members share it, the member's suh once a program
+     (not once a row). `prefill._rotate_block`'s math, the same bits as `prefill._rotate`;
   2. each member decoded into its own region of the rank's workspace (`prefill_dense.decode_into`'s values: one
      reconstruct launch a member, ~0.03-0.05 ms each);
   3. `_gemm_group_kernel`: ONE grid over every member's (row tile, column block), each tile the very arithmetic of
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv41.kernels.exl3.decode import hadamard_signs
+from dsv41.kernels.exl3.decode import INV_SQRT128, hadamard_signs
 from dsv41.kernels.exl3.layout import Exl3Tensor
-from dsv41.kernels.exl3.prefill import _rotate_block, _row_blocks
+from dsv41.kernels.exl3.prefill import _row_blocks
 from dsv41.kernels.exl3.prefill_dense import (BLOCK_N, GemmConfig, config, hadamard_tile, product_tile, product_tile2,
                                               store_rotated, store_rotated_with, tile_of)
 from dsv41.kernels.exl3.reconstruct import reconstruct
@@ -49,23 +49,27 @@ def group_enabled() -> bool:
 
 
 @triton.jit(do_not_specialize=["n_rows"])
-def _rotate_members_kernel(x_ptr, stride_x, x_step, suh_ptr, had_ptr, xh_ptr, n_rows, k, ROW_BLOCKS: tl.constexpr):
-    """xh[m, i] = fp16(fp16(fp16(x_m[i]) ⊙ suh[m]) · H/√128) for ROW_BLOCKS blocks of 16 rows, one 128-wide input
+def _rotate_members_kernel(x_ptr, stride_x, x_step, suh_ptr, had_ptr, xh_ptr, n_rows, k, ROW_BLOCKS: tl.constexpr,
+                           ROWS: tl.constexpr = 16):
+    """xh[m, i] = fp16(fp16(fp16(x_m[i]) ⊙ suh[m]) · H/√128) for ROW_BLOCKS blocks of ROWS rows, one 128-wide input
     block and member m = program_id(2), whose input starts x_step elements after member m - 1's (0: one shared x).
-    `prefill._rotate_kernel`'s math per block (the same [16, 128] x [128, 128] dot), so the same bits."""
+    `prefill._rotate_block`'s math (the member's suh loaded once as a vector: the same products); ROWS 16 is
+    `prefill._rotate_kernel`'s [16, 128] x [128, 128] dot, so its bits; ROWS 64 (the bench's A/B) a dot the tensor
+    cores take as one warpgroup product (wgmma on sm_90: the same products, maybe summed in another order)."""
     pb = tl.program_id(0)
     kb = tl.program_id(1)
     m = tl.program_id(2).to(tl.int64)
     cols = tl.arange(0, 128)
     xk = kb * 128 + cols
     h = tl.load(had_ptr + cols[:, None] * 128 + cols[None, :])
+    su = tl.load(suh_ptr + m * k + xk).to(tl.float32)
     for i in tl.static_range(ROW_BLOCKS):
-        rows = (pb * ROW_BLOCKS + i) * 16 + tl.arange(0, 16)
+        rows = (pb * ROW_BLOCKS + i) * ROWS + tl.arange(0, ROWS)
         ok = rows < n_rows
         r64 = rows.to(tl.int64)
         x = tl.load(x_ptr + m * x_step + r64[:, None] * stride_x + xk[None, :], mask=ok[:, None], other=0.0)
-        su_ptrs = suh_ptr + (m * k + r64 * 0)[:, None] + xk[None, :]
-        xh = _rotate_block(x.to(tl.float16).to(tl.float32), su_ptrs, ok, h)
+        xs = (x.to(tl.float16).to(tl.float32) * su[None, :]).to(tl.float16)
+        xh = (tl.dot(xs, h) * INV_SQRT128).to(tl.float16)
         tl.store(xh_ptr + (m * n_rows + r64)[:, None] * k + xk[None, :], xh, mask=ok[:, None])
 
 
@@ -163,27 +167,28 @@ class DenseGroup:
             self._meta[key] = (torch.tensor(rows, dtype=torch.int64, device=self.suh.device), first)
         return self._meta[key]
 
-    def rotate(self, xs: Sequence[torch.Tensor], row_blocks: int | None = None) -> torch.Tensor:
+    def rotate(self, xs: Sequence[torch.Tensor], row_blocks: int | None = None, rows: int = 16) -> torch.Tensor:
         """xh [members, T, k] fp16: one launch where the inputs are one tensor or side by side at one step (same
-        dtype and row stride), else one launch a member (the same kernel, the same bits)."""
+        dtype and row stride), else one launch a member (the same kernel, the same bits). rows: the dot's rows
+        (16: `prefill._rotate`'s bits; 64: the bench's A/B)."""
         T, k, M = xs[0].shape[0], self.k, len(xs)
         xh = torch.empty(M, T, k, dtype=torch.float16, device=xs[0].device)
         if T == 0:
             return xh
-        rb = row_blocks or _row_blocks(T * M, k // 128)
+        rb = row_blocks or max(1, _row_blocks(T * M, k // 128) * 16 // rows)
         had = hadamard_signs(xs[0].device, torch.float16)
         size = xs[0].element_size()
         base, stride = xs[0], xs[0].stride(0)
         step = (xs[1].data_ptr() - base.data_ptr()) // size if M > 1 else 0
         if all(x.dtype == base.dtype and x.stride(0) == stride and x.stride(-1) == 1 and x.shape == (T, k)
                and x.data_ptr() == base.data_ptr() + m * step * size for m, x in enumerate(xs)) and step >= 0:
-            _rotate_members_kernel[(triton.cdiv(T, 16 * rb), k // 128, M)](
-                base, stride, step, self.suh, had, xh, T, k, ROW_BLOCKS=rb)
+            _rotate_members_kernel[(triton.cdiv(T, rows * rb), k // 128, M)](
+                base, stride, step, self.suh, had, xh, T, k, ROW_BLOCKS=rb, ROWS=rows)
             return xh
         for m, x in enumerate(xs):
             x = x if x.stride(-1) == 1 else x.contiguous()
-            _rotate_members_kernel[(triton.cdiv(T, 16 * rb), k // 128, 1)](
-                x, x.stride(0), 0, self.suh[m], had, xh[m], T, k, ROW_BLOCKS=rb)
+            _rotate_members_kernel[(triton.cdiv(T, rows * rb), k // 128, 1)](
+                x, x.stride(0), 0, self.suh[m], had, xh[m], T, k, ROW_BLOCKS=rb, ROWS=rows)
         return xh
 
     def decode(self, workspace: torch.Tensor | None = None) -> torch.Tensor:
