@@ -75,7 +75,8 @@ def _tiles_worker(results: dict) -> None:
     perm = torch.randperm(70, generator=gen)
     shapes = {}
     for name, cfg in D.TILES.items():  # the interpreter runs warps / stages alike: one run a tile shape and order
-        shapes.setdefault((cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.h_early, cfg.rotate_parts), name)
+        shapes.setdefault((cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.h_early, cfg.rotate_parts, cfg.tma),
+                          name)
     for name in shapes.values():
         cfg = D.TILES[name]
         y = gemm(slice(None), cfg)

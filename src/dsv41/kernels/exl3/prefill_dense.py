@@ -66,6 +66,7 @@ class GemmConfig:
     block_n: int = 128  # 128, or 256: two 128-column accumulators sharing each A tile, each rotated on its own
     h_early: bool = False  # the epilogue's 32 KB Hadamard loaded before the k loop (its L2 latency hidden by it)
     rotate_parts: int = 3  # the output rotation's exact fp16 parts: 3 (fp32 accuracy, the tiles' bits) or 2
+    tma: bool = False  # the k loop's A / B tiles by tensor descriptors (TMA on sm_90: no per-element addresses)
 
 
 # Hopper: 128 x 128 x 64 tiles, two warpgroups (wgmma m64 each), 3 stages of A + B in shared memory: 96 KB on sm_90
@@ -100,6 +101,8 @@ TILES = {
     "128x128x64w8s3p2": GemmConfig(rotate_parts=2),
     "128x128x64w8s3hp2": GemmConfig(h_early=True, rotate_parts=2),
     "64x128x64w4s3h": GemmConfig(block_m=64, num_warps=4, num_stages=3, shared_kb=112, h_early=True),
+    "128x128x64w8s3t": GemmConfig(tma=True),
+    "128x128x64w8s4ht": GemmConfig(num_stages=4, shared_kb=192, h_early=True, tma=True),
     "128x128x64w8s3g1": GemmConfig(group_m=1),
     "128x128x64w8s3g16": GemmConfig(group_m=16),
 }
@@ -151,6 +154,18 @@ def product_tile(a_ptrs, ok, w_ptrs, k, n, BM: tl.constexpr, BK: tl.constexpr):
         acc = tl.dot(a, b, acc)
         a_ptrs += BK
         w_ptrs += BK * n
+    return acc
+
+
+@triton.jit
+def product_tile_tma(xh_ptr, w_ptr, mb, nb, n_rows, k, n, BM: tl.constexpr, BK: tl.constexpr):
+    """product_tile with the tiles loaded through tensor descriptors: the rows past n_rows come in as zeros (as
+    the masked loads'), the same dots in the same k order."""
+    a_desc = tl.make_tensor_descriptor(xh_ptr, shape=[n_rows, k], strides=[k, 1], block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(w_ptr, shape=[k, n], strides=[n, 1], block_shape=[BK, 128])
+    acc = tl.zeros((BM, 128), dtype=tl.float32)
+    for kb in range(0, k // BK):
+        acc = tl.dot(a_desc.load([mb * BM, kb * BK]), b_desc.load([kb * BK, nb * 128]), acc)
     return acc
 
 
@@ -223,7 +238,7 @@ def tile_of(pid, m_blocks, n_blocks, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["n_rows"])
 def _gemm_rotate_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_rows, k, n,
                         BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, BN: tl.constexpr = 128,
-                        H_EARLY: tl.constexpr = False, PARTS: tl.constexpr = 3):
+                        H_EARLY: tl.constexpr = False, PARTS: tl.constexpr = 3, TMA: tl.constexpr = False):
     """out[r, cols] = rot(xh[r] @ W[:, cols]) ⊙ svh[cols] for BM rows r and one BN-column block (BN 128, or 256 as
     two 128-column blocks, each rotated on its own), the whole k.
 
@@ -236,7 +251,15 @@ def _gemm_rotate_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_
     x_ptrs = xh_ptr + rows[:, None].to(tl.int64) * k + kk[None, :]
     w_ptrs = w_ptr + kk[:, None].to(tl.int64) * n + cols[None, :]
     out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
-    if H_EARLY or PARTS != 3:  # BN 128 (gemm_rotated checks)
+    if TMA:  # BN 128 (gemm_rotated checks)
+        if H_EARLY or PARTS != 3:
+            h = hadamard_tile(had_ptr)
+            acc = product_tile_tma(xh_ptr, w_ptr, mb, nb, n_rows, k, n, BM, BK)
+            store_rotated_with(acc, h, svh_ptr + cols, out_ptrs, ok, PARTS)
+        else:
+            acc = product_tile_tma(xh_ptr, w_ptr, mb, nb, n_rows, k, n, BM, BK)
+            store_rotated(acc, svh_ptr + cols, had_ptr, out_ptrs, ok)
+    elif H_EARLY or PARTS != 3:  # BN 128 (gemm_rotated checks)
         h = hadamard_tile(had_ptr)
         acc = product_tile(x_ptrs, ok, w_ptrs, k, n, BM, BK)
         store_rotated_with(acc, h, svh_ptr + cols, out_ptrs, ok, PARTS)
@@ -248,6 +271,19 @@ def _gemm_rotate_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_
         store_rotated(acc0, svh_ptr + cols, had_ptr, out_ptrs, ok)
         if n_ok1:  # a matrix of an odd number of 128-column blocks: its last program's second block is past n
             store_rotated(acc1, svh_ptr + cols + 128, had_ptr, out_ptrs + 128, ok)
+
+
+_SCRATCH: dict[str, bool] = {}
+
+
+def _descriptor_scratch(device: torch.device) -> None:
+    """Triton's in-kernel tensor descriptors need global scratch a launch (a few hundred bytes): from torch's caching
+    allocator on the current device, where Triton launches (one allocator a process: set once, only by the TMA
+    launch shapes; "cpu" in the interpreter)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    if not _SCRATCH.get(kind):
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=kind))
+        _SCRATCH[kind] = True
 
 
 def decode_into(weight: Exl3Tensor, workspace: Workspace | None = None) -> torch.Tensor:
@@ -270,14 +306,16 @@ def gemm_rotated(xh: torch.Tensor, w: torch.Tensor, weight: Exl3Tensor, out: tor
     cfg = cfg or config(xh.device)
     if k % cfg.block_k or n % BLOCK_N:
         raise ValueError(f"[{k}, {n}] is not a whole number of {cfg.block_k} x {BLOCK_N} blocks")
-    if (cfg.h_early or cfg.rotate_parts != 3) and cfg.block_n != 128:
-        raise ValueError("h_early / rotate_parts are built for 128-column programs")
+    if (cfg.h_early or cfg.rotate_parts != 3 or cfg.tma) and cfg.block_n != 128:
+        raise ValueError("h_early / rotate_parts / tma are built for 128-column programs")
     if T == 0:
         return out
+    if cfg.tma:
+        _descriptor_scratch(xh.device)
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _gemm_rotate_kernel[grid](xh, w, weight.svh, hadamard_signs(xh.device, torch.float16), out, out.stride(0), T, k,
                               n, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, BN=cfg.block_n,
-                              H_EARLY=cfg.h_early, PARTS=cfg.rotate_parts, num_warps=cfg.num_warps,
+                              H_EARLY=cfg.h_early, PARTS=cfg.rotate_parts, TMA=cfg.tma, num_warps=cfg.num_warps,
                               num_stages=cfg.num_stages)
     return out
 
