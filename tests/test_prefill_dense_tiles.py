@@ -273,6 +273,7 @@ def _sm90(fn, cfg, **extra):
 
     const = dict(BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, BN=cfg.block_n, H_EARLY=cfg.h_early,
                  PARTS=cfg.rotate_parts, **extra)
+    const.update({"TMA": cfg.tma} if "TMA" in fn.arg_names else {})
     ptrs = {"xh_ptr": "*fp16", "w_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*fp16", "out_ptr": "*fp32",
             "out_a_ptr": "*bf16", "out_b_ptr": "*fp32", "meta_ptr": "*i64"}
     sig = {a: "constexpr" if a in const else ptrs.get(a, "i32") for a in fn.arg_names}
