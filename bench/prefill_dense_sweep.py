@@ -14,13 +14,26 @@
   default's bits) and 64-row dots (`rotate64_same_bits`).
 Times are CUDA-graph replays of 10 calls (`timer`: "graph"), so a 2,048-row call's ~20-40 us of Python launch
 overhead is not counted; where a capture fails, back-to-back calls between two events ("events").
+
+Alone (the full-shape synthetic rank 0 of TP=2, its first `--layers` layers: 3 holds layer 2, which has every kind of
+dense matrix: the compressor's wkv / wgate, the indexer's wq_b and wk):
+
+    python bench/prefill_dense_sweep.py --layers 3 --rows 2048,8192 --out bench/results/prefill_dense_sweep.json
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
+from pathlib import Path
+
 import torch
 
-from decode_step import log
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+from decode_step import log  # noqa: E402
 
 
 def timed_ms(fn, reps: int = 10) -> tuple[float, str]:
@@ -216,3 +229,34 @@ def dense_sweep(model, rows_list=(2048, 8192), device: str = "cuda", timer=timed
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--rows", default="2048,8192")
+    ap.add_argument("--out", type=Path, default=Path("bench/results/prefill_dense_sweep.json"))
+    args = ap.parse_args()
+    from decode_step import StubComm
+
+    from dsv41.runtime.synthetic import synthetic_rank
+
+    model = synthetic_rank(None, rank=0, world=2, device=torch.device("cuda"), dtype=torch.bfloat16, comm=StubComm(),
+                           layers=args.layers)
+    res = {"gpu": torch.cuda.get_device_name(),
+           "sweep": dense_sweep(model, [int(v) for v in args.rows.split(",") if v])}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    bad = [(r, n) for r, v in res["sweep"]["rows"].items() for n, t in v["tiles"].items()
+           if "error" not in t and not t["row_invariant"]]
+    bad += [(r, g["group"]) for r, v in res["sweep"]["rows"].items() for g in v["groups"]
+            if g.get("same_bits") is False]
+    for rows, v in res["sweep"]["rows"].items():
+        log(f"{rows} rows: best launch shape {v.get('best_tile')}")
+    if bad:
+        log(f"ERROR: not row invariant or not the members' bits: {bad}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
