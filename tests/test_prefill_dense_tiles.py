@@ -75,8 +75,8 @@ def _tiles_worker(results: dict) -> None:
     perm = torch.randperm(70, generator=gen)
     shapes = {}
     for name, cfg in D.TILES.items():  # the interpreter runs warps / stages alike: one run a tile shape and order
-        shapes.setdefault((cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, cfg.h_early, cfg.rotate_parts, cfg.tma),
-                          name)
+        launch_only = ("num_warps", "num_stages", "shared_kb")
+        shapes.setdefault(tuple(v for f, v in cfg.__dict__.items() if f not in launch_only), name)
     for name in shapes.values():
         cfg = D.TILES[name]
         y = gemm(slice(None), cfg)

@@ -67,6 +67,8 @@ class GemmConfig:
     h_early: bool = False  # the epilogue's 32 KB Hadamard loaded before the k loop (its L2 latency hidden by it)
     rotate_parts: int = 3  # the output rotation's exact fp16 parts: 3 (fp32 accuracy, the tiles' bits) or 2
     tma: bool = False  # the k loop's A / B tiles by tensor descriptors (TMA on sm_90: no per-element addresses)
+    persistent: int = 0  # > 0: that many programs an SM, each looping over tiles (the next tile's loads beside the
+    # last one's epilogue where Triton pipelines across tiles); the SM count is the device's, never the rows'
 
 
 # Hopper: 128 x 128 x 64 tiles, two warpgroups (wgmma m64 each), 3 stages of A + B in shared memory: 96 KB on sm_90
@@ -103,6 +105,8 @@ TILES = {
     "64x128x64w4s3h": GemmConfig(block_m=64, num_warps=4, num_stages=3, shared_kb=112, h_early=True),
     "128x128x64w8s3t": GemmConfig(tma=True),
     "128x128x64w8s4ht": GemmConfig(num_stages=4, shared_kb=192, h_early=True, tma=True),
+    "128x128x64w8s3hP": GemmConfig(h_early=True, persistent=1),
+    "128x128x64w8s3htP": GemmConfig(h_early=True, tma=True, persistent=1),
     "128x128x64w8s3g1": GemmConfig(group_m=1),
     "128x128x64w8s3g16": GemmConfig(group_m=16),
 }
@@ -286,6 +290,38 @@ def _descriptor_scratch(device: torch.device) -> None:
         _SCRATCH[kind] = True
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _gemm_persistent_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_rows, k, n, programs,
+                            BM: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PARTS: tl.constexpr,
+                            TMA: tl.constexpr):
+    """`_gemm_rotate_kernel`'s tiles (BN 128, the Hadamard loaded once a program) taken by `programs` programs in
+    turn: tile t by program t % programs; each tile the same loads, dots and epilogue as there (the same bits)."""
+    m_blocks = tl.cdiv(n_rows, BM)
+    n_blocks = n // 128
+    h = hadamard_tile(had_ptr)
+    kk = tl.arange(0, BK)
+    for t in tl.range(tl.program_id(0), m_blocks * n_blocks, programs, flatten=True):
+        mb, nb = tile_of(t, m_blocks, n_blocks, GROUP_M)
+        rows = mb * BM + tl.arange(0, BM)
+        ok = rows < n_rows
+        cols = nb * 128 + tl.arange(0, 128)
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :]
+        if TMA:
+            acc = product_tile_tma(xh_ptr, w_ptr, mb, nb, n_rows, k, n, BM, BK)
+        else:
+            x_ptrs = xh_ptr + rows[:, None].to(tl.int64) * k + kk[None, :]
+            w_ptrs = w_ptr + kk[:, None].to(tl.int64) * n + cols[None, :]
+            acc = product_tile(x_ptrs, ok, w_ptrs, k, n, BM, BK)
+        store_rotated_with(acc, h, svh_ptr + cols, out_ptrs, ok, PARTS)
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count (the persistent shapes' grid: a property of the device, never of the rows)."""
+    if device.type != "cuda":
+        return 2  # the interpreter: two programs, so that one takes several tiles in turn (tests' 3-tile shapes)
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_into(weight: Exl3Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """W_q [k, n] fp16, the matrix's trellis decoded once (no rotation, no scales), into the workspace if given."""
     out = workspace(weight.k, weight.n) if workspace is not None else None
@@ -306,12 +342,19 @@ def gemm_rotated(xh: torch.Tensor, w: torch.Tensor, weight: Exl3Tensor, out: tor
     cfg = cfg or config(xh.device)
     if k % cfg.block_k or n % BLOCK_N:
         raise ValueError(f"[{k}, {n}] is not a whole number of {cfg.block_k} x {BLOCK_N} blocks")
-    if (cfg.h_early or cfg.rotate_parts != 3 or cfg.tma) and cfg.block_n != 128:
-        raise ValueError("h_early / rotate_parts / tma are built for 128-column programs")
+    if (cfg.h_early or cfg.rotate_parts != 3 or cfg.tma or cfg.persistent) and cfg.block_n != 128:
+        raise ValueError("h_early / rotate_parts / tma / persistent are built for 128-column programs")
     if T == 0:
         return out
     if cfg.tma:
         _descriptor_scratch(xh.device)
+    if cfg.persistent:
+        programs = min(cfg.persistent * _sm_count(xh.device), triton.cdiv(T, cfg.block_m) * (n // BLOCK_N))
+        _gemm_persistent_kernel[(programs,)](
+            xh, w, weight.svh, hadamard_signs(xh.device, torch.float16), out, out.stride(0), T, k, n, programs,
+            BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, PARTS=cfg.rotate_parts, TMA=cfg.tma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return out
     grid = (triton.cdiv(T, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _gemm_rotate_kernel[grid](xh, w, weight.svh, hadamard_signs(xh.device, torch.float16), out, out.stride(0), T, k,
                               n, BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, BN=cfg.block_n,

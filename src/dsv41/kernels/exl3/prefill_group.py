@@ -228,10 +228,10 @@ class DenseGroup:
             cfg = cfg or config(dev)
             if self.k % cfg.block_k:
                 raise ValueError(f"k {self.k} is not a whole number of {cfg.block_k}-deep steps")
-            if cfg.tma:  # the members' tiles by pointers: the same arithmetic as the TMA shape's single launches
+            if cfg.tma or cfg.persistent:  # the members' tiles by pointers, a program a tile: the same arithmetic
                 from dataclasses import replace
 
-                cfg = replace(cfg, tma=False)
+                cfg = replace(cfg, tma=False, persistent=0, h_early=cfg.h_early or bool(cfg.persistent))
             xh = self.rotate(xs)
             w = self.decode(workspace)
             meta, n_blocks = self.meta(cfg.block_n, sel, concat)
