@@ -236,7 +236,14 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--rows", default="2048,8192")
     ap.add_argument("--out", type=Path, default=Path("bench/results/prefill_dense_sweep.json"))
+    ap.add_argument("--tiles", default="", help="comma-separated names of prefill_dense.TILES (default: all)")
     args = ap.parse_args()
+    from dsv41.kernels.exl3.prefill_dense import GEMM, TILES
+
+    names = [v for v in args.tiles.split(",") if v]
+    tiles = {name: TILES[name] for name in names} if names else None
+    if tiles is not None:
+        tiles = {"128x128x64w8s3": GEMM, **tiles}  # the default first: the others' bits are compared with it
     from decode_step import StubComm
 
     from dsv41.runtime.synthetic import synthetic_rank
@@ -244,7 +251,7 @@ def main() -> int:
     model = synthetic_rank(None, rank=0, world=2, device=torch.device("cuda"), dtype=torch.bfloat16, comm=StubComm(),
                            layers=args.layers)
     res = {"gpu": torch.cuda.get_device_name(),
-           "sweep": dense_sweep(model, [int(v) for v in args.rows.split(",") if v])}
+           "sweep": dense_sweep(model, [int(v) for v in args.rows.split(",") if v], tiles=tiles)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1) + "\n")
     bad = [(r, n) for r, v in res["sweep"]["rows"].items() for n, t in v["tiles"].items()

@@ -277,17 +277,19 @@ def _gemm_rotate_kernel(xh_ptr, w_ptr, svh_ptr, had_ptr, out_ptr, stride_out, n_
             store_rotated(acc1, svh_ptr + cols + 128, had_ptr, out_ptrs + 128, ok)
 
 
-_SCRATCH: dict[str, bool] = {}
+def _scratch_cuda(size: int, align: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _scratch_cpu(size: int, align: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8)
 
 
 def _descriptor_scratch(device: torch.device) -> None:
     """Triton's in-kernel tensor descriptors need global scratch a launch (a few hundred bytes): from torch's caching
-    allocator on the current device, where Triton launches (one allocator a process: set once, only by the TMA
-    launch shapes; "cpu" in the interpreter)."""
-    kind = "cuda" if device.type == "cuda" else "cpu"
-    if not _SCRATCH.get(kind):
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=kind))
-        _SCRATCH[kind] = True
+    allocator on the current device, where Triton launches ("cpu" in the interpreter). Set before every TMA launch:
+    Triton keeps the allocator in a context variable, so a thread that launches (the engine's) has its own."""
+    triton.set_allocator(_scratch_cuda if device.type == "cuda" else _scratch_cpu)
 
 
 @triton.jit(do_not_specialize=["n_rows"])
