@@ -5,7 +5,9 @@ One call measures, in this order (results saved after each stage, so a run cut s
 - the prefill kernels alone on layer 0's matrices (`kernels/exl3/prefill.py`): the routed experts at one chunk
   (grouped tiles: EXL3 weights decoded per second, the GEMM's TFLOP/s) and every dense shape of the layer both ways
   (`ms`: the tiles; `gemm_ms`: decoded once into the workspace + one GEMM, `kernels/exl3/prefill_dense.py`, with
-  `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`); the prefill row
+  `decode_ms` its decode alone and `gemm_rel_to_tile`; summed in `dense_ms` / `dense_gemm_ms`; `dense_sweep`: every
+  launch shape of the dense GEMM (`DSV41_PREFILL_DENSE_TILE`) and the group launches (`DSV41_PREFILL_DENSE_GROUP`)
+  at the chunk and 8,192 rows, their bits and row invariance, `prefill_dense_sweep.py`); the prefill row
   kernels, old work distribution vs new (`row_kernels`: rotations, SwiGLU + rotation, the queries' RoPE); the
   attention core of one layer's chunk, gathered, indexed and one-pass (`attention_core_alone`; the one-pass
   launch alone at 1x and 4x the chunk over a few tilings: `onepass_tilings`); the indexer's top-k

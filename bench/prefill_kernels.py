@@ -1,5 +1,6 @@
 """The prefill kernels alone on layer 0's shapes, for `bench/prefill.py --kernels-only` (and the first stage of every
-prefill bench run): the routed experts' tiles, the dense shapes both ways, the prefill row kernels old vs new, the
+prefill bench run): the routed experts' tiles, the dense shapes both ways (and the dense GEMM's launch shapes and
+group launches: `prefill_dense_sweep.py`, at the chunk and 8,192 rows), the prefill row kernels old vs new, the
 attention core (gathered, indexed, one-pass), the index top-k, the mHC sites (row kernels vs prefill tiles vs row
 blocks) and the experts' 64- vs 128-row tiles. Each function returns a JSON-ready dict; `bench/prefill.py`'s
 docstring says what each field means."""
@@ -85,6 +86,13 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
         f"{len(dense)} matrices (tiles), {out['dense_gemm_ms']:.2f} ms decoded once + GEMM (the decodes "
         f"{out['dense_decode_ms']:.2f} ms)")
     try:  # a failure here must not cost the rest of the run
+        from prefill_dense_sweep import dense_sweep
+
+        out["dense_sweep"] = dense_sweep(model, sorted({chunk, 8192}))
+    except Exception as exc:  # noqa: BLE001
+        out["dense_sweep"] = {"error": repr(exc)}
+        log(f"dense sweep failed: {exc!r}")
+    try:
         out["row_kernels"] = row_kernels_ab(block, x, ids)
     except Exception as exc:  # noqa: BLE001
         out["row_kernels"] = {"error": repr(exc)}

@@ -159,7 +159,8 @@ def test_each_devices_config_fits_its_shared_memory_and_pipelines(arch, name):
     from dsv41.kernels.exl3 import prefill_dense as D
 
     cfg, fn = getattr(D, name), D._gemm_rotate_kernel
-    const = dict(BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m)
+    const = dict(BM=cfg.block_m, BK=cfg.block_k, GROUP_M=cfg.group_m, BN=cfg.block_n, H_EARLY=cfg.h_early,
+                 PARTS=cfg.rotate_parts, TMA=cfg.tma)
     ptrs = {"xh_ptr": "*fp16", "w_ptr": "*fp16", "svh_ptr": "*fp16", "had_ptr": "*fp16", "out_ptr": "*fp32"}
     sig = {a: "constexpr" if a in const else ptrs.get(a, "i32") for a in fn.arg_names}
     # as a launch specialises them: the pointers, k, n and the output's row stride multiples of 16; n_rows not

@@ -286,8 +286,9 @@ class FastAttention(InPlaceAttention, FastIndexer):
             widths = [wo.out_features for wo in w.wo_a]
             u = torch.empty(o.shape[0], sum(widths), dtype=o.dtype, device=o.device)
             self.wo_a_group([groups[:, g] for g in range(len(w.wo_a))], n, phase, outs=list(u.split(widths, dim=1)))
-        else:
-            u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1)
+        else:  # prefill: one group launch straight into u where DSV41_PREFILL_DENSE_GROUP is on
+            u = self.wo_a_group.prefill_concat([groups[:, g] for g in range(len(w.wo_a))], phase)
+            u = torch.cat([wo(groups[:, g], n, phase) for g, wo in enumerate(w.wo_a)], dim=-1) if u is None else u
         return w.wo_b(u, n, phase)
 
     def _slots(self, s: Segment, win: torch.Tensor, ids: torch.Tensor | None, src, rows: slice):

@@ -180,6 +180,17 @@ def prefill_workspace_needed() -> bool:
     return not prefill_tiles_enabled() or dense_gemm_enabled()
 
 
+def dense_group_enabled() -> bool:
+    """Prefill products of a group's EXL3 members as one rotation + one GEMM launch a run of them
+    (`kernels/exl3/prefill_group.py`, DSV41_PREFILL_DENSE_GROUP=1; off by default until a GPU A/B): the same bits as
+    each member alone on the dense GEMM path, which it needs (the tile path and DSV41_PREFILL_DENSE_GEMM=0 keep
+    the members one by one)."""
+    from dsv41.kernels.exl3.prefill_dense import dense_gemm_enabled
+    from dsv41.kernels.exl3.prefill_group import group_enabled
+
+    return group_enabled() and prefill_tiles_enabled() and dense_gemm_enabled()
+
+
 def grouping_enabled() -> bool:
     """Group launches of the matrices that share a point of the step (on by default; DSV41_EXL3_GROUP=0 for A/B
     runs: each matrix then launches alone with its own split count, other bits)."""
@@ -199,6 +210,7 @@ class LinearGroup:
     def __init__(self, linears: Sequence):
         self.linears = list(linears)
         self.parts: list[tuple[list[int], list[int]]] = []  # (member indices, their splits) per group launch
+        self._batches: list | None = None  # the prefill group launches' (members, DenseGroup), made at first use
         if not grouping_enabled():
             return
         cuda = [i for i, lin in enumerate(self.linears)
@@ -233,6 +245,8 @@ class LinearGroup:
             raise ValueError(f"a group of {count} linears takes {count} inputs, dtypes and outputs, got {len(xs)}, "
                              f"{len(out_dtypes)}, {len(outs)}")
         grouped: set[int] = set()
+        if not is_fused(phase) and all(o is None for o in outs) and dense_group_enabled():
+            grouped = self._prefill_batches(xs, out_dtypes, outs)
         if self.parts and is_fused(phase):
             from dsv41.kernels.exl3.cuda import GROUP_ROWS
 
@@ -246,6 +260,55 @@ class LinearGroup:
                     kw["out_dtype"] = out_dtypes[i]
                 outs[i] = lin(xs[i], n, phase, **kw)
         return outs
+
+    def dense_batches(self) -> list:
+        """The prefill group launches (`kernels.exl3.prefill_group`): runs of consecutive EXL3 members of one k whose
+        decoded matrices fit the rank's workspace together (at most MAX_MEMBERS); a member in no run of two or more
+        runs alone. Made once, at the first prefill call with the switch on."""
+        if self._batches is None:
+            from dsv41.kernels.exl3.prefill_group import MAX_MEMBERS, DenseGroup
+
+            runs: list[list[int]] = [[]]
+            for i, lin in enumerate(self.linears):
+                if not (isinstance(lin, Exl3Linear) and not lin.fused_only and lin.weight.n % 128 == 0):
+                    runs.append([])
+                    continue
+                run = runs[-1]
+                first = self.linears[run[0]] if run else lin
+                size = sum(self.linears[j].weight.k * self.linears[j].weight.n for j in run + [i])
+                if (run and (lin.weight.k != first.weight.k or lin.workspace is not first.workspace
+                             or size > lin.workspace.numel or len(run) == MAX_MEMBERS)):
+                    runs.append([])
+                runs[-1].append(i)
+            self._batches = [(run, DenseGroup([self.linears[i].weight for i in run])) for run in runs if len(run) > 1]
+        return self._batches
+
+    def _prefill_batches(self, xs, out_dtypes: list, outs: list) -> set[int]:
+        """The members the prefill group launches computed (outs filled): one rotation + one GEMM launch a run."""
+        done: set[int] = set()
+        with section("exl3"):
+            for run, group in self.dense_batches():
+                dtypes = [out_dtypes[i] for i in run]
+                if len(set(dtypes)) > 2:  # a launch writes two output dtypes at most: these run alone
+                    continue
+                space = self.linears[run[0]].workspace.matrix(1, group.numel)
+                for i, y in zip(run, group([xs[i] for i in run], dtypes, space)):
+                    outs[i] = y
+                done.update(run)
+        return done
+
+    def prefill_concat(self, xs: Sequence[torch.Tensor], phase: str) -> torch.Tensor | None:
+        """The members' prefill outputs side by side [B, Σ out] (x's dtype) from one group launch (wo_a's u: no
+        concatenation launch), or None where that path is off or the members are not one run."""
+        if is_fused(phase) or not dense_group_enabled():
+            return None
+        runs = self.dense_batches()
+        if len(runs) != 1 or runs[0][0] != list(range(len(self.linears))):
+            return None
+        run, group = runs[0]
+        with section("exl3"):
+            return group(list(xs), [xs[0].dtype] * len(run), self.linears[0].workspace.matrix(1, group.numel),
+                         concat=True)
 
     def _launch(self, xs, n: int, out_dtypes: list, outs: list) -> None:
         """The group launches (outs filled in place: allocated where None)."""

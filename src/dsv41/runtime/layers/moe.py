@@ -34,7 +34,7 @@ from dsv41.model.topk import topk_lowest_index_ties
 
 from ..sections import section
 from .attention import step_kernels_run
-from .linear import LinearGroup, PrefillWorkspace, is_fused, prefill_tiles_enabled
+from .linear import LinearGroup, PrefillWorkspace, dense_group_enabled, is_fused, prefill_tiles_enabled
 
 
 @dataclass(frozen=True)
@@ -189,6 +189,10 @@ class FusedMoE:
                 from dsv41.kernels.step.swiglu import swiglu_rows
 
                 out = w2(swiglu_rows(*gate_up([x, x], n, phase), self.limit, rows=n), n, phase)
+            elif not is_fused(phase) and dense_group_enabled() and gate_up.dense_batches():
+                g, u = gate_up([x, x], n, phase)  # prefill, DSV41_PREFILL_DENSE_GROUP: gate and up in one launch
+                out = swiglu_clamped(x, Expert(w1=lambda _: g, w2=partial(w2, n=n, phase=phase), w3=lambda _: u),
+                                     self.limit, None)
             else:
                 out = swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
                                                w3=partial(w3, n=n, phase=phase)), self.limit, None)
