@@ -96,7 +96,7 @@ def _tiles_worker(results: dict) -> None:
     except ValueError:
         results["knob_rejects"] = True
     os.environ.pop("DSV41_PREFILL_DENSE_TILE")
-    results["knob_default"] = D.tile_named() is D.GEMM
+    results["knob_default"] = D.tile_named() is D.TILES[D.DEFAULT_TILE]
 
 
 def _group_worker(results: dict) -> None:
@@ -230,7 +230,7 @@ def test_interpreted_every_tile_shape_is_the_linear_and_row_invariant(interp):
         assert all(r["invariance"].values()), (key, r["invariance"])
 
 
-def test_the_tile_knob_names_a_shape_rejects_others_and_defaults_to_gemm(interp):
+def test_the_tile_knob_names_a_shape_rejects_others_and_defaults_to_the_default_tile(interp):
     assert interp["knob_named"] and interp["knob_rejects"] and interp["knob_default"], interp
 
 
@@ -252,13 +252,13 @@ def test_interpreted_bench_dense_sweep_dry_run(interp):
     assert r["best"] in ("128x128x64w8s3", "128x256x64w8s3"), r
 
 
-def test_group_switch_is_off_by_default(monkeypatch):
+def test_group_switch_is_on_by_default_and_turns_off(monkeypatch):
     from dsv41.kernels.exl3.prefill_group import group_enabled
 
     monkeypatch.delenv("DSV41_PREFILL_DENSE_GROUP", raising=False)
-    assert not group_enabled()
-    monkeypatch.setenv("DSV41_PREFILL_DENSE_GROUP", "1")
     assert group_enabled()
+    monkeypatch.setenv("DSV41_PREFILL_DENSE_GROUP", "0")
+    assert not group_enabled()
 
 
 # ---------------------------------------------------------------------------------------------------------------

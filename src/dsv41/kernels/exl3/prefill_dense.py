@@ -110,7 +110,13 @@ TILES = {
     "128x128x64w8s3g1": GemmConfig(group_m=1),
     "128x128x64w8s3g16": GemmConfig(group_m=16),
 }
-TILE_ENV = "DSV41_PREFILL_DENSE_TILE"  # a name of TILES: the GEMM's launch shape on devices where GEMM fits (A/B)
+TILE_ENV = "DSV41_PREFILL_DENSE_TILE"  # a name of TILES: the GEMM's launch shape on devices where it fits
+# The default shape where a block's shared memory holds its 4 stages (Hopper): the tiles through TMA descriptors, the
+# epilogue's Hadamard loaded before the k loop, 4 stages. The SAME bits as GEMM (H100 at 92e817f: every dense matrix
+# of 3 layers at 2,048 and 8,192 rows, rows invariant; the 16K chunked == one-shot GPU test passed with it) and a
+# layer's dense GEMMs 1.305 -> 0.997 ms at 2,048 rows, 4.43 -> 3.51 ms at 8,192 (bench/results/
+# prefill_dense_sweep_92e817f.json). Elsewhere (GB10's 99 KB, an A100's 164 KB) GEMM or COMPACT, as before.
+DEFAULT_TILE = "128x128x64w8s4ht"
 
 
 def dense_gemm_enabled() -> bool:
@@ -121,10 +127,8 @@ def dense_gemm_enabled() -> bool:
 
 
 def tile_named(name: str | None = None) -> GemmConfig:
-    """The launch shape `name` (None: the `DSV41_PREFILL_DENSE_TILE` knob, unset or empty: GEMM)."""
-    name = (os.environ.get(TILE_ENV, "") if name is None else name).strip()
-    if not name:
-        return GEMM
+    """The launch shape `name` (None: the `DSV41_PREFILL_DENSE_TILE` knob, unset or empty: DEFAULT_TILE)."""
+    name = (os.environ.get(TILE_ENV, "") if name is None else name).strip() or DEFAULT_TILE
     if name not in TILES:
         raise ValueError(f"{TILE_ENV}={name!r}: expected one of {', '.join(TILES)}")
     return TILES[name]
