@@ -71,6 +71,11 @@ def _worker(out_path: str) -> None:
             "bitwise": bool(torch.equal(got, ref)),
             "allow_ok": bool(torch.equal(masked, torch.where(allow, index_scores_tiles(q, w, k, n_vis, ncols),
                                                              torch.full_like(masked, float("-inf"))))),
+            # the programs of several entry blocks (the queries loaded once): the one-block programs' products
+            "sub_same": bool(torch.equal(index_scores_tiles(q, w, k, n_vis, ncols, w_scales=(0.5, 2.0),
+                                                            tile="128x64s4w8"), got)),
+            "sub_masked_same": bool(torch.equal(index_scores_tiles(q, w, k, n_vis, ncols, allow=allow,
+                                                                   tile="128x64s4w8"), masked)),
         }
     torch.save(res, out_path)
 
@@ -95,6 +100,22 @@ def test_interpreted_candidate_pool_masks_scores(interp):
     assert interp["exact"]["allow_ok"] and interp["fp4"]["allow_ok"]
 
 
+def test_interpreted_programs_of_several_entry_blocks_are_the_one_block_programs(interp):
+    assert all(interp[c]["sub_same"] and interp[c]["sub_masked_same"] for c in ("exact", "fp4")), interp
+
+
+def test_the_tile_knob_names_a_shape_and_rejects_others(monkeypatch):
+    from dsv41.kernels.step import index_tiles
+
+    monkeypatch.delenv(index_tiles.TILE_ENV, raising=False)
+    assert index_tiles.index_tile() == index_tiles.IndexTile()
+    monkeypatch.setenv(index_tiles.TILE_ENV, "128x64s8w8")
+    assert index_tiles.index_tile().sub == 8
+    monkeypatch.setenv(index_tiles.TILE_ENV, "99x1")
+    with pytest.raises(ValueError, match="DSV41_INDEX_TILE"):
+        index_tiles.index_tile()
+
+
 @pytest.mark.gpu
 def test_gpu_full_shape_rows_are_chunk_invariant():
     need_compiled_cuda()
@@ -113,6 +134,33 @@ def test_gpu_full_shape_rows_are_chunk_invariant():
     perm = torch.randperm(700, device="cuda")
     assert torch.equal(index_scores_tiles(q[perm], w[perm], k, n_vis[perm], ncols).view(torch.int32),
                        got[perm].view(torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_every_tile_shape_is_row_invariant_and_within_the_bound():
+    """Each launch shape of `TILES`: within the reference's bound, rows alone / reordered == the batch's, and
+    whether its bits are the default shape's (printed; the one-block shapes' products in programs of several
+    blocks must be)."""
+    need_compiled_cuda()
+    from dsv41.kernels.step.index_tiles import TILES, index_scores_tiles
+
+    q, w, k, n_vis = _case(False, H=32, hd=128, C=4096, R=700, dev="cuda")
+    ref = _reference(q, w, k, n_vis, 4096)
+    fin = torch.isfinite(ref)
+    base = index_scores_tiles(q, w, k, n_vis, 4096, tile="128x64s1w8")
+    perm = torch.randperm(700, device="cuda")
+    for name, cfg in TILES.items():
+        got = index_scores_tiles(q, w, k, n_vis, 4096, tile=name)
+        same = torch.equal(got.view(torch.int32), base.view(torch.int32))
+        print(f"index tile {name}: same bits as the default {same}")
+        assert torch.equal(torch.isneginf(got), torch.isneginf(ref)), name
+        assert float((got[fin] - ref[fin]).abs().max()) <= _bound(q, w, k, n_vis), name
+        if cfg.tile_m == 128 and cfg.block_c == 64 and cfg.num_warps == 8:
+            assert same, name
+        part = index_scores_tiles(q[3:10], w[3:10], k, n_vis[3:10], 4096, tile=name)
+        assert torch.equal(part.view(torch.int32), got[3:10].view(torch.int32)), name
+        shuf = index_scores_tiles(q[perm], w[perm], k, n_vis[perm], 4096, tile=name)
+        assert torch.equal(shuf.view(torch.int32), got[perm].view(torch.int32)), name
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":
