@@ -2,8 +2,8 @@
 (`@triton.jit` functions called inside it, in a loop) do int32 arithmetic that wraps and float math gives the same
 bits as under Triton's own `_patch_lang`, overflow sanitising and dtype table; the language is patched once per
 launch instead of once per helper call; every launch leaves `triton.language` as it found it; the kept numpy dtypes
-are Triton's. Run in a child with
-TRITON_INTERPRET=1 (this file as a script: the kernel's source is rewritten by the interpreter as ours are)."""
+are Triton's. Run in a child with TRITON_INTERPRET=1 (this file as a script: the kernel's source is rewritten by the
+interpreter as ours are)."""
 
 from __future__ import annotations
 
