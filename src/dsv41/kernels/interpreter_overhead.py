@@ -21,6 +21,7 @@ Bits are untouched: what a kernel computes goes through the same semantic code e
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 _MARK = "_dsv41_lean"
 
@@ -42,25 +43,26 @@ def install() -> bool:
     if options is not None and not options.debug and getattr(options, "sanitize_overflow", False):
         builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
-    # the language modules the running launch's scope patched (empty between launches); a launch runs its grid to
-    # the end before the next starts (kernels launch no kernels), so one set is enough
-    patched: set[int] = set()
+    # the language modules the running launch's scope patched, per thread (empty between launches); a launch runs
+    # its grid to the end before its thread launches again (kernels launch no kernels)
+    state = threading.local()
 
     def langs_of(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
 
     def patch_lang(fn):
+        patched = getattr(state, "langs", None)
         langs = langs_of(fn)
         if patched and langs <= patched:
             return None  # a helper called inside a launch: its modules are patched until the launch restores them
         scope = original(fn)
         if patched:
             return scope  # a helper that sees other modules: patched as Triton does (never restored, as there)
-        patched.update(langs)
+        state.langs = langs
         restore = scope.restore
 
         def restore_and_forget():
-            patched.clear()
+            state.langs = None
             restore()
 
         scope.restore = restore_and_forget
