@@ -8,3 +8,7 @@ if _os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     from .interpreter_dot import install as _install_rowwise_dot
 
     _install_rowwise_dot()
+    # and without the interpreter's work that no kernel sees (kernels/interpreter_overhead.py): the same bits
+    from .interpreter_overhead import install as _install_lean_interpreter
+
+    _install_lean_interpreter()
