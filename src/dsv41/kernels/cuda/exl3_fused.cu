@@ -1397,23 +1397,57 @@ struct PrefillLoop {
         int out_dtype, int n_rows, int k, int n, int columns_first
 #define PREFILL_PASS trellis, svh, xh, table, out_rows, out, ldo, out_dtype, n_rows, k, n, columns_first
 
+// A prefill block's tile: its column block, expert, first row and rows (count <= 0: nothing to do).
+struct PrefillTile {
+    int cb, e, first, count;
+};
+
+template <int ROWS>
+__device__ __forceinline__ PrefillTile prefill_tile(const int* table, int n_rows, int columns_first) {
+    // columns_first: a tile's column blocks are neighbours in launch order, so its B rows are read from HBM about
+    // once and then from L2 (tiles first: every column block's pass reads all of xh again); the bits are the same
+    const int tile = columns_first ? blockIdx.y : blockIdx.x;
+    PrefillTile t{columns_first ? (int)blockIdx.x : (int)blockIdx.y, 0, 0, 0};
+    if (table != nullptr) {
+        wait_for_previous_kernel();  // the table is written by the launches before this one
+        t.e = table[3 * tile];
+        t.first = table[3 * tile + 1];
+        t.count = table[3 * tile + 2];
+    } else {
+        t.first = tile * ROWS;
+        t.count = min(ROWS, n_rows - t.first);
+    }
+    return t;
+}
+
+// After the k loop: the accumulators through the block's fp32 tile `ys` (which reuses the rings: every warp must be
+// done with them), then per row the output rotation, svh and the store to its output row.
+template <int ROWS>
+__device__ __forceinline__ void prefill_epilogue(const float* acc, float* ys, const PrefillTile& t, uint2 sv,
+                                                 const int* out_rows, void* out, int ldo, int out_dtype, int warp,
+                                                 int lane) {
+    asm volatile("cp.async.wait_all;");
+    let_next_kernel_start();
+    __syncthreads();  // every warp is done reading both rings before the epilogue's tile overwrites them
+    stash_acc<ROWS>(acc, ys, warp, lane);
+    __syncthreads();
+    for (int r = warp; r < t.count; r += WARPS) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = ys[r * YS_STRIDE + 4 * lane + i];
+        rotate_output(v, sv, lane);
+        const long long dest = out_rows != nullptr ? (long long)out_rows[t.first + r] : (long long)(t.first + r);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) store_value(out, dest * ldo + t.cb * 128 + 4 * lane + i, out_dtype, v[i]);
+    }
+}
+
 template <int ROWS, int NST, bool SWIZZLE>
 __device__ __forceinline__ void prefill_body(unsigned char* smem, PREFILL_ARGS) {
     using Loop = PrefillLoop<ROWS, NST, SWIZZLE>;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-    // columns_first: a tile's column blocks are neighbours in launch order, so its B rows are read from HBM about
-    // once and then from L2 (tiles first: every column block's pass reads all of xh again); the bits are the same
-    const int tile = columns_first ? blockIdx.y : blockIdx.x, cb = columns_first ? blockIdx.x : blockIdx.y;
-    int e = 0, first, count;
-    if (table != nullptr) {
-        wait_for_previous_kernel();  // the table is written by the launches before this one
-        e = table[3 * tile];
-        first = table[3 * tile + 1];
-        count = table[3 * tile + 2];
-    } else {
-        first = tile * ROWS;
-        count = min(ROWS, n_rows - first);
-    }
+    const PrefillTile t = prefill_tile<ROWS>(table, n_rows, columns_first);
+    const int e = t.e, first = t.first, count = t.count, cb = t.cb;
     if (count <= 0) return;  // the whole block: before any barrier
     u32* rings = (u32*)smem;
     u16* bring = (u16*)(rings + WARPS * Loop::RING);
@@ -1453,20 +1487,7 @@ __device__ __forceinline__ void prefill_body(unsigned char* smem, PREFILL_ARGS) 
         cp_async_commit();
     }
     for (int base = 0; base < n_stages; base += NST) L.template round_from<0>(base);
-    asm volatile("cp.async.wait_all;");
-    let_next_kernel_start();
-    __syncthreads();  // every warp is done reading both rings before the epilogue's tile overwrites them
-    stash_acc<ROWS>(acc, ys, warp, lane);
-    __syncthreads();
-    for (int r = warp; r < count; r += WARPS) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = ys[r * YS_STRIDE + 4 * lane + i];
-        rotate_output(v, sv, lane);
-        const long long dest = out_rows != nullptr ? (long long)out_rows[first + r] : (long long)(first + r);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) store_value(out, dest * ldo + cb * 128 + 4 * lane + i, out_dtype, v[i]);
-    }
+    prefill_epilogue<ROWS>(acc, ys, t, sv, out_rows, out, ldo, out_dtype, warp, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF_MIN_BLOCKS) exl3_prefill_r64(PREFILL_ARGS) {
@@ -1697,17 +1718,8 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
     extern __shared__ __align__(1024) unsigned char wg_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-    const int tile = columns_first ? blockIdx.y : blockIdx.x, cb = columns_first ? blockIdx.x : blockIdx.y;
-    int e = 0, first, count;
-    if (table != nullptr) {
-        wait_for_previous_kernel();
-        e = table[3 * tile];
-        first = table[3 * tile + 1];
-        count = table[3 * tile + 2];
-    } else {
-        first = tile * WG_ROWS;
-        count = min(WG_ROWS, n_rows - first);
-    }
+    const PrefillTile t = prefill_tile<WG_ROWS>(table, n_rows, columns_first);
+    const int e = t.e, first = t.first, count = t.count, cb = t.cb;
     if (count <= 0) return;
     // the B ring first, at the first 1024-aligned shared address (the swizzle is of absolute address bits)
     const u32 base = smem_addr(wg_smem);
@@ -1745,19 +1757,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_
         case 3: wg_loop<96>(S, acc); break;
         default: wg_loop<128>(S, acc); break;
     }
-    asm volatile("cp.async.wait_all;");
-    let_next_kernel_start();
-    __syncthreads();
-    stash_acc<WG_ROWS>(acc, ys, warp, lane);  // wgmma's D fragment of a warp is mma's, a row group per 8 columns
-    __syncthreads();
-    for (int r = warp; r < count; r += WARPS) {
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = ys[r * YS_STRIDE + 4 * lane + i];
-        rotate_output(v, sv, lane);
-        const long long dest = out_rows != nullptr ? (long long)out_rows[first + r] : (long long)(first + r);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) store_value(out, dest * ldo + cb * 128 + 4 * lane + i, out_dtype, v[i]);
-    }
+    // wgmma's D fragment of a warp is mma's (a row group per 8 columns), so r128's epilogue stashes it as is
+    prefill_epilogue<WG_ROWS>(acc, ys, t, sv, out_rows, out, ldo, out_dtype, warp, lane);
 }
 #endif  // EXL3_WGMMA
