@@ -395,8 +395,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                      padded=cuda)
     hh = torch.empty(pairs + (prefill_cuda.PAD_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
     if wg:
-        order_cols = prefill_cuda.configured_columns_first() if columns_first is None else columns_first
-        tiles_of = functools.partial(prefill_wgmma.prefill_tiles_wgmma, columns_first=order_cols)
+        tiles_of = functools.partial(prefill_wgmma.prefill_tiles_wgmma, columns_first=columns_first)
     else:
         tiles_of = functools.partial(prefill_tiles_cuda, rows=block_m, columns_first=columns_first)
     if cuda:

@@ -108,17 +108,30 @@ def prefill_tiles_cuda(xh: torch.Tensor, words: torch.Tensor, svh: torch.Tensor,
     int32 (expert, first row, rows <= `rows`); without a table tile t is rows [t·rows, t·rows + rows) of n_rows.
     `out_rows` [rows] int32: each row's output row (else the row itself). `columns_first` (None:
     `DSV41_PREFILL_TILE_ORDER`): the launch order (module docstring)."""
+    if tiles == 0:
+        check_tile_io(xh, out, k, n)
+        return out
+    return launch_tiles(kernels_for(xh.device, K, codebook)[kernel_name(rows)], shared_bytes(K, rows), xh, words, svh,
+                        k, n, out, n_rows, tiles, table, out_rows, columns_first)
+
+
+def check_tile_io(xh: torch.Tensor, out: torch.Tensor, k: int, n: int) -> None:
     if xh.dtype != torch.float16 or not xh.is_contiguous() or xh.shape[1] != k:
         raise ValueError(f"xh must be contiguous fp16 [rows, {k}], got {xh.dtype} {list(xh.shape)}")
     if out.dtype not in DTYPE_CODES or out.stride(1) != 1 or out.shape[1] != n:
         raise ValueError(f"out must be fp16 / bf16 / fp32 [rows, {n}] with unit column stride")
-    if tiles == 0:
-        return out
-    kernel = kernels_for(xh.device, K, codebook)[kernel_name(rows)]
+
+
+def launch_tiles(kernel, shared: int, xh: torch.Tensor, words: torch.Tensor, svh: torch.Tensor, k: int, n: int,
+                 out: torch.Tensor, n_rows: int, tiles: int, table: torch.Tensor | None, out_rows: torch.Tensor | None,
+                 columns_first: bool | None) -> torch.Tensor:
+    """One launch of a prefill tile kernel (the arguments of `PREFILL_ARGS`, cuda/exl3_fused.cu): the checks, the
+    grid in the launch order (`columns_first`, None: `DSV41_PREFILL_TILE_ORDER`)."""
+    check_tile_io(xh, out, k, n)
     cols_first = configured_columns_first() if columns_first is None else columns_first
     cols_first = cols_first and tiles <= 65535  # the grid's y limit (the order never changes the bits)
     grid = (n // 128, tiles, 1) if cols_first else (tiles, n // 128, 1)
-    kernel.launch(grid, THREADS, shared_bytes(K, rows),
+    kernel.launch(grid, THREADS, shared,
                   [words, svh, xh, table if table is not None else NULL,
                    out_rows if out_rows is not None else NULL, out, out.stride(0), DTYPE_CODES[out.dtype],
                    n_rows, k, n, int(cols_first)])

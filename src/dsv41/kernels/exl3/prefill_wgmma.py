@@ -20,8 +20,8 @@ import torch
 
 from dsv41.kernels.cuda_build import arch_defines, exl3_defines
 from dsv41.kernels.cuda_module import load_kernels
-from dsv41.kernels.exl3.cuda import DTYPE_CODES, SOURCE, THREADS, TUNING, YS_STRIDE, _shared_limit
-from dsv41.kernels.exl3.prefill_cuda import NULL
+from dsv41.kernels.exl3.cuda import SOURCE, TUNING, YS_STRIDE, _shared_limit
+from dsv41.kernels.exl3.prefill_cuda import check_tile_io, launch_tiles
 from dsv41.kernels.step.knobs import switched_on
 
 ENV = "DSV41_PREFILL_WGMMA"
@@ -60,21 +60,13 @@ def kernel_for(device: torch.device, K: int, codebook: str):
 
 def prefill_tiles_wgmma(xh: torch.Tensor, words: torch.Tensor, svh: torch.Tensor, K: int, codebook: str, k: int,
                         n: int, out: torch.Tensor, n_rows: int, tiles: int, table: torch.Tensor | None = None,
-                        out_rows: torch.Tensor | None = None, columns_first: bool = True) -> torch.Tensor:
+                        out_rows: torch.Tensor | None = None, columns_first: bool | None = None) -> torch.Tensor:
     """`prefill_cuda.prefill_tiles_cuda`'s product (128-row tiles) with xh in natural k order."""
-    if xh.dtype != torch.float16 or not xh.is_contiguous() or xh.shape[1] != k:
-        raise ValueError(f"xh must be contiguous fp16 [rows, {k}], got {xh.dtype} {list(xh.shape)}")
-    if out.dtype not in DTYPE_CODES or out.stride(1) != 1 or out.shape[1] != n:
-        raise ValueError(f"out must be fp16 / bf16 / fp32 [rows, {n}] with unit column stride")
-    if tiles == 0:
-        return out
     shared = shared_bytes(K)
     if shared > _shared_limit(xh.device):
         raise ValueError(f"exl3_prefill_wg128 needs {shared} bytes of shared memory a block at K = {K}")
-    kernel = kernel_for(xh.device, K, codebook)
-    cols_first = columns_first and tiles <= 65535
-    grid = (n // 128, tiles, 1) if cols_first else (tiles, n // 128, 1)
-    kernel.launch(grid, THREADS, shared,
-                  [words, svh, xh, table if table is not None else NULL, out_rows if out_rows is not None else NULL, out,
-                   out.stride(0), DTYPE_CODES[out.dtype], n_rows, k, n, int(cols_first)])
-    return out
+    if tiles == 0:
+        check_tile_io(xh, out, k, n)
+        return out
+    return launch_tiles(kernel_for(xh.device, K, codebook), shared, xh, words, svh, k, n, out, n_rows, tiles, table,
+                        out_rows, columns_first)
