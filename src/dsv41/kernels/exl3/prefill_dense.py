@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from dsv41.kernels.exl3.backend import cuda_path_available, interpreting
-from dsv41.kernels.exl3.decode import INV_SQRT128, hadamard_signs, rotate_rows_fp32
+from dsv41.kernels.exl3.decode import hadamard_signs, hadamard_tile, rotate_rows_fp32, rotate_rows_fp32_with
 from dsv41.kernels.exl3.layout import Exl3Tensor
 from dsv41.kernels.exl3.reconstruct import reconstruct
 from dsv41.kernels.step.knobs import switched_on
@@ -203,33 +203,10 @@ def store_rotated(acc, svh_ptrs, had_ptr, out_ptrs, ok):
 
 
 @triton.jit
-def hadamard_tile(had_ptr):
-    idx = tl.arange(0, 128)
-    return tl.load(had_ptr + idx[:, None] * 128 + idx[None, :])
-
-
-@triton.jit
 def store_rotated_with(acc, h, svh_ptrs, out_ptrs, ok, PARTS: tl.constexpr):
-    """store_rotated with the Hadamard h already loaded (H_EARLY) and PARTS fp16 parts: 3 is `rotate_rows_fp32`'s
-    very arithmetic (the same ops in the same order); 2 drops the third part (22 of the row-scaled values' bits:
-    other bits, a relative error ~2^-22 before the output's rounding) for a third less epilogue work."""
-    row_max = tl.max(tl.abs(acc), axis=1)
-    exponent = tl.minimum((row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF, 253)
-    scale = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
-    unscale = (exponent << 23).to(tl.float32, bitcast=True)
-    scaled = acc * scale[:, None]
-    a1 = scaled.to(tl.float16)
-    rest = scaled - a1.to(tl.float32)
-    a2 = rest.to(tl.float16)
-    if PARTS == 3:
-        rest = rest - a2.to(tl.float32)
-        a3 = rest.to(tl.float16)
-        out = tl.dot(a3, h)
-        out = tl.dot(a2, h, out)
-    else:
-        out = tl.dot(a2, h)
-    out = tl.dot(a1, h, out)
-    y = out * (unscale * INV_SQRT128)[:, None] * tl.load(svh_ptrs).to(tl.float32)[None, :]
+    """store_rotated with the Hadamard h already loaded (H_EARLY) and PARTS fp16 parts (`rotate_rows_fp32_with`: 3
+    is `rotate_rows_fp32`'s very arithmetic, 2 other bits)."""
+    y = rotate_rows_fp32_with(acc, h, PARTS) * tl.load(svh_ptrs).to(tl.float32)[None, :]
     tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=ok[:, None])
 
 
