@@ -333,6 +333,29 @@ def _need_128_rows(*Ks):
                     f"block, this GPU allows {prefill_cuda._shared_limit(dev)} B")
 
 
+def expert_case(E, hidden, inter, K, topk, T, seed):
+    """A layer's routed experts on the GPU (random trellis, mul1) and T rows routed with a router's skew (each row's
+    top-k distinct, log-normal expert popularity: Gumbel top-k): (w1, w3, w2), ids, x, weights, addend, generator."""
+    from dsv41.kernels.exl3.layout import Exl3ExpertStack
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    stacks = []
+    for k, n in ((hidden, inter), (hidden, inter), (inter, hidden)):
+        trellis = torch.randint(-32768, 32768, (E, k // 16, n // 16, 16 * K), generator=g, device=dev,
+                                dtype=torch.int32).to(torch.int16)
+        suh = (torch.randn(E, k, generator=g, device=dev) * 0.03).half()
+        svh = torch.randn(E, n, generator=g, device=dev).half()
+        stacks.append(Exl3ExpertStack.from_stacked(trellis, suh, svh, "mul1"))
+    popularity = torch.randn(E, generator=g, device=dev) * 0.8
+    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=dev).clamp_(1e-20, 1 - 1e-7)))
+    ids = (popularity[None, :] + gumbel).topk(topk, dim=1).indices.int()
+    x = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
+    wts = torch.rand(T, topk, generator=g, device=dev)
+    add = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
+    return stacks, ids, x, wts, add, g
+
+
 def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
     """Where two results differ, for a failure message: how many rows, the first few, the largest difference."""
     bad = (_bits(got) != _bits(want)).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten()
@@ -348,30 +371,13 @@ def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_the_experts(monke
     _need_cuda()
     monkeypatch.setenv("DSV41_EXL3_BACKEND", "cuda")
     _need_128_rows(3)
-    from dsv41.kernels.exl3.layout import Exl3ExpertStack
     from dsv41.kernels.exl3.prefill import prefill_moe
 
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(31)
-    E, hidden, inter, K, topk, T = 384, 5120, 1152, 3, 6, 8192
-    stacks = []
-    for k, n in ((hidden, inter), (hidden, inter), (inter, hidden)):
-        trellis = torch.randint(-32768, 32768, (E, k // 16, n // 16, 16 * K), generator=g, device=dev,
-                                dtype=torch.int32).to(torch.int16)
-        suh = (torch.randn(E, k, generator=g, device=dev) * 0.03).half()
-        svh = torch.randn(E, n, generator=g, device=dev).half()
-        stacks.append(Exl3ExpertStack.from_stacked(trellis, suh, svh, "mul1"))
-    w1, w3, w2 = stacks
-    # a router's skew: each row's top-6 distinct, drawn with log-normal expert popularity (Gumbel top-k)
-    popularity = torch.randn(E, generator=g, device=dev) * 0.8
-    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=dev).clamp_(1e-20, 1 - 1e-7)))
-    ids = (popularity[None, :] + gumbel).topk(topk, dim=1).indices.int()
+    E, T = 384, 8192
+    (w1, w3, w2), ids, x, wts, add, g = expert_case(E, 5120, 1152, 3, 6, T, seed=31)
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
     # the cases of the tile shapes: experts of one partial tile (< 64 rows), of several 128-row tiles (> 256)
     assert int(counts.max()) > 256 and int(((counts > 0) & (counts < 64)).sum()) > 10, sorted(counts.tolist())
-    x = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
-    wts = torch.rand(T, topk, generator=g, device=dev)
-    add = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
     ref = prefill_moe(x, ids, wts, w1, w3, w2, addend=add, tile_rows=64, columns_first=False)
     assert torch.isfinite(ref).all()
     for cols in (False, True):
@@ -383,7 +389,7 @@ def test_gpu_prefill_tiles_of_128_rows_are_the_64_row_bits_for_the_experts(monke
         got = prefill_moe(x[rows], ids[rows], wts[rows], w1, w3, w2, addend=add[rows], tile_rows=128)
         assert torch.equal(_bits(got), _bits(ref[rows])), \
             f"rows {rows} alone, 128-row tiles: {_mismatch(got, ref[rows])}"
-    perm = torch.randperm(T, generator=g, device=dev)[:2000]
+    perm = torch.randperm(T, generator=g, device=x.device)[:2000]
     got = prefill_moe(x[perm], ids[perm], wts[perm], w1, w3, w2, addend=add[perm], tile_rows=128)
     assert torch.equal(_bits(got), _bits(ref[perm])), \
         f"2,000 rows reordered, 128-row tiles: {_mismatch(got, ref[perm])}"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from test_exl3_cuda import SOURCE, _nvcc_or_skip
+from test_exl3_prefill import _bits, _mismatch, expert_case
 
 
 @pytest.mark.parametrize("K,cb", [(3, 2), (8, 0)])
@@ -48,37 +49,6 @@ def test_the_switch_takes_the_wgmma_tiles_only_on_hopper(monkeypatch):
     assert all(prefill_wgmma.shared_bytes(K) <= 227 * 1024 for K in range(1, 9))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
-def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
-    bad = (_bits(got) != _bits(want)).reshape(got.shape[0], -1).any(dim=1).nonzero().flatten()
-    diff = float((got.double() - want.double()).abs().max())
-    return f"{bad.numel()} of {got.shape[0]} rows differ (first {bad[:8].tolist()}), max |diff| {diff:.3g}"
-
-
-def _expert_case(E, hidden, inter, K, topk, T, seed):
-    from dsv41.kernels.exl3.layout import Exl3ExpertStack
-
-    dev = torch.device("cuda")
-    g = torch.Generator(device=dev).manual_seed(seed)
-    stacks = []
-    for k, n in ((hidden, inter), (hidden, inter), (inter, hidden)):
-        trellis = torch.randint(-32768, 32768, (E, k // 16, n // 16, 16 * K), generator=g, device=dev,
-                                dtype=torch.int32).to(torch.int16)
-        suh = (torch.randn(E, k, generator=g, device=dev) * 0.03).half()
-        svh = torch.randn(E, n, generator=g, device=dev).half()
-        stacks.append(Exl3ExpertStack.from_stacked(trellis, suh, svh, "mul1"))
-    popularity = torch.randn(E, generator=g, device=dev) * 0.8  # a router's skew (Gumbel top-k)
-    gumbel = -torch.log(-torch.log(torch.rand(T, E, generator=g, device=dev).clamp_(1e-20, 1 - 1e-7)))
-    ids = (popularity[None, :] + gumbel).topk(topk, dim=1).indices.int()
-    x = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
-    wts = torch.rand(T, topk, generator=g, device=dev)
-    add = torch.randn(T, hidden, generator=g, device=dev).bfloat16()
-    return stacks, ids, x, wts, add, g
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,inter,K,T", [(384, 1152, 3, 8192), (64, 512, 8, 3000)])
 def test_gpu_wgmma_tiles_match_the_mma_tiles_and_are_row_invariant(E, inter, K, T, monkeypatch):
@@ -92,7 +62,7 @@ def test_gpu_wgmma_tiles_match_the_mma_tiles_and_are_row_invariant(E, inter, K, 
 
     if not prefill_wgmma.available(torch.device("cuda")):
         pytest.skip(f"wgmma needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name()}")
-    (w1, w3, w2), ids, x, wts, add, g = _expert_case(E, 5120, inter, K, 6, T, seed=E + K)
+    (w1, w3, w2), ids, x, wts, add, g = expert_case(E, 5120, inter, K, 6, T, seed=E + K)
     counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
     # experts of several tiles and partial tiles (other N of the wgmma than 128)
     assert int(counts.max()) > 128 and int((counts % 128 != 0).sum()) > 0, sorted(counts.tolist())
@@ -131,7 +101,7 @@ def test_gpu_prefill_moe_reads_nothing_back_to_the_host(wgmma, monkeypatch):
 
     if wgmma and not prefill_wgmma.available(torch.device("cuda")):
         pytest.skip(f"wgmma needs a Hopper GPU (sm_90), this is {torch.cuda.get_device_name()}")
-    (w1, w3, w2), ids, x, wts, add, _ = _expert_case(16, 512, 256, 3, 6, 300, seed=5)
+    (w1, w3, w2), ids, x, wts, add, _ = expert_case(16, 512, 256, 3, 6, 300, seed=5)
     prefill_moe(x, ids, wts, w1, w3, w2, addend=add, wgmma=wgmma)  # compiled and loaded first
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
