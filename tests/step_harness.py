@@ -18,11 +18,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def interpreted(tmp_path_factory, test_file: str, name: str, timeout: int = 300, extra_args=()):
-    """Run `test_file --interp-worker OUT [extra_args...]` under the interpreter and load what it saved."""
+def interpreted(tmp_path_factory, test_file: str, name: str, timeout: int = 300, extra_args=(), env=None,
+                drop_env=()):
+    """Run `test_file --interp-worker OUT [extra_args...]` under the interpreter and load what it saved. env: more
+    variables for the child; drop_env: variables it must not inherit (switches the test sets itself)."""
     out = tmp_path_factory.mktemp(name) / "out.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1",
+    env = dict(os.environ, **(env or {}), TRITON_INTERPRET="1",
                PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    for var in drop_env:
+        env.pop(var, None)
     proc = subprocess.run([sys.executable, test_file, "--interp-worker", str(out), *extra_args], env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]

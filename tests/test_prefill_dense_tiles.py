@@ -14,9 +14,7 @@ members bitwise.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_harness import interpreted  # noqa: E402
 from test_exl3_kernels import _max_elem, _random_group, _rel  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -202,20 +201,13 @@ def _interp_worker(out_path: str) -> None:
         import traceback
 
         results["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-2000:]}"
-    Path(out_path).write_text(json.dumps(results, indent=1))
+    torch.save(results, out_path)
 
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dense_tiles") / "results.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    for name in ENVS:
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, __file__, "--interp-worker", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    results = json.loads(out.read_text())
+    results = interpreted(tmp_path_factory, __file__, "dense_tiles", timeout=600, env={"OMP_NUM_THREADS": "1"},
+                          drop_env=ENVS)
     assert "error" not in results, results.get("error")
     return results
 
