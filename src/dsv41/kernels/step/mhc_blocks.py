@@ -50,9 +50,9 @@ import triton.language as tl
 
 from ..exl3.backend import interpreting
 from .knobs import switched_on
-from .mhc import _cast, _rsqrt64
+from .mhc import _cast
 from .mhc_args import site_args
-from .mhc_prefill import _coefficients_tile, _div
+from .mhc_prefill import _finish_rows, _pack_partial
 from .pdl import launch as pdl_launch, wait_previous
 
 ENV = "DSV41_PREFILL_MHC_BLOCKS"
@@ -190,9 +190,7 @@ def _mix_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_f
         acc += prod
         sq += sq_step
         usq += usq_step
-    part = tl.where((n < NMIX)[None, :], acc, 0.0)
-    part = tl.where((n == NMIX)[None, :], tl.sum(sq, axis=1)[:, None], part)
-    part = tl.where((n == NMIX + 1)[None, :], tl.sum(usq, axis=1)[:, None], part)
+    part = _pack_partial(acc, sq, usq, n, NMIX)
     tl.store(part_ptr + (rows64[:, None] * SPLITS + split) * NP + n[None, :], part, mask=r_in[:, None])
 
 
@@ -212,20 +210,8 @@ def _finish_kernel(part_ptr, base_ptr, scale_ptr, w_ptr, h_ptr, pre_ptr, post_pt
     total = tl.zeros((BM, NP), tl.float32)
     for t in tl.static_range(SPLITS):  # split order; unrolled, so the loads are in flight together
         total += tl.load(part_ptr + (rows64[:, None] * SPLITS + t) * NP + n[None, :], mask=r_live[:, None], other=0.0)
-    sq_all = tl.sum(tl.where((n == NMIX)[None, :], total, 0.0), axis=1)  # one term and zeros: exact
-    usq_all = tl.sum(tl.where((n == NMIX + 1)[None, :], total, 0.0), axis=1)
-    _coefficients_tile(total, sq_all, rows, r_in, r_live, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                       norm_eps, hc_eps, iters, HC, HCP, NP, BM)
-    r = _rsqrt64(_div(usq_all, (d + 0.0).to(tl.float32)) + rms_eps)  # `mhc._rms_inv` per row
-    for d0 in range(0, d, BLOCK_N):
-        cols = d0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < d
-        at = rows64[:, None] * d + cols[None, :]
-        u = tl.load(h_ptr + at, mask=r_live[:, None] & col_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        v = _cast((u.to(tl.float32) * r[:, None]) * w[None, :], h_ptr.dtype.element_ty)  # `mhc._normed`'s order
-        tl.store(h_ptr + at, tl.where(r_live[:, None], v, 0.0).to(h_ptr.dtype.element_ty),
-                 mask=r_in[:, None] & col_ok[None, :])
+    _finish_rows(total, n, rows, rows64, r_in, r_live, d, h_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                 comb_ptr, norm_eps, hc_eps, rms_eps, iters, HC, HCP, NP, BM, BLOCK_N, NMIX, "")
 
 
 def _blocks(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, rows,

@@ -216,9 +216,7 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
         acc += prod
         sq += sq_step
         usq += usq_step
-    part = tl.where((n < NMIX)[None, :], acc, 0.0)
-    part = tl.where((n == NMIX)[None, :], tl.sum(sq, axis=1)[:, None], part)
-    part = tl.where((n == NMIX + 1)[None, :], tl.sum(usq, axis=1)[:, None], part)
+    part = _pack_partial(acc, sq, usq, n, NMIX)
     tile_part = part_ptr + tile.to(tl.int64) * SPLITS * BM * NP
     slot = tl.arange(0, BM)[:, None] * NP + n[None, :]
     tl.store(tile_part + split * BM * NP + slot, part)
@@ -229,20 +227,40 @@ def _tile_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_
         for t in tl.static_range(SPLITS):  # split order: the same sum whichever program finishes
             total += tl.load(tile_part + t * BM * NP + slot, cache_modifier=".cg")
         tl.atomic_xchg(count_ptr + tile, 0)  # ready for the next launch
-        sq_all = tl.sum(tl.where((n == NMIX)[None, :], total, 0.0), axis=1)  # one term and zeros: exact
-        usq_all = tl.sum(tl.where((n == NMIX + 1)[None, :], total, 0.0), axis=1)
-        _coefficients_tile(total, sq_all, rows, r_in, r_live, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr,
-                           comb_ptr, norm_eps, hc_eps, iters, HC, HCP, NP, BM)
-        r = _rsqrt64(_div(usq_all, (d + 0.0).to(tl.float32)) + rms_eps)  # `mhc._rms_inv` per row
-        for d0 in range(0, d, BLOCK_N):
-            cols = d0 + tl.arange(0, BLOCK_N)
-            col_ok = cols < d
-            at = rows64[:, None] * d + cols[None, :]
-            u = tl.load(h_ptr + at, mask=r_live[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
-            w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            v = _cast((u.to(tl.float32) * r[:, None]) * w[None, :], h_ptr.dtype.element_ty)  # `mhc._normed`'s order
-            tl.store(h_ptr + at, tl.where(r_live[:, None], v, 0.0).to(h_ptr.dtype.element_ty),
-                     mask=r_in[:, None] & col_ok[None, :])
+        _finish_rows(total, n, rows, rows64, r_in, r_live, d, h_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                     comb_ptr, norm_eps, hc_eps, rms_eps, iters, HC, HCP, NP, BM, BLOCK_N, NMIX, ".cg")
+
+
+@triton.jit
+def _pack_partial(acc, sq, usq, n, NMIX: tl.constexpr):
+    """A split's partial of its rows: the mixing products, then the two sums of squares (x's, u's) as columns NMIX
+    and NMIX + 1."""
+    part = tl.where((n < NMIX)[None, :], acc, 0.0)
+    part = tl.where((n == NMIX)[None, :], tl.sum(sq, axis=1)[:, None], part)
+    return tl.where((n == NMIX + 1)[None, :], tl.sum(usq, axis=1)[:, None], part)
+
+
+@triton.jit
+def _finish_rows(total, n, rows, rows64, r_in, r_live, d, h_ptr, w_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                 comb_ptr, norm_eps, hc_eps, rms_eps, iters, HC: tl.constexpr, HCP: tl.constexpr, NP: tl.constexpr,
+                 BM: tl.constexpr, BLOCK_N: tl.constexpr, NMIX: tl.constexpr, CACHE: tl.constexpr):
+    """The rows' finish from their summed partials `total`: the coefficients (`_coefficients_tile`), then
+    h = rms_norm(u) * w in place (`mhc._normed`'s order; u read with the cache modifier CACHE); rows not live +0.0,
+    rows past B untouched."""
+    sq_all = tl.sum(tl.where((n == NMIX)[None, :], total, 0.0), axis=1)  # one term and zeros: exact
+    usq_all = tl.sum(tl.where((n == NMIX + 1)[None, :], total, 0.0), axis=1)
+    _coefficients_tile(total, sq_all, rows, r_in, r_live, HC * d, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                       norm_eps, hc_eps, iters, HC, HCP, NP, BM)
+    r = _rsqrt64(_div(usq_all, (d + 0.0).to(tl.float32)) + rms_eps)  # `mhc._rms_inv` per row
+    for d0 in range(0, d, BLOCK_N):
+        cols = d0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < d
+        at = rows64[:, None] * d + cols[None, :]
+        u = tl.load(h_ptr + at, mask=r_live[:, None] & col_ok[None, :], other=0.0, cache_modifier=CACHE)
+        w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        v = _cast((u.to(tl.float32) * r[:, None]) * w[None, :], h_ptr.dtype.element_ty)  # `mhc._normed`'s order
+        tl.store(h_ptr + at, tl.where(r_live[:, None], v, 0.0).to(h_ptr.dtype.element_ty),
+                 mask=r_in[:, None] & col_ok[None, :])
 
 
 def _tiles(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps, rows,
