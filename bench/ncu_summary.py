@@ -28,6 +28,7 @@ RAW = {"gpu__time_duration.sum": "us", "sm__throughput.avg.pct_of_peak_sustained
        "sm__warps_active.avg.pct_of_peak_sustained_active": "occ_pct", "launch__registers_per_thread": "regs",
        "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue_pct",
        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor_pct"}
+_TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6}
 STALL = re.compile(r"smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio")
 
 
@@ -43,7 +44,7 @@ def _short(name: str) -> str:
 
 
 def read(path: Path) -> dict:
-    text = path.read_text(errors="replace").splitlines()
+    text = [line for line in path.read_text(errors="replace").splitlines() if not line.startswith("==")]
     start = next((i for i, line in enumerate(text) if line.startswith('"ID"')), None)
     if start is None:
         raise SystemExit(f"{path}: no ncu CSV header (\"ID\",...) found")
@@ -53,7 +54,7 @@ def read(path: Path) -> dict:
     if "Metric Name" in head:  # details page: one row a metric
         col = {n: head.index(n) for n in ("ID", "Kernel Name", "Metric Name", "Metric Unit", "Metric Value")}
         for r in rows[1:]:
-            if len(r) < len(head):
+            if len(r) <= col["Metric Value"]:
                 continue
             k = kernels.setdefault(r[col["ID"]], {"name": _short(r[col["Kernel Name"]])})
             short = DETAILS.get(r[col["Metric Name"]])
@@ -61,26 +62,26 @@ def read(path: Path) -> dict:
             if short and val is not None:
                 if short == "us":
                     unit = r[col["Metric Unit"]]
-                    val *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}.get(unit, 1.0)
+                    val *= _TO_US.get(unit, 1.0)
                 k[short] = val
-    else:  # raw page: one row a launch, one column a metric (the second row: units)
+    else:  # raw page: one row a launch, one column a metric (the second row: units); a metric's column may carry
+        # its section's prefix ("LTS.TriageCompute.lts__throughput...."): matched by its end
         units = rows[1]
         name_at = head.index("Kernel Name")
+        short_at = {i: short for i, metric in enumerate(head) for key, short in RAW.items() if metric.endswith(key)}
+        stall_at = {i: m.group(1) for i, metric in enumerate(head) if (m := STALL.search(metric))}
         for r in rows[2:]:
             if len(r) < len(head):
                 continue
             k = kernels.setdefault(r[0], {"name": _short(r[name_at]), "stalls": {}})
-            for i, metric in enumerate(head):
+            for i, short in short_at.items():
                 val = _num(r[i])
-                if val is None:
-                    continue
-                if metric in RAW:
-                    if RAW[metric] == "us":
-                        val *= {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(units[i], 1.0)
-                    k[RAW[metric]] = val
-                m = STALL.fullmatch(metric)
-                if m:
-                    k["stalls"][m.group(1)] = val
+                if val is not None:
+                    k[short] = val * _TO_US.get(units[i], 1.0) if short == "us" else val
+            for i, reason in stall_at.items():
+                val = _num(r[i])
+                if val is not None:
+                    k["stalls"][reason] = val
     return kernels
 
 

@@ -108,7 +108,9 @@ def test_the_tile_knob_names_a_shape_and_rejects_others(monkeypatch):
     from dsv41.kernels.step import index_tiles
 
     monkeypatch.delenv(index_tiles.TILE_ENV, raising=False)
-    assert index_tiles.index_tile() == index_tiles.IndexTile()
+    assert index_tiles.index_tile() == index_tiles.TILES[index_tiles.DEFAULT_TILE]
+    # the default runs the one-block programs' products in programs of several blocks (the same bits)
+    assert index_tiles.index_tile().sub > 1 and index_tiles.index_tile().tile_m == index_tiles.IndexTile().tile_m
     monkeypatch.setenv(index_tiles.TILE_ENV, "128x64s8w8")
     assert index_tiles.index_tile().sub == 8
     monkeypatch.setenv(index_tiles.TILE_ENV, "99x1")

@@ -58,7 +58,9 @@ TILES = {
     "128x128s4w8": IndexTile(block_c=128, sub=4),
 }
 TILE_ENV = "DSV41_INDEX_TILE"
-DEFAULT_TILE = "128x64s1w8"
+# H100 at 8b1deea (bench/index_tiles_ab.py, 2,048 rows x 32,768 entries): 2.85 ms one product a program, 2.21 ms
+# sixteen (the queries loaded once for 1,024 entries), the same bits (bench/results/index_tiles_ab_8b1deea.json)
+DEFAULT_TILE = "128x64s16w8"
 
 
 def index_tile(name: str | None = None) -> IndexTile:
