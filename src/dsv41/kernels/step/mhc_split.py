@@ -288,7 +288,7 @@ def _finish_kernel(mix_ptr, sums_ptr, base_ptr, scale_ptr, w_ptr, h_ptr, pre_ptr
 
 
 def _split_site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-                rows, steps, mix_splits):
+                rows, steps, mix_splits, mix_rows):
     B, hc, d, nmix, rows, expand, y, post_in, comb_in, pre_in, xo, h, pre, post, comb = site_args(
         x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, iters, rows)
     np_ = lanes(hc)
@@ -303,8 +303,8 @@ def _split_site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, 
         mix = torch.empty(B, splits, np_, dtype=torch.float32, device=x.device)
         _expand_collapse_kernel[(B, nb)](x, y, post_in, comb_in, xo, pre_in, h, sums, d, rows, HC=hc, HCP=hcp, NB=nb,
                                          EXPAND=expand, BLOCK=block, STEPS=steps, num_warps=NUM_WARPS, **pdl)
-        _mix_kernel[(triton.cdiv(B, MIX_ROWS), splits)](xo, parts, mix, B, K, chunk, rows, NP=np_, SPLITS=splits,
-                                                        BM=MIX_ROWS, BK=MIX_K, XP=1 if x.dtype == torch.bfloat16 else 3,
+        _mix_kernel[(triton.cdiv(B, mix_rows), splits)](xo, parts, mix, B, K, chunk, rows, NP=np_, SPLITS=splits,
+                                                        BM=mix_rows, BK=MIX_K, XP=1 if x.dtype == torch.bfloat16 else 3,
                                                         num_warps=MIX_WARPS, num_stages=MIX_STAGES, **pdl)
         _finish_kernel[(B,)](mix, sums, base.float().contiguous(), scale.float().contiguous(),
                              norm_weight.contiguous(), h, pre, post, comb, d, float(norm_eps), float(hc_eps),
@@ -314,18 +314,20 @@ def _split_site(x, y, post_in, comb_in, fn_t, base, scale, pre_in, norm_weight, 
 
 
 def hc_site_split(x, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float, hc_eps: float, iters: int,
-                  rms_eps: float, rows: int | None = None, steps: int = STEPS, mix_splits: int = MIX_SPLITS):
+                  rms_eps: float, rows: int | None = None, steps: int = STEPS, mix_splits: int = MIX_SPLITS,
+                  mix_rows: int = MIX_ROWS):
     """`mhc.hc_site`'s function and outputs `(h, pre, post, comb)` for prefill rows (module docstring). `steps`
-    (column steps a program of A) and `mix_splits` (splits of K in B): constants of the build; tests pass small
-    ones to get several blocks and splits at small d."""
+    (column steps a program of A), `mix_splits` (splits of K in B) and `mix_rows` (B's rows a program: >= 16
+    compiled, the dot's M; any power of two interpreted): constants of the build, never chosen from B; tests pass
+    small ones to get several blocks, splits and row blocks at small shapes."""
     return _split_site(x, None, None, None, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-                       rows, steps, mix_splits)
+                       rows, steps, mix_splits, mix_rows)
 
 
 def hc_expand_site_split(y, x, post, comb, fn_t, base, scale, pre_in, norm_weight, *, norm_eps: float,
                          hc_eps: float, iters: int, rms_eps: float, rows: int | None = None, steps: int = STEPS,
-                         mix_splits: int = MIX_SPLITS):
+                         mix_splits: int = MIX_SPLITS, mix_rows: int = MIX_ROWS):
     """`mhc.hc_expand_site`'s function and outputs `(x', h, pre', post', comb')` for prefill rows (y in x's dtype
     or fp32, rounded to x's dtype in the load)."""
     return _split_site(x, y, post, comb, fn_t, base, scale, pre_in, norm_weight, norm_eps, hc_eps, iters, rms_eps,
-                       rows, steps, mix_splits)
+                       rows, steps, mix_splits, mix_rows)
