@@ -219,6 +219,68 @@ def test_the_shapes_are_functions_of_hc_and_d_alone():
     assert k.lanes(4) == 32 and k.lanes(2) == 16 and k.lanes(3) == 16
 
 
+def _compile(fn, names: str, types: str, const: dict, options: dict):
+    """Ahead-of-time compile for sm_90 with Triton's own ptxas (no GPU), or skip with the reason."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, JITFunction):
+        pytest.skip("kernels decorated for the interpreter in this process")
+    src = ASTSource(fn=fn, signature={**dict(zip(names.split(), types.split())), **{c: "constexpr" for c in const}},
+                    constexprs=const)
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    except RuntimeError as exc:  # no ptxas for this target in this Triton
+        pytest.skip(f"Triton cannot compile for sm_90 here: {exc}")
+
+
+def _axis0_reduce_layouts(ttgir: str) -> set:
+    """(shape, layout) of every fp32 reduction over axis 0 of a [4, 4, 32] or [4, 32] tile in blocked layout: the
+    expand's Σ_j comb[j, k] X[j] and the collapse's Σ_c pre[c] X[c] (their order follows the layout)."""
+    import re
+
+    defs = dict(re.findall(r"^(#blocked\d*) = (#ttg\.blocked<\{[^}]*\}>)", ttgir, re.M))
+    found = set()
+    for chunk in ttgir.split('"tt.reduce"')[1:]:
+        axis = re.search(r"axis = (\d+)", chunk).group(1)
+        m = re.search(r"\}\) : \(tensor<([0-9x]+)xf32, (#blocked\d*)>\)", chunk)
+        if axis == "0" and m and m.group(1) in ("4x4x32", "4x32"):
+            found.add((m.group(1), defs[m.group(2)]))
+    return found
+
+
+def test_expand_and_collapse_compile_to_the_row_kernels_layouts_and_the_mix_to_bf16_mma():
+    """sm_90, offline: A's two reductions over the streams (the expand's mix, the collapse) get the row kernel's
+    layouts (the 3-D mix over the streams in-thread, the collapse across the 4 warps), so the same order and the same
+    instructions: the ground of X' and u bitwise the row kernels' on the GPU (its test checks the bits). B's product
+    is bf16 tensor-core MMAs (no tf32). ~15 s on 2 busy cores."""
+    from dsv41.kernels.step import mhc as rk, mhc_split as k
+
+    if not k.MMA:
+        pytest.skip("kernels decorated for the interpreter in this process")
+    row = _compile(rk._site_kernel, "x_ptr y_ptr post_in_ptr comb_in_ptr xo_ptr fn_ptr stride_fk stride_fn base_ptr "
+                   "scale_ptr pre_in_ptr w_ptr h_ptr pre_ptr post_ptr comb_ptr part_ptr count_ptr d chunk norm_eps "
+                   "hc_eps rms_eps iters live_rows", "*bf16 *fp32 *fp32 *fp32 *bf16 *fp32 i32 i32 *fp32 *fp32 *fp32 "
+                   "*bf16 *bf16 *fp32 *fp32 *fp32 *fp32 *i32 i32 i32 fp32 fp32 fp32 i32 i32",
+                   dict(HC=4, HCP=4, NP=32, SPLITS=32, EXPAND=True, BLOCK=rk.BLOCK_D, BLOCK_N=rk.BLOCK_H, PDL=True,
+                        PIPELINE=True, NORM_ALL=8192), dict(num_warps=rk.NUM_WARPS))
+    block, steps, nb = k.blocks_of(5120)
+    split_a = _compile(k._expand_collapse_kernel, "x_ptr y_ptr post_in_ptr comb_in_ptr xo_ptr pre_in_ptr h_ptr "
+                       "sums_ptr d live_rows", "*bf16 *fp32 *fp32 *fp32 *bf16 *fp32 *bf16 *fp32 i32 i32",
+                       dict(HC=4, HCP=4, NB=nb, EXPAND=True, BLOCK=block, STEPS=steps, PDL=True),
+                       dict(num_warps=rk.NUM_WARPS))
+    theirs, ours = _axis0_reduce_layouts(row.asm["ttgir"]), _axis0_reduce_layouts(split_a.asm["ttgir"])
+    assert len(theirs) == 2 and ours == theirs, (theirs, ours)
+    chunk, splits = k.k_split(4 * 5120)
+    split_b = _compile(k._mix_kernel, "xo_ptr parts_ptr mix_ptr B K chunk live_rows", "*bf16 *bf16 *fp32 i32 i32 i32 "
+                       "i32", dict(NP=32, SPLITS=splits, BM=k.MIX_ROWS, BK=k.MIX_K, XP=1, PDL=True),
+                       dict(num_warps=k.MIX_WARPS, num_stages=k.MIX_STAGES))
+    ptx = split_b.asm["ptx"]
+    assert split_b.asm.get("cubin") and "mma" in ptx and ".bf16" in ptx and "tf32" not in ptx
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: the release's shape, 2,048 and 8,192 rows, compiled
 # ---------------------------------------------------------------------------------------------------------------
