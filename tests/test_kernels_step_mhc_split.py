@@ -318,6 +318,39 @@ def test_gpu_mhc_split_live_rows_are_the_full_launch_and_the_rest_zero():
     assert res and all(res.values()), res
 
 
+@pytest.mark.gpu
+def test_gpu_prefill_through_the_split_sites_chunked_is_one_shot_bitwise(monkeypatch):
+    """DSV41_PREFILL_MHC_SPLIT=1 through the forward (MhcSites.of picks the split for prefill rows): the full-shape
+    synthetic rank's first 3 layers, an 8K prompt in 4K chunks and in odd cuts (tests/test_runtime_prefill_chunks.py's
+    scheme): every cache byte and the logits of the rows both return are the same bits, and the split launches ran.
+    Prints the logits' largest difference to the row kernels' path (other coefficient bits: not asserted)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (the full-shape synthetic rank)")
+    need_compiled_cuda()
+    from dsv41.kernels.step import mhc_split as k
+    from dsv41.runtime.synthetic import synthetic_rank
+    from test_runtime_prefill_chunks import SCHEMES, _bits, _HalfOfTwo, _prefill, _tensors
+
+    model = synthetic_rank(None, rank=0, world=2, device="cuda", dtype=torch.bfloat16, comm=_HalfOfTwo(), layers=3)
+    ids = torch.randint(0, model.cfg.vocab_size, (8192,), generator=torch.Generator().manual_seed(17))
+    monkeypatch.delenv(k.ENV, raising=False)
+    _, rows_path = _prefill(model, ids, [4096])
+    calls, real = [], k._split_site
+    monkeypatch.setattr(k, "_split_site", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv(k.ENV, "1")
+    st4, lg4 = _prefill(model, ids, [4096])
+    assert calls, "the split launches did not run"
+    st2, lg2 = _prefill(model, ids, SCHEMES["odd cuts inside ratio-2 groups"])
+    a, b = dict(_tensors(st2)), dict(_tensors(st4))
+    assert a.keys() == b.keys() and a
+    differ = [path for path in a if not torch.equal(_bits(a[path]), _bits(b[path]))]
+    assert not differ, differ
+    common = sorted(lg2.keys() & lg4.keys())
+    assert len(common) >= 4 and all(torch.equal(_bits(lg2[r]), _bits(lg4[r])) for r in common)
+    print("split vs row kernels, logits' largest |difference|:",
+          max(float((lg4[r].float() - rows_path[r].float()).abs().max()) for r in lg4))
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":
     os.environ["TRITON_INTERPRET"] = "1"
     _interp_worker(sys.argv[2])
