@@ -27,10 +27,11 @@ slice of the chunk and at any position (chunked == one-shot). Interpreted (no bf
 order may depend on a row's position), B sums the elementwise part products over k (`_part_dot`). Rows from `rows=`
 (live rows) on write +0.0 to every output (the row launchers' contract: `mhc.py`'s module docstring).
 
-Bits. X' and u are the row kernels' bits (the same code on the same [hc, BLOCK] tiles); Σx² and Σu² are summed as a
-row kernel with `splits = NB` sums them (per column over the steps, then the block, then the blocks in order), so h
-is the row kernels' at that split count wherever r comes out equal; the mixing product is another fp32 sum order
-(the coefficients within a few fp32 ulp: tests/test_kernels_step_mhc_split.py).
+Bits. X' and u are the row kernels' bits: the same code on the same [hc, BLOCK] tiles and warps, which compiles to
+the same reduction layouts (checked offline on sm_90's TTGIR; the GPU test checks the bits). Σx² and Σu² are summed
+as a row kernel with `splits = NB` sums them (per column over the steps, then the block, then the blocks in order),
+so h is the row kernels' at that split count (the same Σu², the same r); the mixing product is another fp32 sum
+order (the coefficients within a few fp32 ulp: tests/test_kernels_step_mhc_split.py).
 
 `DSV41_PREFILL_MHC_SPLIT` (`split_on`, read when a forward starts; off by default until the GPU A/B): prefill rows'
 sites take these launches (runtime/mhc_sites.py `MhcSites.of(phase=)`; over the tiles and the row blocks). The lone
