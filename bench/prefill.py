@@ -12,8 +12,9 @@ One call measures, in this order (results saved after each stage, so a run cut s
   attention core of one layer's chunk, gathered, indexed and one-pass (`attention_core_alone`; the one-pass
   launch alone at 1x and 4x the chunk over a few tilings: `onepass_tilings`); the indexer's top-k
   over a 128K prompt's chunk of ratio-2 rows, radix select against the bisection (`topk_alone`); layer 0's two mHC
-  sites at the chunk and at 8,192 rows, row kernels against the prefill tiles and the row blocks, and the blocks'
-  tilings (`mhc_sites_alone`); the routed
+  sites at the chunk and at 8,192 rows, row kernels against the prefill tiles, the row blocks and the split
+  launches (`split_ms`, `split_coeff_max_abs_diff`, `split_x_bitwise`), and the blocks' tilings (`mhc_sites_alone`);
+  the routed
   experts' CUDA tiles at `--tile-ab` rows (2,048, 8,192, 32,768), 64- vs 128-row tiles in both launch orders, evenly
   loaded and skewed routing, the bits compared (`expert_tiles_ab`, `kernels.expert_tiles`; exit status 1 if
   they differ);

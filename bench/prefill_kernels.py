@@ -2,8 +2,8 @@
 prefill bench run): the routed experts' tiles, the dense shapes both ways (and the dense GEMM's launch shapes and
 group launches: `prefill_dense_sweep.py`, at the chunk and 8,192 rows), the prefill row kernels old vs new, the
 attention core (gathered, indexed, one-pass), the index top-k, the mHC sites (row kernels vs prefill tiles vs row
-blocks) and the experts' 64- vs 128-row tiles. Each function returns a JSON-ready dict; `bench/prefill.py`'s
-docstring says what each field means."""
+blocks vs the three split launches) and the experts' 64- vs 128-row tiles. Each function returns a JSON-ready dict;
+`bench/prefill.py`'s docstring says what each field means."""
 
 from __future__ import annotations
 
@@ -122,11 +122,13 @@ def kernels_alone(model, chunk: int, tflops: float) -> dict:
 
 def mhc_sites_alone(model, rows: int) -> dict:
     """Layer 0's two mHC sites (each with the expand before it, as a layer runs them) at `rows` prefill rows: the
-    row kernels (kernels/step/mhc.py) against the prefill tiles (kernels/step/mhc_prefill.py, DSV41_PREFILL_MHC_TILES)
-    and the row blocks (kernels/step/mhc_blocks.py, DSV41_PREFILL_MHC_BLOCKS), ms a layer, and the largest
-    coefficient difference of each to the row kernels (another sum order: a few fp32 ulp); then the blocks' tilings
-    (rows a block, columns a step, warps: `BLOCK_TILINGS`, the first the default)."""
-    from dsv41.kernels.step import mhc as row_k, mhc_blocks as block_k, mhc_prefill as tile_k
+    row kernels (kernels/step/mhc.py) against the prefill tiles (kernels/step/mhc_prefill.py,
+    DSV41_PREFILL_MHC_TILES), the row blocks (kernels/step/mhc_blocks.py, DSV41_PREFILL_MHC_BLOCKS) and the three
+    split launches (kernels/step/mhc_split.py, DSV41_PREFILL_MHC_SPLIT; fn's bf16 parts made in the warm-up, once per
+    weight as the runtime does), ms a layer, the largest coefficient difference of each to the row kernels (another
+    sum order: a few fp32 ulp), and whether each one's X' is the row kernels' bitwise (the split's should be); then
+    the blocks' tilings (rows a block, columns a step, warps: `BLOCK_TILINGS`, the first the default)."""
+    from dsv41.kernels.step import mhc as row_k, mhc_blocks as block_k, mhc_prefill as tile_k, mhc_split as split_k
 
     block, cfg, dev = model.blocks[0], model.cfg, torch.device("cuda")
     hc, d = cfg.hc_mult, block.attn_norm.numel()
@@ -139,7 +141,7 @@ def mhc_sites_alone(model, rows: int) -> dict:
     sites = ((block.hc_attn, block.attn_norm), (block.hc_ffn, block.ffn_norm))
     layer = {name: (lambda f=f: [f(y, x, post, comb, p.fn_t, p.base, p.scale, pre, w, **k) for p, w in sites])
              for name, f in (("row_kernels", row_k.hc_expand_site), ("tiles", tile_k.hc_expand_site_tiles),
-                             ("blocks", block_k.hc_expand_site_blocks))}
+                             ("blocks", block_k.hc_expand_site_blocks), ("split", split_k.hc_expand_site_split))}
     res = {"rows": rows, **{f"{n}_ms": cuda_ms(f, reps=5) for n, f in layer.items()}}
     # the row kernels without the prefetch and the whole-row norm load (DSV41_MHC_PIPELINE=0: the same bits, 162
     # registers on sm_90 against 255, so 3 programs an SM, not 2)
@@ -153,15 +155,18 @@ def mhc_sites_alone(model, rows: int) -> dict:
         else:
             os.environ["DSV41_MHC_PIPELINE"] = before
     a = layer["row_kernels"]()
-    for name in ("tiles", "blocks"):
+    for name in ("tiles", "blocks", "split"):
         b = layer[name]()
+        res[f"{name}_x_bitwise"] = all(torch.equal(sa[0], sb[0]) for sa, sb in zip(a, b))
         res[f"{name}_coeff_max_abs_diff"] = max(float((u - v).abs().max()) for sa, sb in zip(a, b)
                                                 for u, v in zip(sa[2:], sb[2:]))
         res[f"{name}_speedup"] = res["row_kernels_ms"] / res[f"{name}_ms"]
     log(f"mhc sites of one layer at {rows} rows: row kernels {res['row_kernels_ms']:.3f} ms (unpipelined "
         f"{res['row_kernels_unpipelined_ms']:.3f}), tiles "
         f"{res['tiles_ms']:.3f} ms ({res['tiles_speedup']:.1f}x), blocks {res['blocks_ms']:.3f} ms "
-        f"({res['blocks_speedup']:.1f}x; coefficients within {res['blocks_coeff_max_abs_diff']:.1e})")
+        f"({res['blocks_speedup']:.1f}x; coefficients within {res['blocks_coeff_max_abs_diff']:.1e}), split "
+        f"{res['split_ms']:.3f} ms ({res['split_speedup']:.1f}x; coefficients within "
+        f"{res['split_coeff_max_abs_diff']:.1e}, X' bitwise the row kernels': {res['split_x_bitwise']})")
     res["block_tilings"] = {}
     names = ("BLOCK_ROWS", "BLOCK_COLS", "MIX_WARPS", "MIX_MAXNREG")
     default = tuple(getattr(block_k, n) for n in names)

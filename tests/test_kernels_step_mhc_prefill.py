@@ -143,10 +143,11 @@ def _same(a: dict, b: dict, at) -> bool:
     return all(torch.equal(a[n].view(torch.uint8), b[n][at].view(torch.uint8)) for n in a)
 
 
-def measure(case, device: str, seed: int, alone=None, slices=None, run=None) -> dict:
+def measure(case, device: str, seed: int, alone=None, slices=None, run=None, more: int = 37) -> dict:
     """Errors against the reference, and the row invariance (module docstring): rows `alone` (default: at the tile
-    edges) each alone, the `slices` (default: cutting tiles), the rows permuted, and the rows in a bigger batch.
-    `run`: the launchers measured (default `run_tiles`; test_kernels_step_mhc_blocks.py passes its own)."""
+    edges) each alone, the `slices` (default: cutting tiles), the rows permuted, and the rows in a bigger batch
+    (`more` rows appended). `run`: the launchers measured (default `run_tiles`; test_kernels_step_mhc_blocks.py and
+    test_kernels_step_mhc_split.py pass their own)."""
     run_tiles = run or globals()["run_tiles"]
     hc, d, B, iters, dtype, cols = case
     t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
@@ -155,7 +156,7 @@ def measure(case, device: str, seed: int, alone=None, slices=None, run=None) -> 
     alone = sorted({i % B for i in (alone or (0, 32, -1))})  # tile edges
     slices = slices or [(3, min(B, 40)), (max(0, B - 5), B)]  # cutting tiles, a partial last tile
     order = torch.randperm(B, generator=torch.Generator().manual_seed(seed + 1)).to(device)
-    more = _inputs(hc, d, 37, getattr(torch, dtype), device, seed + 2)  # other rows (fn etc. replaced by t's)
+    more = _inputs(hc, d, more, getattr(torch, dtype), device, seed + 2)  # other rows (fn etc. replaced by t's)
     bigger = {k: (v if k in NOT_ROWS else torch.cat([v, more[k]])) for k, v in t.items()}
     in_bigger = {n: v[:B] for n, v in run_tiles(bigger, iters, cols).items()}
     res["rows"] = dict(alone=all(_same(run_tiles(_rows_of(t, slice(i, i + 1)), iters, cols), out, slice(i, i + 1))
@@ -167,8 +168,8 @@ def measure(case, device: str, seed: int, alone=None, slices=None, run=None) -> 
     return res
 
 
-def measure_live_rows(case, device: str, seed: int, run=None) -> dict:
-    """`rows=k`: rows [0, k) bitwise the full launch's, rows [k, B) +0.0, for k = 0, inside a tile, B;
+def measure_live_rows(case, device: str, seed: int, run=None, inside: int = 33) -> dict:
+    """`rows=k`: rows [0, k) bitwise the full launch's, rows [k, B) +0.0, for k = 0, `inside` (inside a tile), B;
     and a full launch after them gives the first one's bits (the per-tile counters left clean). `run`: as
     `measure`'s."""
     run_tiles = run or globals()["run_tiles"]
@@ -176,7 +177,7 @@ def measure_live_rows(case, device: str, seed: int, run=None) -> dict:
     t = _inputs(hc, d, B, getattr(torch, dtype), device, seed)
     full = run_tiles(t, iters, cols)
     res = {}
-    for k in sorted({0, 33, B}):
+    for k in sorted({0, inside, B}):
         out = run_tiles(t, iters, cols, rows=k)
         res[k] = all(out[n].shape == full[n].shape and torch.equal(out[n][:k], full[n][:k]) and _is_zero(out[n][k:])
                      for n in full)

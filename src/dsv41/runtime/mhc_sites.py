@@ -11,6 +11,7 @@ from dsv41.config import ModelConfig
 from dsv41.kernels.step import mhc as step_mhc
 from dsv41.kernels.step import mhc_blocks as step_mhc_blocks
 from dsv41.kernels.step import mhc_prefill as step_mhc_prefill
+from dsv41.kernels.step import mhc_split as step_mhc_split
 from dsv41.model import mhc
 from dsv41.model.norm import rms_norm
 from dsv41.model.rowwise import f64
@@ -47,8 +48,10 @@ class MhcSites:
     tile launches where `DSV41_PREFILL_MHC_TILES=1` (kernels/step/mhc_prefill.py: tiles of rows x splits of d, fn read
     once a tile, not once a row; other bits than the row kernels', row-invariant too), or the row-block launches where
     `DSV41_PREFILL_MHC_BLOCKS=1` (kernels/step/mhc_blocks.py: blocks of 32 rows x splits of d on CUDA cores, then a
-    finishing launch; other bits again, row-invariant; over the tiles where both are set); decode and verify rows keep
-    the row kernels."""
+    finishing launch; other bits again, row-invariant; over the tiles where both are set), or three plain launches
+    where `DSV41_PREFILL_MHC_SPLIT=1` (kernels/step/mhc_split.py: expand + collapse elementwise, the mixing product
+    split-K on the bf16 tensor cores, a finish per row; X' and u the row kernels' bits, the coefficients another sum
+    order, row-invariant; over the tiles and the blocks); decode and verify rows keep the row kernels."""
 
     hc: int
     eps: float  # the norms' and the mixing rsqrt's
@@ -58,6 +61,7 @@ class MhcSites:
     rows: int | None = None  # the kernels run the first `rows` rows (the real ones); the others come out zero
     tiles: bool = False  # the sites as tiles of rows (prefill rows, `DSV41_PREFILL_MHC_TILES=1`)
     blocks: bool = False  # the sites as row blocks (prefill rows, `DSV41_PREFILL_MHC_BLOCKS=1`; over `tiles`)
+    split: bool = False  # the sites as three launches (prefill rows, `DSV41_PREFILL_MHC_SPLIT=1`; over both)
 
     @classmethod
     def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None,
@@ -65,7 +69,8 @@ class MhcSites:
         kernels = step_kernels_run(device)
         prefill = kernels and not is_fused(phase)
         return cls(cfg.hc_mult, cfg.rms_norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, kernels, rows,
-                   prefill and step_mhc_prefill.tiles_on(), prefill and step_mhc_blocks.blocks_on())
+                   prefill and step_mhc_prefill.tiles_on(), prefill and step_mhc_blocks.blocks_on(),
+                   prefill and step_mhc_split.split_on())
 
     def _k(self) -> dict:
         return dict(norm_eps=self.eps, hc_eps=self.hc_eps, iters=self.iters, rms_eps=self.eps, rows=self.rows)
@@ -73,7 +78,8 @@ class MhcSites:
     def site(self, x, p: HC, pre_in, norm):
         """(h = rms_norm(collapse(x, pre_in)), pre, post, comb = H(x))."""
         if self.kernels:
-            launch = (step_mhc_blocks.hc_site_blocks if self.blocks else
+            launch = (step_mhc_split.hc_site_split if self.split else
+                      step_mhc_blocks.hc_site_blocks if self.blocks else
                       step_mhc_prefill.hc_site_tiles if self.tiles else step_mhc.hc_site)
             return launch(x, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
         pre, post, comb = hc_coefficients(x, p, self.hc, self.eps, self.hc_eps, self.iters)
@@ -82,7 +88,8 @@ class MhcSites:
     def expand_site(self, y, x, post, comb, p: HC, pre_in, norm):
         """x' = expand(y, x, post, comb), then `site(x', p, pre_in, norm)`: (x', h, pre', post', comb')."""
         if self.kernels:
-            launch = (step_mhc_blocks.hc_expand_site_blocks if self.blocks else
+            launch = (step_mhc_split.hc_expand_site_split if self.split else
+                      step_mhc_blocks.hc_expand_site_blocks if self.blocks else
                       step_mhc_prefill.hc_expand_site_tiles if self.tiles else step_mhc.hc_expand_site)
             return launch(y, x, post, comb, p.fn_t, p.base, p.scale, pre_in, norm, **self._k())
         x = mhc.expand(y, x, post, comb)

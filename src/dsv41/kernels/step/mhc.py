@@ -232,6 +232,20 @@ def _y_block(y_ptr, row, d0, d, lim, EXPAND: tl.constexpr, BLOCK: tl.constexpr):
 def _site_block(x_raw, y_raw, f, acc, sq, usq, pre_in, post_in, comb_in, xo_ptr, h_ptr, row, d0, d,
                 HC: tl.constexpr, HCP: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr):
     """One column block of a split: [X' stored,] the mixing product, Σx², the collapse u stored in h, Σu²."""
+    xs = _expanded(x_raw, y_raw, post_in, comb_in, xo_ptr, row, d0, d, HC, HCP, EXPAND, BLOCK)
+    acc += xs[:, :, None] * f
+    sq += xs * xs
+    u32 = _collapsed(xs, pre_in, h_ptr, row, d0, d, BLOCK)
+    usq += u32 * u32
+    return acc, sq, usq
+
+
+@triton.jit
+def _expanded(x_raw, y_raw, post_in, comb_in, xo_ptr, row, d0, d, HC: tl.constexpr, HCP: tl.constexpr,
+              EXPAND: tl.constexpr, BLOCK: tl.constexpr):
+    """A column block's streams as fp32 [HCP, BLOCK]: X, or with EXPAND X' = expand(y, X, post_in, comb_in) (stored
+    in xo, rounded to the stream dtype; columns past d 0). Shared with the prefill split (mhc_split.py), whose X' is
+    these bits."""
     c = tl.arange(0, HCP)
     cols = d0 + tl.arange(0, BLOCK)
     live = (c < HC)[:, None] & (cols < d)[None, :]
@@ -243,13 +257,17 @@ def _site_block(x_raw, y_raw, f, acc, sq, usq, pre_in, post_in, comb_in, xo_ptr,
         xn = _cast(post_in[:, None] * y[None, :] + mixed, xo_ptr.dtype.element_ty)
         tl.store(xo_ptr + row * HC * d + c[:, None] * d + cols[None, :], xn, mask=live)
         xs = tl.where(live, xn.to(tl.float32), 0.0)
-    acc += xs[:, :, None] * f
-    sq += xs * xs
+    return xs
+
+
+@triton.jit
+def _collapsed(xs, pre_in, h_ptr, row, d0, d, BLOCK: tl.constexpr):
+    """u = collapse(xs, pre_in) of a column block rounded to the stream dtype, stored in h's row; returned as fp32.
+    Shared with the prefill split (mhc_split.py)."""
+    cols = d0 + tl.arange(0, BLOCK)
     u = _cast(tl.sum(pre_in[:, None] * xs, axis=0), h_ptr.dtype.element_ty)  # collapse, in the stream dtype
     tl.store(h_ptr + row * d + cols, u, mask=cols < d)
-    u32 = u.to(tl.float32)
-    usq += u32 * u32
-    return acc, sq, usq
+    return u.to(tl.float32)
 
 
 @triton.jit
