@@ -189,11 +189,11 @@ def test_fn_parts_are_exact_and_made_once_per_weight(interp):
 
 def test_runtime_sites_take_the_split_on_prefill_rows_when_asked(interp):
     """MhcSites with the split launches and the reference math give one function; `MhcSites.of` picks them for
-    prefill rows with DSV41_PREFILL_MHC_SPLIT=1 only (off by default)."""
+    prefill rows only, unless DSV41_PREFILL_MHC_SPLIT=0 (on by default)."""
     res = interp["sites"]
     assert "error" not in res, res.get("error")
     assert res["count"] == 9 and res["max_rel"] <= 1e-5, res
-    assert res["picks"] == {f"{p}/{k}": p == "prefill" and k == "1" for p in ("prefill", "decode", "verify")
+    assert res["picks"] == {f"{p}/{k}": p == "prefill" and k != "0" for p in ("prefill", "decode", "verify")
                             for k in ("1", "0", "")}, res["picks"]
 
 
@@ -290,8 +290,10 @@ def test_expand_and_collapse_compile_to_the_row_kernels_layouts_and_the_mix_to_b
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"rows{c[2]}")
 def test_gpu_mhc_split_full_shape_matches_the_reference_and_the_row_kernels(case):
     """hc 4, d 5120, bf16: the bounds against the reference; rows alone, slices cutting the mixing blocks anywhere,
-    all rows permuted and in a bigger batch, bitwise the full launch's; X' bitwise the row kernels', h bitwise
-    theirs at `splits = NB`, the coefficients within 2 COEFF_ABS. Prints one expand site's ms against the row
+    all rows permuted and in a bigger batch, bitwise the full launch's; the first site's h bitwise the row
+    kernels' at `splits = NB` and its coefficients within 2 COEFF_ABS of theirs (X' is within the reference's bound,
+    `check`, and printed whether bitwise theirs: compiled, ptxas may contract the expand otherwise, so the second
+    site's inputs, and with them its outputs, may differ from theirs). Prints one expand site's ms against the row
     kernels'."""
     need_compiled_cuda()
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -306,9 +308,8 @@ def test_gpu_mhc_split_full_shape_matches_the_reference_and_the_row_kernels(case
               row_kernels=cuda_median_ms(lambda: run_row_kernels(t, case[3])) / 2)  # (both sites there)
     print(case, res, "split vs row kernels:", rows, "ms a site:", ms)
     check(case, res)
-    assert rows["xo"] and rows["fp32_y"], rows
-    assert rows["h"] and rows["h2"], rows
-    assert max(rows["diff"].values()) <= 2 * COEFF_ABS, rows
+    assert rows["fp32_y"] and rows["h"], rows
+    assert max(rows["diff"][k] for k in ("pre", "post", "comb")) <= 2 * COEFF_ABS, rows
 
 
 @pytest.mark.gpu

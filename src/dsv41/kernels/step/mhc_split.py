@@ -27,14 +27,20 @@ slice of the chunk and at any position (chunked == one-shot). Interpreted (no bf
 order may depend on a row's position), B sums the elementwise part products over k (`_part_dot`). Rows from `rows=`
 (live rows) on write +0.0 to every output (the row launchers' contract: `mhc.py`'s module docstring).
 
-Bits. X' and u are the row kernels' bits: the same code on the same [hc, BLOCK] tiles and warps, which compiles to
-the same reduction layouts (checked offline on sm_90's TTGIR; the GPU test checks the bits). Σx² and Σu² are summed
-as a row kernel with `splits = NB` sums them (per column over the steps, then the block, then the blocks in order),
-so h is the row kernels' at that split count (the same Σu², the same r); the mixing product is another fp32 sum
-order (the coefficients within a few fp32 ulp: tests/test_kernels_step_mhc_split.py).
+Bits. X' and u are the row kernels' code on the same [hc, BLOCK] tiles and warps (the same reduction layouts on
+sm_90's TTGIR): in the interpreter their bits. Compiled, the H100 rounds ~4e-5 of X's elements the other way than
+the row kernels (the same code scheduled into another program: ptxas contracts post·y + Σ comb X otherwise), each
+within the reference's bound; the first site's h (no expand) is bitwise theirs (the GPU test). Σx² and Σu² are
+summed as a row kernel with `splits = NB` sums them (per column over the steps, then the block, then the blocks in
+order), so h is the row kernels' at that split count (the same Σu², the same r); the mixing product is another fp32
+sum order (the coefficients within a few fp32 ulp: tests/test_kernels_step_mhc_split.py). Prefill rows' bits are not
+decode rows' on the fast path anyway (docs/ENGINE.md §4-5); what holds is row invariance (chunked == one-shot).
 
-`DSV41_PREFILL_MHC_SPLIT` (`split_on`, read when a forward starts; off by default until the GPU A/B): prefill rows'
-sites take these launches (runtime/mhc_sites.py `MhcSites.of(phase=)`; over the tiles and the row blocks). The lone
+H100 (13cd891, `bench/prefill.py --layers 1 --kernels-only`): one layer's two expand sites 1.52 -> 0.62 ms at 2,048
+rows, 6.05 -> 1.70 ms at 8,192 (the row kernels -> these); a 26-layer 2K chunk's mHC section 37.9 -> 11.9 ms.
+
+`DSV41_PREFILL_MHC_SPLIT` (`split_on`, read when a forward starts; on by default since that run, `=0` for the row
+kernels): prefill rows' sites take these launches (runtime/mhc_sites.py `MhcSites.of(phase=)`; over the tiles and the row blocks). The lone
 expand and the final collapse + norm read no fn and stay the row launchers.
 """
 
@@ -65,9 +71,9 @@ FINISH_WARPS = 4
 
 
 def split_on() -> bool:
-    """Whether prefill rows' sites take these launches (`DSV41_PREFILL_MHC_SPLIT=1`; off by default until a GPU
-    A/B); read when a forward starts."""
-    return switched_on(ENV, default=False)
+    """Whether prefill rows' sites take these launches (`DSV41_PREFILL_MHC_SPLIT`, on by default since the H100
+    A/B: `=0` for the row kernels); read when a forward starts."""
+    return switched_on(ENV, default=True)
 
 
 def lanes(hc: int) -> int:
