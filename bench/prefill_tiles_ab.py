@@ -2,8 +2,7 @@
 EXL3_WG_PREFETCH, EXL3_WG_RELAXED, EXL3_WG_MIN_BLOCKS), one child process per tuning (the tuning is read at
 import), layer 0's routed experts of the synthetic rank at each row count with a skewed routing: ms, TFLOP/s, and
 every tuning's output bits against the first tuning's (the same products in the same order: they must be equal).
-The first tuning also times the portable 128-row tiles (`r128`) for reference; every tuning times the wgmma tiles
-of 128 rows (`wg`) and of 256 (`wg256`, `DSV41_PREFILL_WG_ROWS`), whose bits must be the 128-row ones.
+The first tuning also times the portable 128-row tiles (`r128`) for reference.
 
     python3 bench/prefill_tiles_ab.py --rows 2048,8192 --tuning '{}' --tuning '{"EXL3_WG_PREFETCH": 1}' \
         --out bench/results/prefill_tiles_ab.json
@@ -44,9 +43,7 @@ def child(rows_list: list[int], first: bool, out_dir: Path) -> dict:
         w = torch.rand(rows, topk, generator=g, device=dev)
         flops = 2.0 * rows * topk * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
         r = {}
-        variants = [("r128", {"tile_rows": 128, "wgmma": False})] if first else []
-        variants += [("wg", {"wgmma": True, "wg_rows": 128}), ("wg256", {"wgmma": True, "wg_rows": 256})]
-        for name, kw in variants:
+        for name, kw in ([("r128", {"tile_rows": 128, "wgmma": False})] if first else []) + [("wg", {"wgmma": True})]:
             ms = cuda_ms(lambda: prefill_moe(x, ids, w, s.w1, s.w3, s.w2, columns_first=True, **kw), reps=5)
             r[name] = {"ms": ms, "tflops": flops / ms / 1e9}
             y = prefill_moe(x, ids, w, s.w1, s.w3, s.w2, columns_first=True, **kw)
@@ -88,8 +85,6 @@ def main(argv=None) -> int:
                 y = torch.load(folder / f"wg_{n}.pt")
                 base = torch.load(Path(tmp) / "0" / f"wg_{n}.pt")
                 run[str(n)]["wg"]["same_bits_as_first"] = bool(torch.equal(y.view(torch.int32), base.view(torch.int32)))
-                wide = torch.load(folder / f"wg256_{n}.pt")
-                run[str(n)]["wg256"]["same_bits_as_wg"] = bool(torch.equal(wide.view(torch.int32), y.view(torch.int32)))
                 if i == 0:
                     r128 = torch.load(folder / f"r128_{n}.pt")
                     run[str(n)]["wg"]["same_bits_as_r128"] = bool(torch.equal(y.view(torch.int32),

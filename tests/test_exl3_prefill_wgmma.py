@@ -1,11 +1,10 @@
-"""The prefill tiles on Hopper's warpgroup MMA (`exl3_prefill_wg128` / `_wg256`, kernels/exl3/prefill_wgmma.py).
+"""The prefill tiles on Hopper's warpgroup MMA (`exl3_prefill_wg128`, kernels/exl3/prefill_wgmma.py).
 
 CPU part (CI, where a CUDA toolkit is present): the kernel compiles for sm_90a at the pack's K and at the largest K
 without spilling and without a warning (ptxas warns where it must serialise the asynchronous products); the switch
 never takes the kernel off Hopper. GPU part (`-m gpu`, an H100 / H200): the routed experts of a full-shape layer
 against the portable 128-row tiles (within fp32 rounding; whether the bits are the same is printed), and the wgmma
-tiles' own row invariance: rows alone, in slices that cut tiles anywhere (so other N of the wgmma), reordered; the
-256-row tiles bitwise the 128-row ones.
+tiles' own row invariance: rows alone, in slices that cut tiles anywhere (so other N of the wgmma), reordered.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ def test_wgmma_kernel_compiles_for_hopper_without_spills_or_warnings(tmp_path, K
         capture_output=True, text=True,
     )
     assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
-    for kernel in ("exl3_prefill_wg128", "exl3_prefill_wg256"):
-        found = re.search(rf"Function properties for {kernel}\n.*?(\d+) bytes spill stores", proc.stderr)
-        assert found is not None and found.group(1) == "0", (kernel, proc.stderr[-3000:])
+    found = re.search(r"Function properties for exl3_prefill_wg128\n.*?(\d+) bytes spill stores", proc.stderr)
+    assert found is not None and found.group(1) == "0", proc.stderr[-3000:]
 
 
 def test_the_switch_takes_the_wgmma_tiles_only_on_hopper(monkeypatch):
@@ -48,12 +46,7 @@ def test_the_switch_takes_the_wgmma_tiles_only_on_hopper(monkeypatch):
     monkeypatch.delenv(prefill_wgmma.ENV)
     assert prefill_wgmma.enabled(), "on by default: the same bits as the mma tiles (its GPU test), faster"
     # shared memory: the B ring and the weight rings fit an H100's 227 KiB a block at every K
-    assert all(prefill_wgmma.shared_bytes(K, rows) <= 227 * 1024 for K in range(1, 9) for rows in (128, 256))
-    monkeypatch.setenv(prefill_wgmma.ROWS_ENV, "256")
-    assert prefill_wgmma.tile_rows() == 256 and prefill_wgmma.tile_rows(128) == 128
-    monkeypatch.setenv(prefill_wgmma.ROWS_ENV, "192")
-    with pytest.raises(ValueError, match=prefill_wgmma.ROWS_ENV):
-        prefill_wgmma.tile_rows()
+    assert all(prefill_wgmma.shared_bytes(K) <= 227 * 1024 for K in range(1, 9))
 
 
 @pytest.mark.gpu
@@ -92,12 +85,6 @@ def test_gpu_wgmma_tiles_match_the_mma_tiles_and_are_row_invariant(E, inter, K, 
     assert torch.equal(_bits(got), _bits(wg[perm])), f"2,000 rows reordered: {_mismatch(got, wg[perm])}"
     got = run(wgmma=True, columns_first=False)
     assert torch.equal(_bits(got), _bits(wg)), f"tiles first vs columns first: {_mismatch(got, wg)}"
-    # 256-row tiles: each fragment feeds both halves' products; every element the same chain of k16 products
-    wide = run(wgmma=True, wg_rows=256)
-    assert torch.equal(_bits(wide), _bits(wg)), f"256- vs 128-row wgmma tiles: {_mismatch(wide, wg)}"
-    for rows in (slice(100, 117), slice(1000, 2900)):
-        got = run(rows, wgmma=True, wg_rows=256)
-        assert torch.equal(_bits(got), _bits(wg[rows])), f"rows {rows} alone, 256-row tiles: {_mismatch(got, wg[rows])}"
 
 
 @pytest.mark.gpu

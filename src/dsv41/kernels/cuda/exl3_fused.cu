@@ -1547,10 +1547,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
 #endif
 #define WG_ROWS 128
 #define WG_ATOM_BYTES (WG_ROWS * 128)          // one 64-deep k half of a B stage: 128 rows x 128 B (8-row atoms)
-#define WG_B_STAGE_BYTES (2 * WG_ATOM_BYTES)  // a 128-deep B stage of 128 rows: 32 KiB
-// The 256-row tiles (exl3_prefill_wg256): a stage holds two 128-row halves, each laid out as a 128-row stage; each
-// decoded fragment feeds one wgmma per half (the decode, the kernel's bound, is shared by twice the rows).
-#define WG_HALF_ROWS 128
+#define WG_B_STAGE_BYTES (2 * WG_ATOM_BYTES)  // a 128-deep B stage: 32 KiB
 
 __device__ __forceinline__ void wgmma_n32(float* d, const u32* a, unsigned long long desc) {
     asm volatile(
@@ -1617,10 +1614,9 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) WG_MEM_IN); }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // keeps the compiler from moving accumulator reads or writes across the asynchronous products
-template <int NACC>
 __device__ __forceinline__ void fence_acc(float* acc) {
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) asm volatile("" : "+f"(acc[i]) WG_MEM_OUT);
+    for (int i = 0; i < WG_ROWS / 2; ++i) asm volatile("" : "+f"(acc[i]) WG_MEM_OUT);
 }
 
 // Descriptor of a K-major B operand of 8-row, 128-byte swizzled atoms (rows 128 B apart, atoms 1024 B apart);
@@ -1649,18 +1645,15 @@ struct WgState {
 };
 
 // This thread's share of B stage `it` into ring slot `slot`: rows tid / 16 + 16 j, 16-byte chunk tid % 16 (k
-// 8c .. 8c + 7 of the 128-deep block) at its swizzled place; only the used rows. ROWS 256: row r in half r / 128.
-template <int ROWS>
+// 8c .. 8c + 7 of the 128-deep block) at its swizzled place; only the used rows.
 __device__ __forceinline__ void wg_issue_b(const WgState& S, int it, int slot) {
     if (it >= S.n_stages) return;
     const int c = S.tid & 15, half = c >> 3, cc = c & 7;
 #pragma unroll
-    for (int j = 0; j < ROWS / 16; ++j) {
+    for (int j = 0; j < WG_ROWS / 16; ++j) {
         if (16 * j >= S.used) break;
-        // rows 16 j .. 16 j + 15 lie in half 16 j / 128 (a constant of the unrolled step)
-        const int r = (S.tid >> 4) + 16 * (j % (WG_HALF_ROWS / 16));
-        const u32 dst = S.bring + (slot * (ROWS / WG_HALF_ROWS) + (16 * j) / WG_HALF_ROWS) * WG_B_STAGE_BYTES +
-                        half * WG_ATOM_BYTES + r * 128 + ((cc ^ (r & 7)) << 4);
+        const int row = (S.tid >> 4) + 16 * j;
+        const u32 dst = S.bring + slot * WG_B_STAGE_BYTES + half * WG_ATOM_BYTES + row * 128 + ((cc ^ (row & 7)) << 4);
         cp_async16(dst, S.xrow + 16LL * j * S.k + (long long)it * 128 + c * 8);
     }
 }
@@ -1676,11 +1669,10 @@ __device__ __forceinline__ void wg_issue_weights(WgState& S, int slot, bool load
 
 // The k loop: per 128-deep stage one wait and one block barrier (the stage's weights and B visible, every warp's
 // products of the stage before done), the copies of a later stage, then 8 k steps, each a decode into registers and
-// one wgmma of the warpgroup per 128-row half (N0 rows of the first, N1 of the second; N1 = 0: none), committed as
-// one group; fragments rotate through 4 register sets, so a step's decode overlaps the 3 products before it.
-template <int ROWS, int N0, int N1>
+// one wgmma of the warpgroup; fragments rotate through 4 register sets, so a step's decode overlaps the 3 products
+// before it.
+template <int N>
 __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
-    constexpr int NACC = ROWS / 2;
     for (int it = 0; it < S.n_stages; ++it) {
         const int slot = it % EXL3_WG_STAGES;
         asm volatile("cp.async.wait_group %0;" ::"n"(EXL3_WG_STAGES - 2));
@@ -1688,10 +1680,10 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
         __syncthreads();
         const int next = it + EXL3_WG_STAGES - 1, nslot = next % EXL3_WG_STAGES;
         wg_issue_weights(S, nslot, next < S.n_stages);
-        wg_issue_b<ROWS>(S, next, nslot);
+        wg_issue_b(S, next, nslot);
         cp_async_commit();
         const u32* stage = S.ring + slot * KR * TW;
-        const u32 bbase = S.bring + slot * (ROWS / WG_HALF_ROWS) * WG_B_STAGE_BYTES;
+        const u32 bbase = S.bring + slot * WG_B_STAGE_BYTES;
         u32 frag[4][4];
 #if EXL3_WG_PREFETCH
         u32 words[2][NW];
@@ -1713,30 +1705,27 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
             decode_tile(stage + s * TW, S.off, S.sh, frag[s & 3]);
 #endif
             wgmma_fence();
-            fence_acc<NACC>(acc);
-            wgmma_rows<N0>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));
-            if constexpr (N1 > 0)
-                wgmma_rows<N1>(acc + WG_HALF_ROWS / 2, frag[s & 3],
-                               b_desc(bbase + WG_B_STAGE_BYTES + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));
-            fence_acc<NACC>(acc);
+            fence_acc(acc);
+            wgmma_rows<N>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));
+            fence_acc(acc);
             wgmma_commit();
         }
         wgmma_wait<0>();  // the stage's B slot is overwritten after the next barrier
-        fence_acc<NACC>(acc);
+        fence_acc(acc);
     }
 }
 
-template <int ROWS>
-__device__ __forceinline__ void wg_body(unsigned char* wg_smem, PREFILL_ARGS) {
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-    const PrefillTile t = prefill_tile<ROWS>(table, n_rows, columns_first);
+    const PrefillTile t = prefill_tile<WG_ROWS>(table, n_rows, columns_first);
     const int e = t.e, first = t.first, count = t.count, cb = t.cb;
     if (count <= 0) return;
     // the B ring first, at the first 1024-aligned shared address (the swizzle is of absolute address bits)
     const u32 base = smem_addr(wg_smem);
     const u32 pad = (1024 - (base & 1023)) & 1023;
     unsigned char* aligned = wg_smem + pad;
-    u32* rings = (u32*)(aligned + EXL3_WG_STAGES * (ROWS / WG_HALF_ROWS) * WG_B_STAGE_BYTES);
+    u32* rings = (u32*)(aligned + EXL3_WG_STAGES * WG_B_STAGE_BYTES);
     float* ys = (float*)aligned;  // the epilogue's tile reuses the buffer once the k loop is done
     const long long row_stride_words = (long long)(n / 16) * TW;
     const u32* tile_col = trellis + (long long)e * (k / 16) * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;
@@ -1751,49 +1740,24 @@ __device__ __forceinline__ void wg_body(unsigned char* wg_smem, PREFILL_ARGS) {
     S.tid = tid;
     S.k = k;
     S.used = (count + PF_PART - 1) / PF_PART * PF_PART;
-    float acc[ROWS / 2];
+    float acc[WG_ROWS / 2];
 #pragma unroll
-    for (int i = 0; i < ROWS / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < WG_ROWS / 2; ++i) acc[i] = 0.f;
     wait_for_previous_kernel();
     S.copy = stage_copy(S.ring, tile_col, row_stride_words, 0, lane);
 #pragma unroll
     for (int s = 0; s < EXL3_WG_STAGES - 1; ++s) {
         wg_issue_weights(S, s, s < S.n_stages);
-        wg_issue_b<ROWS>(S, s, s);
+        wg_issue_b(S, s, s);
         cp_async_commit();
     }
-    if constexpr (ROWS == WG_HALF_ROWS) {
-        switch (S.used >> 5) {  // uniform over the block
-            case 1: wg_loop<ROWS, 32, 0>(S, acc); break;
-            case 2: wg_loop<ROWS, 64, 0>(S, acc); break;
-            case 3: wg_loop<ROWS, 96, 0>(S, acc); break;
-            default: wg_loop<ROWS, 128, 0>(S, acc); break;
-        }
-    } else {
-        switch (S.used >> 5) {  // the second half's wgmma only where it holds rows
-            case 1: wg_loop<ROWS, 32, 0>(S, acc); break;
-            case 2: wg_loop<ROWS, 64, 0>(S, acc); break;
-            case 3: wg_loop<ROWS, 96, 0>(S, acc); break;
-            case 4: wg_loop<ROWS, 128, 0>(S, acc); break;
-            case 5: wg_loop<ROWS, 128, 32>(S, acc); break;
-            case 6: wg_loop<ROWS, 128, 64>(S, acc); break;
-            case 7: wg_loop<ROWS, 128, 96>(S, acc); break;
-            default: wg_loop<ROWS, 128, 128>(S, acc); break;
-        }
+    switch (S.used >> 5) {  // uniform over the block
+        case 1: wg_loop<32>(S, acc); break;
+        case 2: wg_loop<64>(S, acc); break;
+        case 3: wg_loop<96>(S, acc); break;
+        default: wg_loop<128>(S, acc); break;
     }
-    // wgmma's D fragment of a warp is mma's (a row group per 8 columns), so r128's epilogue stashes it as is; the
-    // second half's accumulators are row groups 16..31, right after the first's
-    prefill_epilogue<ROWS>(acc, ys, t, sv, out_rows, out, ldo, out_dtype, warp, lane);
-}
-
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
-    extern __shared__ __align__(1024) unsigned char wg_smem[];
-    wg_body<WG_HALF_ROWS>(wg_smem, PREFILL_PASS);
-}
-
-// 256-row tiles: 128 accumulators a thread, one block an SM (a 128 KiB B ring at two stages)
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1) exl3_prefill_wg256(PREFILL_ARGS) {
-    extern __shared__ __align__(1024) unsigned char wg_smem[];
-    wg_body<2 * WG_HALF_ROWS>(wg_smem, PREFILL_PASS);
+    // wgmma's D fragment of a warp is mma's (a row group per 8 columns), so r128's epilogue stashes it as is
+    prefill_epilogue<WG_ROWS>(acc, ys, t, sv, out_rows, out, ldo, out_dtype, warp, lane);
 }
 #endif  // EXL3_WGMMA

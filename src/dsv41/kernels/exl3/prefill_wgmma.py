@@ -12,18 +12,9 @@ The same bits as the portable 128-row tiles (the H100 says so: every output of a
 tests/test_exl3_prefill_wgmma.py), so the switch never changes a reply. Switch `DSV41_PREFILL_WGMMA` (read at each
 call; on by default since that run: experts of a layer at 8,192 rows 9.95 -> 7.5 ms, 2,048 rows 4.90 -> 3.97 ms;
 `=0` for the mma tiles).
-
-256-row tiles (`exl3_prefill_wg256`, `DSV41_PREFILL_WG_ROWS=256`, read at each call): each decoded fragment feeds
-one wgmma per 128-row half of the tile, so an expert's weights are decoded once for up to 256 of its rows instead
-of once per 128 (the kernel is bound by the decode's instructions: Nsight Compute at 8,192 rows, issue slots 62%
-busy, the tensor pipe 39%, math-pipe throttle among the top stalls; bench/results/ncu/). 128 accumulators a thread:
-one block an SM. Each output element is the same chain of k16 products as in the 128-row tiles, so the same bits
-(the GPU tests compare them).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -34,22 +25,10 @@ from dsv41.kernels.exl3.prefill_cuda import check_tile_io, launch_tiles
 from dsv41.kernels.step.knobs import switched_on
 
 ENV = "DSV41_PREFILL_WGMMA"
-ROWS_ENV = "DSV41_PREFILL_WG_ROWS"
-KERNELS = {128: "exl3_prefill_wg128", 256: "exl3_prefill_wg256"}  # the tile's rows -> its entry
-KERNEL = KERNELS[128]
-ROWS = 128  # the default tile rows
+KERNEL = "exl3_prefill_wg128"
+ROWS = 128
 STAGES = 2  # EXL3_WG_STAGES: the k loop's stages of weights and B (exl3_fused.cu)
-
-
-def tile_rows(rows: int | None = None) -> int:
-    """The wgmma tiles' rows: `rows`, else `DSV41_PREFILL_WG_ROWS` (read at each call), else ROWS; 128 or 256 (the
-    same bits either way)."""
-    if rows is None:
-        raw = os.environ.get(ROWS_ENV, "").strip()
-        rows = int(raw) if raw else ROWS
-    if rows not in KERNELS:
-        raise ValueError(f"{ROWS_ENV}={rows}: expected one of {sorted(KERNELS)}")
-    return rows
+B_STAGE_BYTES = ROWS * 128 * 2  # 128 rows x 128 k fp16 a stage
 
 
 def enabled() -> bool:
@@ -67,29 +46,27 @@ def use_wgmma(device: torch.device, wgmma: bool | None = None) -> bool:
     return (enabled() if wgmma is None else wgmma) and available(device)
 
 
-def shared_bytes(K: int, rows: int = ROWS) -> int:
-    """The B ring (rows x 128 k fp16 a stage), every warp's weight ring (as r128's), 1 KiB to align the B ring to the
-    swizzle's 1,024-byte atoms; the epilogue's fp32 tile reuses them: 77-97 KiB (K 1-8) at 128 rows, 141-161 KiB
-    at 256."""
-    rings = STAGES * rows * 128 * 2 + STAGES * 8 * 8 * 8 * K * 4
-    return 1024 + max(rings, rows * YS_STRIDE * 4)
+def shared_bytes(K: int) -> int:
+    """The B ring, every warp's weight ring (as r128's), 1 KiB to align the B ring to the swizzle's 1,024-byte atoms;
+    the epilogue's fp32 tile reuses them: 77-97 KiB (K 1-8)."""
+    rings = STAGES * B_STAGE_BYTES + STAGES * 8 * 8 * 8 * K * 4
+    return 1024 + max(rings, ROWS * YS_STRIDE * 4)
 
 
-def kernel_for(device: torch.device, K: int, codebook: str, rows: int = ROWS):
+def kernel_for(device: torch.device, K: int, codebook: str):
     defines = arch_defines(exl3_defines(K, codebook, TUNING), "sm_90a")
-    return load_kernels(SOURCE, defines, list(KERNELS.values()), device, arch_suffix="a")[KERNELS[rows]]
+    return load_kernels(SOURCE, defines, [KERNEL], device, arch_suffix="a")[KERNEL]
 
 
 def prefill_tiles_wgmma(xh: torch.Tensor, words: torch.Tensor, svh: torch.Tensor, K: int, codebook: str, k: int,
                         n: int, out: torch.Tensor, n_rows: int, tiles: int, table: torch.Tensor | None = None,
-                        out_rows: torch.Tensor | None = None, columns_first: bool | None = None,
-                        rows: int = ROWS) -> torch.Tensor:
-    """`prefill_cuda.prefill_tiles_cuda`'s product (tiles of `rows` rows: 128 or 256) with xh in natural k order."""
-    shared = shared_bytes(K, rows)
+                        out_rows: torch.Tensor | None = None, columns_first: bool | None = None) -> torch.Tensor:
+    """`prefill_cuda.prefill_tiles_cuda`'s product (128-row tiles) with xh in natural k order."""
+    shared = shared_bytes(K)
     if shared > _shared_limit(xh.device):
-        raise ValueError(f"{KERNELS[rows]} needs {shared} bytes of shared memory a block at K = {K}")
+        raise ValueError(f"exl3_prefill_wg128 needs {shared} bytes of shared memory a block at K = {K}")
     if tiles == 0:
         check_tile_io(xh, out, k, n)
         return out
-    return launch_tiles(kernel_for(xh.device, K, codebook, rows), shared, xh, words, svh, k, n, out, n_rows, tiles,
-                        table, out_rows, columns_first)
+    return launch_tiles(kernel_for(xh.device, K, codebook), shared, xh, words, svh, k, n, out, n_rows, tiles, table,
+                        out_rows, columns_first)
