@@ -25,6 +25,7 @@ from step_harness import interpreted, need_compiled_cuda  # noqa: E402
 NINF = float("-inf")
 N = 1300
 KS = (1, 7, 64, 65, 700, N - 1, N)
+SHAPES = ("128w1", "2048w8")  # many steps a row, one step over all of it
 
 
 def _rows() -> torch.Tensor:
@@ -72,6 +73,10 @@ def _interp_worker(out_path: str) -> None:
         for radix in (True, False):
             out[k, radix] = topk_select(s, k, radix=radix)
             out[k, radix, "mask"] = topk_select(s, k, mask=True, radix=radix)
+    for k in (700,):  # other launch shapes (DSV41_TOPK_SHAPE): steps across and inside the row's 1,300 entries
+        for shape in SHAPES:
+            out[k, shape] = topk_select(s, k, shape=shape)
+            out[k, shape, "mask"] = topk_select(s, k, mask=True, shape=shape)
     torch.save(out, out_path)
 
 
@@ -112,6 +117,26 @@ def test_interpreted_radix_rows_reach_every_branch(interp):
     bits = top.view(torch.int32)
     assert int(bits[699] - bits[700]) <= 1 and int((s[8] == top[699]).sum()) > 1  # ties at the cut, 1 ulp apart
     assert int((s[0] == s[0].sort(descending=True).values[699]).sum()) > 100  # a large tie group at the cut
+
+
+@pytest.mark.parametrize("k", (700,))
+def test_interpreted_launch_shapes_pick_the_same_ids(interp, k):
+    """DSV41_TOPK_SHAPE's steps and warps change no pick: ids and masks == the default shape's, bit for bit."""
+    for shape in SHAPES:
+        assert torch.equal(interp[k, shape], interp[k, True]), (k, shape)
+        assert torch.equal(interp[k, shape, "mask"], interp[k, True, "mask"]), (k, shape)
+
+
+def test_topk_shape_knob_reads_and_refuses(monkeypatch):
+    from dsv41.kernels.step import indexer
+
+    monkeypatch.delenv(indexer.SHAPE_ENV, raising=False)
+    assert indexer.topk_shape() == (indexer.TOPK_BLOCK, indexer.TOPK_WARPS)
+    monkeypatch.setenv(indexer.SHAPE_ENV, "2048w8")
+    assert indexer.topk_shape() == (2048, 8) and indexer.topk_shape("") == (indexer.TOPK_BLOCK, indexer.TOPK_WARPS)
+    for bad in ("2048", "1000w4", "64w4", "2048w3", "w8"):
+        with pytest.raises(ValueError, match=indexer.SHAPE_ENV):
+            indexer.topk_shape(bad)
 
 
 def test_topk_radix_switch_reads_the_environment(monkeypatch):

@@ -68,7 +68,13 @@ from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
 
 BLOCK_C = 64  # entries per scores program
 TOPK_BLOCK = 1024  # entries per step of the top-k passes
+TOPK_WARPS = 4
 RADIX_ENV = "DSV41_TOPK_RADIX"  # 0: the top-k's k-th score by bisection (A/B)
+# `DSV41_TOPK_SHAPE=<block>w<warps>` (read at each launch; unset: TOPK_BLOCK / TOPK_WARPS): the top-k program's step
+# and warps, for GPU A/B runs (bench/topk_shapes_ab.py). The picks are the same whatever the shape: the k-th key and
+# the count above it are exact integer counts, and the ids are written in ascending order with ties taken lowest id
+# first, so no shape changes a bit.
+SHAPE_ENV = "DSV41_TOPK_SHAPE"
 # key(-inf): the order-preserving int32 image of -inf's bits (negative floats: bits ^ 0x7fffffff)
 NEG_INF_KEY = struct.unpack("<i", struct.pack("<f", float("-inf")))[0] ^ 0x7FFFFFFF
 
@@ -349,10 +355,28 @@ checked on a GPU; `DSV41_TOPK_RADIX=0` takes the bisection). The same bits eithe
     return switched_on(RADIX_ENV, default=True)
 
 
-def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None) -> torch.Tensor:
+def topk_shape(name: str | None = None) -> tuple[int, int]:
+    """(step entries, warps) of the top-k program: `name` (None: `DSV41_TOPK_SHAPE`) as "<block>w<warps>", e.g.
+    "2048w8"; empty: (TOPK_BLOCK, TOPK_WARPS)."""
+    import os
+
+    name = (os.environ.get(SHAPE_ENV, "") if name is None else name).strip()
+    if not name:
+        return TOPK_BLOCK, TOPK_WARPS
+    block, _, warps = name.partition("w")
+    ok = block.isdigit() and warps.isdigit()
+    block_n, warps_n = (int(block), int(warps)) if ok else (0, 0)
+    if not ok or block_n < 128 or block_n & (block_n - 1) or warps_n not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{SHAPE_ENV}={name!r}: expected <block>w<warps>, a power-of-two block >= 128 and 1-16 warps")
+    return block_n, warps_n
+
+
+def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool | None = None,
+                shape: str | None = None) -> torch.Tensor:
     """`Attention._select(scores, k)` for scores [R, N] fp32: ids [R, k] int64 (ascending, -1 for picks of -inf
     entries, first). With mask=True, the picked set as a bool mask [R, N] instead (-inf entries never in it).
-    radix: how the k-th score is found (radix select, or the bisection: the same bits); None = `radix_on()`."""
+    radix: how the k-th score is found (radix select, or the bisection: the same bits); None = `radix_on()`.
+    shape: the program's step and warps (`topk_shape`; None = `DSV41_TOPK_SHAPE`): the same bits whatever it is."""
     R, N = scores.shape
     if not 0 <= k <= N:
         raise ValueError(f"top-k {k} out of range for {N} entries")
@@ -367,9 +391,10 @@ def topk_select(scores: torch.Tensor, k: int, *, mask: bool = False, radix: bool
         if k == 0:
             keep.zero_()
         else:
+            block, warps = topk_shape(shape)
             _topk_kernel[(R,)](scores, scores.stride(0), ids, keep, max(keep.stride(0), 1), N, k, NEG=NEG_INF_KEY,
-                               BLOCK=TOPK_BLOCK, WRITE_IDS=not mask, WRITE_MASK=mask,
-                               RADIX=radix_on() if radix is None else bool(radix), num_warps=4,
+                               BLOCK=block, WRITE_IDS=not mask, WRITE_MASK=mask,
+                               RADIX=radix_on() if radix is None else bool(radix), num_warps=warps,
                                **pdl_launch(scores.device))
     return keep.view(torch.bool) if mask else ids
 
