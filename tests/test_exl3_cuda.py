@@ -38,13 +38,10 @@ def _nvcc_or_skip():
     return nvcc
 
 
-# One test per K (each variant takes ~10-15 s of one core on a loaded 2-core CI machine). Here every K with one
-# codebook (cycling, so each codebook meets several K): the front end and ptxas see every K and every codebook. The
-# pack's K = 3 meets every codebook in test_cuda_source_compiles_for_gb10_without_warnings (sm_121, the same source
-# through the same front end, each without a warning) and its mul1 on Hopper in test_exl3_prefill_wgmma.py (sm_90a,
-# every kernel of the source plus the wgmma tiles); the full 24-variant cross product is built ahead of time by
-# `cuda_build` on every GPU machine (bench/device_round.sh) and by the Nix closure, where a variant that fails stops
-# the build.
+# One test per K (a variant: ~30 s of a core on a 2-core machine), one codebook each, cycling: ptxas sees every K and
+# codebook; K = 3 meets every codebook in the GB10 test below (same front end, warning-free) and its mul1 on Hopper
+# in test_exl3_prefill_wgmma.py. The full 24-variant product is built by `cuda_build` on every GPU machine
+# (bench/device_round.sh) and by the Nix closure, where a variant that fails stops the build.
 def _codebooks_of(K: int) -> list[str]:
     from dsv41.kernels import cuda_build
 
