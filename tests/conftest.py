@@ -49,7 +49,7 @@ LONGEST_FILES = (
     "test_runtime_fast.py",
     "test_server_disconnect.py",
     "test_server_params.py",
-    "test_engine_overlap.py",  # interpreted child: the fast forward, serial and overlapped (~55 s)
+    "test_engine_overlap.py",  # interpreted child: the fast forward, serial and overlapped (~37 s alone)
     "test_bench_draft_pass.py",  # interpreted child: the draft-pass bench's smoke run (~30 s)
 )
 

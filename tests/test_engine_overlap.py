@@ -292,14 +292,15 @@ def check_fast(res: dict, device_path: bool) -> None:
 
 
 def test_overlapped_equals_serial_on_the_fast_forward_interpreted(tmp_path):
-    """The fast forward in Triton's interpreter (a child process, the slimmed tiny model of
-    test_runtime_fast_engine.py) without its Engram layers: the follow rows' ids go from the previous step's
-    device-side sample into the step's tables, never through the host; tokens and logprobs == serial, bitwise.
-    (With Engram the same engine runs overlapped in test_runtime_fast_engine.py, its tokens == the pool forward's.)"""
+    """The fast forward in Triton's interpreter (a child process, the 3-layer model of test_runtime_fast_dspark.py:
+    a window layer, a ratio-2 and a ratio-1 source; the follow rows' path is the same at every layer, and 6 layers
+    took 30% longer) without its Engram layers: the follow rows' ids go from the previous step's device-side sample
+    into the step's tables, never through the host; tokens and logprobs == serial, bitwise. (With Engram the same
+    engine runs overlapped in test_runtime_fast_engine.py, its tokens == the pool forward's.)"""
     from dsv41.tiny.model import make_tiny
-    from test_runtime_fast import LITE
+    from test_runtime_fast_dspark import SLIM
 
-    lite = make_tiny(tmp_path / "model", "exl3", seed=0, overrides=LITE)
+    lite = make_tiny(tmp_path / "model", "exl3", seed=0, overrides=SLIM)
     out = tmp_path / "overlap.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     subprocess.run([sys.executable, __file__, json.dumps({"model": str(lite), "out": str(out)})], env=env,

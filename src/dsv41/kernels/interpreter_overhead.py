@@ -8,7 +8,11 @@ tests/test_runtime_pool_attention.py's child (Triton 3.7):
   modules for the whole grid: 30 % of the child's time. The helper's patching is a no-op there (a patched builtin
   is no longer a builtin, so nothing is re-wrapped; the tensor / core attributes are set to equal functions) and the
   launch's restore undoes it anyway; a helper whose module sees a `triton.language` module the launch did not patch
-  still patches as before.
+  still patches as before, once: Triton's own helpers (`tl.sum`, `tl.max`, `tl.zeros`, ... of
+  `triton.language.standard`, which sees `triton.language.core`, not the `triton.language` our kernels see) patched
+  `core` again at each of their ~8,000 calls a child (25 % of test_engine_overlap's interpreted child, 45 -> 23 s),
+  while the first call's patching of it is never undone (Triton restores no helper's scope; a launch restores what
+  it patched itself, to what it found).
 - `sanitize_overflow` (on by default in the interpreter's options) recomputes every int32 add / sub / mul in int64
   and builds the range check, then hands it to `device_assert`, which returns at once unless `debug` is on (never,
   in the interpreter's options): 26 % of the time, for a result thrown away. Turned off only while `debug` is off.
@@ -46,6 +50,10 @@ def install() -> bool:
     # the language modules the running launch's scope patched, per thread (empty between launches); a launch runs
     # its grid to the end before its thread launches again (kernels launch no kernels)
     state = threading.local()
+    # the language modules a helper's own patching reached (a module its launch had not patched): Triton never
+    # restores a helper's scope, and a later launch restores only what it patched itself (to what it found), so
+    # their functions stay patched; their re-patching at each later helper call is the same no-op
+    lasting: set[int] = set()
 
     def langs_of(fn) -> set[int]:
         return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
@@ -53,10 +61,11 @@ def install() -> bool:
     def patch_lang(fn):
         patched = getattr(state, "langs", None)
         langs = langs_of(fn)
-        if patched and langs <= patched:
+        if patched and langs <= patched | lasting:
             return None  # a helper called inside a launch: its modules are patched until the launch restores them
         scope = original(fn)
         if patched:
+            lasting.update(langs - patched)
             return scope  # a helper that sees other modules: patched as Triton does (never restored, as there)
         state.langs = langs
         restore = scope.restore
