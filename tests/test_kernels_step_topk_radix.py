@@ -25,7 +25,7 @@ from step_harness import interpreted, need_compiled_cuda  # noqa: E402
 NINF = float("-inf")
 N = 1300
 KS = (1, 7, 64, 65, 700, N - 1, N)
-SHAPES = ("128w1", "2048w8")  # many steps a row, one step over all of it
+SHAPES = ("128w1", "4096w8")  # many steps a row; the compiled default, one step over all of it
 
 
 def _rows() -> torch.Tensor:
@@ -130,10 +130,13 @@ def test_interpreted_launch_shapes_pick_the_same_ids(interp, k):
 def test_topk_shape_knob_reads_and_refuses(monkeypatch):
     from dsv41.kernels.step import indexer
 
+    from dsv41.kernels.exl3.backend import interpreting
+
+    default = indexer.INTERPRETED_TOPK if interpreting() else (indexer.TOPK_BLOCK, indexer.TOPK_WARPS)
     monkeypatch.delenv(indexer.SHAPE_ENV, raising=False)
-    assert indexer.topk_shape() == (indexer.TOPK_BLOCK, indexer.TOPK_WARPS)
+    assert indexer.topk_shape() == default
     monkeypatch.setenv(indexer.SHAPE_ENV, "2048w8")
-    assert indexer.topk_shape() == (2048, 8) and indexer.topk_shape("") == (indexer.TOPK_BLOCK, indexer.TOPK_WARPS)
+    assert indexer.topk_shape() == (2048, 8) and indexer.topk_shape("") == default
     for bad in ("2048", "1000w4", "64w4", "2048w3", "w8"):
         with pytest.raises(ValueError, match=indexer.SHAPE_ENV):
             indexer.topk_shape(bad)

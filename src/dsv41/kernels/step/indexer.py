@@ -67,8 +67,12 @@ from .pdl import launch as pdl_launch, wait_previous
 from .codecs import RAW_BF16, RAW_FP16, RAW_FP32, codec_id, load_values
 
 BLOCK_C = 64  # entries per scores program
-TOPK_BLOCK = 1024  # entries per step of the top-k passes
-TOPK_WARPS = 4
+# entries per step of the top-k passes and warps a program: H100 at 74128c6 (bench/topk_shapes_ab.py, 65,536 entries,
+# k 512; bench/results/topk_shapes_ab_74128c6.json): 2,048 rows 3.49 -> 3.23 ms, 16 rows 0.49 -> 0.30 ms against
+# 1024 / 4 warps, the same ids (at 16 rows 8192 / 16 warps 0.29, but 4.04 ms at 2,048)
+TOPK_BLOCK = 4096
+TOPK_WARPS = 8
+INTERPRETED_TOPK = (1024, 4)  # Triton's interpreter: its numpy steps cost by width, and the tests' rows are short
 RADIX_ENV = "DSV41_TOPK_RADIX"  # 0: the top-k's k-th score by bisection (A/B)
 # `DSV41_TOPK_SHAPE=<block>w<warps>` (read at each launch; unset: TOPK_BLOCK / TOPK_WARPS): the top-k program's step
 # and warps, for GPU A/B runs (bench/topk_shapes_ab.py). The picks are the same whatever the shape: the k-th key and
@@ -357,12 +361,14 @@ checked on a GPU; `DSV41_TOPK_RADIX=0` takes the bisection). The same bits eithe
 
 def topk_shape(name: str | None = None) -> tuple[int, int]:
     """(step entries, warps) of the top-k program: `name` (None: `DSV41_TOPK_SHAPE`) as "<block>w<warps>", e.g.
-    "2048w8"; empty: (TOPK_BLOCK, TOPK_WARPS)."""
+    "2048w8"; empty: (TOPK_BLOCK, TOPK_WARPS), or INTERPRETED_TOPK under Triton's interpreter (the same ids)."""
     import os
 
     name = (os.environ.get(SHAPE_ENV, "") if name is None else name).strip()
     if not name:
-        return TOPK_BLOCK, TOPK_WARPS
+        from ..exl3.backend import interpreting
+
+        return INTERPRETED_TOPK if interpreting() else (TOPK_BLOCK, TOPK_WARPS)
     block, _, warps = name.partition("w")
     ok = block.isdigit() and warps.isdigit()
     block_n, warps_n = (int(block), int(warps)) if ok else (0, 0)
