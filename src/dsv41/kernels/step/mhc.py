@@ -241,6 +241,22 @@ def _site_block(x_raw, y_raw, f, acc, sq, usq, pre_in, post_in, comb_in, xo_ptr,
 
 
 @triton.jit
+def _row_inputs(pre_in_ptr, post_in_ptr, comb_in_ptr, row, HC: tl.constexpr, HCP: tl.constexpr, EXPAND: tl.constexpr):
+    """The row's coefficients carried in: pre_in [HCP], and with EXPAND post_in [HCP] and comb_in [j, k] (without:
+    pre_in and zeros, unused), lanes >= hc zero."""
+    c = tl.arange(0, HCP)
+    c_live = c < HC
+    pre_in = tl.load(pre_in_ptr + row * HC + c, mask=c_live, other=0.0)
+    post_in = pre_in
+    comb_in = tl.zeros((HCP, HCP), tl.float32)
+    if EXPAND:
+        post_in = tl.load(post_in_ptr + row * HC + c, mask=c_live, other=0.0)
+        comb_in = tl.load(comb_in_ptr + row * HC * HC + c[:, None] * HC + c[None, :],
+                          mask=c_live[:, None] & c_live[None, :], other=0.0)  # [j, k]
+    return pre_in, post_in, comb_in
+
+
+@triton.jit
 def _expanded(x_raw, y_raw, post_in, comb_in, xo_ptr, row, d0, d, HC: tl.constexpr, HCP: tl.constexpr,
               EXPAND: tl.constexpr, BLOCK: tl.constexpr):
     """A column block's streams as fp32 [HCP, BLOCK]: X, or with EXPAND X' = expand(y, X, post_in, comb_in) (stored
@@ -297,16 +313,8 @@ def _site_row(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, fn_ptr, stride_fk,
               SPLITS: tl.constexpr, EXPAND: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
               PIPELINE: tl.constexpr, NORM_ALL: tl.constexpr):
     NMIX: tl.constexpr = (2 + HC) * HC
-    c = tl.arange(0, HCP)
-    c_live = c < HC
     n = tl.arange(0, NP)
-    pre_in = tl.load(pre_in_ptr + row * HC + c, mask=c_live, other=0.0)
-    post_in = pre_in
-    comb_in = tl.zeros((HCP, HCP), tl.float32)
-    if EXPAND:
-        post_in = tl.load(post_in_ptr + row * HC + c, mask=c_live, other=0.0)
-        comb_in = tl.load(comb_in_ptr + row * HC * HC + c[:, None] * HC + c[None, :],
-                          mask=c_live[:, None] & c_live[None, :], other=0.0)  # [j, k]
+    pre_in, post_in, comb_in = _row_inputs(pre_in_ptr, post_in_ptr, comb_in_ptr, row, HC, HCP, EXPAND)
     acc = tl.zeros((HCP, BLOCK, NP), tl.float32)
     sq = tl.zeros((HCP, BLOCK), tl.float32)
     usq = tl.zeros((BLOCK,), tl.float32)

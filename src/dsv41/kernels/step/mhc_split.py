@@ -55,7 +55,8 @@ import triton.language as tl
 from ..exl3.backend import interpreting
 from .attention import _bf16_parts
 from .knobs import switched_on
-from .mhc import BLOCK_D, BLOCK_H, NUM_WARPS, _coefficients, _collapsed, _expanded, _norm_pass, _x_block, _y_block
+from .mhc import (BLOCK_D, BLOCK_H, NUM_WARPS, _coefficients, _collapsed, _expanded, _norm_pass, _row_inputs, _x_block,
+                  _y_block)
 from .mhc_args import site_args
 from .pdl import launch as pdl_launch, wait_previous
 
@@ -164,13 +165,7 @@ def _expand_collapse_kernel(x_ptr, y_ptr, post_in_ptr, comb_in_ptr, xo_ptr, pre_
                          tl.zeros((HCP, BLOCK), dtype=xo_ptr.dtype.element_ty),
                          mask=c_live[:, None] & (cols < d)[None, :])
     else:
-        pre_in = tl.load(pre_in_ptr + row * HC + c, mask=c_live, other=0.0)
-        post_in = pre_in
-        comb_in = tl.zeros((HCP, HCP), tl.float32)
-        if EXPAND:
-            post_in = tl.load(post_in_ptr + row * HC + c, mask=c_live, other=0.0)
-            comb_in = tl.load(comb_in_ptr + row * HC * HC + c[:, None] * HC + c[None, :],
-                              mask=c_live[:, None] & c_live[None, :], other=0.0)  # [j, k]
+        pre_in, post_in, comb_in = _row_inputs(pre_in_ptr, post_in_ptr, comb_in_ptr, row, HC, HCP, EXPAND)
         # every step's loads first, in flight together (an elementwise kernel is bound by the bytes in flight)
         xs_in = ()
         ys_in = ()
