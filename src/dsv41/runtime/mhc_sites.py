@@ -48,10 +48,10 @@ class MhcSites:
     tile launches where `DSV41_PREFILL_MHC_TILES=1` (kernels/step/mhc_prefill.py: tiles of rows x splits of d, fn read
     once a tile, not once a row; other bits than the row kernels', row-invariant too), or the row-block launches where
     `DSV41_PREFILL_MHC_BLOCKS=1` (kernels/step/mhc_blocks.py: blocks of 32 rows x splits of d on CUDA cores, then a
-    finishing launch; other bits again, row-invariant; over the tiles where both are set), or three plain launches
-    where `DSV41_PREFILL_MHC_SPLIT=1` (kernels/step/mhc_split.py: expand + collapse elementwise, the mixing product
-    split-K on the bf16 tensor cores, a finish per row; X' and u the row kernels' bits, the coefficients another sum
-    order, row-invariant; over the tiles and the blocks); decode and verify rows keep the row kernels."""
+    finishing launch; other bits again, row-invariant; over the tiles where both are set), or by default (unless
+    `DSV41_PREFILL_MHC_SPLIT=0`) three plain launches (kernels/step/mhc_split.py: expand + collapse elementwise, the
+    mixing product split-K on the bf16 tensor cores, a finish per row; other bits than the row kernels', row-invariant;
+    over the tiles and the blocks); decode and verify rows keep the row kernels."""
 
     hc: int
     eps: float  # the norms' and the mixing rsqrt's
@@ -61,7 +61,7 @@ class MhcSites:
     rows: int | None = None  # the kernels run the first `rows` rows (the real ones); the others come out zero
     tiles: bool = False  # the sites as tiles of rows (prefill rows, `DSV41_PREFILL_MHC_TILES=1`)
     blocks: bool = False  # the sites as row blocks (prefill rows, `DSV41_PREFILL_MHC_BLOCKS=1`; over `tiles`)
-    split: bool = False  # the sites as three launches (prefill rows, `DSV41_PREFILL_MHC_SPLIT=1`; over both)
+    split: bool = False  # the sites as three launches (prefill rows, on unless `DSV41_PREFILL_MHC_SPLIT=0`; over both)
 
     @classmethod
     def of(cls, cfg: ModelConfig, device: torch.device, rows: int | None = None,

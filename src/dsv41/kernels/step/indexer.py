@@ -55,12 +55,14 @@ expanded back to entries.
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
 import triton
 import triton.language as tl
 
+from ..exl3.backend import interpreting
 from .knobs import switched_on
 from .pdl import launch as pdl_launch, wait_previous
 
@@ -362,12 +364,8 @@ checked on a GPU; `DSV41_TOPK_RADIX=0` takes the bisection). The same bits eithe
 def topk_shape(name: str | None = None) -> tuple[int, int]:
     """(step entries, warps) of the top-k program: `name` (None: `DSV41_TOPK_SHAPE`) as "<block>w<warps>", e.g.
     "2048w8"; empty: (TOPK_BLOCK, TOPK_WARPS), or INTERPRETED_TOPK under Triton's interpreter (the same ids)."""
-    import os
-
     name = (os.environ.get(SHAPE_ENV, "") if name is None else name).strip()
     if not name:
-        from ..exl3.backend import interpreting
-
         return INTERPRETED_TOPK if interpreting() else (TOPK_BLOCK, TOPK_WARPS)
     block, _, warps = name.partition("w")
     ok = block.isdigit() and warps.isdigit()
