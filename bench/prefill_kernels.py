@@ -388,10 +388,19 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     return res
 
 
+# (head_block, key_block, num_warps, num_stages, raw, pv_parts); the first is prefill_core.ONEPASS_TILING's
+ONEPASS_SWEEP = ((32, 64, 8, None, True, 3), (32, 64, 8, None, True, 2), (32, 64, 8, 2, True, 2),
+                 (32, 64, 8, 3, True, 2), (32, 32, 8, None, True, 2), (32, 32, 4, None, True, 2),
+                 (16, 64, 4, None, True, 2), (16, 32, 4, None, True, 2), (16, 64, 8, None, True, 2),
+                 (32, 64, 8, None, False, 3))
+
+
 def onepass_tilings(attn, rows_list, entries: int = 8192, pos: int = 6000, device: str = "cuda",
-                    timer=cuda_ms) -> list:
+                    timer=cuda_ms, keep: dict | None = None) -> list:
     """The one-pass core launch alone (`attention_onepass`, slot index built once) at each row count, over a few
-    tilings (prefill_core.ONEPASS_TILING first; stages None: Triton's default), each against the first."""
+    tilings (`ONEPASS_SWEEP`: prefill_core.ONEPASS_TILING first; stages None: Triton's default), each against the
+    first. `keep`: filled with rows -> (q, window, entries, slots, sink, scale, {tiling: o}) of the 3- and 2-part
+    default tilings (bench/onepass_sweep.py's reference check)."""
     from dsv41.kernels.step.prefill_core import attention_onepass
     from dsv41.kernels.step.prefill_slots import prefill_slot_index
     from dsv41.model.quant import fp4_block_e4m3, fp8_block_ue8m0
@@ -405,17 +414,20 @@ def onepass_tilings(attn, rows_list, entries: int = 8192, pos: int = 6000, devic
         ids = torch.rand(rows, entries, generator=g, device=dev).topk(topk, dim=1).indices.sort(dim=1).values
         slots = prefill_slot_index(rows, pos, W, window, width=topk, ids=ids, entries=entries, device=dev)
         q, first = torch.randn(rows, H, hd, generator=g, device=dev).bfloat16(), None
-        for hb, bs, warps, stages, raw in ((32, 64, 8, None, True), (32, 64, 8, None, False), (16, 64, 8, None, True),
-                                           (32, 64, 8, 4, True), (32, 32, 8, None, True)):
+        for hb, bs, warps, stages, raw, pp in ONEPASS_SWEEP:
             run = functools.partial(attention_onepass, q, win, kv, slots, attn.sink, hd ** -0.5, keys_bf16=True,
-                                    head_block=hb, key_block=bs, num_warps=warps, num_stages=stages, raw=raw)
-            res.append(dict(rows=rows, head_block=hb, key_block=bs, num_warps=warps, num_stages=stages, raw=raw))
+                                    head_block=hb, key_block=bs, num_warps=warps, num_stages=stages, raw=raw,
+                                    pv_parts=pp)
+            res.append(dict(rows=rows, head_block=hb, key_block=bs, num_warps=warps, num_stages=stages, raw=raw,
+                            pv_parts=pp))
             try:
                 res[-1]["ms"], o = timer(run, reps=5), run()
             except Exception as exc:  # noqa: BLE001  (one tiling failing must not cost the others)
                 res[-1]["error"] = repr(exc)
                 continue
             first = o if first is None else first  # 32-slot blocks: other bits by design
+            if keep is not None and (hb, bs, warps, stages, raw) == (32, 64, 8, None, True):
+                keep.setdefault(rows, (q, win, kv, slots, attn.sink, hd ** -0.5, {}))[6][f"pv{pp}"] = o
             res[-1].update(same_bits=bool(torch.equal(o.view(torch.int32), first.view(torch.int32))),
                            rel_to_first=float((o.double() - first.double()).norm() / first.double().norm()))
             log(f"one-pass core, {H} heads: {res[-1]}")

@@ -182,6 +182,18 @@ def test_onepass_rejects_bad_arguments():
         attention_onepass(*args, c["slots"], c["sink"], 0.1, key_block=24)
     with pytest.raises(ValueError, match="entries must be"):
         attention_onepass(c["q"], c["win"], c["ents"].bfloat16(), c["slots"], c["sink"], 0.1)
+    with pytest.raises(ValueError, match="pv_parts must be 2 or 3"):
+        attention_onepass(*args, c["slots"], c["sink"], 0.1, pv_parts=1)
+
+
+def test_onepass_pv_parts_env_is_checked(monkeypatch):
+    """`DSV41_PREFILL_PV_PARTS` is read at the launch: a bad value is an error naming the variable."""
+    from dsv41.kernels.step.prefill_core import PV_PARTS_ENV, attention_onepass
+
+    c = _case("fp32")
+    monkeypatch.setenv(PV_PARTS_ENV, "4")
+    with pytest.raises(ValueError, match=PV_PARTS_ENV):
+        attention_onepass(c["q"], c["win"], c["ents"], c["slots"], c["sink"], 0.1)
 
 
 def _full_case(heads: int, T: int = 2048, entries: int = 8192, pos: int = 6000) -> dict:

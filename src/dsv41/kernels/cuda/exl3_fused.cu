@@ -1536,6 +1536,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
 #ifndef EXL3_WG_RELAXED
 #define EXL3_WG_RELAXED 0
 #endif
+// DESC: each k step's B descriptor as the stage's first one plus a constant (b_desc's address field is the shared
+// address / 16 and the steps move it by 32 B and 16 KiB: no carry out of the field), instead of b_desc of the
+// step's address; per k step ~5 uniform-datapath instructions less of the ~52 a warp issues (the issue slots are
+// the kernel's bound: bench/results/ncu/). The same descriptors: the same bits.
+#ifndef EXL3_WG_DESC
+#define EXL3_WG_DESC 1
+#endif
 #if EXL3_WG_RELAXED
 #define WG_MEM
 #define WG_MEM_IN
@@ -1684,6 +1691,9 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
         cp_async_commit();
         const u32* stage = S.ring + slot * KR * TW;
         const u32 bbase = S.bring + slot * WG_B_STAGE_BYTES;
+#if EXL3_WG_DESC
+        const unsigned long long desc0 = b_desc(bbase);
+#endif
         u32 frag[4][4];
 #if EXL3_WG_PREFETCH
         u32 words[2][NW];
@@ -1706,7 +1716,11 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
 #endif
             wgmma_fence();
             fence_acc(acc);
+#if EXL3_WG_DESC
+            wgmma_rows<N>(acc, frag[s & 3], desc0 + (unsigned long long)(((s >> 2) * WG_ATOM_BYTES + (s & 3) * 32) >> 4));
+#else
             wgmma_rows<N>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));
+#endif
             fence_acc(acc);
             wgmma_commit();
         }

@@ -102,7 +102,7 @@ ALIGN_ENV = "DSV41_ATTN_ALIGNED"
 @triton.jit
 def _bf16_parts(x, PARTS: tl.constexpr):
     """fp32 x as bf16 parts: PARTS 1 (x holds bf16 values: itself), 3 (hi + mid + lo == x exactly: each part takes
-    the next 8 significant bits, the remainders are exact fp32 differences)."""
+    the next 8 significant bits, the remainders are exact fp32 differences); 2 takes hi and mid of 3 (lo unused)."""
     hi = x.to(tl.bfloat16)
     if PARTS == 1:
         return hi, hi, hi
@@ -135,6 +135,9 @@ def _split_dot(a, b, acc, AP: tl.constexpr, BP: tl.constexpr):
     if AP == 3:
         if BP == 1:
             acc = tl.dot(a2, b0, acc)
+        acc = tl.dot(a1, b0, acc)
+    if AP == 2:  # hi + mid: a to 16 significant bits (2^-17 relative), for the prefill core's softmax weights
+        tl.static_assert(BP == 1, "two parts of a only against one part of b")
         acc = tl.dot(a1, b0, acc)
     return tl.dot(a0, b0, acc)
 
@@ -241,16 +244,17 @@ def _core_split_kernel(q_ptr, sqt, sqh, k_ptr, skt, skj, ok_ptr, sot, sink_ptr, 
 
 @triton.jit
 def _online_block(q, k, live, m, l, acc, scale, HB: tl.constexpr, HDP: tl.constexpr, QP: tl.constexpr,
-                  KP: tl.constexpr):
+                  KP: tl.constexpr, PP: tl.constexpr = 3):
     """One key block of the online softmax: the running max m, sum l and accumulator acc after keys k [BS, HDP]
-    (live [BS]; dead slots 0.0) of the block."""
+    (live [BS]; dead slots 0.0) of the block. PP: the bf16 parts of the softmax weights in their product with the
+    keys (3: exact; 2: to 2^-17 relative, the prefill core's `pv_parts`)."""
     s = _split_dot(q, tl.trans(k), tl.zeros((HB, k.shape[0]), dtype=tl.float32), QP, KP) * scale
     s = tl.where(live[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
     p = tl.where(live[None, :], tl.exp(s - m_new[:, None]), 0.0)
     l = l * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), 3, KP)
+    acc = acc * alpha[:, None] + _split_dot(p, k, tl.zeros((HB, HDP), dtype=tl.float32), PP, KP)
     return m_new, l, acc
 
 

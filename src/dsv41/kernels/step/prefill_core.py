@@ -27,6 +27,8 @@ m_new == m, alpha = 1 and p = 0 (acc is never -0.0: it starts +0.0 and each bloc
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,7 +46,11 @@ from .pdl import launch as pdl_launch, wait_previous
 # 4 warps (~700 B), not at 8 (236 registers: the keys then read twice a row); 32-slot blocks do not spill (247) but
 # halve the products' width. bench/prefill.py `onepass_tilings` times these. key_block fixes the bits; head_block and
 # num_warps do not change a row's math (heads are independent rows of the products).
-ONEPASS_TILING = dict(head_block=32, key_block=64, num_warps=8, raw=True)
+# pv_parts: the softmax weights' bf16 parts in their product with the keys (3: exact products; 2: to 2^-17 relative,
+# one product of the four a block less; bench/prefill.py's onepass_tilings times and compares both).
+# `DSV41_PREFILL_PV_PARTS` (2 or 3, read at each launch) overrides it for a prompt-level A/B.
+ONEPASS_TILING = dict(head_block=32, key_block=64, num_warps=8, raw=True, pv_parts=3)
+PV_PARTS_ENV = "DSV41_PREFILL_PV_PARTS"
 
 
 @triton.jit
@@ -63,7 +69,7 @@ def _raw_keys(t64, j, col, col_ok, S, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, se
 def _core_onepass_kernel(q_ptr, sqt, sqh, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, ser, n_rows, sink_ptr, out_ptr,
                          H, S, HD, scale,
                          HB: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
-                         RAW: tl.constexpr = False, PDL: tl.constexpr = False):
+                         RAW: tl.constexpr = False, PDL: tl.constexpr = False, PP: tl.constexpr = 3):
     """One (row, head block): the online softmax over all S slots of the row in blocks of BS, then o. RAW (compiled
     only, keys of one bf16 part): q and the keys reach the products in their loaded bf16 (`_split_dot` takes them
     as their one part), not through fp32 copies."""
@@ -87,7 +93,7 @@ def _core_onepass_kernel(q_ptr, sqt, sqh, idx_ptr, sit, w_ptr, swr, n_win, e_ptr
             live, k = _raw_keys(t64, j, col, col_ok, S, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, ser, n_rows)
         else:
             live, k = _indexed_block(t64, j, col, col_ok, S, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, ser, n_rows)
-        m, l, acc = _online_block(q, k, live, m, l, acc, scale, HB, HDP, QP, KP)
+        m, l, acc = _online_block(q, k, live, m, l, acc, scale, HB, HDP, QP, KP, PP)
     den = l + tl.where(sink == m, 1.0, tl.exp(sink - m))
     o = tl.math.div_rn(acc, tl.zeros((HB, HDP), dtype=tl.float32) + den[:, None])
     tl.store(out_ptr + (t64 * H + h[:, None]) * HD + col[None, :], o, mask=ok)
@@ -97,19 +103,29 @@ def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
                       slots: torch.Tensor, sink: torch.Tensor, scale: float, *, keys_bf16: bool | None = None,
                       head_block: int = ONEPASS_TILING["head_block"], key_block: int = ONEPASS_TILING["key_block"],
                       num_warps: int = ONEPASS_TILING["num_warps"], num_stages: int | None = None,
-                      raw: bool = ONEPASS_TILING["raw"], out: torch.Tensor | None = None) -> torch.Tensor:
+                      raw: bool = ONEPASS_TILING["raw"], pv_parts: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The core of prefill rows in one launch (module docstring), over the slots `attention_indexed` reads (same
     arguments: q [T, H, hd]; window_rows [W, hd], entries [C, hd] or None, one dtype; slots int32 [T, S], r < W a
     window row, W <= r < W + C entry r - W, r < 0 dead). Within fp32 rounding of `attention_indexed` / the
     reference's `_core`, not its bits. `key_block` (a power of two >= 16) fixes the bits; `head_block` (a power of
     two >= 16), `num_warps` and `num_stages` (None: Triton's default) only the speed; `raw` (the kernel's RAW,
-    compiled only: the same products from the loaded bf16, perhaps in another operand layout) may change them.
+    compiled only: the same products from the loaded bf16, perhaps in another operand layout) may change them, as
+    `pv_parts` does (2 or 3, None: `PV_PARTS_ENV` or the tiling's; the softmax weights' bf16 parts against bf16 keys; fp32 keys take 3; compiled only:
+    the interpreter's dots are fp32).
     Returns o [T, H, hd] fp32
     (written into `out` when given: contiguous fp32 [T, H, hd]); no host sync, no scratch."""
     from .prefill_slots import indexed_sources
 
     T, H, hd = q.shape
     window_rows, ents, W, C, slots = indexed_sources(q, window_rows, entries, slots)
+    if pv_parts is None:
+        pv_parts = os.environ.get(PV_PARTS_ENV, "").strip() or ONEPASS_TILING["pv_parts"]
+        if str(pv_parts) not in ("2", "3"):
+            raise ValueError(f"{PV_PARTS_ENV} must be 2 or 3, got {pv_parts!r}")
+        pv_parts = int(pv_parts)
+    if pv_parts not in (2, 3):
+        raise ValueError(f"pv_parts must be 2 or 3, got {pv_parts}")
     for name, v in (("head_block", head_block), ("key_block", key_block)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
@@ -123,5 +139,6 @@ def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
         q, q.stride(0), q.stride(1), slots, slots.stride(0), window_rows, window_rows.stride(0), W, ents,
         ents.stride(0), W + C, sink, out, H, slots.shape[1], hd, float(scale),
         HB=head_block, BS=key_block, HDP=triton.next_power_of_2(max(hd, 16)), QP=_parts(q.dtype == torch.bfloat16),
-        KP=_parts(exact), RAW=bool(raw), num_warps=num_warps, enable_fp_fusion=False, **stages, **pdl_launch(q.device))
+        KP=_parts(exact), RAW=bool(raw), PP=pv_parts if exact else 3, num_warps=num_warps, enable_fp_fusion=False,
+        **stages, **pdl_launch(q.device))
     return out
