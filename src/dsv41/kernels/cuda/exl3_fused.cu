@@ -1543,6 +1543,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
 #ifndef EXL3_WG_DESC
 #define EXL3_WG_DESC 1
 #endif
+// BSLOTS: the B ring's slots. 2: a stage's copies go into the slot the stage before read, so every stage ends in
+// wgmma_wait<0> (the pipeline drained) before the block barrier. 3: the slot written was read two stages before,
+// whose products are done by then (at most the last 3 of a warpgroup's products are in flight at a barrier), so no
+// drain: each k step waits for the product 4 steps back, across stages too. 96 KiB of B (K <= 4 keeps two blocks an
+// SM). The same products in the same order: the same bits.
+#ifndef EXL3_WG_BSLOTS
+#define EXL3_WG_BSLOTS 2
+#endif
 #if EXL3_WG_RELAXED
 #define WG_MEM
 #define WG_MEM_IN
@@ -1681,16 +1689,16 @@ __device__ __forceinline__ void wg_issue_weights(WgState& S, int slot, bool load
 template <int N>
 __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
     for (int it = 0; it < S.n_stages; ++it) {
-        const int slot = it % EXL3_WG_STAGES;
+        const int slot = it % EXL3_WG_STAGES, bslot = it % EXL3_WG_BSLOTS;
         asm volatile("cp.async.wait_group %0;" ::"n"(EXL3_WG_STAGES - 2));
         fence_async_shared();  // the cp.async writes (generic proxy) visible to the tensor cores' reads (async proxy)
         __syncthreads();
         const int next = it + EXL3_WG_STAGES - 1, nslot = next % EXL3_WG_STAGES;
         wg_issue_weights(S, nslot, next < S.n_stages);
-        wg_issue_b(S, next, nslot);
+        wg_issue_b(S, next, next % EXL3_WG_BSLOTS);
         cp_async_commit();
         const u32* stage = S.ring + slot * KR * TW;
-        const u32 bbase = S.bring + slot * WG_B_STAGE_BYTES;
+        const u32 bbase = S.bring + bslot * WG_B_STAGE_BYTES;
 #if EXL3_WG_DESC
         const unsigned long long desc0 = b_desc(bbase);
 #endif
@@ -1708,7 +1716,7 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
                 for (int i = 0; i < NW; ++i) words[(s + 1) & 1][i] = stage[(s + 1) * TW + S.off[i]];
             }
 #endif
-            if (s >= 4) wgmma_wait<3>();  // step s - 4, the last reader of frag[s % 4], is done
+            if (s >= 4 || EXL3_WG_BSLOTS > 2) wgmma_wait<3>();  // step s - 4, the last reader of frag[s % 4], is done
 #if EXL3_WG_PREFETCH
             decode_words(words[s & 1], S.sh, frag[s & 3]);
 #else
@@ -1724,9 +1732,15 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
             fence_acc(acc);
             wgmma_commit();
         }
+#if EXL3_WG_BSLOTS == 2
         wgmma_wait<0>();  // the stage's B slot is overwritten after the next barrier
         fence_acc(acc);
+#endif
     }
+#if EXL3_WG_BSLOTS > 2
+    wgmma_wait<0>();
+    fence_acc(acc);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
@@ -1739,7 +1753,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_
     const u32 base = smem_addr(wg_smem);
     const u32 pad = (1024 - (base & 1023)) & 1023;
     unsigned char* aligned = wg_smem + pad;
-    u32* rings = (u32*)(aligned + EXL3_WG_STAGES * WG_B_STAGE_BYTES);
+    u32* rings = (u32*)(aligned + EXL3_WG_BSLOTS * WG_B_STAGE_BYTES);
     float* ys = (float*)aligned;  // the epilogue's tile reuses the buffer once the k loop is done
     const long long row_stride_words = (long long)(n / 16) * TW;
     const u32* tile_col = trellis + (long long)e * (k / 16) * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;

@@ -29,6 +29,7 @@ KERNEL = "exl3_prefill_wg128"
 ROWS = 128
 STAGES = 2  # EXL3_WG_STAGES: the k loop's stages of weights and B (exl3_fused.cu)
 B_STAGE_BYTES = ROWS * 128 * 2  # 128 rows x 128 k fp16 a stage
+B_SLOTS = 2  # EXL3_WG_BSLOTS's default: the B ring's slots
 
 
 def enabled() -> bool:
@@ -47,9 +48,10 @@ def use_wgmma(device: torch.device, wgmma: bool | None = None) -> bool:
 
 
 def shared_bytes(K: int) -> int:
-    """The B ring, every warp's weight ring (as r128's), 1 KiB to align the B ring to the swizzle's 1,024-byte atoms;
-    the epilogue's fp32 tile reuses them: 77-97 KiB (K 1-8)."""
-    rings = STAGES * B_STAGE_BYTES + STAGES * 8 * 8 * 8 * K * 4
+    """The B ring (`EXL3_WG_BSLOTS` slots, the tuning's or 2), every warp's weight ring (as r128's), 1 KiB to align
+    the B ring to the swizzle's 1,024-byte atoms; the epilogue's fp32 tile reuses them: 77-97 KiB (K 1-8) with 2
+    B slots, 32 KiB more with 3."""
+    rings = TUNING.get("EXL3_WG_BSLOTS", B_SLOTS) * B_STAGE_BYTES + STAGES * 8 * 8 * 8 * K * 4
     return 1024 + max(rings, ROWS * YS_STRIDE * 4)
 
 
