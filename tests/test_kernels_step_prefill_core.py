@@ -120,7 +120,27 @@ def _interp_worker(out_path: str) -> None:
         out[name] = _results(c, exact, dict(head_block=spec[7], key_block=spec[8]))
         out[name]["split"] = attention_indexed(c["q"], c["win"], c["ents"], c["slots"], c["sink"],
                                                c["q"].shape[2] ** -0.5, keys_bf16=exact)
+        out[name]["roped"] = _roped(c, exact, dict(head_block=spec[7], key_block=spec[8]))
     torch.save(out, out_path)
+
+
+def _roped(c: dict, exact: bool, tiling: dict) -> dict:
+    """o inverse-RoPE'd in the core's epilogue (bf16 and fp16 out, a 16-dim tail) and by the row-op launch after it
+    (`rope_rows` on the fp32 o)."""
+    from dsv41.kernels.step.prefill_core import attention_onepass
+    from dsv41.kernels.step.rowops import rope_rows
+
+    T, H, hd = c["q"].shape
+    pos = torch.tensor([3, 700, 0, 91, 12345, 8][:T], dtype=torch.int64)
+    freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    plain = attention_onepass(c["q"], c["win"], c["ents"], c["slots"], c["sink"], hd ** -0.5, keys_bf16=exact,
+                              **tiling)
+    res = {}
+    for dt in (torch.bfloat16, torch.float16):
+        res[f"fused_{dt}"] = attention_onepass(c["q"], c["win"], c["ents"], c["slots"], c["sink"], hd ** -0.5,
+                                               keys_bf16=exact, rope=(pos, freq, 16, dt), **tiling)
+        res[f"after_{dt}"] = rope_rows(plain, pos, freq, 16, inverse=True, out_dtype=dt)
+    return res
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +189,20 @@ def test_interpreted_onepass_rows_are_invariant_bitwise(interp, name):
     _check_invariance(interp[name])
 
 
+@pytest.mark.parametrize("name", CASES)
+def test_interpreted_onepass_inverse_rope_in_the_epilogue_is_the_row_ops_bits(interp, name):
+    """`rope=`: o inverse-RoPE'd and rounded in the core's epilogue == `rope_rows(o, inverse=True, out_dtype=)` on
+    the fp32 o, bit for bit (bf16 and fp16), and the tail really rotated (the roped o is not the rounded o)."""
+    res = interp[name]["roped"]
+    for dt in (torch.bfloat16, torch.float16):
+        fused, after = res[f"fused_{dt}"], res[f"after_{dt}"]
+        assert fused.dtype == dt and torch.equal(fused.view(torch.int16), after.view(torch.int16)), dt
+        rounded = interp[name]["out"].to(dt)
+        hd = fused.shape[2]
+        assert torch.equal(fused[..., : hd - 16].view(torch.int16), rounded[..., : hd - 16].view(torch.int16))
+        assert not torch.equal(fused[0, :, hd - 16:], rounded[0, :, hd - 16:]), "the tail was not rotated"
+
+
 def test_onepass_rejects_bad_arguments():
     from dsv41.kernels.step.prefill_core import attention_onepass
 
@@ -184,6 +218,15 @@ def test_onepass_rejects_bad_arguments():
         attention_onepass(c["q"], c["win"], c["ents"].bfloat16(), c["slots"], c["sink"], 0.1)
     with pytest.raises(ValueError, match="pv_parts must be 2 or 3"):
         attention_onepass(*args, c["slots"], c["sink"], 0.1, pv_parts=1)
+    T = c["q"].shape[0]
+    freq = torch.ones(8)
+    with pytest.raises(ValueError, match="rope must be"):
+        attention_onepass(*args, c["slots"], c["sink"], 0.1, rope=(torch.zeros(T + 1), freq, 16, torch.bfloat16))
+    with pytest.raises(ValueError, match="rope must be"):
+        attention_onepass(*args, c["slots"], c["sink"], 0.1, rope=(torch.zeros(T), freq, 15, torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        attention_onepass(*args, c["slots"], c["sink"], 0.1, rope=(torch.zeros(T), freq, 16, torch.bfloat16),
+                          out=torch.empty(c["q"].shape))
 
 
 def test_onepass_pv_parts_env_is_checked(monkeypatch):
@@ -239,6 +282,15 @@ def test_gpu_onepass_core_full_shape(heads):
     rel, worst = _errors(one[:64], _reference(sub))
     assert rel < 1e-5 and worst < 1e-4, (rel, worst)
     assert torch.isfinite(one).all() and one.abs().sum() > 0
+    # o's inverse RoPE in the epilogue: the row-op launch's bits on the fp32 o (rows at positions 6000 + t)
+    from dsv41.kernels.step.rowops import rope_rows
+
+    pos = 6000 + torch.arange(c["q"].shape[0], device=one.device)
+    freq = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32, device=one.device) / 64))
+    fused = attention_onepass(c["q"], c["win"], c["ents"], c["slots"], c["sink"], scale, keys_bf16=True,
+                              rope=(pos, freq, 64, torch.bfloat16))
+    after = rope_rows(one, pos, freq, 64, inverse=True, out_dtype=torch.bfloat16)
+    assert torch.equal(fused.view(torch.int16), after.view(torch.int16)), "the epilogue's RoPE is not rope_rows'"
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--interp-worker":

@@ -408,10 +408,11 @@ class FastModel:
         x, a_pre, a_post, a_comb, proj = out[:5]
         if pool is None:
             o = block.attn.attend(proj, n, P, segs, phase, trace)
+            roped = block.attn.attend_ropes(phase, o.device)
         else:  # (tables, pool): attention over the pool in place
-            o = block.attn.attend_pool(proj, n, P, pool[0], pool[1], phase)
-        x, f_pre, y, f_post, f_comb = piece(f"ffn.{L}", partial(self._ffn, block, sites, n, phase, trace,
-                                                                pool is not None), o, P, x, a_post, a_comb, a_pre)
+            o, roped = block.attn.attend_pool(proj, n, P, pool[0], pool[1], phase), True
+        x, f_pre, y, f_post, f_comb = piece(f"ffn.{L}", partial(self._ffn, block, sites, n, phase, trace, roped), o,
+                                            P, x, a_post, a_comb, a_pre)
         if trace is not None:  # the reference's per-layer record (model/transformer.py); one more launch, traced only
             trace.update(streams_out=sites.expanded(x, (y, f_post, f_comb))[:n], pre_mix_out=f_pre[:n])
         return x, f_pre, (y, f_post, f_comb)
@@ -441,7 +442,8 @@ class FastModel:
 
     def _ffn(self, block: FastBlock, sites: MhcSites, n, phase, trace, roped, o, P, x, a_post, a_comb, a_pre):
         """The attention's output projections and reduction, the FFN mHC site, the MoE and its reduction:
-        `(x, pre, y, post, comb)`. `roped`: o comes inverse-RoPE'd in x's dtype (`attend_pool`)."""
+        `(x, pre, y, post, comb)`. `roped`: o comes inverse-RoPE'd in x's dtype (`attend_pool`, `attend` where
+        `attend_ropes`)."""
         comm = self.comm
         y = block.attn.output(o, n, P, phase, x.dtype, roped=roped)
         with section("comm"):  # the partials are x.dtype: the comm widens them to fp32 for the sum and rounds once

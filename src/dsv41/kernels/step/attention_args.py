@@ -120,9 +120,9 @@ def check_tiling(split_keys: int, key_block: int, num_warps: int, head_block: in
     return dict(split_keys=split_keys, key_block=key_block, num_warps=num_warps, head_block=head_block)
 
 
-def core_io(q: torch.Tensor, sink: torch.Tensor, out: torch.Tensor | None):
-    """The attention cores' q (unit stride over hd), sink (fp32 [H]) and o (fp32 [T, H, hd]: `out` checked, or a
-    fresh one), for the split launches (attention.py) and the one-pass prefill core (prefill_core.py)."""
+def core_io(q: torch.Tensor, sink: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype = torch.float32):
+    """The attention cores' q (unit stride over hd), sink (fp32 [H]) and o (`out_dtype` [T, H, hd]: `out` checked, or
+    a fresh one), for the split launches (attention.py) and the one-pass prefill core (prefill_core.py)."""
     T, H, hd = q.shape
     if sink.shape != (H,):
         raise ValueError(f"sink {list(sink.shape)} must be [H={H}]")
@@ -130,8 +130,8 @@ def core_io(q: torch.Tensor, sink: torch.Tensor, out: torch.Tensor | None):
     if q.stride(2) != 1:
         q = q.contiguous()
     if out is None:
-        out = torch.empty(T, H, hd, dtype=torch.float32, device=q.device)
-    elif out.shape != (T, H, hd) or out.dtype != torch.float32 or not out.is_contiguous() or out.device != q.device:
-        raise ValueError(f"out must be contiguous fp32 [{T}, {H}, {hd}] on {q.device}, got {out.dtype} "
+        out = torch.empty(T, H, hd, dtype=out_dtype, device=q.device)
+    elif out.shape != (T, H, hd) or out.dtype != out_dtype or not out.is_contiguous() or out.device != q.device:
+        raise ValueError(f"out must be contiguous {out_dtype} [{T}, {H}, {hd}] on {q.device}, got {out.dtype} "
                          f"{list(out.shape)} on {out.device}")
     return q, sink, out

@@ -36,6 +36,7 @@ import triton.language as tl
 from .attention import MMA, _indexed_block, _online_block, _parts
 from .attention_args import core_io
 from .pdl import launch as pdl_launch, wait_previous
+from .rowops import _DTYPES, _cast, rope_apply, rope_trig
 
 # The one-pass core's tiling for prefill rows: all 32 local heads of a TP=2 rank per program (the keys read once per
 # row; 64 heads: two programs a row), 64-slot blocks, 8 warps, `raw` keys. Compiled for sm_90 (Triton 3.7, ptxas -v;
@@ -67,12 +68,15 @@ def _raw_keys(t64, j, col, col_ok, S, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, se
 
 @triton.jit(do_not_specialize=["S", "sit", "n_win", "n_rows"])
 def _core_onepass_kernel(q_ptr, sqt, sqh, idx_ptr, sit, w_ptr, swr, n_win, e_ptr, ser, n_rows, sink_ptr, out_ptr,
-                         H, S, HD, scale,
+                         pos_ptr, freq_ptr, H, S, HD, scale,
                          HB: tl.constexpr, BS: tl.constexpr, HDP: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
-                         RAW: tl.constexpr = False, PDL: tl.constexpr = False, PP: tl.constexpr = 3):
+                         RAW: tl.constexpr = False, PDL: tl.constexpr = False, PP: tl.constexpr = 3,
+                         R: tl.constexpr = 0, OUT: tl.constexpr = tl.float32):
     """One (row, head block): the online softmax over all S slots of the row in blocks of BS, then o. RAW (compiled
     only, keys of one bf16 part): q and the keys reach the products in their loaded bf16 (`_split_dot` takes them
-    as their one part), not through fp32 copies."""
+    as their one part), not through fp32 copies. R > 0: o's inverse RoPE over its last R dims at pos[t], o rounded
+    to OUT, in the epilogue: `rowops.rope_trig` / `rope_apply` on the pairs, the bits of `rope_rows(o, inverse=True,
+    out_dtype=OUT)` on the fp32 o (as the split core's combine does it)."""
     wait_previous(PDL)
     t64 = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * HB + tl.arange(0, HB)
@@ -96,7 +100,13 @@ def _core_onepass_kernel(q_ptr, sqt, sqh, idx_ptr, sit, w_ptr, swr, n_win, e_ptr
         m, l, acc = _online_block(q, k, live, m, l, acc, scale, HB, HDP, QP, KP, PP)
     den = l + tl.where(sink == m, 1.0, tl.exp(sink - m))
     o = tl.math.div_rn(acc, tl.zeros((HB, HDP), dtype=tl.float32) + den[:, None])
-    tl.store(out_ptr + (t64 * H + h[:, None]) * HD + col[None, :], o, mask=ok)
+    if R > 0:  # the pairs (2i, 2i + 1) apart, rotated, put back in place
+        ev, od = tl.split(tl.reshape(o, (HB, HDP // 2, 2)))
+        pc = 2 * tl.arange(0, HDP // 2)[None, :]  # the even members' columns; cos and sin once for the row's heads
+        rot, c, s = rope_trig(tl.load(pos_ptr + t64), freq_ptr, pc, pc < HD, HD, R, True)
+        ev, od = rope_apply(_cast(ev, OUT), _cast(od, OUT), rot, c, s, OUT)
+        o = tl.reshape(tl.join(ev, od), (HB, HDP))
+    tl.store(out_ptr + (t64 * H + h[:, None]) * HD + col[None, :], o.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None,
@@ -104,17 +114,20 @@ def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
                       head_block: int = ONEPASS_TILING["head_block"], key_block: int = ONEPASS_TILING["key_block"],
                       num_warps: int = ONEPASS_TILING["num_warps"], num_stages: int | None = None,
                       raw: bool = ONEPASS_TILING["raw"], pv_parts: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """The core of prefill rows in one launch (module docstring), over the slots `attention_indexed` reads (same
     arguments: q [T, H, hd]; window_rows [W, hd], entries [C, hd] or None, one dtype; slots int32 [T, S], r < W a
     window row, W <= r < W + C entry r - W, r < 0 dead). Within fp32 rounding of `attention_indexed` / the
     reference's `_core`, not its bits. `key_block` (a power of two >= 16) fixes the bits; `head_block` (a power of
     two >= 16), `num_warps` and `num_stages` (None: Triton's default) only the speed; `raw` (the kernel's RAW,
     compiled only: the same products from the loaded bf16, perhaps in another operand layout) may change them, as
-    `pv_parts` does (2 or 3, None: `PV_PARTS_ENV` or the tiling's; the softmax weights' bf16 parts against bf16 keys; fp32 keys take 3; compiled only:
-    the interpreter's dots are fp32).
-    Returns o [T, H, hd] fp32
-    (written into `out` when given: contiguous fp32 [T, H, hd]); no host sync, no scratch."""
+    `pv_parts` does (2 or 3, None: `PV_PARTS_ENV` or the tiling's; the softmax weights' bf16 parts against bf16
+    keys; fp32 keys take 3; compiled only: the interpreter's dots are fp32). `rope` (positions [T], inv_freq
+    [R / 2], R, dtype): o inverse-RoPE'd over its last R dims at each row's position and rounded to dtype in the
+    same launch, the bits of `rowops.rope_rows(o, positions, inv_freq, R, inverse=True, out_dtype=dtype)` on the
+    fp32 o (the fp32 o is never written).
+    Returns o [T, H, hd] fp32, or `rope`'s dtype (written into `out` when given: contiguous, that dtype); no host
+    sync, no scratch."""
     from .prefill_slots import indexed_sources
 
     T, H, hd = q.shape
@@ -129,7 +142,14 @@ def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
     for name, v in (("head_block", head_block), ("key_block", key_block)):
         if v < 16 or v & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    q, sink, out = core_io(q, sink, out)
+    R, pos, freq, dtype = 0, q, q, torch.float32  # (pos, freq: unread placeholders without rope)
+    if rope is not None:
+        pos, freq, R, dtype = rope
+        if not (0 < R <= hd and R % 2 == 0) or pos.shape != (T,) or freq.shape != (R // 2,) or dtype not in _DTYPES:
+            raise ValueError(f"rope must be (positions [{T}], inv_freq [R / 2], even R in (0, {hd}], a float dtype), "
+                             f"got positions {list(pos.shape)}, inv_freq {list(freq.shape)}, R {R}, {dtype}")
+        pos, freq = pos.contiguous(), freq.to(torch.float32).contiguous()
+    q, sink, out = core_io(q, sink, out, dtype)
     if T == 0:
         return out
     exact = window_rows.dtype == torch.bfloat16 if keys_bf16 is None else bool(keys_bf16)
@@ -137,8 +157,8 @@ def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch
     # no contraction, as the split launch (kernels/step/attention.py `_launch`): each operation rounded on its own
     _core_onepass_kernel[(T, triton.cdiv(H, head_block))](
         q, q.stride(0), q.stride(1), slots, slots.stride(0), window_rows, window_rows.stride(0), W, ents,
-        ents.stride(0), W + C, sink, out, H, slots.shape[1], hd, float(scale),
+        ents.stride(0), W + C, sink, out, pos, freq, H, slots.shape[1], hd, float(scale),
         HB=head_block, BS=key_block, HDP=triton.next_power_of_2(max(hd, 16)), QP=_parts(q.dtype == torch.bfloat16),
-        KP=_parts(exact), RAW=bool(raw), PP=pv_parts if exact else 3, num_warps=num_warps, enable_fp_fusion=False,
-        **stages, **pdl_launch(q.device))
+        KP=_parts(exact), RAW=bool(raw), PP=pv_parts if exact else 3, R=R, OUT=_DTYPES[dtype], num_warps=num_warps,
+        enable_fp_fusion=False, **stages, **pdl_launch(q.device))
     return out

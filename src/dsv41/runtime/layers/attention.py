@@ -144,7 +144,8 @@ class FastAttention(InPlaceAttention, FastIndexer):
         output [B, d] (wo_b is row-parallel). Three parts: `project` and `output` are static (fixed shapes, no
         sequence state, no host sync: CUDA graph pieces of the decode step, runtime/graphs.py), `attend` is the
         per-sequence work between them."""
-        return self.output(self.attend(self.project(x, n, P, phase), n, P, segs, phase, trace), n, P, phase, x.dtype)
+        return self.output(self.attend(self.project(x, n, P, phase), n, P, segs, phase, trace), n, P, phase, x.dtype,
+                           roped=self.attend_ropes(phase, x.device))
 
     def project(self, x: torch.Tensor, n: int, P: torch.Tensor, phase: str, window=None) -> dict:
         """The projections over the bucket: q (RoPE), the window KV (RoPE, FP8), the compressor's inputs, the
@@ -232,9 +233,12 @@ class FastAttention(InPlaceAttention, FastIndexer):
             closed = [self._pool(s, proj, a["dtype"]) for s in segs] if role.compresses else []
         if any(c is not None for c in closed):
             self._append_entries(segs, closed, phase)
-        o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32, device=dev)
         kernels = step_kernels_run(dev)
         batched, blocked = kernels and is_fused(phase), kernels and not is_fused(phase)
+        rope = None
+        if self.attend_ropes(phase, dev):  # o inverse-RoPE'd in x's dtype by the one-pass core's epilogue
+            rope = (P, self._inv_freq(dev), cfg.qk_rope_head_dim, a["dtype"])
+        o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32 if rope is None else rope[3], device=dev)
         gathered = []
         indexed = kernels and role.scores
         if indexed:
@@ -250,7 +254,8 @@ class FastAttention(InPlaceAttention, FastIndexer):
                     ids = s.shared.topk[role.index] if indexed else self._topk(s, P[s.rows], iq, iw, src, trace)
             if blocked:
                 with section("attention"):
-                    self._core_blocked(q, o, s, win, ids, src)
+                    self._core_blocked(q, o, s, win, ids, src,
+                                       rope=None if rope is None else (P[s.rows],) + rope[1:])
                 continue
             with section("attention"):
                 keys, ok = self._slots(s, win, ids, src, slice(0, s.T))
@@ -263,6 +268,13 @@ class FastAttention(InPlaceAttention, FastIndexer):
             with section("attention"):
                 self._core_batched(q, gathered, o)
         return o
+
+    def attend_ropes(self, phase: str, device: torch.device) -> bool:
+        """Whether `attend`'s o comes inverse-RoPE'd in x's dtype (prefill rows through the one-pass core, whose
+        epilogue does it with `rope_rows`' bits: one launch and the fp32 o's write and read fewer), so that `output`
+        takes it as it is."""
+        return (not is_fused(phase) and step_kernels_run(device) and indexed_core_enabled()
+                and onepass_core_enabled())
 
     def output(self, o: torch.Tensor, n: int, P: torch.Tensor, phase: str, dtype: torch.dtype,
                roped: bool = False) -> torch.Tensor:
@@ -320,7 +332,7 @@ class FastAttention(InPlaceAttention, FastIndexer):
         return dict(keys_bf16=self._keys_bf16(keys), **decode_tiling())
 
     def _core_blocked(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
-                      ids: torch.Tensor | None, src, block: int | None = None) -> None:
+                      ids: torch.Tensor | None, src, block: int | None = None, rope: tuple | None = None) -> None:
         """The core of a prefill segment's rows with the step kernel, `block` (default PREFILL_CORE_ROWS) rows per
         launch, each block's slots gathered right before it in ONE gather from the window and the source's entries
         stacked once per segment (the reference's slot layout, the same values: `_slots`); o's rows written in
@@ -328,8 +340,10 @@ class FastAttention(InPlaceAttention, FastIndexer):
         (`kernels.step.attention`), so a row's bits do not depend on the block it is in nor on the chunk: chunked ==
         one-shot holds for the core bitwise (tests/test_runtime_prefill_core.py)."""
         if indexed_core_enabled():
-            self._core_indexed(q, o, s, win, ids, src, block)
+            self._core_indexed(q, o, s, win, ids, src, block, rope)
             return
+        if rope is not None:
+            raise ValueError("o's inverse RoPE in the core is the one-pass core's (`attend_ropes`)")
         from dsv41.kernels.step.attention import attention_core
 
         block = block or PREFILL_CORE_ROWS
@@ -357,13 +371,14 @@ class FastAttention(InPlaceAttention, FastIndexer):
                                    keys_bf16=self._keys_bf16(keys), **PREFILL_TILING)
 
     def _core_indexed(self, q: torch.Tensor, o: torch.Tensor, s: Segment, win: torch.Tensor,
-                      ids: torch.Tensor | None, src, block: int | None = None) -> None:
+                      ids: torch.Tensor | None, src, block: int | None = None, rope: tuple | None = None) -> None:
         """`_core_blocked`'s core without the gathered copy: the segment's slot index (int32 [T, S], one launch:
         `kernels.step.prefill_slots`) into the window rows and the source's entries where they are, and the core
         reading each slot's row through it (`attention_indexed`), `block` (default PREFILL_INDEXED_ROWS) rows a
         launch, straight into o's rows. The same slots, values, tiling and keys_bf16 rule as the gathered path, so
         the same bits (tests/test_runtime_prefill_core.py); a row's bits again depend only on that row. With
-        `ONEPASS_ENV` on, the one-pass core over the same slots (`attention_onepass`: other bits, row-invariant)."""
+        `ONEPASS_ENV` on, the one-pass core over the same slots (`attention_onepass`: other bits, row-invariant);
+        `rope` (its positions, inv_freq, R, dtype): o's inverse RoPE in its epilogue (`attend_ropes`)."""
         from dsv41.kernels.step.prefill_slots import attention_indexed, prefill_slot_index
 
         cfg = self.cfg
@@ -379,8 +394,10 @@ class FastAttention(InPlaceAttention, FastIndexer):
             from dsv41.kernels.step.prefill_core import attention_onepass
 
             attention_onepass(q[s.rows], win, entries, slots, self.sink, cfg.head_dim ** -0.5, keys_bf16=exact,
-                              out=o[s.rows])
+                              out=o[s.rows], rope=rope)
             return
+        if rope is not None:
+            raise ValueError("o's inverse RoPE in the core is the one-pass core's (`attend_ropes`)")
         block = block or PREFILL_INDEXED_ROWS
         for start in range(0, s.T, block):
             stop = min(start + block, s.T)
