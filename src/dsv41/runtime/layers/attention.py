@@ -238,7 +238,10 @@ class FastAttention(InPlaceAttention, FastIndexer):
         rope = None
         if self.attend_ropes(phase, dev):  # o inverse-RoPE'd in x's dtype by the one-pass core's epilogue
             rope = (P, self._inv_freq(dev), cfg.qk_rope_head_dim, a["dtype"])
-        o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32 if rope is None else rope[3], device=dev)
+        if rope is not None and sum(s.T for s in segs) == B:  # the segments' disjoint rows cover o: each row written
+            o = torch.empty(B, self.heads, cfg.head_dim, dtype=rope[3], device=dev)
+        else:
+            o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32 if rope is None else rope[3], device=dev)
         gathered = []
         indexed = kernels and role.scores
         if indexed:
