@@ -16,8 +16,9 @@ give other bits; each is row-invariant.
 
 Routed experts (`prefill_moe`), per layer:
   1. the chunk's (row, slot) pairs sorted by expert on the device (one stable argsort of the flattened ids: an
-     expert's pairs stay in (row, slot) order) and cut into tiles of at most BM pairs of one expert (`tile_table`,
-     torch ops, no host read: the grid is the static bound `pairs // BM + min(E, pairs)`, spare programs exit);
+     expert's pairs stay in (row, slot) order) and cut into tiles of at most BM pairs of one expert (`tile_table`'s
+     table, made by `tile_table.route_table` in three launches, no host read: the grid is the static bound
+     `pairs // BM + min(E, pairs)`, spare programs exit);
   2. `_rotate_kernel`: each pair's input row rotated with its expert's suh, once for gate and once for up (in the
      CUDA kernel's B-operand order on that backend);
   3. gate and up over each tile, clamped SwiGLU times the routing weight (the decode kernel's epilogue, h rounded
@@ -59,6 +60,7 @@ from dsv41.kernels.exl3.layout import Exl3ExpertStack, Exl3Tensor, check_moe_inp
 from dsv41.kernels.exl3 import prefill_cuda, prefill_wgmma
 from dsv41.kernels.exl3.prefill_dense import Workspace, dense_gemm_enabled, workspace_matmul
 from dsv41.kernels.exl3.prefill_cuda import prefill_tiles_cuda
+from dsv41.kernels.exl3.tile_table import route_table
 
 
 @dataclass(frozen=True)
@@ -386,9 +388,10 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     pairs = T * topk
     inter = w1.n
     x = x if x.stride(-1) == 1 else x.contiguous()
-    order, pair_e, table = tile_table(topk_ids, w1.experts, block_m)
-    src = torch.div(order, topk, rounding_mode="floor").to(torch.int32)
-    route = topk_weights.reshape(-1).float()[order].contiguous()
+    # the table, each sorted pair's row, weight and place: `tile_table`'s and the gathers' values in 3 launches
+    order, pair_e, table, src, route, out_rows = route_table(topk_ids, w1.experts, block_m,
+                                                             max_tiles(pairs, w1.experts, block_m),
+                                                             weights=topk_weights, topk=topk)
     had = hadamard_signs(dev, torch.float16)
     tiles = table.shape[0]
     xg, xu = _rotate(x, w1.suh, hidden, src=src, pair_e=pair_e, suh_b=w3.suh, rows=pairs, permute=cuda and not wg,
@@ -413,7 +416,6 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
             USE_ASM=use_inline_asm(dev, w1.codebook), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         del xg, xu
     y = torch.empty(pairs, hidden, dtype=torch.float32, device=dev)
-    out_rows = order.to(torch.int32)
     if cuda:
         tiles_of(hh, w2.words, w2.svh, w2.K, w2.codebook, inter, hidden, y, pairs, tiles, table=table,
                  out_rows=out_rows)
