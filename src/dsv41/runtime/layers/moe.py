@@ -191,8 +191,13 @@ class FusedMoE:
                 out = w2(swiglu_rows(*gate_up([x, x], n, phase), self.limit, rows=n), n, phase)
             elif not is_fused(phase) and dense_group_enabled() and gate_up.dense_batches():
                 g, u = gate_up([x, x], n, phase)  # prefill, DSV41_PREFILL_DENSE_GROUP: gate and up in one launch
-                out = swiglu_clamped(x, Expert(w1=lambda _: g, w2=partial(w2, n=n, phase=phase), w3=lambda _: u),
-                                     self.limit, None)
+                if step_kernels_run(x.device):  # the SwiGLU in one launch, not torch's six (a row's bits its own)
+                    from dsv41.kernels.step.swiglu import swiglu_rows
+
+                    out = w2(swiglu_rows(g, u, self.limit, rows=n), n, phase)
+                else:
+                    out = swiglu_clamped(x, Expert(w1=lambda _: g, w2=partial(w2, n=n, phase=phase),
+                                                   w3=lambda _: u), self.limit, None)
             else:
                 out = swiglu_clamped(x, Expert(w1=partial(w1, n=n, phase=phase), w2=partial(w2, n=n, phase=phase),
                                                w3=partial(w3, n=n, phase=phase)), self.limit, None)
