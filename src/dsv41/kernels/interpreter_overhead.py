@@ -121,8 +121,16 @@ def _lean_types(core) -> None:
     blocks: dict = {}  # (element type's name, shape) -> (the shape tuple's type, numel, name): all they depend on
     shapes: dict = {}  # a tensor type's shape -> (numel, its dimensions as constexprs, their tuple's type)
 
-    def plain(values) -> bool:
-        return all(builtins.type(v) is int for v in values)
+    def plain(values) -> bool:  # a loop, not all(...): shapes are 1-3 long, a generator costs more than the test
+        for v in values:
+            if builtins.type(v) is not int:
+                return False
+        return True
+
+    def shape_tuple(values, type_):  # Triton's tuple(values, type) without its copy loop and type check
+        out = object.__new__(ttuple)
+        out.values, out.type = values, type_
+        return out
 
     def block_type_init(self, element_ty, shape):
         # Triton's: element_ty; shape = tuple(unwrapped ints) (asserted list or Triton tuple); numel; name
@@ -136,7 +144,7 @@ def _lean_types(core) -> None:
             blocks[key] = (self.shape.type, self.numel, self.name)
             return
         self.element_ty = element_ty
-        self.shape = ttuple(list(values), found[0])
+        self.shape = shape_tuple(list(values), found[0])
         self.numel, self.name = found[1], found[2]
 
     def tensor_type_init(self, handle, type):  # noqa: A002 - Triton's parameter name
@@ -153,7 +161,7 @@ def _lean_types(core) -> None:
                 shapes[key] = (self.numel, list(self.shape.values), self.shape.type)
             return
         self.handle = handle
-        self.shape = ttuple(list(found[1]), found[2])
+        self.shape = shape_tuple(list(found[1]), found[2])
         self.numel = found[0]
         self.type = type
         self.dtype = type.scalar
