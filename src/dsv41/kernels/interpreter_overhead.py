@@ -20,7 +20,7 @@ tests/test_runtime_pool_attention.py's child (Triton 3.7):
   each scalar type's answer is Triton's own, asked once and kept (a block of it answers as its element, as there).
 - building its type objects (a `block_type`, a `tensor`: each shape wrapped in a Triton tuple whose type wraps every
   dimension again) and comparing shapes / dtypes through throwaway tuples: the largest part left after the above
-  (`_lean_types`: the pool-attention child 173 -> 129 s).
+  (`_lean_types`: the pool-attention child 173 -> 118 s, alone on the 2-core machine).
 Bits are untouched: what a kernel computes goes through the same semantic code either way
 (tests/test_kernels_interpreter_overhead.py). Nothing changes on a GPU: the compiled kernels never see this.
 """
@@ -111,7 +111,7 @@ def _lean_types(core) -> None:
     """Triton's type objects as its constructors make them, from what they made for an equal shape before, and two
     comparisons answered without their throwaway tuples (the same answers). Why: after the patches above, building
     `block_type` and `tensor` objects (each shape wrapped in a Triton tuple whose type wraps every dimension again)
-    was the largest part left: tests/test_runtime_pool_attention.py's child 173 -> 136 s with these, the same bits.
+    was the largest part left: tests/test_runtime_pool_attention.py's child 173 -> 118 s with these, the same bits.
     Each replacement takes its fast path only for the plain cases (shapes of Python ints, the exact classes) and
     hands every other call to Triton's own; the originals stay reachable as `.original` (the test compares)."""
     import builtins
