@@ -18,6 +18,9 @@ tests/test_runtime_pool_attention.py's child (Triton 3.7):
   in the interpreter's options): 26 % of the time, for a result thrown away. Turned off only while `debug` is off.
 - `_get_np_dtype` (2.3 million calls in that child) builds its table of 19 numpy dtypes at every call: 6 %. Here
   each scalar type's answer is Triton's own, asked once and kept (a block of it answers as its element, as there).
+- building its type objects (a `block_type`, a `tensor`: each shape wrapped in a Triton tuple whose type wraps every
+  dimension again) and comparing shapes / dtypes through throwaway tuples: the largest part left after the above
+  (`_lean_types`: the pool-attention child 173 -> 118 s, alone on the 2-core machine).
 Bits are untouched: what a kernel computes goes through the same semantic code either way
 (tests/test_kernels_interpreter_overhead.py). Nothing changes on a GPU: the compiled kernels never see this.
 """
@@ -55,8 +58,13 @@ def install() -> bool:
     # their functions stay patched; their re-patching at each later helper call is the same no-op
     lasting: set[int] = set()
 
+    seen: dict = {}  # a function's language modules, asked once (its module's `tl` / `core` are never rebound)
+
     def langs_of(fn) -> set[int]:
-        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        found = seen.get(fn)
+        if found is None:
+            found = seen[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return found
 
     def patch_lang(fn):
         patched = getattr(state, "langs", None)
@@ -95,4 +103,81 @@ def install() -> bool:
     setattr(patch_lang, _MARK, True)
     patch_lang.original = original  # the test compares against it
     it._patch_lang = patch_lang
+    _lean_types(tl.core)
     return True
+
+
+def _lean_types(core) -> None:
+    """Triton's type objects as its constructors make them, from what they made for an equal shape before, and two
+    comparisons answered without their throwaway tuples (the same answers). Why: after the patches above, building
+    `block_type` and `tensor` objects (each shape wrapped in a Triton tuple whose type wraps every dimension again)
+    was the largest part left: tests/test_runtime_pool_attention.py's child 173 -> 118 s with these, the same bits.
+    Each replacement takes its fast path only for the plain cases (shapes of Python ints, the exact classes) and
+    hands every other call to Triton's own; the originals stay reachable as `.original` (the test compares)."""
+    import builtins
+
+    block_type, tensor, ttuple, constexpr, dtype = core.block_type, core.tensor, core.tuple, core.constexpr, core.dtype
+    block_init, tensor_init, tuple_eq, dtype_eq = block_type.__init__, tensor.__init__, ttuple.__eq__, dtype.__eq__
+    blocks: dict = {}  # (element type's name, shape) -> (the shape tuple's type, numel, name): all they depend on
+    shapes: dict = {}  # a tensor type's shape -> (numel, its dimensions as constexprs, their tuple's type)
+
+    def plain(values) -> bool:  # a loop, not all(...): shapes are 1-3 long, a generator costs more than the test
+        for v in values:
+            if builtins.type(v) is not int:
+                return False
+        return True
+
+    def shape_tuple(values, type_):  # Triton's tuple(values, type) without its copy loop and type check
+        out = object.__new__(ttuple)
+        out.values, out.type = values, type_
+        return out
+
+    def block_type_init(self, element_ty, shape):
+        # Triton's: element_ty; shape = tuple(unwrapped ints) (asserted list or Triton tuple); numel; name
+        values = shape.values if builtins.type(shape) is ttuple else shape
+        if builtins.type(values) is not list or not plain(values):
+            return block_init(self, element_ty, shape)
+        key = (str(element_ty), builtins.tuple(values))
+        found = blocks.get(key)
+        if found is None:
+            block_init(self, element_ty, shape)
+            blocks[key] = (self.shape.type, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape = shape_tuple(list(values), found[0])
+        self.numel, self.name = found[1], found[2]
+
+    def tensor_type_init(self, handle, type):  # noqa: A002 - Triton's parameter name
+        # Triton's: handle; shape = tuple of constexpr dimensions (() for a scalar); numel; type; dtype (its scalar)
+        if builtins.type(type) is block_type:
+            values = type.shape.values if builtins.type(type.shape) is ttuple else None
+            key = builtins.tuple(values) if values is not None and plain(values) else None
+        else:
+            key = None if type.is_block() else ()
+        found = shapes.get(key) if key is not None else None
+        if found is None:
+            tensor_init(self, handle, type)
+            if key is not None:
+                shapes[key] = (self.numel, list(self.shape.values), self.shape.type)
+            return
+        self.handle = handle
+        self.shape = shape_tuple(list(found[1]), found[2])
+        self.numel = found[0]
+        self.type = type
+        self.dtype = type.scalar
+
+    def tuple_equal(self, other):
+        # Triton's: constexpr(self.values == other's values unwrapped), where a list of ints unwraps to itself
+        if builtins.type(other) is list and plain(other):
+            return constexpr(self.values == other)
+        return tuple_eq(self, other)
+
+    def dtype_equal(self, other):
+        return True if other is self else dtype_eq(self, other)  # Triton's: self.name == other.name
+
+    for cls, name, fn, orig in ((block_type, "__init__", block_type_init, block_init),
+                                (tensor, "__init__", tensor_type_init, tensor_init),
+                                (ttuple, "__eq__", tuple_equal, tuple_eq), (dtype, "__eq__", dtype_equal, dtype_eq)):
+        fn.original = orig
+        setattr(cls, name, fn)  # (set after the class was made: its __hash__ stays)
+
