@@ -1,7 +1,7 @@
 """The prefill attention core's one-pass launch (`kernels/step/prefill_core.py`) over the tilings of
 `prefill_kernels.ONEPASS_SWEEP` (head block, key block, warps, stages, raw keys, the softmax weights' bf16 parts
 `pv_parts`) at the full shape (32 local heads of 512, window 128 + top-512 slots over 8,192 FP4 entries): ms a
-launch and each tiling's rel L2 to the first (ONEPASS_TILING's; other key blocks and parts round otherwise), plus
+launch and each tiling's rel L2 to the first (the exact 3-part one; other key blocks and parts round otherwise), plus
 the first tiling's and the 2-part tiling's rel L2 to an fp64 reference on 64 rows.
 
     python3 bench/onepass_sweep.py --rows 2048,8192 --out bench/results/onepass_sweep.json

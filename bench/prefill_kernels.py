@@ -388,7 +388,8 @@ def attention_core_alone(attn, chunk: int, entries: int = 8192, pos: int = 6000,
     return res
 
 
-# (head_block, key_block, num_warps, num_stages, raw, pv_parts); the first is prefill_core.ONEPASS_TILING's
+# (head_block, key_block, num_warps, num_stages, raw, pv_parts); the first the exact 3-part tiling (the others' rel
+# L2 is to it), the second prefill_core.ONEPASS_TILING's
 ONEPASS_SWEEP = ((32, 64, 8, None, True, 3), (32, 64, 8, None, True, 2), (32, 64, 8, 2, True, 2),
                  (32, 64, 8, 3, True, 2), (32, 32, 8, None, True, 2), (32, 32, 4, None, True, 2),
                  (16, 64, 4, None, True, 2), (16, 32, 4, None, True, 2), (16, 64, 8, None, True, 2),
@@ -398,7 +399,7 @@ ONEPASS_SWEEP = ((32, 64, 8, None, True, 3), (32, 64, 8, None, True, 2), (32, 64
 def onepass_tilings(attn, rows_list, entries: int = 8192, pos: int = 6000, device: str = "cuda",
                     timer=cuda_ms, keep: dict | None = None) -> list:
     """The one-pass core launch alone (`attention_onepass`, slot index built once) at each row count, over a few
-    tilings (`ONEPASS_SWEEP`: prefill_core.ONEPASS_TILING first; stages None: Triton's default), each against the
+    tilings (`ONEPASS_SWEEP`: the 3-part tiling first; stages None: Triton's default), each against the
     first. `keep`: filled with rows -> (q, window, entries, slots, sink, scale, {tiling: o}) of the 3- and 2-part
     default tilings (bench/onepass_sweep.py's reference check)."""
     from dsv41.kernels.step.prefill_core import attention_onepass

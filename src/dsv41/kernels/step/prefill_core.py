@@ -48,9 +48,11 @@ from .rowops import _DTYPES, _cast, rope_apply, rope_trig
 # halve the products' width. bench/prefill.py `onepass_tilings` times these. key_block fixes the bits; head_block and
 # num_warps do not change a row's math (heads are independent rows of the products).
 # pv_parts: the softmax weights' bf16 parts in their product with the keys (3: exact products; 2: to 2^-17 relative,
-# one product of the four a block less; bench/prefill.py's onepass_tilings times and compares both).
-# `DSV41_PREFILL_PV_PARTS` (2 or 3, read at each launch) overrides it for a prompt-level A/B.
-ONEPASS_TILING = dict(head_block=32, key_block=64, num_warps=8, raw=True, pv_parts=3)
+# one product of the four a block less). H100 at 1428b9e (bench/onepass_sweep.py, 2,048 rows x 640 slots): 1.163 ->
+# 1.088 ms a layer, rel L2 to an fp64 reference 2.5e-7 -> 1.8e-6 (the GPU tests' bound 1e-5); prompts +1.2-1.5%.
+# `DSV41_PREFILL_PV_PARTS` (2 or 3, read at each launch) overrides it. num_stages None: Triton's default (2 stages
+# timed 1.03 ms alone, but no better in the prompts).
+ONEPASS_TILING = dict(head_block=32, key_block=64, num_warps=8, raw=True, pv_parts=2, num_stages=None)
 PV_PARTS_ENV = "DSV41_PREFILL_PV_PARTS"
 
 
@@ -112,7 +114,7 @@ def _core_onepass_kernel(q_ptr, sqt, sqh, idx_ptr, sit, w_ptr, swr, n_win, e_ptr
 def attention_onepass(q: torch.Tensor, window_rows: torch.Tensor, entries: torch.Tensor | None,
                       slots: torch.Tensor, sink: torch.Tensor, scale: float, *, keys_bf16: bool | None = None,
                       head_block: int = ONEPASS_TILING["head_block"], key_block: int = ONEPASS_TILING["key_block"],
-                      num_warps: int = ONEPASS_TILING["num_warps"], num_stages: int | None = None,
+                      num_warps: int = ONEPASS_TILING["num_warps"], num_stages: int | None = ONEPASS_TILING["num_stages"],
                       raw: bool = ONEPASS_TILING["raw"], pv_parts: int | None = None,
                       out: torch.Tensor | None = None, rope: tuple | None = None) -> torch.Tensor:
     """The core of prefill rows in one launch (module docstring), over the slots `attention_indexed` reads (same
