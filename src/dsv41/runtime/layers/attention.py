@@ -199,13 +199,11 @@ class FastAttention(InPlaceAttention, FastIndexer):
             self._append_entries(segs, closed, phase)
         kernels = step_kernels_run(dev)
         batched, blocked = kernels and is_fused(phase), kernels and not is_fused(phase)
-        rope = None
-        if self.attend_ropes(phase, dev):  # o inverse-RoPE'd in x's dtype by the one-pass core's epilogue
-            rope = (P, self._inv_freq(dev), cfg.qk_rope_head_dim, a["dtype"])
-        if rope is not None and sum(s.T for s in segs) == B:  # the segments' disjoint rows cover o: each row written
-            o = torch.empty(B, self.heads, cfg.head_dim, dtype=rope[3], device=dev)
+        roped = self.attend_ropes(phase, dev)  # o inverse-RoPE'd in x's dtype by the one-pass core's epilogue
+        if roped and sum(s.T for s in segs) == B:  # the segments' disjoint rows cover o: each row written
+            o = torch.empty(B, self.heads, cfg.head_dim, dtype=a["dtype"], device=dev)
         else:
-            o = torch.zeros(B, self.heads, cfg.head_dim, dtype=torch.float32 if rope is None else rope[3], device=dev)
+            o = torch.zeros(B, self.heads, cfg.head_dim, dtype=a["dtype"] if roped else torch.float32, device=dev)
         gathered = []
         indexed = kernels and role.scores
         if indexed:
@@ -221,8 +219,8 @@ class FastAttention(InPlaceAttention, FastIndexer):
                     ids = s.shared.topk[role.index] if indexed else self._topk(s, P[s.rows], iq, iw, src, trace)
             if blocked:
                 with section("attention"):
-                    self._core_blocked(q, o, s, win, ids, src,
-                                       rope=None if rope is None else (P[s.rows],) + rope[1:])
+                    rope = (P[s.rows], self._inv_freq(dev), cfg.qk_rope_head_dim, a["dtype"]) if roped else None
+                    self._core_blocked(q, o, s, win, ids, src, rope=rope)
                 continue
             with section("attention"):
                 keys, ok = self._slots(s, win, ids, src, slice(0, s.T))
