@@ -36,11 +36,9 @@ from dsv41.kernels.step.knobs import switched_on
 ENV = "DSV41_PREFILL_WGMMA"
 ROWS_ENV = "DSV41_PREFILL_WG_ROWS"
 KERNELS = {128: "exl3_prefill_wg128", 64: "exl3_prefill_wg64"}  # tile rows -> entry of the sm_90a image
-KERNEL = KERNELS[128]
 ROWS = 128  # the default tile height
 AUTO_ROWS = 48  # `auto`: 64-row tiles where the pairs average at most this many an expert
 STAGES = 2  # EXL3_WG_STAGES: the k loop's stages of weights and B (exl3_fused.cu)
-B_STAGE_BYTES = ROWS * 128 * 2  # 128 rows x 128 k fp16 a stage
 B_SLOTS = 2  # EXL3_WG_BSLOTS's default: the B ring's slots
 
 
