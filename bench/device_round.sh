@@ -4,7 +4,7 @@
 #   TESTS="tests/a.py::test_x tests/b.py" BENCH=$'python3 bench/x.py --out $OUT/x.json\n...' \
 #     BENCH_COMMIT=<sha> bash bench/device_round.sh OUTDIR
 # Cubins: the carried build/cubins (built here: `python3 -m dsv41.kernels.cuda_build --arch sm_90 --out build/cubins
-# --jobs 2`, then `carry: ["build/cubins"]`), else built on the machine. Wheels of what the image lacks: .whl/
+# --jobs 2`, then `carry: ["build/cubins"]`), else built on the machine into build/cubins (kept while it is warm). Wheels of what the image lacks: .whl/
 # (bench/fetch_gpu_wheels.sh) when carried. TESTS_TIMEOUT (default 300 s) and BENCH_TIMEOUT (default 240 s a line).
 # The machine's copy of the tree may carry a stale .git: pass BENCH_COMMIT (git rev-parse --short HEAD, read here).
 # PACK=1: everything under OUTDIR packed into OUTDIR/round.tgz at the end (the device tool brings back only a few
@@ -25,9 +25,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="$PYTHONPATH:$site"
 fi
 arch="sm_$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')"
+# built into the tree's (ignored) build/cubins: a warm machine keeps it for the next call of the session
 export DSV41_CUBIN_DIR="$PWD/build/cubins"
 if ! compgen -G "$DSV41_CUBIN_DIR/*$arch*" >/dev/null; then
-  export DSV41_CUBIN_DIR=/tmp/cubins
   python3 -m dsv41.kernels.cuda_build --arch "$arch" --out "$DSV41_CUBIN_DIR" --jobs "$(nproc)" || exit 1
 fi
 if [ "$arch" = sm_90 ] && ! compgen -G "$DSV41_CUBIN_DIR/*sm_90a*" >/dev/null; then
