@@ -6,7 +6,8 @@ one before) runs three ways, each timed as a CUDA graph replay (events, median):
 programs: one SM runs each hop's item, the others spin on its flag or wait in the queue), one launch an op, and
 one launch an op with the same work in a single launch of one program (`--hops` items in a loop: the item's own
 cost without any hop). Per hop: persistent = flag hop + item; launches = kernel boundary + item. Also a wide step
-(`--wide` GEMV items of one op beside each other) for the items' throughput with all programs busy.
+(`--wide` GEMV items of one op beside each other) for the items' throughput with all programs busy, at 1, 2, 4 and 8
+programs an SM.
 
     python3 bench/persistent_hops.py --hops 256 --programs 132 --out bench/results/persistent_hops.json
 
@@ -100,10 +101,12 @@ def main(argv=None) -> int:
     for key in ("persistent", "one_program", "launches"):
         res[f"{key}_us_a_hop"] = res[f"{key}_ms"] * 1e3 / args.hops
     res["flag_hop_us"] = res["persistent_us_a_hop"] - res["one_program_us_a_hop"]
-    w = wide(args.wide, args.k, dev, programs)
-    res["wide"] = {"items": args.wide, "k": args.k, "persistent_ms": graph_ms(w.run, args.reps),
-                   "launch_ms": graph_ms(w.run_launches, args.reps)}
-    w.check()
+    res["wide"] = {"items": args.wide, "k": args.k}
+    for per_sm in (1, 2, 4, 8):  # resident programs an SM: one cannot hide its own items' latency
+        w = wide(args.wide, args.k, dev, programs * per_sm)
+        res["wide"][f"persistent_ms_{per_sm}_an_sm"] = graph_ms(w.run, args.reps)
+        w.check()
+    res["wide"]["launch_ms"] = graph_ms(w.run_launches, args.reps)
     print(json.dumps(res, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
