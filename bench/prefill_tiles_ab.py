@@ -2,12 +2,10 @@
 EXL3_WG_PREFETCH, EXL3_WG_RELAXED, EXL3_WG_MIN_BLOCKS), one child process per tuning (the tuning is read at
 import), layer 0's routed experts of the synthetic rank at each row count with a skewed routing: ms, TFLOP/s, and
 every tuning's output bits against the first tuning's (the same products in the same order: they must be equal).
-The first tuning also times the portable 128-row tiles (`r128`) for reference. `--wg-rows 64,auto` also times the
-wgmma tiles of those heights (`DSV41_PREFILL_WG_ROWS`: `wg64`, `wgauto`) beside the default's `wg`, each with its
-bits against `wg`'s (the same products per row: they must be equal).
+The first tuning also times the portable 128-row tiles (`r128`) for reference.
 
     python3 bench/prefill_tiles_ab.py --rows 2048,8192 --tuning '{}' --tuning '{"EXL3_WG_PREFETCH": 1}' \
-        [--wg-rows 64,auto] --out bench/results/prefill_tiles_ab.json
+        --out bench/results/prefill_tiles_ab.json
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def child(rows_list: list[int], first: bool, out_dir: Path, wg_rows: list[str]) -> dict:
+def child(rows_list: list[int], first: bool, out_dir: Path) -> dict:
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -45,9 +43,7 @@ def child(rows_list: list[int], first: bool, out_dir: Path, wg_rows: list[str]) 
         w = torch.rand(rows, topk, generator=g, device=dev)
         flops = 2.0 * rows * topk * (2 * s.w1.k * s.w1.n + s.w2.k * s.w2.n)
         r = {}
-        variants = ([("r128", {"tile_rows": 128, "wgmma": False})] if first else []) + [("wg", {"wgmma": True})]
-        variants += [(f"wg{h}", {"wgmma": True, "wg_rows": h}) for h in wg_rows]
-        for name, kw in variants:
+        for name, kw in ([("r128", {"tile_rows": 128, "wgmma": False})] if first else []) + [("wg", {"wgmma": True})]:
             ms = cuda_ms(lambda: prefill_moe(x, ids, w, s.w1, s.w3, s.w2, columns_first=True, **kw), reps=5)
             r[name] = {"ms": ms, "tflops": flops / ms / 1e9}
             y = prefill_moe(x, ids, w, s.w1, s.w3, s.w2, columns_first=True, **kw)
@@ -60,15 +56,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", default="2048,8192")
     p.add_argument("--tuning", action="append", default=[], help="JSON overrides (repeatable; the first: the base)")
-    p.add_argument("--wg-rows", default="", help="wgmma tile heights to time beside the default (64, 128, auto)")
     p.add_argument("--out", type=Path, default=HERE / "results" / "prefill_tiles_ab.json")
     p.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--first", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     rows = [int(v) for v in args.rows.split(",") if v]
-    wg_rows = [v for v in args.wg_rows.split(",") if v]
     if args.child:
-        print("CHILD " + json.dumps(child(rows, args.first, args.child, wg_rows)))
+        print("CHILD " + json.dumps(child(rows, args.first, args.child)))
         return 0
     import torch
 
@@ -79,8 +73,7 @@ def main(argv=None) -> int:
             folder = Path(tmp) / str(i)
             folder.mkdir()
             env = {**os.environ, "DSV41_EXL3_TUNING": t} if t != "{}" else dict(os.environ)
-            proc = subprocess.run([sys.executable, __file__, "--rows", args.rows, "--wg-rows", args.wg_rows,
-                                   "--child", str(folder)]
+            proc = subprocess.run([sys.executable, __file__, "--rows", args.rows, "--child", str(folder)]
                                   + (["--first"] if i == 0 else []), env=env, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("CHILD ")]
             if proc.returncode != 0 or not line:
@@ -92,10 +85,6 @@ def main(argv=None) -> int:
                 y = torch.load(folder / f"wg_{n}.pt")
                 base = torch.load(Path(tmp) / "0" / f"wg_{n}.pt")
                 run[str(n)]["wg"]["same_bits_as_first"] = bool(torch.equal(y.view(torch.int32), base.view(torch.int32)))
-                for h in wg_rows:
-                    other = torch.load(folder / f"wg{h}_{n}.pt")
-                    run[str(n)][f"wg{h}"]["same_bits_as_wg"] = bool(torch.equal(other.view(torch.int32),
-                                                                                y.view(torch.int32)))
                 if i == 0:
                     r128 = torch.load(folder / f"r128_{n}.pt")
                     run[str(n)]["wg"]["same_bits_as_r128"] = bool(torch.equal(y.view(torch.int32),

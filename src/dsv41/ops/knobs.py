@@ -260,7 +260,7 @@ DEVELOPER_SWITCHES = {  # A/B switches of the kernels for benches (docs/perf); t
         "DSV41_PREFILL_DENSE_GEMM", "DSV41_PREFILL_TILE_ROWS", "DSV41_PREFILL_TILE_ORDER", "DSV41_PREFILL_MHC_TILES",
         "DSV41_PREFILL_MHC_BLOCKS", "DSV41_DECODE_CORE_TILING", "DSV41_PREFILL_WGMMA", "DSV41_PREFILL_DENSE_TILE",
         "DSV41_PREFILL_DENSE_GROUP", "DSV41_INDEX_TILE", "DSV41_PREFILL_MHC_SPLIT", "DSV41_TOPK_SHAPE",
-        "DSV41_PREFILL_PV_PARTS", "DSV41_PREFILL_WG_ROWS")
+        "DSV41_PREFILL_PV_PARTS")
 }
 INTERNAL = {  # between processes of one run, or test hooks
     "DSV41_TP_LOCAL_CHILD": "set by `serve --tp N` for the ranks it starts itself",

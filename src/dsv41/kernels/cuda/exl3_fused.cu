@@ -1526,11 +1526,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
 // 128 registers: two blocks an SM (bench/results/prefill_tiles_ab_95e36f2.json); K = 7, 8 would spill 8 bytes there
 #define EXL3_WG_MIN_BLOCKS (K >= 7 ? 1 : 2)
 #endif
-#ifndef EXL3_WG64_MIN_BLOCKS
-// the 64-row tiles: 32 accumulators a thread and 45-65 KiB of shared memory (K 1-8). ptxas, no spills: K <= 4 in 64
-// registers, four blocks an SM (twice the warps of the 128-row tiles); K 5-6 in 80, three; K 7-8 two (~112)
-#define EXL3_WG64_MIN_BLOCKS (K <= 4 ? 4 : K <= 6 ? 3 : 2)
-#endif
 // A/B (DSV41_EXL3_TUNING): PREFETCH loads the next k step's trellis words before this step's decode and product
 // (their shared-memory latency behind the decode); RELAXED drops the compiler memory clobbers of the wgmma fences
 // (the asynchronous products read only B, which the stage's barrier orders), so the compiler may schedule the
@@ -1565,14 +1560,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_PF128_MIN_BLOCKS) ex
 #define WG_MEM_IN : "memory"  // with inputs only,
 #define WG_MEM_OUT :: "memory"  // with outputs only
 #endif
-// ROWS: the tile's most rows, 128 (exl3_prefill_wg128) or 64 (exl3_prefill_wg64: half the accumulators and B
-// ring, so more blocks an SM where a chunk's experts get few rows each; the same products per row: the same bits).
-template <int ROWS>
-struct WgShape {
-    static constexpr int ATOM_BYTES = ROWS * 128;         // one 64-deep k half of a B stage: ROWS rows x 128 B
-    static constexpr int B_STAGE_BYTES = 2 * ATOM_BYTES;  // a 128-deep B stage: 32 KiB at 128 rows
-    static constexpr int ACC = ROWS / 2;                   // a thread's fp32 accumulators (m64nROWS)
-};
+#define WG_ROWS 128
+#define WG_ATOM_BYTES (WG_ROWS * 128)          // one 64-deep k half of a B stage: 128 rows x 128 B (8-row atoms)
+#define WG_B_STAGE_BYTES (2 * WG_ATOM_BYTES)  // a 128-deep B stage: 32 KiB
 
 __device__ __forceinline__ void wgmma_n32(float* d, const u32* a, unsigned long long desc) {
     asm volatile(
@@ -1639,10 +1629,9 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) WG_MEM_IN); }
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // keeps the compiler from moving accumulator reads or writes across the asynchronous products
-template <int NACC>
 __device__ __forceinline__ void fence_acc(float* acc) {
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) asm volatile("" : "+f"(acc[i]) WG_MEM_OUT);
+    for (int i = 0; i < WG_ROWS / 2; ++i) asm volatile("" : "+f"(acc[i]) WG_MEM_OUT);
 }
 
 // Descriptor of a K-major B operand of 8-row, 128-byte swizzled atoms (rows 128 B apart, atoms 1024 B apart);
@@ -1672,16 +1661,14 @@ struct WgState {
 
 // This thread's share of B stage `it` into ring slot `slot`: rows tid / 16 + 16 j, 16-byte chunk tid % 16 (k
 // 8c .. 8c + 7 of the 128-deep block) at its swizzled place; only the used rows.
-template <int ROWS>
 __device__ __forceinline__ void wg_issue_b(const WgState& S, int it, int slot) {
-    using W = WgShape<ROWS>;
     if (it >= S.n_stages) return;
     const int c = S.tid & 15, half = c >> 3, cc = c & 7;
 #pragma unroll
-    for (int j = 0; j < ROWS / 16; ++j) {
+    for (int j = 0; j < WG_ROWS / 16; ++j) {
         if (16 * j >= S.used) break;
         const int row = (S.tid >> 4) + 16 * j;
-        const u32 dst = S.bring + slot * W::B_STAGE_BYTES + half * W::ATOM_BYTES + row * 128 + ((cc ^ (row & 7)) << 4);
+        const u32 dst = S.bring + slot * WG_B_STAGE_BYTES + half * WG_ATOM_BYTES + row * 128 + ((cc ^ (row & 7)) << 4);
         cp_async16(dst, S.xrow + 16LL * j * S.k + (long long)it * 128 + c * 8);
     }
 }
@@ -1699,9 +1686,8 @@ __device__ __forceinline__ void wg_issue_weights(WgState& S, int slot, bool load
 // products of the stage before done), the copies of a later stage, then 8 k steps, each a decode into registers and
 // one wgmma of the warpgroup; fragments rotate through 4 register sets, so a step's decode overlaps the 3 products
 // before it.
-template <int ROWS, int N>
+template <int N>
 __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
-    using W = WgShape<ROWS>;
     for (int it = 0; it < S.n_stages; ++it) {
         const int slot = it % EXL3_WG_STAGES, bslot = it % EXL3_WG_BSLOTS;
         asm volatile("cp.async.wait_group %0;" ::"n"(EXL3_WG_STAGES - 2));
@@ -1709,10 +1695,10 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
         __syncthreads();
         const int next = it + EXL3_WG_STAGES - 1, nslot = next % EXL3_WG_STAGES;
         wg_issue_weights(S, nslot, next < S.n_stages);
-        wg_issue_b<ROWS>(S, next, next % EXL3_WG_BSLOTS);
+        wg_issue_b(S, next, next % EXL3_WG_BSLOTS);
         cp_async_commit();
         const u32* stage = S.ring + slot * KR * TW;
-        const u32 bbase = S.bring + bslot * W::B_STAGE_BYTES;
+        const u32 bbase = S.bring + bslot * WG_B_STAGE_BYTES;
 #if EXL3_WG_DESC
         const unsigned long long desc0 = b_desc(bbase);
 #endif
@@ -1737,44 +1723,41 @@ __device__ __forceinline__ void wg_loop(WgState& S, float* acc) {
             decode_tile(stage + s * TW, S.off, S.sh, frag[s & 3]);
 #endif
             wgmma_fence();
-            fence_acc<W::ACC>(acc);
+            fence_acc(acc);
 #if EXL3_WG_DESC
-            wgmma_rows<N>(acc, frag[s & 3], desc0 + (unsigned long long)(((s >> 2) * W::ATOM_BYTES + (s & 3) * 32) >> 4));
+            wgmma_rows<N>(acc, frag[s & 3], desc0 + (unsigned long long)(((s >> 2) * WG_ATOM_BYTES + (s & 3) * 32) >> 4));
 #else
-            wgmma_rows<N>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * W::ATOM_BYTES + (s & 3) * 32));
+            wgmma_rows<N>(acc, frag[s & 3], b_desc(bbase + (s >> 2) * WG_ATOM_BYTES + (s & 3) * 32));
 #endif
-            fence_acc<W::ACC>(acc);
+            fence_acc(acc);
             wgmma_commit();
         }
 #if EXL3_WG_BSLOTS == 2
         wgmma_wait<0>();  // the stage's B slot is overwritten after the next barrier
-        fence_acc<W::ACC>(acc);
+        fence_acc(acc);
 #endif
     }
 #if EXL3_WG_BSLOTS > 2
     wgmma_wait<0>();
-    fence_acc<W::ACC>(acc);
+    fence_acc(acc);
 #endif
 }
 
-template <int ROWS>
-__device__ __forceinline__ void wg_body(unsigned char* wg_smem, PREFILL_ARGS) {
-    using W = WgShape<ROWS>;
+extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
+    extern __shared__ __align__(1024) unsigned char wg_smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tid = threadIdx.x;
-    const PrefillTile t = prefill_tile<ROWS>(table, n_rows, columns_first);
+    const PrefillTile t = prefill_tile<WG_ROWS>(table, n_rows, columns_first);
     const int e = t.e, first = t.first, count = t.count, cb = t.cb;
     if (count <= 0) return;
     // the B ring first, at the first 1024-aligned shared address (the swizzle is of absolute address bits)
     const u32 base = smem_addr(wg_smem);
     const u32 pad = (1024 - (base & 1023)) & 1023;
     unsigned char* aligned = wg_smem + pad;
-    u32* rings = (u32*)(aligned + EXL3_WG_BSLOTS * W::B_STAGE_BYTES);
+    u32* rings = (u32*)(aligned + EXL3_WG_BSLOTS * WG_B_STAGE_BYTES);
     float* ys = (float*)aligned;  // the epilogue's tile reuses the buffer once the k loop is done
     const long long row_stride_words = (long long)(n / 16) * TW;
     const u32* tile_col = trellis + (long long)e * (k / 16) * row_stride_words + (long long)cb * ROW_WORDS + warp * TW;
-    // the output scales: before the k loop at 128 rows; after it at 64, whose 64 registers would spill them across it
-    uint2 sv;
-    if constexpr (ROWS == 128) sv = load_svh4(svh + (long long)e * n + cb * 128, lane);
+    const uint2 sv = load_svh4(svh + (long long)e * n + cb * 128, lane);
     WgState S;
     S.ring = rings + warp * EXL3_WG_STAGES * KR * TW;
     S.bring = base + pad;
@@ -1785,34 +1768,24 @@ __device__ __forceinline__ void wg_body(unsigned char* wg_smem, PREFILL_ARGS) {
     S.tid = tid;
     S.k = k;
     S.used = (count + PF_PART - 1) / PF_PART * PF_PART;
-    float acc[W::ACC];
+    float acc[WG_ROWS / 2];
 #pragma unroll
-    for (int i = 0; i < W::ACC; ++i) acc[i] = 0.f;
+    for (int i = 0; i < WG_ROWS / 2; ++i) acc[i] = 0.f;
     wait_for_previous_kernel();
     S.copy = stage_copy(S.ring, tile_col, row_stride_words, 0, lane);
 #pragma unroll
     for (int s = 0; s < EXL3_WG_STAGES - 1; ++s) {
         wg_issue_weights(S, s, s < S.n_stages);
-        wg_issue_b<ROWS>(S, s, s);
+        wg_issue_b(S, s, s);
         cp_async_commit();
     }
     switch (S.used >> 5) {  // uniform over the block
-        case 1: wg_loop<ROWS, 32>(S, acc); break;
-        case 2: wg_loop<ROWS, 64>(S, acc); break;
-        case 3: if constexpr (ROWS > 64) wg_loop<ROWS, 96>(S, acc); break;
-        default: if constexpr (ROWS > 64) wg_loop<ROWS, 128>(S, acc); break;
+        case 1: wg_loop<32>(S, acc); break;
+        case 2: wg_loop<64>(S, acc); break;
+        case 3: wg_loop<96>(S, acc); break;
+        default: wg_loop<128>(S, acc); break;
     }
     // wgmma's D fragment of a warp is mma's (a row group per 8 columns), so r128's epilogue stashes it as is
-    if constexpr (ROWS != 128) sv = load_svh4(svh + (long long)e * n + cb * 128, lane);
-    prefill_epilogue<ROWS>(acc, ys, t, sv, out_rows, out, ldo, out_dtype, warp, lane);
-}
-
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG_MIN_BLOCKS) exl3_prefill_wg128(PREFILL_ARGS) {
-    extern __shared__ __align__(1024) unsigned char wg_smem[];
-    wg_body<128>(wg_smem, PREFILL_PASS);
-}
-extern "C" __global__ void __launch_bounds__(NTHREADS, EXL3_WG64_MIN_BLOCKS) exl3_prefill_wg64(PREFILL_ARGS) {
-    extern __shared__ __align__(1024) unsigned char wg_smem[];
-    wg_body<64>(wg_smem, PREFILL_PASS);
+    prefill_epilogue<WG_ROWS>(acc, ys, t, sv, out_rows, out, ldo, out_dtype, warp, lane);
 }
 #endif  // EXL3_WGMMA

@@ -364,14 +364,13 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
                 addend: torch.Tensor | None = None, config: PrefillConfig | None = None,
                 tile_rows: int | None = None, columns_first: bool | None = None,
-                wgmma: bool | None = None, wg_rows: int | str | None = None) -> torch.Tensor:
+                wgmma: bool | None = None) -> torch.Tensor:
     """Σ_i w_i · (clamped SwiGLU(x W1_e, x W3_e) @ W2_e) per row, e = topk_ids[row, i], slots summed in order i,
     plus `addend` [T, hidden] when given: `moe.moe_forward`'s function for a prefill chunk of any length.
 
     tile_rows / columns_first (None: `DSV41_PREFILL_TILE_ROWS` / `_ORDER`): the CUDA tiles' rows (64, 128) and
     launch order (`prefill_cuda`); the same bits whatever they are. wgmma (None: `DSV41_PREFILL_WGMMA`): on a
-    Hopper GPU the tiles on warpgroup MMA (`prefill_wgmma`), fed the rotation in natural k order; wg_rows (None:
-    `DSV41_PREFILL_WG_ROWS`) their height, 64, 128 or "auto" (`prefill_wgmma.tile_rows`): the same bits."""
+    Hopper GPU the 128-row tiles on warpgroup MMA (`prefill_wgmma`), fed the rotation in natural k order."""
     check_moe_inputs(x, topk_ids, topk_weights, w1, w3, w2)
     T, hidden = x.shape
     out = moe_out(out, T, hidden, out_dtype, x.device)
@@ -384,9 +383,9 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     cuda = cuda_rows is not None
     wg = cuda and prefill_wgmma.use_wgmma(dev, wgmma)
     cfg = _config(config or EXPERTS)
+    block_m = prefill_wgmma.ROWS if wg else cuda_rows if cuda else cfg.block_m
     topk = topk_ids.shape[1]
     pairs = T * topk
-    block_m = prefill_wgmma.tile_rows(pairs, w1.experts, wg_rows) if wg else cuda_rows if cuda else cfg.block_m
     inter = w1.n
     x = x if x.stride(-1) == 1 else x.contiguous()
     # the table, each sorted pair's row, weight and place: `tile_table`'s and the gathers' values in 3 launches
@@ -399,7 +398,7 @@ def prefill_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                      padded=cuda)
     hh = torch.empty(pairs + (prefill_cuda.PAD_ROWS if cuda else 0), inter, dtype=torch.float16, device=dev)
     if wg:
-        tiles_of = functools.partial(prefill_wgmma.prefill_tiles_wgmma, columns_first=columns_first, rows=block_m)
+        tiles_of = functools.partial(prefill_wgmma.prefill_tiles_wgmma, columns_first=columns_first)
     else:
         tiles_of = functools.partial(prefill_tiles_cuda, rows=block_m, columns_first=columns_first)
     if cuda:
