@@ -33,30 +33,36 @@ def tiny_model_dir() -> Path:
     return default_model_dir()
 
 
-# The longest files on the 2-core CI machine (measured under two workers, `make test TEST_WORKERS=2`; the last CI
-# log's durations, the interpreted files scaled by their measured speed-up from the lean interpreter types). Under
-# pytest-xdist (--dist loadfile hands out whole files in collection order) they are collected first, so that no
-# worker starts one of them while the other is finishing the rest of the suite; a serial run keeps file order.
+# The longest files on the 2-core CI machine, longest first (measured under two workers, the suite's `make test`
+# command with --durations=0: a file's setup + call seconds; 31 min 56 s in all at suite-trim5). Under pytest-xdist
+# (--dist loadfile hands out whole files in collection order) they are collected first, so that no worker starts
+# one of them while the other is finishing the rest of the suite; a serial run keeps file order.
 LONGEST_FILES = (
-    "test_exl3_cuda.py",  # nvcc builds 11 variants (~30 s of one core each)
-    "test_runtime_pool_attention.py",  # interpreted, child process (~115 s alone)
-    "test_runtime_fast_dspark.py",  # interpreted child: taps, drafts, three engine runs (~110 s alone)
-    "test_runtime_fast_tp.py",  # interpreted TP-2 parity, 2 ranks
-    "test_runtime_boot_graphs.py",  # one interpreted child (the padded bucket, then the boot scratch steps)
-    "test_tiny_builtin.py",  # the built-in tiny model answering through the server (~76 s in CI)
-    "test_runtime_fast_engine.py",
-    "test_exl3_prefill_wgmma.py",  # nvcc: two sm_90a variants
-    "test_runtime_fast.py",
-    "test_server_disconnect.py",
-    "test_kernels_step_mhc.py",
-    "test_eval_cli.py",
-    "test_runtime_fast_replay.py",
-    "test_runtime_prefill_ops.py",
+    "test_exl3_cuda.py",  # nvcc: 5 sm_90 variants, the cubin cache's and GB10's three (~20-35 s of one core each)
+    "test_server_sessions.py",  # ~117 s
+    "test_tiny_builtin.py",  # the built-in tiny model answering, in process and through the server
+    "test_parallel_serve.py",  # TP-2 processes and rank failures
+    "test_runtime_fast_dspark.py",  # interpreted child: taps, drafts, three engine runs (~100 s)
+    "test_runtime_pool_attention.py",  # interpreted child (~95 s)
     "test_server_tools.py",
-    "test_kernels_step_indexer.py",
+    "test_runtime_fast.py",
+    "test_tiny_train.py",
+    "test_clients_litellm_langchain.py",
+    "test_prepared_start.py",
+    "test_exl3_prefill_wgmma.py",  # nvcc: two sm_90a images
+    "test_model_chunking.py",
+    "test_engine_batched.py",
+    "test_server_disconnect.py",
+    "test_runtime_fast_tp.py",  # interpreted TP-2 parity, 2 ranks
+    "test_parallel_rendezvous.py",
+    "test_engine_sessions.py",
+    "test_parallel_model.py",
+    "test_runtime_fast_engine.py",  # interpreted child: the engine over the fast forward (3 layers)
     "test_server_params.py",
-    "test_engine_overlap.py",  # interpreted child: the fast forward, serial and overlapped (~37 s alone)
-    "test_bench_draft_pass.py",  # interpreted child: the draft-pass bench's smoke run (~30 s)
+    "test_prepared_warm_kernels.py",
+    "test_server_deadlines.py",
+    "test_server_tokenize_offload.py",
+    "test_server_clients_text.py",
 )
 
 

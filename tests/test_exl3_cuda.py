@@ -28,6 +28,8 @@ from test_exl3_kernels import (
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "dsv41" / "kernels" / "cuda" / "exl3_fused.cu"
 CACHE_K = 2  # the K whose Hopper variant the cubin cache's test compiles (not the K tests: the same nvcc command)
+SM90A_KS = (3, 8)  # built by the builder as sm_90a images (sm_90's kernels + the wgmma tiles): test_exl3_prefill_wgmma
+PREBUILT_K = 1  # the K tests' variant the prebuilt-cubin test finds (the host's kernel names: the same at every K)
 
 
 def _nvcc_or_skip():
@@ -39,25 +41,24 @@ def _nvcc_or_skip():
     return nvcc
 
 
-# One test per K (a variant: ~30 s of a core on a 2-core machine), one codebook each, cycling: ptxas sees every K and
-# codebook (CACHE_K's variant: compiled by the same nvcc command in the cubin cache's test); K = 3 meets every codebook
-# in the GB10 test below (same front end, warning-free) and its mul1 on Hopper in test_exl3_prefill_wgmma.py. The full
-# 24-variant product is built by `cuda_build` on every GPU machine and by the Nix closure (a failure stops the build).
+# One test per K (a variant: ~30 s of a core on a 2-core machine), one codebook each: ptxas sees every K and codebook
+# (CACHE_K and SM90A_KS: above); the pack's K = 3 meets every codebook in the GB10 test below (warning-free), its mul1
+# on Hopper with the wgmma tiles. All 24 variants are built by `cuda_build` on every GPU machine and the Nix closure.
 def _codebooks_of(K: int) -> list[str]:
     from dsv41.kernels import cuda_build
 
     names = list(cuda_build.CODEBOOK_IDS)
-    return [names[K % len(names)]]
+    return [names[(2 * K + 2) % len(names)]]  # K = 3: mul1 (the pack's), K = 8: 3inst; every codebook over the Ks
 
 
-@pytest.mark.parametrize("K", [K for K in range(1, 9) if K != CACHE_K])  # CACHE_K's: test_cubin_cache_builds_...
+@pytest.mark.parametrize("K", [K for K in range(1, 9) if K != CACHE_K and K not in SM90A_KS])
 def test_cuda_source_compiles_for_hopper_every_codebook(tmp_path_factory, K):
-    """This K's variants (`_codebooks_of`) for sm_90 through the ahead-of-time builder the Nix closure uses."""
+    """This K's variants (`_codebooks_of`) for sm_90 through the ahead-of-time builder the Nix closure uses, into one
+    folder for the K tests (test_prebuilt_cubin_... finds PREBUILT_K's variant there: a compile fewer)."""
     from dsv41.kernels import cuda_build
 
     _nvcc_or_skip()
     variants = cuda_build.exl3_variants(Ks=[K], codebooks=tuple(_codebooks_of(K)))
-    # one folder for the K tests: test_prebuilt_cubin_... reuses K = 3's variant from it (a compile: ~10-15 s of a core)
     built = cuda_build.build_all(["sm_90"], tmp_path_factory.getbasetemp() / "sm90", jobs=1, variants=variants)
     assert len(built) == len(variants) == len(_codebooks_of(K)) and all(p.stat().st_size > 0 for p in built)
     assert len({p.name for p in built}) == len(built)
@@ -106,7 +107,7 @@ def test_prebuilt_cubin_is_used_without_compiling(tmp_path_factory, tmp_path, mo
     from dsv41.kernels import cuda_build, cuda_module
 
     _nvcc_or_skip()
-    defines = cuda_build.exl3_defines(3, _codebooks_of(3)[0], cuda_build.DEFAULT_TUNING)
+    defines = cuda_build.exl3_defines(PREBUILT_K, _codebooks_of(PREBUILT_K)[0], cuda_build.DEFAULT_TUNING)
     cubins = tmp_path_factory.getbasetemp() / "sm90"  # the K tests' folder (run alone: built here first)
     prebuilt = cubins / cuda_build.image_name(cuda_build.EXL3_SOURCE, defines, "sm_90", "cubin")
     if not prebuilt.exists():

@@ -15,21 +15,28 @@ import subprocess
 import pytest
 import torch
 
-from test_exl3_cuda import SOURCE, _nvcc_or_skip
+from test_exl3_cuda import SM90A_KS, _codebooks_of, _nvcc_or_skip
 from test_exl3_prefill import _bits, _mismatch, expert_case
 
 
-@pytest.mark.parametrize("K,cb", [(3, 2), (8, 0)])
-def test_wgmma_kernel_compiles_for_hopper_without_spills_or_warnings(tmp_path, K, cb):
+@pytest.mark.parametrize("K", SM90A_KS)  # the pack's K (mul1) and the largest (3inst): _codebooks_of
+def test_wgmma_kernel_compiles_for_hopper_without_spills_or_warnings(tmp_path, monkeypatch, K):
+    """The builder's sm_90a image of K (the Nix closure's Hopper image: every kernel of the sm_90 one plus the wgmma
+    tiles; test_exl3_cuda's K tests leave SM90A_KS to this compile), ptxas' report of the same nvcc run read."""
     from dsv41.kernels import cuda_build
 
-    nvcc = _nvcc_or_skip()
-    proc = subprocess.run(
-        [nvcc, "-cubin", "-arch=sm_90a", "-O3", "-std=c++17", f"-DEXL3_K={K}", f"-DEXL3_CB={cb}", "-DEXL3_WGMMA=1",
-         "-Xptxas", "-v", *cuda_build.flags_of(cuda_build.DEFAULT_TUNING), "-o", str(tmp_path / "wg.cubin"),
-         str(SOURCE)],
-        capture_output=True, text=True,
-    )
+    _nvcc_or_skip()
+    runs, run = [], subprocess.run
+
+    def verbose_run(cmd, **kw):  # the builder's own command with ptxas' per-kernel report (-v changes no code)
+        runs.append(run([cmd[0], "-Xptxas", "-v", *cmd[1:]], **kw))
+        return runs[-1]
+
+    monkeypatch.setattr(cuda_build.subprocess, "run", verbose_run)
+    variants = cuda_build.exl3_variants(Ks=[K], codebooks=tuple(_codebooks_of(K)))
+    (built,) = cuda_build.build_all(["sm_90a"], tmp_path, jobs=1, variants=variants)
+    (proc,) = runs
+    assert "-DEXL3_WGMMA=1" in proc.args and built.stat().st_size > 0, proc.args
     assert proc.returncode == 0 and "warning" not in proc.stderr.lower(), proc.stderr[-3000:]
     found = re.search(r"Function properties for exl3_prefill_wg128\n.*?(\d+) bytes spill stores", proc.stderr)
     assert found is not None and found.group(1) == "0", proc.stderr[-3000:]

@@ -197,11 +197,14 @@ def _scratch_worker(model, pool) -> dict:
 
 @pytest.fixture(scope="module")
 def interp(tmp_path_factory):
-    """The child's results for both interpreted tests (one run: `_interp_worker`)."""
+    """The child's results for both interpreted tests (one run: `_interp_worker`), on the 3-layer model of
+    test_runtime_fast_dspark.py: a window layer, a ratio-2 and a ratio-1 source, so every kind of pool store (window
+    rows, entries, index keys, open groups) a padded row or a scratch step could write is there; LITE's three more
+    layers are readers of a source's stores or write stores of these kinds (the GPU tests run LITE)."""
     from dsv41.tiny.model import make_tiny
-    from test_runtime_fast import LITE
+    from test_runtime_fast_dspark import SLIM
 
-    model_dir = make_tiny(tmp_path_factory.mktemp("lite_boot") / "model", "exl3", seed=0, overrides=LITE)
+    model_dir = make_tiny(tmp_path_factory.mktemp("slim_boot") / "model", "exl3", seed=0, overrides=SLIM)
     return interpreted(tmp_path_factory, __file__, "boot_graphs", timeout=900, extra_args=[str(model_dir)])
 
 

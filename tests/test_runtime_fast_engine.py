@@ -1,9 +1,11 @@
 """The batched engine over the fast forward (runtime/fast_forward.py) against the engine over the pool forward.
 
 CPU: the kernels run in Triton's interpreter (set before Triton decorates them), so the fast runs happen in a child
-process (this file as a script) on the slimmed tiny model of test_runtime_fast.py, fake quantisers off, and report
-JSON. Compared: greedy tokens of two short prompts run together (the second arriving a step later, so one step
-holds both phases) on the fast forward == on the pool forward (the reference's top-2 margin at every generated
+process (this file as a script) on the 3-layer model of test_runtime_fast_dspark.py (a window layer, a ratio-2
+source with Engram, a ratio-1 source: what the engine hands the forward is the same at every layer; the layers that
+read another's KV are compared to the reference in test_runtime_fast.py), fake quantisers off, and report JSON.
+Compared: greedy tokens of two short prompts run together (the second arriving a step later, so one step holds both
+phases) on the fast forward == on the pool forward (the reference's top-2 margin at every generated
 position is checked to be clear of a near-tie, so the comparison is not at the mercy of the kernels' fp16
 rounding), a request's tokens alone == among the others on the fast forward, and its prompt logprobs within
 LOGPROB_TOL of the pool forward's. Tokens only for alone == among others: the interpreter's bits follow BLAS's row
@@ -113,22 +115,22 @@ def check(res: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def lite_dir(tmp_path_factory) -> Path:
+def slim_dir(tmp_path_factory) -> Path:
     from dsv41.tiny.model import make_tiny
-    from test_runtime_fast import LITE
+    from test_runtime_fast_dspark import SLIM
 
-    return make_tiny(tmp_path_factory.mktemp("lite") / "model", "exl3", seed=0, overrides=LITE)
+    return make_tiny(tmp_path_factory.mktemp("slim") / "model", "exl3", seed=0, overrides=SLIM)
 
 
-def test_fast_forward_engine_tokens_interpreted(lite_dir, tmp_path):
+def test_fast_forward_engine_tokens_interpreted(slim_dir, tmp_path):
     out = tmp_path / "engine.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    args = json.dumps({"model": str(lite_dir), "out": str(out)})
+    args = json.dumps({"model": str(slim_dir), "out": str(out)})
     subprocess.run([sys.executable, __file__, args], env=env, check=True, timeout=600)
     check(json.loads(out.read_text()))
 
 
-def test_forward_option_on_the_cpu(lite_dir, monkeypatch):
+def test_forward_option_on_the_cpu(slim_dir, monkeypatch):
     """--forward fast on the CPU without the interpreter is a one-line ConfigError; the default stays reference."""
     from dsv41.compose.build import engine_defaults, serving_forward
     from dsv41.errors import ConfigError
@@ -143,7 +145,7 @@ def test_forward_option_on_the_cpu(lite_dir, monkeypatch):
     from dsv41.model.loader import load_model
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    ref = load_model(lite_dir, torch.float32, "cpu", fake_quant=False, dspark=False)
+    ref = load_model(slim_dir, torch.float32, "cpu", fake_quant=False, dspark=False)
     with pytest.raises(ConfigError, match="build_fast_model"):
         build_runner(engine_defaults(forward="fast"), ref, 64, log=lambda line: None)
 
