@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,21 +50,10 @@ def wide(items: int, k: int, device, programs: int) -> PersistentStep:
 
 
 def graph_ms(fn, reps: int) -> float:
-    """Median ms of one replay of a CUDA graph of fn (captured after a warm-up call)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms of one replay of a CUDA graph of fn (`exl3_kernels.graph_time_us`: warmed up, then captured)."""
+    from exl3_kernels import graph_time_us
+
+    return graph_time_us([fn], replays=reps) / 1e3
 
 
 def main(argv=None) -> int:
