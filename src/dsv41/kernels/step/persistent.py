@@ -25,7 +25,6 @@ on, so a broken table fails the step on the host (`PersistentStep.check`) instea
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +32,7 @@ import triton
 import triton.language as tl
 
 from dsv41.kernels.step import persistent_plan as pp
+from dsv41.kernels.step.engram_gate import limit_of
 
 GEMV, SWIGLU, ADD = 0, 1, 2  # item kinds
 OP_FIELDS = 7  # kind, a, b, w, out (arena offsets), k, n
@@ -145,10 +145,6 @@ class Step:
     reads: tuple[str, ...] = ()
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 class PersistentStep:
     """The toy step's tables on `arena`'s device, run either way: `run()` (one persistent launch of `programs`
     programs, the flags and queue counting on) or `run_launches()` (a launch an op, in order)."""
@@ -170,8 +166,7 @@ class PersistentStep:
         self.queue = torch.zeros(1, dtype=torch.int64, device=dev)
         self.status = torch.zeros(1 + STATUS, dtype=torch.int64, device=dev)
         self.state = torch.ones(1, dtype=torch.int64, device=dev)  # the next step's number (the kernel counts it)
-        self.timer = dev.type == "cuda" and not _interpreted()
-        self.limit = int(wait_s * 1e9) if self.timer else max(1, int(wait_s * 1e3))
+        self.limit, self.timer = limit_of(wait_s, dev)  # the Engram gate's deadline: timer ns, or polls
 
     def run(self) -> None:
         """One step: one launch, no host-side state (capturable: replays run the next steps)."""

@@ -8,9 +8,9 @@ results (`Need`). An op's items are counted into `groups` flags (one counter eac
 consecutive groups): a need waits for ALL of the producer's groups, or for the ONE group that covers the consumer
 tile's share (`per_group=True`: tile i of the consumer reads group i * groups // tiles: a split-K column block's
 reduction waits for its own splits, not the whole product); an op of several groups also counts every item into
-one flag of its whole, which an all-groups need waits on (one wait, not one a group). Items keep their kernels' arithmetic (the same tile,
-the same reduction order), so the schedule changes when an item runs, never what it computes: graph == eager ==
-persistent stays bitwise by construction.
+one flag of its whole, which an all-groups need waits on (one wait, not one a group). Items keep their kernels'
+arithmetic (the same tile, the same reduction order), so the schedule changes when an item runs, never what it
+computes: graph == eager == persistent stays bitwise by construction.
 
 The queue. Items are numbered op by op in program order; every wait names a flag of an EARLIER op, so the queue
 order is a topological order of the items. Workers (an SM's resident blocks) take items in queue order — from a
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_WAITS = 4  # flags an item may wait on (the table's fixed width; `encode` refuses more)
 
@@ -76,7 +76,6 @@ class Plan:
     ops: list[Op]
     items: list[Item]
     flag_targets: list[int]  # a flag's count at the end of one step (its group's size, or the op's tiles)
-    flag_owner: list[tuple[int, int]] = field(default_factory=list)  # flag -> (op, group; -1: the whole op)
 
 
 def build(ops: list[Op]) -> Plan:
@@ -86,7 +85,6 @@ def build(ops: list[Op]) -> Plan:
     first_flag: list[int] = []
     whole_flag: list[int] = []  # an op's flag of all its items (its only group's flag when groups == 1)
     targets: list[int] = []
-    owner: list[tuple[int, int]] = []
     for i, op in enumerate(ops):
         if op.name in index:
             raise ValueError(f"op {op.name} appears twice")
@@ -96,10 +94,8 @@ def build(ops: list[Op]) -> Plan:
         index[op.name] = i
         first_flag.append(len(targets))
         targets += [op.group_size] * op.groups
-        owner += [(i, g) for g in range(op.groups)]
         if op.groups > 1:
             targets.append(op.tiles)
-            owner.append((i, -1))
         whole_flag.append(len(targets) - 1)
     items: list[Item] = []
     for i, op in enumerate(ops):
@@ -118,13 +114,13 @@ def build(ops: list[Op]) -> Plan:
             group = first_flag[i] + t // op.group_size
             flags = (group,) if op.groups == 1 else (group, whole_flag[i])
             items.append(Item(len(items), i, t, flags, tuple(waits)))
-    return Plan(list(ops), items, targets, owner)
+    return Plan(list(ops), items, targets)
 
 
-def encode(plan: Plan, epoch_aware: bool = True) -> list[list[int]]:
+def encode(plan: Plan) -> list[list[int]]:
     """The table a persistent kernel reads, one row an item: [op, tile, group flag, whole flag (-1: none), n_waits,
-    (flag, count) x MAX_WAITS] (unused waits -1, 0). With `epoch_aware` the counts are per step: the kernel waits for count x epoch (flags
-    only ever count up, so step e's waits are satisfied exactly when step e's producers are done)."""
+    (flag, count) x MAX_WAITS] (unused waits -1, 0). The counts are a step's: the kernel waits for count x epoch
+    (flags only ever count up, so step e's waits are met exactly when step e's producers are done)."""
     rows = []
     for it in plan.items:
         row = [it.op, it.tile, it.flags[0], it.flags[1] if len(it.flags) > 1 else -1, len(it.waits)]
